@@ -1,0 +1,3 @@
+"""agentrt: a structured-output agent runtime on its own paged inference engine."""
+
+from __future__ import annotations
