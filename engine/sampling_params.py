@@ -1,0 +1,104 @@
+"""SamplingParams: how one request is decoded and when it stops (vLLM's names and meanings)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from agentrt.engine.errors import InvalidRequestError
+
+# Upper bound for `logprobs` / `prompt_logprobs` (OpenAI allows 20 top logprobs).
+MAX_LOGPROBS = 20
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """Per-request decoding parameters, validated on creation.
+
+    `temperature == 0` means greedy. `top_k` of -1 or 0 disables top-k (0 is accepted as
+    vLLM's "disabled" alias). `seed` makes sampling reproducible per request, independent of
+    batch composition. `logprobs=N` returns the sampled token's logprob and the top N.
+    Limits that depend on the model (vocabulary size, context length) are checked by the
+    `Processor` when the request is added.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        # Accept lists / single strings from users, store tuples so the record stays hashable.
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        elif not isinstance(self.stop, tuple):
+            object.__setattr__(self, "stop", tuple(self.stop or ()))
+        if not isinstance(self.stop_token_ids, tuple):
+            object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        if self.logit_bias is not None:
+            object.__setattr__(
+                self, "logit_bias", {int(k): float(v) for k, v in self.logit_bias.items()}
+            )
+        self._validate()
+
+    def _validate(self) -> None:
+        def bad(name: str, value: object, expected: str) -> InvalidRequestError:
+            return InvalidRequestError(
+                f"{name}={value!r} is invalid: expected {expected}.", field=name, value=value
+            )
+
+        if self.n != 1:
+            raise bad("n", self.n, "1 (use one request per sample; parallel n is not supported)")
+        if not self.temperature >= 0.0:
+            raise bad("temperature", self.temperature, ">= 0 (0 means greedy)")
+        if not 0.0 < self.top_p <= 1.0:
+            raise bad("top_p", self.top_p, "a value in (0, 1]")
+        if self.top_k < -1:
+            raise bad("top_k", self.top_k, "-1 or 0 (disabled) or a positive integer")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise bad("min_p", self.min_p, "a value in [0, 1]")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            raise bad("presence_penalty", self.presence_penalty, "a value in [-2, 2]")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            raise bad("frequency_penalty", self.frequency_penalty, "a value in [-2, 2]")
+        if not self.repetition_penalty > 0.0:
+            raise bad("repetition_penalty", self.repetition_penalty, "a value > 0 (1 = off)")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise bad("max_tokens", self.max_tokens, "at least 1 (or None for the context limit)")
+        if self.min_tokens < 0:
+            raise bad("min_tokens", self.min_tokens, ">= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise bad("min_tokens", self.min_tokens, f"<= max_tokens ({self.max_tokens})")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise bad("logprobs", self.logprobs, f"an integer in [0, {MAX_LOGPROBS}]")
+        if any(not s for s in self.stop):
+            raise bad("stop", self.stop, "non-empty strings")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise bad("stop_token_ids", self.stop_token_ids, "non-negative token ids")
+        if self.logit_bias is not None:
+            for token_id, bias in self.logit_bias.items():
+                if token_id < 0:
+                    raise bad("logit_bias", token_id, "non-negative token ids")
+                if not -100.0 <= bias <= 100.0:
+                    raise bad("logit_bias", bias, "biases in [-100, 100]")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def top_k_enabled(self) -> bool:
+        return self.top_k > 0
