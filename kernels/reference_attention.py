@@ -1,0 +1,167 @@
+"""Pure-torch references for the attention kernels: KV-cache writes, paged attention and the
+merge of split-KV partial results.
+
+They define what the Triton kernels must compute, and they are the engine's CPU attention
+path, so they are vectorised: one batched computation for all decode requests (query run of
+1) and one per prefill request, never a Python loop per token. Softmax runs in fp32; outputs
+are cast back to the query dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .checks import check_paged_attention, check_reshape_and_cache
+
+# Upper bound on the elements of one temporary score/context tensor (about 128 MiB in fp32).
+_MAX_TEMP_ELEMENTS = 1 << 25
+
+
+def reshape_and_cache_ref(
+    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Write key/value [num_tokens, num_kv_heads, head_dim] into kv_cache through slot_mapping.
+
+    kv_cache: [num_blocks, 2, block_size, num_kv_heads, head_dim]; slot = block_id *
+    block_size + offset. Negative slots (padding tokens) are skipped. Mutates kv_cache only.
+    """
+    check_reshape_and_cache(key, value, kv_cache, slot_mapping)
+    block_size = kv_cache.shape[2]
+    valid = slot_mapping >= 0
+    slots = slot_mapping[valid].long()
+    block_ids, offsets = slots // block_size, slots % block_size
+    kv_cache[block_ids, 0, offsets] = key[valid].to(kv_cache.dtype)
+    kv_cache[block_ids, 1, offsets] = value[valid].to(kv_cache.dtype)
+
+
+def paged_attention_ref(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float | None = None,
+    max_query_len: int | None = None,
+    max_seq_len: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal varlen attention of a flat query batch over a paged KV cache.
+
+    query: [num_tokens, num_heads, head_dim]; request i owns query rows
+    query_start_loc[i]:query_start_loc[i + 1], which are the LAST positions of its
+    seq_lens[i]-token context (their K/V are already in the cache). Query j of request i sits
+    at position seq_lens[i] - query_len_i + j and attends to positions <= that.
+    Returns out [num_tokens, num_heads, head_dim] (written into `out` when given).
+    max_query_len / max_seq_len are accepted for signature parity with the kernel.
+    """
+    del max_query_len, max_seq_len
+    check_paged_attention(query, kv_cache, query_start_loc, seq_lens, block_tables, out)
+    if scale is None:
+        scale = query.shape[-1] ** -0.5
+    if out is None:
+        out = torch.empty_like(query)
+    starts = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    query_lens = [starts[i + 1] - starts[i] for i in range(len(lens))]
+    decode_reqs = [i for i, n in enumerate(query_lens) if n == 1]
+    if decode_reqs:
+        _decode_batch(query, kv_cache, starts, lens, block_tables, decode_reqs, scale, out)
+    for i, n in enumerate(query_lens):
+        if n > 1:
+            q = query[starts[i] : starts[i] + n]
+            k, v = _gather_context(kv_cache, block_tables[i], lens[i])
+            out[starts[i] : starts[i] + n] = _attend_causal(q, k, v, scale)
+    return out
+
+
+def _gather_context(
+    kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of one request's first seq_len positions, each [seq_len, num_kv_heads, head_dim]."""
+    _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+    num_blocks = -(-seq_len // block_size)
+    kv = kv_cache[block_table[:num_blocks].long()]  # (nb, 2, bs, Hkv, D)
+    k = kv[:, 0].reshape(num_blocks * block_size, num_kv_heads, head_dim)[:seq_len]
+    v = kv[:, 1].reshape(num_blocks * block_size, num_kv_heads, head_dim)[:seq_len]
+    return k, v
+
+
+def _attend_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [n, H, D] at the last n of the L positions of k/v [L, Hkv, D]; returns [n, H, D]."""
+    n, num_heads, head_dim = q.shape
+    seq_len, num_kv_heads, _ = k.shape
+    group = num_heads // num_kv_heads
+    kf, vf = k.float(), v.float()
+    key_pos = torch.arange(seq_len, device=q.device)
+    out = torch.empty_like(q)
+    # Chunk the query rows so the [Hkv, group, rows, L] score tensor stays bounded.
+    rows = max(1, _MAX_TEMP_ELEMENTS // (num_heads * seq_len))
+    for r0 in range(0, n, rows):
+        qc = q[r0 : r0 + rows].float()
+        m = qc.shape[0]
+        qg = qc.view(m, num_kv_heads, group, head_dim)  # (m, Hkv, G, D)
+        scores = torch.einsum("mhgd,khd->hgmk", qg, kf) * scale  # (Hkv, G, m, L)
+        q_pos = seq_len - n + r0 + torch.arange(m, device=q.device)
+        allowed = key_pos[None, :] <= q_pos[:, None]  # (m, L)
+        probs = scores.masked_fill(~allowed, float("-inf")).softmax(dim=-1)
+        ctx = torch.einsum("hgmk,khd->mhgd", probs, vf)  # (m, Hkv, G, D)
+        out[r0 : r0 + m] = ctx.reshape(m, num_heads, head_dim).to(q.dtype)
+    return out
+
+
+def _decode_batch(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    starts: list[int],
+    lens: list[int],
+    block_tables: torch.Tensor,
+    reqs: list[int],
+    scale: float,
+    out: torch.Tensor,
+) -> None:
+    """All single-query requests at once, padded to the longest context of each chunk."""
+    num_blocks_total, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+    num_heads = query.shape[1]
+    group = num_heads // num_kv_heads
+    device = query.device
+    longest = max(lens[i] for i in reqs)
+    per_req = -(-longest // block_size) * block_size * num_kv_heads * head_dim
+    chunk = max(1, _MAX_TEMP_ELEMENTS // per_req)
+    for c0 in range(0, len(reqs), chunk):
+        ids = reqs[c0 : c0 + chunk]
+        r = len(ids)
+        idx = torch.tensor(ids, device=device)
+        rows = torch.tensor([starts[i] for i in ids], device=device)
+        ctx_lens = torch.tensor([lens[i] for i in ids], device=device)
+        num_blocks = -(-max(lens[i] for i in ids) // block_size)
+        # Entries past a request's own blocks may hold anything: clamp them to a valid id;
+        # the positions they cover are masked below.
+        table = block_tables[idx, :num_blocks].long().clamp(0, num_blocks_total - 1)
+        kv = kv_cache[table]  # (r, nb, 2, bs, Hkv, D)
+        padded = num_blocks * block_size
+        k = kv[:, :, 0].reshape(r, padded, num_kv_heads, head_dim).float()
+        v = kv[:, :, 1].reshape(r, padded, num_kv_heads, head_dim).float()
+        valid = torch.arange(padded, device=device)[None, :] < ctx_lens[:, None]  # (r, L)
+        # Unwritten cache slots may hold NaN; 0 * NaN would leak through the softmax weights.
+        v = torch.where(valid[:, :, None, None], v, 0.0)
+        q = query[rows].float().view(r, num_kv_heads, group, head_dim)  # (r, Hkv, G, D)
+        scores = torch.einsum("rhgd,rkhd->rhgk", q, k) * scale  # (r, Hkv, G, L)
+        scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+        ctx = torch.einsum("rhgk,rkhd->rhgd", scores.softmax(dim=-1), v)  # (r, Hkv, G, D)
+        out[rows] = ctx.reshape(r, num_heads, head_dim).to(out.dtype)
+
+
+def merge_attn_states_ref(partial_out: torch.Tensor, partial_lse: torch.Tensor) -> torch.Tensor:
+    """Combine split-KV partial results.
+
+    partial_out: [num_tokens, num_heads, num_splits, head_dim] fp32, each split normalised
+    over its own keys; partial_lse: [num_tokens, num_heads, num_splits] natural-log
+    sum-exp of each split's scores (-inf for a split that saw no key).
+    Returns fp32 [num_tokens, num_heads, head_dim].
+    """
+    lse_max = partial_lse.amax(dim=-1, keepdim=True)  # (T, H, 1)
+    lse_max = torch.where(torch.isinf(lse_max), torch.zeros_like(lse_max), lse_max)
+    weights = torch.exp(partial_lse - lse_max)  # (T, H, S)
+    total = weights.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
+    safe_out = torch.where(weights[..., None] > 0, partial_out, 0.0)
+    return (weights[..., None] * safe_out).sum(dim=-2) / total
