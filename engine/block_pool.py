@@ -1,0 +1,102 @@
+"""BlockPool: owns every KV-cache block, its ref count, and the free-block queue.
+
+The free queue is a doubly linked list threaded through the blocks themselves, so taking a
+block out of the middle (a prefix-cache hit) is O(1). Its order is the eviction order:
+the head is taken first.
+"""
+
+from __future__ import annotations
+
+
+class KVCacheBlock:
+    __slots__ = ("block_id", "ref_cnt", "prev_free", "next_free")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_cnt = 0
+        self.prev_free: KVCacheBlock | None = None
+        self.next_free: KVCacheBlock | None = None
+
+    def __repr__(self) -> str:
+        return f"KVCacheBlock(id={self.block_id}, ref_cnt={self.ref_cnt})"
+
+
+class FreeBlockQueue:
+    """Doubly linked list of free blocks between two sentinels."""
+
+    def __init__(self, blocks: list[KVCacheBlock]) -> None:
+        self._head = KVCacheBlock(-1)
+        self._tail = KVCacheBlock(-1)
+        self._head.next_free = self._tail
+        self._tail.prev_free = self._head
+        self.num_free = 0
+        for block in blocks:
+            self.append(block)
+
+    def popleft(self) -> KVCacheBlock:
+        block = self._head.next_free
+        if block is self._tail or block is None:
+            raise IndexError("no free blocks")
+        self.remove(block)
+        return block
+
+    def remove(self, block: KVCacheBlock) -> None:
+        prev, nxt = block.prev_free, block.next_free
+        assert prev is not None and nxt is not None, f"{block} is not in the free queue"
+        prev.next_free = nxt
+        nxt.prev_free = prev
+        block.prev_free = block.next_free = None
+        self.num_free -= 1
+
+    def append(self, block: KVCacheBlock) -> None:
+        last = self._tail.prev_free
+        assert last is not None
+        last.next_free = block
+        block.prev_free = last
+        block.next_free = self._tail
+        self._tail.prev_free = block
+        self.num_free += 1
+
+    def __iter__(self):
+        block = self._head.next_free
+        while block is not self._tail:
+            assert block is not None
+            yield block
+            block = block.next_free
+
+
+class BlockPool:
+    """All blocks are created up front; a block is free exactly when its ref count is 0."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
+        self.free_queue = FreeBlockQueue(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.free_queue.num_free
+
+    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+        """Take `num_blocks` from the head of the free queue. Raises if there are fewer:
+        callers check `num_free_blocks` first."""
+        if num_blocks > self.num_free_blocks:
+            raise ValueError(f"asked for {num_blocks} blocks, {self.num_free_blocks} free")
+        taken = []
+        for _ in range(num_blocks):
+            block = self.free_queue.popleft()
+            block.ref_cnt = 1
+            taken.append(block)
+        return taken
+
+    def free_blocks(self, blocks: list[KVCacheBlock]) -> None:
+        """Drop one reference from each block; blocks reaching 0 join the queue's tail
+        in the given order (so pass a request's blocks tail-first to evict those first)."""
+        for block in blocks:
+            assert block.ref_cnt > 0, f"double free of {block}"
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self.free_queue.append(block)
+
+    def usage(self) -> float:
+        return 1.0 - self.num_free_blocks / self.num_blocks

@@ -1,0 +1,100 @@
+"""Engine configuration: small frozen dataclasses, validated on creation.
+
+Each error names the field, the value and what was expected. Values that depend on the
+model (context length, vocabulary) are resolved when the engine loads it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from agentrt.engine.errors import ConfigError
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+
+
+def _check(ok: bool, name: str, value: object, expected: str) -> None:
+    if not ok:
+        raise ConfigError(f"{name}={value!r} is invalid: expected {expected}.")
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """`"auto"` picks fp32 on the CPU (exact, deterministic) and bf16 on CUDA."""
+    if isinstance(dtype, torch.dtype):
+        _check(dtype in _DTYPES.values(), "dtype", dtype, "float32, bfloat16 or float16")
+        return dtype
+    if dtype == "auto":
+        return torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    _check(dtype in _DTYPES, "dtype", dtype, f"'auto' or one of {sorted(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """Which weights to run and how. `model=None` is the embedded SmolLM2-135M-Instruct."""
+
+    model: str | None = None
+    dtype: torch.dtype = torch.float32
+    device: str = "cpu"
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _check(self.device in ("cpu", "cuda") or self.device.startswith("cuda:"), "device",
+               self.device, "'cpu' or 'cuda[:N]'")
+        _check(self.max_model_len is None or self.max_model_len >= 1, "max_model_len",
+               self.max_model_len, "a positive integer or None")
+
+
+@dataclass(frozen=True, slots=True)
+class CacheConfig:
+    """The paged KV cache. `num_gpu_blocks=None` sizes the pool from `kv_cache_memory_gb`."""
+
+    block_size: int = 16
+    kv_cache_memory_gb: float = 2.0
+    num_blocks: int | None = None
+
+    def __post_init__(self) -> None:
+        _check(self.block_size in (8, 16, 32, 64, 128), "block_size", self.block_size,
+               "one of 8, 16, 32, 64, 128")
+        _check(self.kv_cache_memory_gb > 0, "kv_cache_memory_gb", self.kv_cache_memory_gb,
+               "a positive number of GiB")
+        _check(self.num_blocks is None or self.num_blocks >= 1, "num_blocks", self.num_blocks,
+               "a positive integer or None")
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    """Continuous batching limits.
+
+    `max_num_batched_tokens` is the per-step token budget shared by prefill chunks and
+    decodes; `max_num_seqs` caps the running requests. A prompt longer than the budget is
+    prefilled in chunks.
+    """
+
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    policy: str = "fcfs"
+
+    def __post_init__(self) -> None:
+        _check(self.max_num_seqs >= 1, "max_num_seqs", self.max_num_seqs, "at least 1")
+        _check(self.max_num_batched_tokens >= 1, "max_num_batched_tokens",
+               self.max_num_batched_tokens, "at least 1")
+        _check(self.policy in ("fcfs", "priority"), "policy", self.policy,
+               "'fcfs' or 'priority'")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig

@@ -1,0 +1,114 @@
+"""ModelRunner: owns the weights and the KV cache tensors; turns a SchedulerOutput into a
+flat varlen batch, runs the model, and returns logits for the sampled positions only."""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from agentrt.engine.attention import AttentionMetadata, get_attention_backend
+from agentrt.engine.config import CacheConfig
+from agentrt.engine.model.arch import ModelArchConfig
+from agentrt.engine.model.llama import LlamaForCausalLM
+from agentrt.engine.records import ModelInput, SchedulerOutput
+
+
+def kv_block_bytes(arch: ModelArchConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes one block costs across all layers: 2 (K and V) * block_size * kv heads *
+    head_dim * dtype size, per layer."""
+    per_layer = 2 * block_size * arch.num_kv_heads * arch.head_dim * dtype.itemsize
+    return per_layer * arch.num_layers
+
+
+def num_kv_blocks(arch: ModelArchConfig, cache: CacheConfig, dtype: torch.dtype) -> int:
+    if cache.num_blocks is not None:
+        return cache.num_blocks
+    return int(cache.kv_cache_memory_gb * 2**30) // kv_block_bytes(arch, cache.block_size, dtype)
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        arch: ModelArchConfig,
+        state_dict: dict[str, torch.Tensor],
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+        block_size: int,
+        num_blocks: int,
+        max_model_len: int,
+        attention_backend: str = "torch",
+    ) -> None:
+        self.arch = arch
+        self.dtype = dtype
+        self.device = device
+        self.block_size = block_size
+        with torch.device("meta"):
+            model = LlamaForCausalLM(arch, max_positions=1)
+        model = model.to_empty(device=device)
+        model.rotary = type(model.rotary)(
+            arch.head_dim, max_model_len, arch.rope_theta, arch.rope_scaling
+        )
+        model.load_hf_state_dict(state_dict)
+        self.model = model.to(dtype).eval()
+        self.model.rotary.cos = self.model.rotary.cos.to(device)
+        self.model.rotary.sin = self.model.rotary.sin.to(device)
+        self.attention = get_attention_backend(attention_backend, device)
+        shape = (num_blocks, 2, block_size, arch.num_kv_heads, arch.head_dim)
+        self.kv_caches = [
+            torch.zeros(shape, dtype=dtype, device=device) for _ in range(arch.num_layers)
+        ]
+
+    def prepare_input(self, scheduler_output: SchedulerOutput) -> ModelInput:
+        bs = self.block_size
+        chunks = scheduler_output.chunks
+        input_ids = list(itertools.chain.from_iterable(c.token_ids for c in chunks))
+        positions: list[int] = []
+        slot_mapping: list[int] = []
+        query_lens, context_lens, seq_lens, logits_indices = [], [], [], []
+        cu = [0]
+        for chunk in chunks:
+            n = len(chunk.token_ids)
+            span = range(chunk.start_pos, chunk.start_pos + n)
+            positions.extend(span)
+            slot_mapping.extend(chunk.block_ids[p // bs] * bs + p % bs for p in span)
+            query_lens.append(n)
+            context_lens.append(chunk.start_pos)
+            seq_lens.append(chunk.start_pos + n)
+            cu.append(cu[-1] + n)
+            if chunk.sample:
+                logits_indices.append(cu[-1] - 1)
+        max_blocks = max(len(c.block_ids) for c in chunks)
+        block_tables = [c.block_ids + [0] * (max_blocks - len(c.block_ids)) for c in chunks]
+        dev = self.device
+        return ModelInput(
+            input_ids=torch.tensor(input_ids, dtype=torch.int64, device=dev),
+            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
+            slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=dev),
+            query_start_loc=torch.tensor(cu, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            block_tables=torch.tensor(block_tables, dtype=torch.int32, device=dev),
+            logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=dev),
+            query_lens=query_lens,
+            context_lens=context_lens,
+            max_seq_len=max(seq_lens),
+        )
+
+    def execute(self, scheduler_output: SchedulerOutput) -> torch.Tensor:
+        """Run one step. Returns fp32 logits (S, vocab), one row per chunk with
+        `sample=True`, in chunk order."""
+        inp = self.prepare_input(scheduler_output)
+        meta = AttentionMetadata(
+            slot_mapping=inp.slot_mapping,
+            query_start_loc=inp.query_start_loc,
+            seq_lens=inp.seq_lens,
+            block_tables=inp.block_tables,
+            max_seq_len=inp.max_seq_len,
+            query_lens=inp.query_lens,
+            context_lens=inp.context_lens,
+            block_size=self.block_size,
+        )
+        meta.prepare_torch()
+        hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, meta, self.attention)
+        return self.model.compute_logits(hidden.index_select(0, inp.logits_indices))

@@ -1,0 +1,147 @@
+"""What users get back: RequestOutput / CompletionOutput (vLLM's names and fields), and the
+OutputProcessor that builds them from engine-core deltas: incremental detokenization, stop
+strings (the engine is told to abort the request), logprobs."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from agentrt.engine.detokenizer import IncrementalDetokenizer
+from agentrt.engine.records import EngineCoreOutput
+from agentrt.engine.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class Logprob:
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None  # "stop", "length", "abort"
+    stop_reason: int | str | None = None  # the stop token id or stop string that matched
+    # One dict per generated token: the sampled token and the top-N alternatives.
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None
+
+
+@dataclass(slots=True)
+class RequestMetrics:
+    arrival_time: float
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        if self.first_token_time is None:
+            return None
+        return self.first_token_time - self.arrival_time
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = False
+    num_cached_tokens: int = 0
+    metrics: RequestMetrics | None = None
+
+
+@dataclass(slots=True)
+class _RequestState:
+    output: RequestOutput
+    params: SamplingParams
+    detokenizer: IncrementalDetokenizer
+    token_ids: list[int] = field(default_factory=list)
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.states: dict[str, _RequestState] = {}
+
+    def add_request(
+        self, req_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams
+    ) -> None:
+        detokenizer = IncrementalDetokenizer(
+            self.tokenizer,
+            prompt_token_ids,
+            skip_special_tokens=params.skip_special_tokens,
+            stop=params.stop,
+            include_stop_str_in_output=params.include_stop_str_in_output,
+        )
+        completion = CompletionOutput(index=0, text="", token_ids=[])
+        if params.logprobs is not None:
+            completion.logprobs = []
+            completion.cumulative_logprob = 0.0
+        output = RequestOutput(
+            request_id=req_id,
+            prompt=prompt,
+            prompt_token_ids=prompt_token_ids,
+            outputs=[completion],
+            metrics=RequestMetrics(arrival_time=time.monotonic()),
+        )
+        self.states[req_id] = _RequestState(output, params, detokenizer)
+
+    def process_outputs(
+        self, core_outputs: list[EngineCoreOutput]
+    ) -> tuple[list[RequestOutput], list[str]]:
+        """Apply one step's deltas. Returns the requests that finished this step and the ids
+        the engine core must abort because a stop string ended them."""
+        finished: list[RequestOutput] = []
+        to_abort: list[str] = []
+        for core in core_outputs:
+            state = self.states.get(core.req_id)
+            if state is None:
+                continue
+            out = state.output
+            completion = out.outputs[0]
+            if out.metrics.first_token_time is None and core.new_token_ids:
+                out.metrics.first_token_time = time.monotonic()
+            completion.token_ids.extend(core.new_token_ids)
+            if core.new_logprobs is not None and completion.logprobs is not None:
+                self._add_logprobs(completion, core)
+            stop_str = state.detokenizer.append(core.new_token_ids)
+            finish_reason, stop_reason = core.finish_reason, core.stop_reason
+            if stop_str is not None:
+                finish_reason, stop_reason = "stop", stop_str
+                if not core.finished:
+                    to_abort.append(core.req_id)
+            completion.text = state.detokenizer.output_text
+            out.num_cached_tokens = core.num_cached_tokens
+            if finish_reason is not None:
+                completion.finish_reason = finish_reason
+                completion.stop_reason = stop_reason
+                out.finished = True
+                out.metrics.finished_time = time.monotonic()
+                finished.append(out)
+                del self.states[core.req_id]
+        return finished, to_abort
+
+    def abort(self, req_ids: list[str]) -> list[RequestOutput]:
+        outputs = []
+        for req_id in req_ids:
+            state = self.states.pop(req_id, None)
+            if state is not None:
+                state.output.outputs[0].finish_reason = "abort"
+                state.output.finished = True
+                outputs.append(state.output)
+        return outputs
+
+    def _add_logprobs(self, completion: CompletionOutput, core: EngineCoreOutput) -> None:
+        for sampled in core.new_logprobs:
+            entry = {sampled.token_id: Logprob(sampled.logprob, sampled.rank)}
+            for rank, (token_id, logprob) in enumerate((sampled.top_logprobs or {}).items(), 1):
+                entry.setdefault(token_id, Logprob(logprob, rank))
+            for token_id, logprob in entry.items():
+                logprob.decoded_token = self.tokenizer.decode([token_id])
+            completion.logprobs.append(entry)
+            completion.cumulative_logprob += sampled.logprob

@@ -1,0 +1,73 @@
+"""Typed records that cross component boundaries. The scheduler never touches tensors;
+the model runner never mutates a `Request`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledChunk:
+    """One request's share of a step: compute `token_ids` at positions
+    `start_pos .. start_pos + len(token_ids) - 1`, whose KV goes into `block_ids`."""
+
+    req_id: str
+    token_ids: list[int]
+    start_pos: int
+    block_ids: list[int]  # the request's whole block table after this step's allocation
+    sample: bool  # the chunk reaches the end of the known tokens: sample the next one
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerOutput:
+    chunks: list[ScheduledChunk]
+    num_batched_tokens: int
+    preempted_req_ids: list[str] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+@dataclass(slots=True)
+class ModelInput:
+    """A flat varlen batch. Shapes: T = total tokens, R = requests, S = sampled rows."""
+
+    input_ids: torch.Tensor  # (T,) int64
+    positions: torch.Tensor  # (T,) int64
+    slot_mapping: torch.Tensor  # (T,) int64: block_id * block_size + offset
+    query_start_loc: torch.Tensor  # (R + 1,) int32, cumulative query lengths
+    seq_lens: torch.Tensor  # (R,) int32: context length including this step's tokens
+    block_tables: torch.Tensor  # (R, max_blocks) int32, padded with 0
+    logits_indices: torch.Tensor  # (S,) int64: flat rows whose logits are sampled
+    query_lens: list[int]  # host copies, used to pick the attention path
+    context_lens: list[int]  # tokens already in the cache before this step, per request
+    max_seq_len: int
+
+
+@dataclass(frozen=True, slots=True)
+class SampledToken:
+    """One sampled token and, when requested, its logprob and the top alternatives."""
+
+    token_id: int
+    logprob: float | None = None
+    rank: int | None = None
+    top_logprobs: dict[int, float] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class EngineCoreOutput:
+    """What one step produced for one request (a delta, not the full history)."""
+
+    req_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[SampledToken] | None
+    finish_reason: str | None  # "stop", "length", "abort" or None while running
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

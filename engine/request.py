@@ -1,0 +1,138 @@
+"""Request: the scheduler's mutable view of one generation, and its status."""
+
+from __future__ import annotations
+
+import enum
+import time
+
+import torch
+
+from agentrt.engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    FINISHED_STOPPED = enum.auto()  # EOS, a stop token id, or a stop string
+    FINISHED_LENGTH_CAPPED = enum.auto()  # max_tokens or the context length
+    FINISHED_ABORTED = enum.auto()
+
+    @property
+    def finished(self) -> bool:
+        return self in _FINISHED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISHED = {
+    RequestStatus.FINISHED_STOPPED,
+    RequestStatus.FINISHED_LENGTH_CAPPED,
+    RequestStatus.FINISHED_ABORTED,
+}
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+class Request:
+    """Owned by the scheduler; other components read it through typed records only.
+
+    Invariant: `num_computed_tokens <= num_tokens`; the KV cache holds exactly the first
+    `num_computed_tokens` tokens of `all_token_ids`. The last sampled token is not yet
+    computed, so a decoding request has `num_tokens - num_computed_tokens == 1`.
+    """
+
+    __slots__ = (
+        "req_id",
+        "prompt_token_ids",
+        "output_token_ids",
+        "all_token_ids",
+        "sampling_params",
+        "max_tokens",
+        "eos_token_ids",
+        "priority",
+        "arrival_time",
+        "status",
+        "num_computed_tokens",
+        "num_preemptions",
+        "stop_reason",
+        "generator",
+        "first_token_time",
+    )
+
+    def __init__(
+        self,
+        req_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        *,
+        max_tokens: int,
+        eos_token_ids: frozenset[int],
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> None:
+        self.req_id = req_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.all_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.max_tokens = max_tokens
+        self.eos_token_ids = eos_token_ids
+        self.priority = priority
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.num_preemptions = 0
+        self.stop_reason: int | str | None = None
+        self.first_token_time: float | None = None
+        self.generator: torch.Generator | None = None
+        if sampling_params.seed is not None:
+            self.generator = torch.Generator().manual_seed(sampling_params.seed)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def blocked_token_ids(self) -> tuple[int, ...]:
+        """Tokens the sampler must not pick now: EOS and stop ids until `min_tokens`."""
+        params = self.sampling_params
+        if self.num_output_tokens >= params.min_tokens:
+            return ()
+        blocked = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            blocked |= self.eos_token_ids
+        return tuple(sorted(blocked))
+
+    def check_stop(self, max_model_len: int) -> bool:
+        """Update `status` after a token was appended; return True if the request finished."""
+        params = self.sampling_params
+        last = self.output_token_ids[-1]
+        if self.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and last in self.eos_token_ids:
+                self.status = RequestStatus.FINISHED_STOPPED
+                return True
+            if last in params.stop_token_ids:
+                self.status = RequestStatus.FINISHED_STOPPED
+                self.stop_reason = last
+                return True
+        if self.num_output_tokens >= self.max_tokens or self.num_tokens >= max_model_len:
+            self.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            return True
+        return False

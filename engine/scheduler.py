@@ -1,0 +1,196 @@
+"""Scheduler: continuous batching with one token-budget loop (vLLM V1).
+
+Every step gives each request enough tokens to move `num_computed_tokens` toward
+`num_tokens`, within `max_num_batched_tokens` and `max_num_seqs`. There is no separate
+prefill or decode phase: a new prompt is a request far behind, a decode is a request one
+token behind, and a long prompt is prefilled in budget-sized chunks across steps.
+When the KV pool runs dry, the lowest-priority (or latest) running request is preempted
+by recompute: its blocks are freed and it goes back to the front of the waiting queue.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from agentrt.engine.config import SchedulerConfig
+from agentrt.engine.kv_cache_manager import KVCacheManager
+from agentrt.engine.records import EngineCoreOutput, SampledToken, ScheduledChunk, SchedulerOutput
+from agentrt.engine.request import Request, RequestStatus
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    num_preemptions: int
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager, max_model_len: int):
+        self.config = config
+        self.kv = kv_manager
+        self.max_model_len = max_model_len
+        self.requests: dict[str, Request] = {}
+        # Both queues are kept in scheduling order: arrival for "fcfs", (priority, arrival)
+        # for "priority". The preemption victim is always the last running request.
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def _order_key(self, request: Request) -> tuple:
+        if self.config.policy == "priority":
+            return (request.priority, request.arrival_time)
+        return (request.arrival_time,)
+
+    # -- queue management -------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        """Queue a validated request. The caller has checked that it fits in the pool."""
+        self.requests[request.req_id] = request
+        self._insert_waiting(request)
+
+    def _insert_waiting(self, request: Request) -> None:
+        if self.config.policy == "priority" or request.status == RequestStatus.PREEMPTED:
+            keys = [self._order_key(r) for r in self.waiting]
+            self.waiting.insert(bisect.bisect_right(keys, self._order_key(request)), request)
+        else:
+            self.waiting.append(request)
+
+    def _insert_running(self, request: Request) -> None:
+        keys = [self._order_key(r) for r in self.running]
+        self.running.insert(bisect.bisect_right(keys, self._order_key(request)), request)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish_requests(self, req_ids: list[str], status: RequestStatus) -> list[str]:
+        """Finish (e.g. abort) requests in any state and free their blocks at once.
+        Unknown or already finished ids are ignored. Returns the ids actually finished."""
+        finished = []
+        for req_id in req_ids:
+            request = self.requests.get(req_id)
+            if request is None or request.status.finished:
+                continue
+            if request in self.running:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            request.status = status
+            self._free(request)
+            finished.append(req_id)
+        return finished
+
+    def _free(self, request: Request) -> None:
+        self.kv.free(request)
+        del self.requests[request.req_id]
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self._insert_waiting(request)
+
+    # -- the step ----------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        chunks: list[ScheduledChunk] = []
+        preempted: list[str] = []
+
+        # Running requests first, in order; victims are taken from the end of the list,
+        # which holds requests not yet scheduled this step (or the current one).
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while self.kv.allocate_slots(request, num_new) is None:
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted.append(victim.req_id)
+                if victim is request:
+                    break
+            if request.status != RequestStatus.RUNNING:
+                break  # it preempted itself: everything after it is gone too
+            chunks.append(self._chunk(request, num_new))
+            budget -= num_new
+            index += 1
+
+        # Then admit waiting requests, unless this step already had to preempt.
+        while (
+            not preempted
+            and self.waiting
+            and budget > 0
+            and len(self.running) < self.config.max_num_seqs
+        ):
+            request = self.waiting[0]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if self.kv.allocate_slots(request, num_new) is None:
+                break
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self._insert_running(request)
+            chunks.append(self._chunk(request, num_new))
+            budget -= num_new
+
+        return SchedulerOutput(
+            chunks=chunks,
+            num_batched_tokens=self.config.max_num_batched_tokens - budget,
+            preempted_req_ids=preempted,
+        )
+
+    def _chunk(self, request: Request, num_new: int) -> ScheduledChunk:
+        start = request.num_computed_tokens
+        return ScheduledChunk(
+            req_id=request.req_id,
+            token_ids=request.all_token_ids[start : start + num_new],
+            start_pos=start,
+            block_ids=self.kv.block_ids(request.req_id),
+            sample=start + num_new == request.num_tokens,
+        )
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, sampled: dict[str, SampledToken]
+    ) -> list[EngineCoreOutput]:
+        """Advance computed counts, append sampled tokens, apply stop conditions and free
+        the blocks of finished requests. Returns one delta per request that sampled."""
+        outputs = []
+        now = time.monotonic()
+        for chunk in scheduler_output.chunks:
+            request = self.requests.get(chunk.req_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            request.num_computed_tokens += len(chunk.token_ids)
+            if not chunk.sample:
+                continue
+            token = sampled[chunk.req_id]
+            if request.first_token_time is None:
+                request.first_token_time = now
+            request.append_output_token(token.token_id)
+            if request.check_stop(self.max_model_len):
+                self.running.remove(request)
+                self._free(request)
+            outputs.append(
+                EngineCoreOutput(
+                    req_id=request.req_id,
+                    new_token_ids=[token.token_id],
+                    new_logprobs=[token] if token.logprob is not None else None,
+                    finish_reason=request.status.finish_reason,
+                    stop_reason=request.stop_reason,
+                )
+            )
+        return outputs
+
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            kv_cache_usage=self.kv.usage(),
+            num_preemptions=self.num_preemptions,
+        )
