@@ -1,1 +1,54 @@
+"""agentrt.kernels: Triton kernels for the engine, each with a pure-torch reference.
 
+Public functions dispatch per call (Triton on CUDA tensors, the reference elsewhere):
+`reshape_and_cache`, `paged_attention`, `apply_token_bitmask`, `rms_norm`,
+`rotary_embedding`. The `*_ref` references are exported too. Importing this package needs
+neither CUDA nor Triton; the Triton kernels live in the `triton_*` modules, which import
+Triton themselves and are loaded on first use. This package imports nothing local.
+"""
+
+from __future__ import annotations
+
+from .dispatch import (
+    apply_token_bitmask,
+    paged_attention,
+    require_triton,
+    reshape_and_cache,
+    rms_norm,
+    rotary_embedding,
+    triton_available,
+    uses_triton,
+)
+from .errors import KernelError, KernelInputError, TritonUnavailableError
+from .reference_attention import (
+    merge_attn_states_ref,
+    paged_attention_ref,
+    reshape_and_cache_ref,
+)
+from .reference_ops import (
+    apply_token_bitmask_ref,
+    rms_norm_ref,
+    rotary_embedding_ref,
+    unpack_bitmask,
+)
+
+__all__ = [
+    "KernelError",
+    "KernelInputError",
+    "TritonUnavailableError",
+    "apply_token_bitmask",
+    "apply_token_bitmask_ref",
+    "merge_attn_states_ref",
+    "paged_attention",
+    "paged_attention_ref",
+    "require_triton",
+    "reshape_and_cache",
+    "reshape_and_cache_ref",
+    "rms_norm",
+    "rms_norm_ref",
+    "rotary_embedding",
+    "rotary_embedding_ref",
+    "triton_available",
+    "unpack_bitmask",
+    "uses_triton",
+]

@@ -197,6 +197,7 @@ def check_rotary(
     num_tokens = positions.shape[0]
     check_ndim("cos_sin_cache", cos_sin_cache, 2, "[max_position, rot_dim]")
     check_dtype("cos_sin_cache", cos_sin_cache, FLOAT_DTYPES)
+    check_last_dim_contiguous("cos_sin_cache", cos_sin_cache)
     rot_dim = cos_sin_cache.shape[1]
     if rot_dim % 2 != 0 or rot_dim > head_size:
         raise KernelInputError(
