@@ -1,0 +1,75 @@
+"""The protocol every grammar backend implements, and the token vocabulary they share.
+
+A backend turns a (normalized, relaxed) schema, regex or grammar into a `BackendGrammar`;
+each request gets its own `BackendMatcher` from it. Backends import their library lazily, so
+importing `agentrt.grammar` never needs llguidance or outlines-core.
+
+Bitmask invariant (xgrammar layout): int32 words, bit `i % 32` of word `i // 32` set means
+token `i` is allowed. `fill_row` writes exactly one row and sets no bit for ids at or above
+the tokenizer vocabulary (padded logits columns).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+from .limits import RunLimits
+
+
+@dataclass(frozen=True, slots=True)
+class TokenizerData:
+    """Everything a backend needs to know about the tokenizer, computed once per compiler.
+
+    hf_tokenizer: the HF tokenizer; vocab_size: logits width (>= tokenizer vocab);
+    tokenizer_vocab_size: ids below it are real tokens; stop_token_ids: ids that end output;
+    token_bytes: decoded bytes of every id below vocab_size (b"" for padding ids).
+    """
+
+    hf_tokenizer: Any
+    vocab_size: int
+    tokenizer_vocab_size: int
+    stop_token_ids: tuple[int, ...]
+    token_bytes: tuple[bytes, ...]
+    fingerprint: str
+
+
+class BackendMatcher(Protocol):
+    def fill_row(self, bitmask: np.ndarray, row: int) -> None:
+        """Write the allowed-token mask into `bitmask[row]` (state is unchanged)."""
+
+    def accept(self, token_id: int) -> bool:
+        """Advance by one token; on False the token was not allowed and state is unchanged."""
+
+    def is_accepting(self) -> bool:
+        """The text so far is a complete output (a stop token would be allowed)."""
+
+    def is_terminated(self) -> bool:
+        """A stop token was accepted (or nothing at all can follow)."""
+
+    def rollback(self, num_tokens: int) -> None: ...
+
+    def forced_tokens(self) -> list[int]:
+        """Tokens the grammar forces next (jump-forward); state is unchanged."""
+
+    def reset(self) -> None: ...
+
+
+class BackendGrammar(Protocol):
+    memory_bytes: int
+
+    def new_matcher(self) -> BackendMatcher: ...
+
+
+class GrammarBackend(Protocol):
+    name: str
+
+    def compile_json(self, schema: dict[str, Any] | bool, runs: RunLimits) -> BackendGrammar:
+        """Raise GrammarCompileError when the schema cannot be compiled."""
+
+    def compile_regex(self, pattern: str) -> BackendGrammar: ...
+
+    def compile_grammar(self, text: str, syntax: str) -> BackendGrammar:
+        """syntax: "lark" or "gbnf"."""

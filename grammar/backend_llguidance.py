@@ -1,0 +1,137 @@
+"""llguidance backend: exact JSON-schema grammars (an Earley parser over a lazy lexer).
+
+llguidance refuses what it cannot enforce instead of approximating it, which is why the
+router prefers it. Its matchers never raise on bad input: they enter an error state, so
+`accept` checks a token before consuming it.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import numpy as np
+
+from .backend import TokenizerData
+from .errors import BackendUnavailableError, GrammarCompileError
+from .limits import RunLimits
+
+
+def _import() -> Any:
+    try:
+        import llguidance
+        import llguidance.hf
+    except ImportError:
+        raise BackendUnavailableError("llguidance", "llguidance") from None
+    return llguidance
+
+
+class LLGuidanceBackend:
+    name = "llguidance"
+
+    def __init__(self, tok: TokenizerData) -> None:
+        llg = _import()
+        self._llg = llg
+        self._tok = tok
+        self._lltok = llg.hf.from_tokenizer(
+            tok.hf_tokenizer,
+            n_vocab=tok.tokenizer_vocab_size,
+            eos_token=list(tok.stop_token_ids),
+        )
+        self._words = (tok.tokenizer_vocab_size + 31) // 32
+
+    def grammar_for_json(self, schema: dict[str, Any] | bool, runs: RunLimits) -> str:
+        ws = f"[\\x20\\x0A\\x0D\\x09]{{0,{runs.max_whitespace}}}"
+        options = {
+            "whitespace_flexible": True,
+            "whitespace_pattern": ws,
+            "item_separator": ",",
+            "key_separator": ":",
+        }
+        try:
+            return self._llg.LLMatcher.grammar_from_json_schema(
+                json.dumps(schema), defaults=options
+            )
+        except ValueError as exc:
+            raise GrammarCompileError(f"llguidance: {exc}") from None
+
+    def compile_json(self, schema: dict[str, Any] | bool, runs: RunLimits) -> LLGuidanceGrammar:
+        return self._build(self.grammar_for_json(schema, runs))
+
+    def compile_regex(self, pattern: str) -> LLGuidanceGrammar:
+        return self._build(self._llg.LLMatcher.grammar_from_regex(pattern))
+
+    def compile_grammar(self, text: str, syntax: str) -> LLGuidanceGrammar:
+        if syntax == "gbnf":
+            text = self._llg.gbnf_to_lark(text)
+        return self._build(self._llg.LLMatcher.grammar_from_lark(text))
+
+    def _build(self, grammar: str) -> LLGuidanceGrammar:
+        # Constructing the first matcher is the real compilation (lexer, parser tables).
+        template = self._llg.LLMatcher(self._lltok, grammar, log_level=0)
+        if template.is_error():
+            raise GrammarCompileError(f"llguidance: {template.get_error()}", reason="unsupported")
+        return LLGuidanceGrammar(template, self._tok, self._words, len(grammar) * 8 + 65_536)
+
+
+class LLGuidanceGrammar:
+    def __init__(self, template: Any, tok: TokenizerData, words: int, memory: int) -> None:
+        self._template = template
+        self._tok = tok
+        self._words = words
+        self.memory_bytes = memory
+
+    def new_matcher(self) -> LLGuidanceMatcher:
+        return LLGuidanceMatcher(self._template.deep_copy(), self._tok, self._words)
+
+
+class LLGuidanceMatcher:
+    def __init__(self, m: Any, tok: TokenizerData, words: int) -> None:
+        self._m = m
+        self._stop = frozenset(tok.stop_token_ids)
+        self._vocab = tok.tokenizer_vocab_size
+        self._words = words
+        self._terminated = False
+
+    def fill_row(self, bitmask: np.ndarray, row: int) -> None:
+        view = bitmask[row]
+        if self._terminated:
+            view[:] = 0
+            return
+        self._m.unsafe_compute_mask_ptr(view.ctypes.data, self._words * 4)
+        view[self._words :] = 0  # padded logits columns are never allowed
+        if self._vocab % 32:
+            view[self._words - 1] &= np.int32((1 << (self._vocab % 32)) - 1)
+
+    def accept(self, token_id: int) -> bool:
+        if self._terminated or not 0 <= token_id < self._vocab:
+            return False
+        if token_id in self._stop:
+            if not self._m.is_accepting():
+                return False
+            self._m.consume_token(token_id)
+            self._terminated = True
+            return True
+        if self._m.validate_tokens([token_id]) != 1:
+            return False
+        return bool(self._m.consume_token(token_id))
+
+    def is_accepting(self) -> bool:
+        return not self._terminated and bool(self._m.is_accepting())
+
+    def is_terminated(self) -> bool:
+        return self._terminated
+
+    def rollback(self, num_tokens: int) -> None:
+        if num_tokens and self._terminated:
+            self._terminated = False
+        self._m.rollback(num_tokens)
+
+    def forced_tokens(self) -> list[int]:
+        if self._terminated:
+            return []
+        return [t for t in self._m.compute_ff_tokens() if t not in self._stop]
+
+    def reset(self) -> None:
+        self._terminated = False
+        self._m.reset()

@@ -1,0 +1,190 @@
+"""`GrammarCompiler`: specs -> `Grammar`s for one tokenizer, cached and time-bounded.
+
+Compilation runs on a worker thread with a time budget. A spec that does not compile in
+time fails with `GrammarCompileTimeout` for its own request; the caller (the engine thread)
+is never blocked longer than the budget. Native compilation cannot be interrupted, so an
+abandoned job finishes in the background on a daemon thread and its result is dropped.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+from concurrent.futures import Future, InvalidStateError
+from typing import Any
+
+from .backend import GrammarBackend, TokenizerData
+from .cache import DiskCache, GrammarCache
+from .errors import GrammarCompileError, GrammarCompileTimeout, GrammarSpecError
+from .limits import RunLimits, SchemaLimits
+from .matcher import Grammar
+from .pipeline import build, compile_spec, report_of
+from .spec import GrammarSpec
+from .validate import FinalValidator
+
+BACKENDS = ("llguidance", "xgrammar", "outlines")
+
+
+class GrammarCompiler:
+    """Compiles `GrammarSpec`s for one tokenizer.
+
+    hf_tokenizer: a fast HF tokenizer. vocab_size: logits width when padded (ids at or above
+    the tokenizer's vocabulary are always masked). backend: "auto" (llguidance, then
+    xgrammar), or one backend name to use only that one. timeout_s: default time budget.
+    """
+
+    def __init__(
+        self,
+        hf_tokenizer: Any,
+        vocab_size: int | None = None,
+        *,
+        stop_token_ids: list[int] | None = None,
+        backend: str = "auto",
+        timeout_s: float = 10.0,
+        cache_bytes: int = 512 << 20,
+        disk_cache_dir: str | None = None,
+        schema_limits: SchemaLimits | None = None,
+        run_limits: RunLimits | None = None,
+    ) -> None:
+        if backend != "auto" and backend not in BACKENDS:
+            raise GrammarSpecError(f"backend must be 'auto' or one of {BACKENDS}, got {backend!r}")
+        if timeout_s <= 0:
+            raise GrammarSpecError(f"timeout_s must be > 0, got {timeout_s}")
+        self.tok = _tokenizer_data(hf_tokenizer, vocab_size, stop_token_ids)
+        self.order = ("llguidance", "xgrammar") if backend == "auto" else (backend,)
+        self.timeout_s = timeout_s
+        self.schema_limits = schema_limits or SchemaLimits()
+        self.run_limits = run_limits or RunLimits()
+        self.cache = GrammarCache(cache_bytes)
+        self.disk_cache = DiskCache(disk_cache_dir) if disk_cache_dir else None
+        self._backends: dict[str, GrammarBackend] = {}
+        self._backend_lock = threading.Lock()
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tok.vocab_size
+
+    def compile(self, spec: GrammarSpec, *, timeout_s: float | None = None) -> Grammar:
+        """Compile (or fetch from cache); raises GrammarCompileError, incl. on timeout."""
+        return self.compile_async(spec, timeout_s=timeout_s).result()
+
+    def compile_async(self, spec: GrammarSpec, *, timeout_s: float | None = None) -> Future:
+        """Start compiling on a worker thread; the Future fails after the time budget.
+
+        Returns a `concurrent.futures.Future[Grammar]` (already done on a cache hit).
+        """
+        if not isinstance(spec, GrammarSpec):
+            raise GrammarSpecError(f"expected a GrammarSpec, got {type(spec).__name__}")
+        future: Future = Future()
+        key = self._key(spec)
+        cached = self.cache.get(key)
+        if cached is not None:
+            future.set_result(cached)
+            return future
+        budget = self.timeout_s if timeout_s is None else timeout_s
+
+        def work() -> None:
+            try:
+                grammar = self._compile_now(spec, key)
+            except GrammarCompileError as exc:
+                _settle(future, exc=exc)
+            except Exception as exc:  # a backend bug must fail the request, not the engine
+                _settle(future, exc=GrammarCompileError(f"internal: {exc!r}", reason="backend"))
+            else:
+                self.cache.put(key, grammar, grammar.memory_bytes)
+                _settle(future, result=grammar)
+
+        def expire() -> None:
+            _settle(
+                future,
+                exc=GrammarCompileTimeout(
+                    f"{spec.kind} spec did not compile within {budget:g} s; simplify it "
+                    "(fewer/shallower anyOf, smaller enums) or raise the time budget"
+                ),
+            )
+
+        timer = threading.Timer(budget, expire)
+        timer.daemon = True
+        timer.start()
+        future.add_done_callback(lambda _f: timer.cancel())
+        threading.Thread(target=work, name="grammar-compile", daemon=True).start()
+        return future
+
+    def _compile_now(self, spec: GrammarSpec, key: str) -> Grammar:
+        start = time.perf_counter()
+        routed = self.disk_cache.get(key) if self.disk_cache else None
+        if routed is not None:
+            backend_grammar = build(routed, self._backend, self.run_limits)
+        else:
+            routed, backend_grammar = compile_spec(
+                spec, self.order, self._backend, self.schema_limits, self.run_limits
+            )
+            if self.disk_cache:
+                self.disk_cache.put(key, routed)
+        return Grammar(
+            spec=spec,
+            report=report_of(routed),
+            backend_grammar=backend_grammar,
+            validator=FinalValidator(spec),
+            gate_eos=routed.gate_eos,
+            tok=self.tok,
+            compile_seconds=time.perf_counter() - start,
+        )
+
+    def _backend(self, name: str) -> GrammarBackend:
+        with self._backend_lock:
+            if name not in self._backends:
+                self._backends[name] = _make_backend(name, self.tok)
+            return self._backends[name]
+
+    def _key(self, spec: GrammarSpec) -> str:
+        h = hashlib.sha256(spec.cache_key().encode())
+        h.update(f"{self.tok.fingerprint}|{self.order}|{self.run_limits}".encode())
+        return h.hexdigest()
+
+
+def _settle(future: Future, *, result: Any = None, exc: BaseException | None = None) -> None:
+    try:
+        if exc is not None:
+            future.set_exception(exc)
+        else:
+            future.set_result(result)
+    except InvalidStateError:
+        pass  # the other side (timer or worker) settled it first
+
+
+def _make_backend(name: str, tok: TokenizerData) -> GrammarBackend:
+    if name == "llguidance":
+        from .backend_llguidance import LLGuidanceBackend
+
+        return LLGuidanceBackend(tok)
+    if name == "xgrammar":
+        from .backend_xgrammar import XGrammarBackend
+
+        return XGrammarBackend(tok)
+    from .backend_outlines import OutlinesBackend
+
+    return OutlinesBackend(tok)
+
+
+def _tokenizer_data(hf: Any, vocab_size: int | None, stop_ids: list[int] | None) -> TokenizerData:
+    import xgrammar as xg
+
+    n = len(hf)
+    width = n if vocab_size is None else vocab_size
+    if width < n:
+        raise GrammarSpecError(
+            f"vocab_size {width} is smaller than the tokenizer's {n} tokens; pass the logits "
+            "width (>= tokenizer size) or None"
+        )
+    if stop_ids is None:
+        stop_ids = [hf.eos_token_id] if hf.eos_token_id is not None else []
+    if not stop_ids:
+        raise GrammarSpecError("the tokenizer has no eos_token_id; pass stop_token_ids")
+    info = xg.TokenizerInfo.from_huggingface(hf, vocab_size=width, stop_token_ids=stop_ids)
+    token_bytes = tuple(bytes(b) for b in info.decoded_vocab)
+    token_bytes = token_bytes + (b"",) * (width - len(token_bytes))
+    digest = hashlib.sha256(b"\0".join(token_bytes[:n]))
+    digest.update(f"{width}|{sorted(stop_ids)}".encode())
+    return TokenizerData(hf, width, n, tuple(stop_ids), token_bytes, digest.hexdigest()[:16])

@@ -1,0 +1,151 @@
+"""`Grammar` (compiled, shared, immutable) and `GrammarMatcher` (one per request).
+
+The matcher wraps a backend matcher and adds what the engine relies on regardless of
+backend: token bookkeeping for rollback, masking of padded ids, and the EOS gate. When the
+grammar's report has post-checked keywords (or the backend is approximate), a stop token is
+allowed only if the text so far passes `validate_final`: the model can never end on an
+output the token grammar let through but the schema rejects.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .backend import BackendGrammar, BackendMatcher, TokenizerData
+from .errors import MatcherStateError
+from .report import GrammarReport
+from .spec import GrammarSpec
+from .validate import FinalValidator
+
+
+@dataclass(frozen=True, slots=True)
+class Grammar:
+    """A compiled spec for one tokenizer. Thread-safe to share; `matcher()` per request."""
+
+    spec: GrammarSpec
+    report: GrammarReport
+    backend_grammar: BackendGrammar
+    validator: FinalValidator
+    gate_eos: bool
+    tok: TokenizerData
+    compile_seconds: float
+
+    @property
+    def backend(self) -> str:
+        return self.report.backend
+
+    @property
+    def memory_bytes(self) -> int:
+        return self.backend_grammar.memory_bytes + len(self.spec.text) * 4
+
+    def matcher(self) -> GrammarMatcher:
+        return GrammarMatcher(self, self.backend_grammar.new_matcher())
+
+
+class GrammarMatcher:
+    """Per-request grammar state; the engine advances it once per accepted token.
+
+    Invariant: `num_tokens` is the number of tokens accepted and not rolled back.
+    """
+
+    def __init__(self, grammar: Grammar, backend: BackendMatcher) -> None:
+        self.grammar = grammar
+        self._m = backend
+        self._tok = grammar.tok
+        self._stop_ids = grammar.tok.stop_token_ids
+        self._token_ids: list[int] = []
+        self._gate_cache: tuple[int, bool] | None = None  # (num_tokens, text passes)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self._token_ids)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return list(self._token_ids)
+
+    def fill_bitmask(self, bitmask: np.ndarray, row: int = 0) -> None:
+        """Write the allowed tokens into `bitmask[row]`; does not change the state.
+
+        Raises ValueError when the bitmask is not int32 `[rows, >= ceil(vocab/32)]`.
+        """
+        if bitmask.dtype != np.int32 or bitmask.ndim != 2 or not bitmask.flags.c_contiguous:
+            raise ValueError("bitmask must be a C-contiguous np.int32 [rows, words] array")
+        if bitmask.shape[1] * 32 < self._tok.vocab_size:
+            raise ValueError(
+                f"bitmask has {bitmask.shape[1]} words per row, fewer than "
+                f"ceil({self._tok.vocab_size}/32) for this tokenizer's vocab_size"
+            )
+        self._m.fill_row(bitmask, row)
+        if self.grammar.gate_eos and not self._final_ok():
+            words = bitmask[row].view(np.uint32)
+            for stop in self._stop_ids:
+                words[stop >> 5] &= np.uint32(~(1 << (stop & 31)) & 0xFFFFFFFF)
+
+    def accept_token(self, token_id: int) -> bool:
+        """Advance by one token. False (state unchanged) if the grammar forbids it."""
+        if token_id in self._stop_ids and self.grammar.gate_eos and not self._final_ok():
+            return False
+        if not self._m.accept(token_id):
+            return False
+        self._token_ids.append(token_id)
+        return True
+
+    def accept_tokens(self, token_ids: list[int]) -> int:
+        """Accept tokens in order until one is refused; returns how many were accepted."""
+        for i, t in enumerate(token_ids):
+            if not self.accept_token(t):
+                return i
+        return len(token_ids)
+
+    def can_terminate(self) -> bool:
+        """A stop token is allowed now (the output so far is complete and valid)."""
+        if not self._m.is_accepting():
+            return False
+        return not self.grammar.gate_eos or self._final_ok()
+
+    def is_terminated(self) -> bool:
+        return self._m.is_terminated()
+
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last `num_tokens` accepted tokens (e.g. rejected speculative drafts)."""
+        if not 0 <= num_tokens <= len(self._token_ids):
+            raise MatcherStateError(
+                f"cannot roll back {num_tokens} tokens: only {len(self._token_ids)} accepted"
+            )
+        if num_tokens:
+            self._m.rollback(num_tokens)
+            self._gate_cache = None
+            del self._token_ids[len(self._token_ids) - num_tokens :]
+
+    def forced_tokens(self) -> list[int]:
+        """Tokens the grammar forces next (free drafts for jump-forward); state unchanged."""
+        return self._m.forced_tokens()
+
+    def reset(self) -> None:
+        self._m.reset()
+        self._token_ids.clear()
+        self._gate_cache = None
+
+    def text(self) -> str:
+        """The accepted output so far, decoded (stop tokens excluded)."""
+        data = b"".join(
+            self._tok.token_bytes[t] for t in self._token_ids if t not in self._stop_ids
+        )
+        return data.decode("utf-8", errors="replace")
+
+    def validate_final(self, text: str | None = None) -> list[str]:
+        """Problems with the finished output (`text`, default: the accepted tokens).
+
+        Empty list = valid. Covers every keyword the report lists as post-checked.
+        """
+        return self.grammar.validator.errors(self.text() if text is None else text)
+
+    def _final_ok(self) -> bool:
+        n = len(self._token_ids)
+        if self._gate_cache is None or self._gate_cache[0] != n:
+            ok = self._m.is_accepting() and not self.validate_final()
+            self._gate_cache = (n, ok)
+        return self._gate_cache[1]

@@ -1,0 +1,133 @@
+"""Spec -> (routing decision, backend grammar). Pure compilation, no caching, no threads.
+
+For JSON schemas: limits check -> normalize -> for each backend in preference order,
+relax to what it enforces and try it; the first that compiles wins. Other kinds map to a
+regex or grammar text and go to the first backend that reads it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable
+from typing import Any
+
+from .backend import BackendGrammar, GrammarBackend
+from .cache import RoutedSource
+from .errors import BackendUnavailableError, GrammarCompileError
+from .limits import RunLimits, SchemaLimits
+from .normalize import normalize_schema
+from .report import GrammarReport, KeywordStatus, ReportBuilder
+from .router import relax_for, unimplemented_keys
+from .spec import GrammarSpec
+from .tools import tool_calls_lark, tool_calls_schema
+
+GetBackend = Callable[[str], GrammarBackend]
+
+
+def compile_spec(
+    spec: GrammarSpec,
+    order: tuple[str, ...],
+    get_backend: GetBackend,
+    limits: SchemaLimits,
+    runs: RunLimits,
+) -> tuple[RoutedSource, BackendGrammar]:
+    if spec.kind == "json_schema":
+        return _compile_json(spec.json_value(), spec.text, order, get_backend, limits, runs)
+    if spec.kind == "tools":
+        opts = spec.option_dict
+        schema = tool_calls_schema(
+            spec.json_value(), opts["tool_choice"], parallel=opts["parallel"] == "1"
+        )
+        if opts["tool_choice"] != "auto":
+            return _compile_json(schema, json.dumps(schema), order, get_backend, limits, runs)
+        # Text-or-call needs llguidance's %json embedding inside a Lark grammar.
+        source = RoutedSource("llguidance", "lark", tool_calls_lark(schema), [], True)
+        return source, build(source, get_backend, runs)
+    kind, text = _source_of(spec)
+    errors: list[str] = []
+    for name in _readers(kind, order):
+        source = RoutedSource(name, kind, text, [], spec.kind == "regex")
+        try:
+            return source, build(source, get_backend, runs)
+        except BackendUnavailableError as exc:
+            errors.append(exc.detail)
+        except GrammarCompileError as exc:
+            errors.append(exc.detail)
+    raise GrammarCompileError(f"cannot compile {spec.kind} spec: " + "; ".join(errors))
+
+
+def build(source: RoutedSource, get_backend: GetBackend, runs: RunLimits) -> BackendGrammar:
+    backend = get_backend(source.backend)
+    if source.kind == "json":
+        return backend.compile_json(json.loads(source.source), runs)
+    if source.kind == "regex":
+        return backend.compile_regex(source.source)
+    return backend.compile_grammar(source.source, source.kind)
+
+
+def report_of(source: RoutedSource) -> GrammarReport:
+    return GrammarReport(source.backend, tuple(KeywordStatus(*e) for e in source.report))
+
+
+def _source_of(spec: GrammarSpec) -> tuple[str, str]:
+    if spec.kind == "regex":
+        return "regex", spec.text
+    if spec.kind == "text":
+        return "regex", r"(?s:.*)"
+    if spec.kind == "choice":
+        alts = " | ".join(json.dumps(c, ensure_ascii=False) for c in spec.json_value())
+        return "lark", f"start: {alts}\n"
+    return spec.option_dict.get("syntax", "lark"), spec.text
+
+
+def _readers(kind: str, order: tuple[str, ...]) -> list[str]:
+    readers = {"regex": order, "lark": ("llguidance",), "gbnf": ("xgrammar", "llguidance")}
+    return [b for b in readers[kind] if b in order]
+
+
+def _compile_json(
+    schema: Any,
+    text: str,
+    order: tuple[str, ...],
+    get_backend: GetBackend,
+    limits: SchemaLimits,
+    runs: RunLimits,
+) -> tuple[RoutedSource, BackendGrammar]:
+    limits.check(schema, text)
+    base = ReportBuilder()
+    normalized = normalize_schema(schema, base)
+    errors: list[str] = []
+    for name in order:
+        drop: frozenset[str] = frozenset()
+        for _attempt in range(2):
+            report = base.copy()
+            relaxed = relax_for(name, normalized.schema, report, drop)
+            # xgrammar approximates some keywords it claims: always check its output.
+            gate = bool(report.build(name).post_checked) or name == "xgrammar"
+            entries = [list(dataclasses.astuple(e)) for e in report.build(name).entries]
+            source = RoutedSource(name, "json", json.dumps(relaxed), entries, gate)
+            try:
+                return source, build(source, get_backend, runs)
+            except BackendUnavailableError as exc:
+                errors.append(exc.detail)
+                break
+            except GrammarCompileError as exc:
+                more = unimplemented_keys(exc.detail) - drop
+                if not more:
+                    errors.append(exc.detail)
+                    break
+                drop |= more  # one retry without the keywords the backend named
+    raise GrammarCompileError(_explain(schema, errors), reason="invalid_schema")
+
+
+def _explain(schema: Any, errors: list[str]) -> str:
+    """Name the problem: a metaschema violation if there is one, else the backends' errors."""
+    import jsonschema
+
+    cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+    problem = jsonschema.exceptions.best_match(cls(cls.META_SCHEMA).iter_errors(schema))
+    if problem is not None:
+        where = "/".join(str(p) for p in problem.absolute_path) or "(root)"
+        return f"invalid JSON schema at {where}: {problem.message}"
+    return "no backend could compile the schema: " + " | ".join(e[:300] for e in errors)

@@ -1,0 +1,122 @@
+"""Route a normalized schema to a backend that enforces every keyword it keeps.
+
+For each backend a capability table says which keywords its token grammar enforces.
+`relax_for` removes every other assertion keyword from a copy of the schema (removing an
+assertion only ever widens the language, so the grammar stays a superset of the schema)
+and records it as post-checked; the finished output is then checked with `jsonschema`.
+Order of preference: llguidance (exact, refuses what it cannot do), then xgrammar (whose
+grammars are always post-checked as a whole: it is known to approximate some keywords).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from .normalize import SUB_LIST, SUB_MAP, SUB_ONE
+from .report import ReportBuilder
+
+_STRUCTURAL = frozenset({"$ref", "$defs", "definitions"})
+_COMMON = frozenset(
+    {
+        "type", "properties", "required", "additionalProperties", "items", "prefixItems",
+        "enum", "const", "anyOf", "minItems", "maxItems", "minLength", "maxLength",
+        "pattern", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "format",
+    }
+)  # fmt: skip
+CAPABILITIES: dict[str, frozenset[str]] = {
+    "llguidance": _COMMON
+    | {"allOf", "patternProperties", "multipleOf", "minProperties", "maxProperties"},
+    "xgrammar": _COMMON,
+}
+FORMATS: dict[str, frozenset[str]] = {
+    "llguidance": frozenset(
+        {
+            "date-time",
+            "time",
+            "date",
+            "duration",
+            "email",
+            "hostname",
+            "ipv4",
+            "ipv6",
+            "uri",
+            "uuid",
+        }
+    ),  # fmt: skip
+    "xgrammar": frozenset(
+        {"date-time", "time", "date", "duration", "email", "ipv4", "ipv6", "uuid"}
+    ),
+}
+# Regex features neither backend's lexer supports (look-around, back-references).
+_UNSUPPORTED_REGEX = re.compile(r"\(\?<?[=!]|\\[1-9]|\\k<")
+_UNIMPLEMENTED = re.compile(r"Unimplemented keys: \[([^\]]*)\]")
+
+
+def relax_for(
+    backend: str, schema: Any, report: ReportBuilder, extra_drop: frozenset[str] = frozenset()
+) -> Any:
+    """Copy of `schema` with only what `backend` enforces; the rest goes to the report."""
+    caps = CAPABILITIES[backend] - extra_drop
+    formats = FORMATS[backend]
+
+    def walk(node: Any, path: str) -> Any:
+        if not isinstance(node, dict):
+            return node
+        out: dict[str, Any] = {}
+        for key, value in node.items():
+            if key in _STRUCTURAL:
+                out[key] = (
+                    {k: walk(v, f"{path}/{key}/{k}") for k, v in value.items()}
+                    if isinstance(value, dict) else value
+                )  # fmt: skip
+                continue
+            if key == "oneOf":
+                # Not provably disjoint (normalize.py rewrote those): anyOf is a superset.
+                report.add("oneOf", "post_checked", path, "checked as anyOf, exclusivity after")
+                branches = [walk(v, f"{path}/oneOf/{i}") for i, v in enumerate(value)]
+                if "anyOf" in out or "anyOf" in node:
+                    out.setdefault("allOf", []).append({"anyOf": branches})
+                else:
+                    out["anyOf"] = branches
+                continue
+            if key not in caps or not _keeps(backend, key, value, node, formats):
+                report.add(key, "post_checked", path)
+                continue
+            report.add(key, "enforced", path)
+            if key in SUB_MAP and isinstance(value, dict):
+                out[key] = {k: walk(v, f"{path}/{key}/{k}") for k, v in value.items()}
+            elif key in SUB_LIST and isinstance(value, list):
+                merged = [walk(v, f"{path}/{key}/{i}") for i, v in enumerate(value)]
+                out[key] = [*out.get(key, []), *merged] if key == "allOf" else merged
+            elif key in SUB_ONE:
+                out[key] = walk(value, f"{path}/{key}")
+            else:
+                out[key] = value
+        return out
+
+    return walk(schema, "#")
+
+
+def _keeps(backend: str, key: str, value: Any, node: dict[str, Any], formats: frozenset) -> bool:
+    """Keyword-value checks beyond the capability table."""
+    if key == "format":
+        return value in formats
+    if key == "pattern":
+        return isinstance(value, str) and not _UNSUPPORTED_REGEX.search(value)
+    if key in ("minProperties", "maxProperties"):
+        # llguidance enforces these only when every listed property is required.
+        return set(node.get("properties", {})) <= set(node.get("required", []))
+    if key == "patternProperties" and isinstance(value, dict):
+        return not any(_UNSUPPORTED_REGEX.search(p) for p in value)
+    if key == "multipleOf":
+        return isinstance(value, int) or (isinstance(value, float) and value.is_integer())
+    return True
+
+
+def unimplemented_keys(error: str) -> frozenset[str]:
+    """Keywords named in an llguidance "Unimplemented keys" error (for one retry)."""
+    match = _UNIMPLEMENTED.search(error)
+    if not match:
+        return frozenset()
+    return frozenset(k.strip().strip('"') for k in match.group(1).split(",") if k.strip())

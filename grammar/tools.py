@@ -1,0 +1,99 @@
+"""OpenAI-style tool definitions -> the language of tool calls.
+
+Output format (what a constrained model writes):
+
+    one call:        {"name": "<tool>", "arguments": {...}}
+    parallel calls:  [{"name": ..., "arguments": {...}}, ...]        (at least one call)
+
+tool_choice: "required" = some call; {"type": "function", "function": {"name": N}} (or just
+N) = a call to N; "auto" = either plain text (not starting with "{" or "[") or a call;
+"none" = plain text only (no constraint).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from .errors import GrammarSpecError
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
+
+
+def tool_call_spec_text(
+    tools: list[dict[str, Any]], tool_choice: str | dict[str, Any]
+) -> tuple[list[dict[str, Any]], str]:
+    """Validate tools and tool_choice; return canonical [{name, parameters}] and the choice.
+
+    The returned choice is "auto", "required", "none" or "name:<tool>".
+    """
+    if not isinstance(tools, (list, tuple)) or not tools:
+        raise GrammarSpecError("tools must be a non-empty list of tool definitions")
+    canonical: list[dict[str, Any]] = []
+    for i, tool in enumerate(tools):
+        if not isinstance(tool, dict):
+            raise GrammarSpecError(f"tools[{i}] must be a dict, got {type(tool).__name__}")
+        fn = tool.get("function", tool) if tool.get("type", "function") == "function" else None
+        if not isinstance(fn, dict):
+            raise GrammarSpecError(f"tools[{i}]: only type 'function' tools are supported")
+        name = fn.get("name")
+        if not isinstance(name, str) or not _NAME_RE.match(name):
+            raise GrammarSpecError(
+                f"tools[{i}]: function name {name!r} must match {_NAME_RE.pattern}"
+            )
+        params = fn.get("parameters", {"type": "object", "properties": {}})
+        if not isinstance(params, dict):
+            raise GrammarSpecError(f"tools[{i}] ({name}): parameters must be a JSON schema dict")
+        canonical.append({"name": name, "parameters": params})
+    names = [t["name"] for t in canonical]
+    if len(set(names)) != len(names):
+        raise GrammarSpecError(f"tool names must be unique, got {names}")
+    return canonical, _choice(tool_choice, names)
+
+
+def _choice(tool_choice: str | dict[str, Any], names: list[str]) -> str:
+    if isinstance(tool_choice, dict):
+        fn = tool_choice.get("function", {})
+        name = fn.get("name") if isinstance(fn, dict) else None
+    elif tool_choice in ("auto", "required", "none"):
+        return tool_choice
+    else:
+        name = tool_choice
+    if name not in names:
+        raise GrammarSpecError(
+            f"tool_choice names {name!r}, which is not one of the tools {names}; "
+            "use 'auto', 'required', 'none' or an existing tool name"
+        )
+    return f"name:{name}"
+
+
+def tool_calls_schema(
+    tools: list[dict[str, Any]], choice: str, *, parallel: bool
+) -> dict[str, Any]:
+    """The JSON schema of the tool-call payload for a canonical tools list and choice."""
+    if choice.startswith("name:"):
+        tools = [t for t in tools if t["name"] == choice[5:]]
+    calls = [
+        {
+            "type": "object",
+            "properties": {"name": {"const": t["name"]}, "arguments": t["parameters"]},
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        }
+        for t in tools
+    ]
+    one = calls[0] if len(calls) == 1 else {"anyOf": calls}
+    if not parallel:
+        return one
+    return {"type": "array", "items": one, "minItems": 1}
+
+
+def tool_calls_lark(schema: dict[str, Any]) -> str:
+    """Lark grammar (llguidance dialect) for "auto": plain text or a tool-call payload."""
+    return (
+        "start: text | calls\n"
+        f"calls: %json {json.dumps(schema, ensure_ascii=False)}\n"
+        # Plain text must not start like a payload, so the two branches never overlap.
+        "text: /([^\\[{ \\t\\r\\n][\\s\\S]*)?/\n"
+    )
