@@ -1,0 +1,37 @@
+"""Shared fixtures: the converted embedded model and tiny random checkpoints.
+
+`smollm2_dir` uses the real user cache (`AGENTRT_CACHE_DIR`, else `$XDG_CACHE_HOME/agentrt`,
+else `~/.cache/agentrt`), so only the first test run ever pays for the GGUF conversion.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from agentrt.engine.model.checkpoint import resolve_model
+from agentrt.engine.model.tiny import make_tiny_checkpoint
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """The HF checkpoint directory of the embedded SmolLM2-135M-Instruct (converted once)."""
+    return resolve_model(None)
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(
+    tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path
+) -> Callable[[str], Path]:
+    """`tiny_checkpoint(arch)` → a tiny random checkpoint directory (seed 0), built once per
+    session per arch ("llama", "qwen2", "qwen3", "mistral"; see agentrt.engine.model.tiny)."""
+    root = tmp_path_factory.mktemp("tiny-checkpoints")
+    built: dict[str, Path] = {}
+
+    def build(arch: str) -> Path:
+        if arch not in built:
+            built[arch] = make_tiny_checkpoint(arch, root / arch, tokenizer_from=smollm2_dir)
+        return built[arch]
+
+    return build
