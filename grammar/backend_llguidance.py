@@ -37,17 +37,20 @@ class LLGuidanceBackend:
             tok.hf_tokenizer,
             n_vocab=tok.tokenizer_vocab_size,
             eos_token=list(tok.stop_token_ids),
+            slices=llg.LLTokenizer.json_slices(),
         )
         self._words = (tok.tokenizer_vocab_size + 31) // 32
 
     def grammar_for_json(self, schema: dict[str, Any] | bool, runs: RunLimits) -> str:
-        ws = f"[\\x20\\x0A\\x0D\\x09]{{0,{runs.max_whitespace}}}"
-        options = {
-            "whitespace_flexible": True,
-            "whitespace_pattern": ws,
-            "item_separator": ",",
-            "key_separator": ":",
-        }
+        if runs.json_whitespace == "compact":
+            options = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+        else:
+            options = {
+                "whitespace_flexible": True,
+                "whitespace_pattern": f"[\\x20\\x0A\\x0D\\x09]{{0,{runs.max_whitespace}}}",
+                "item_separator": ",",
+                "key_separator": ":",
+            }
         try:
             return self._llg.LLMatcher.grammar_from_json_schema(
                 json.dumps(schema), defaults=options
@@ -92,16 +95,21 @@ class LLGuidanceMatcher:
         self._vocab = tok.tokenizer_vocab_size
         self._words = words
         self._terminated = False
+        self._bitmask: np.ndarray | None = None
+        self._ptr = 0
 
     def fill_row(self, bitmask: np.ndarray, row: int) -> None:
-        view = bitmask[row]
         if self._terminated:
-            view[:] = 0
+            bitmask[row] = 0
             return
-        self._m.unsafe_compute_mask_ptr(view.ctypes.data, self._words * 4)
-        view[self._words :] = 0  # padded logits columns are never allowed
+        if bitmask is not self._bitmask:  # the engine reuses one buffer: cache its address
+            self._bitmask, self._ptr = bitmask, bitmask.ctypes.data
+        row_bytes = bitmask.shape[1] * 4
+        self._m.unsafe_compute_mask_ptr(self._ptr + row * row_bytes, self._words * 4)
+        if row_bytes > self._words * 4:
+            bitmask[row, self._words :] = 0  # padded logits columns are never allowed
         if self._vocab % 32:
-            view[self._words - 1] &= np.int32((1 << (self._vocab % 32)) - 1)
+            bitmask[row, self._words - 1] &= np.int32((1 << (self._vocab % 32)) - 1)
 
     def accept(self, token_id: int) -> bool:
         if self._terminated or not 0 <= token_id < self._vocab:

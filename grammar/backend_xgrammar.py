@@ -35,12 +35,11 @@ class XGrammarBackend:
 
     def compile_json(self, schema: dict[str, Any] | bool, runs: RunLimits) -> XGrammarGrammar:
         text = json.dumps(schema)
-        return self._run(
-            lambda: self._compiler.compile_json_schema(
-                text, any_whitespace=True, max_whitespace_cnt=runs.max_whitespace,
-                strict_mode=False,
-            )
-        )  # fmt: skip
+        if runs.json_whitespace == "compact":
+            ws: dict[str, Any] = {"any_whitespace": False, "separators": (", ", ": ")}
+        else:
+            ws = {"any_whitespace": True, "max_whitespace_cnt": runs.max_whitespace}
+        return self._run(lambda: self._compiler.compile_json_schema(text, strict_mode=False, **ws))
 
     def compile_regex(self, pattern: str) -> XGrammarGrammar:
         return self._run(lambda: self._compiler.compile_regex(pattern))

@@ -1,9 +1,8 @@
 """`GrammarCompiler`: specs -> `Grammar`s for one tokenizer, cached and time-bounded.
 
-Compilation runs on a worker thread with a time budget. A spec that does not compile in
+Compilation runs on a worker thread (workers.py) with a time budget. A spec that does not compile in
 time fails with `GrammarCompileTimeout` for its own request; the caller (the engine thread)
-is never blocked longer than the budget. Native compilation cannot be interrupted, so an
-abandoned job finishes in the background on a daemon thread and its result is dropped.
+is never blocked longer than the budget.
 """
 
 from __future__ import annotations
@@ -11,17 +10,20 @@ from __future__ import annotations
 import hashlib
 import threading
 import time
-from concurrent.futures import Future, InvalidStateError
+from collections.abc import Callable
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
-from .backend import GrammarBackend, TokenizerData
+from .backend import BackendGrammar, GrammarBackend, TokenizerData
 from .cache import DiskCache, GrammarCache
 from .errors import GrammarCompileError, GrammarCompileTimeout, GrammarSpecError
 from .limits import RunLimits, SchemaLimits
 from .matcher import Grammar
-from .pipeline import build, compile_spec, report_of
+from .pipeline import Runner, build, compile_spec, report_of, run_inline, with_runner
 from .spec import GrammarSpec
 from .validate import FinalValidator
+from .workers import CompileWorkers, settle
 
 BACKENDS = ("llguidance", "xgrammar", "outlines")
 
@@ -60,14 +62,49 @@ class GrammarCompiler:
         self.disk_cache = DiskCache(disk_cache_dir) if disk_cache_dir else None
         self._backends: dict[str, GrammarBackend] = {}
         self._backend_lock = threading.Lock()
+        self._workers = CompileWorkers()
 
     @property
     def vocab_size(self) -> int:
         return self.tok.vocab_size
 
     def compile(self, spec: GrammarSpec, *, timeout_s: float | None = None) -> Grammar:
-        """Compile (or fetch from cache); raises GrammarCompileError, incl. on timeout."""
-        return self.compile_async(spec, timeout_s=timeout_s).result()
+        """Compile in the calling thread (or fetch from cache); raises GrammarCompileError.
+
+        Normalization (bounded by SchemaLimits) and llguidance builds (bounded by its own
+        fuel limits, well under a second) run inline; xgrammar builds, which can take
+        seconds and cannot be interrupted, run on a worker under the remaining budget, and
+        the whole call raises GrammarCompileTimeout once the budget is spent. The engine
+        thread uses `compile_async` instead, which never blocks.
+        """
+        if not isinstance(spec, GrammarSpec):
+            raise GrammarSpecError(f"expected a GrammarSpec, got {type(spec).__name__}")
+        key = self._key(spec)
+        cached = self.cache.get(key)
+        if cached is not None:
+            return cached
+        budget = self.timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + budget
+
+        def runner(name: str, fn: Callable[[], BackendGrammar]) -> BackendGrammar:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise _timeout(spec, budget)
+            if name == "llguidance":
+                return fn()
+            future: Future = Future()
+            self._workers.submit(lambda: _run_into(fn, future), future, left, lambda: None)
+            try:
+                return future.result(timeout=left)
+            except FutureTimeout:
+                settle(future, exc=_timeout(spec, budget))
+                raise _timeout(spec, budget) from None
+
+        grammar = self._compile_now(spec, key, runner)
+        if time.monotonic() > deadline:
+            raise _timeout(spec, budget)
+        self.cache.put(key, grammar, grammar.memory_bytes)
+        return grammar
 
     def compile_async(self, spec: GrammarSpec, *, timeout_s: float | None = None) -> Future:
         """Start compiling on a worker thread; the Future fails after the time budget.
@@ -88,37 +125,24 @@ class GrammarCompiler:
             try:
                 grammar = self._compile_now(spec, key)
             except GrammarCompileError as exc:
-                _settle(future, exc=exc)
+                settle(future, exc=exc)
             except Exception as exc:  # a backend bug must fail the request, not the engine
-                _settle(future, exc=GrammarCompileError(f"internal: {exc!r}", reason="backend"))
+                settle(future, exc=GrammarCompileError(f"internal: {exc!r}", reason="backend"))
             else:
                 self.cache.put(key, grammar, grammar.memory_bytes)
-                _settle(future, result=grammar)
+                settle(future, result=grammar)
 
-        def expire() -> None:
-            _settle(
-                future,
-                exc=GrammarCompileTimeout(
-                    f"{spec.kind} spec did not compile within {budget:g} s; simplify it "
-                    "(fewer/shallower anyOf, smaller enums) or raise the time budget"
-                ),
-            )
-
-        timer = threading.Timer(budget, expire)
-        timer.daemon = True
-        timer.start()
-        future.add_done_callback(lambda _f: timer.cancel())
-        threading.Thread(target=work, name="grammar-compile", daemon=True).start()
+        self._workers.submit(work, future, budget, lambda: _timeout(spec, budget))
         return future
 
-    def _compile_now(self, spec: GrammarSpec, key: str) -> Grammar:
+    def _compile_now(self, spec: GrammarSpec, key: str, runner: Runner = run_inline) -> Grammar:
         start = time.perf_counter()
         routed = self.disk_cache.get(key) if self.disk_cache else None
         if routed is not None:
-            backend_grammar = build(routed, self._backend, self.run_limits)
+            backend_grammar = build(routed, with_runner(self._backend, runner), self.run_limits)
         else:
             routed, backend_grammar = compile_spec(
-                spec, self.order, self._backend, self.schema_limits, self.run_limits
+                spec, self.order, self._backend, self.schema_limits, self.run_limits, runner
             )
             if self.disk_cache:
                 self.disk_cache.put(key, routed)
@@ -144,14 +168,18 @@ class GrammarCompiler:
         return h.hexdigest()
 
 
-def _settle(future: Future, *, result: Any = None, exc: BaseException | None = None) -> None:
+def _timeout(spec: GrammarSpec, budget: float) -> GrammarCompileTimeout:
+    return GrammarCompileTimeout(
+        f"{spec.kind} spec did not compile within {budget:g} s; simplify it "
+        "(fewer/shallower anyOf, smaller enums) or raise the time budget"
+    )
+
+
+def _run_into(fn: Callable[[], Any], future: Future) -> None:
     try:
-        if exc is not None:
-            future.set_exception(exc)
-        else:
-            future.set_result(result)
-    except InvalidStateError:
-        pass  # the other side (timer or worker) settled it first
+        settle(future, result=fn())
+    except BaseException as exc:  # delivered to the waiting caller, who re-raises it
+        settle(future, exc=exc)
 
 
 def _make_backend(name: str, tok: TokenizerData) -> GrammarBackend:

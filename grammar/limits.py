@@ -2,8 +2,9 @@
 
 `SchemaLimits` caps what a schema may contain before any backend sees it (size, nesting
 depth, enum sizes), so a hostile or accidental giant schema fails fast with a clear error.
-`RunLimits` bounds whitespace and number runs in generated JSON so that constrained output
-always terminates (a model cannot pad forever with spaces or digits).
+`RunLimits` bounds whitespace runs in generated JSON so that constrained output always
+terminates (a model cannot pad forever with spaces). Numbers are bounded by the backends'
+number lexemes only; see the report in README of the grammar layer.
 """
 
 from __future__ import annotations
@@ -70,21 +71,25 @@ class SchemaLimits:
 
 @dataclass(frozen=True, slots=True)
 class RunLimits:
-    """Caps on runs the model could otherwise extend forever.
+    """How much whitespace generated JSON may hold, so a model cannot pad forever.
 
-    max_whitespace: longest whitespace run between JSON tokens.
-    max_number_digits: longest run of digits in a JSON number (outside strings).
+    json_whitespace: "compact" (default) = exactly the separators ", " and ": " and no other
+    whitespace, i.e. `json.dumps` output; it also makes jump-forward effective (keys and
+    punctuation are forced). "bounded" = any JSON whitespace, in runs of at most
+    `max_whitespace` characters (pretty-printed output).
     """
 
+    json_whitespace: str = "compact"
     max_whitespace: int = 12
-    max_number_digits: int = 48
 
     def __post_init__(self) -> None:
-        if self.max_whitespace < 0 or self.max_number_digits < 1:
+        if self.json_whitespace not in ("compact", "bounded"):
             raise ValueError(
-                "RunLimits needs max_whitespace >= 0 and max_number_digits >= 1, got "
-                f"{self.max_whitespace} and {self.max_number_digits}"
+                f"RunLimits.json_whitespace must be 'compact' or 'bounded', "
+                f"got {self.json_whitespace!r}"
             )
+        if self.max_whitespace < 0:
+            raise ValueError(f"RunLimits.max_whitespace must be >= 0, got {self.max_whitespace}")
 
 
 def schema_text(schema: Any) -> str:

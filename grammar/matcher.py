@@ -57,6 +57,7 @@ class GrammarMatcher:
         self._stop_ids = grammar.tok.stop_token_ids
         self._token_ids: list[int] = []
         self._gate_cache: tuple[int, bool] | None = None  # (num_tokens, text passes)
+        self._checked: np.ndarray | None = None  # last bitmask whose layout was checked
 
     @property
     def num_tokens(self) -> int:
@@ -71,13 +72,9 @@ class GrammarMatcher:
 
         Raises ValueError when the bitmask is not int32 `[rows, >= ceil(vocab/32)]`.
         """
-        if bitmask.dtype != np.int32 or bitmask.ndim != 2 or not bitmask.flags.c_contiguous:
-            raise ValueError("bitmask must be a C-contiguous np.int32 [rows, words] array")
-        if bitmask.shape[1] * 32 < self._tok.vocab_size:
-            raise ValueError(
-                f"bitmask has {bitmask.shape[1]} words per row, fewer than "
-                f"ceil({self._tok.vocab_size}/32) for this tokenizer's vocab_size"
-            )
+        if bitmask is not self._checked:
+            _check_bitmask(bitmask, self._tok.vocab_size)
+            self._checked = bitmask
         self._m.fill_row(bitmask, row)
         if self.grammar.gate_eos and not self._final_ok():
             words = bitmask[row].view(np.uint32)
@@ -149,3 +146,18 @@ class GrammarMatcher:
             ok = self._m.is_accepting() and not self.validate_final()
             self._gate_cache = (n, ok)
         return self._gate_cache[1]
+
+
+def _check_bitmask(bitmask: np.ndarray, vocab_size: int) -> None:
+    if (
+        not isinstance(bitmask, np.ndarray)
+        or bitmask.dtype != np.int32
+        or bitmask.ndim != 2
+        or not bitmask.flags.c_contiguous
+    ):
+        raise ValueError("bitmask must be a C-contiguous np.int32 [rows, words] array")
+    if bitmask.shape[1] * 32 < vocab_size:
+        raise ValueError(
+            f"bitmask has {bitmask.shape[1]} words per row, fewer than "
+            f"ceil({vocab_size}/32) for this tokenizer's vocab_size"
+        )

@@ -23,6 +23,13 @@ from .spec import GrammarSpec
 from .tools import tool_calls_lark, tool_calls_schema
 
 GetBackend = Callable[[str], GrammarBackend]
+# Runs one backend build: (backend name, thunk) -> result. Lets the caller put slow,
+# uninterruptible builds (xgrammar) under a time budget.
+Runner = Callable[[str, Callable[[], BackendGrammar]], BackendGrammar]
+
+
+def run_inline(name: str, fn: Callable[[], BackendGrammar]) -> BackendGrammar:
+    return fn()
 
 
 def compile_spec(
@@ -31,7 +38,9 @@ def compile_spec(
     get_backend: GetBackend,
     limits: SchemaLimits,
     runs: RunLimits,
+    runner: Runner = run_inline,
 ) -> tuple[RoutedSource, BackendGrammar]:
+    get_backend = with_runner(get_backend, runner)
     if spec.kind == "json_schema":
         return _compile_json(spec.json_value(), spec.text, order, get_backend, limits, runs)
     if spec.kind == "tools":
@@ -64,6 +73,31 @@ def build(source: RoutedSource, get_backend: GetBackend, runs: RunLimits) -> Bac
     if source.kind == "regex":
         return backend.compile_regex(source.source)
     return backend.compile_grammar(source.source, source.kind)
+
+
+def with_runner(get_backend: GetBackend, runner: Runner) -> Any:
+    """get_backend whose builds go through `runner` (via `build`)."""
+    if runner is run_inline:
+        return get_backend
+
+    def get(name: str) -> Any:
+        return _RunnerBackend(get_backend(name), runner)
+
+    return get
+
+
+class _RunnerBackend:
+    def __init__(self, backend: GrammarBackend, runner: Runner) -> None:
+        self._b, self._run, self.name = backend, runner, backend.name
+
+    def compile_json(self, schema: Any, runs: RunLimits) -> BackendGrammar:
+        return self._run(self.name, lambda: self._b.compile_json(schema, runs))
+
+    def compile_regex(self, pattern: str) -> BackendGrammar:
+        return self._run(self.name, lambda: self._b.compile_regex(pattern))
+
+    def compile_grammar(self, text: str, syntax: str) -> BackendGrammar:
+        return self._run(self.name, lambda: self._b.compile_grammar(text, syntax))
 
 
 def report_of(source: RoutedSource) -> GrammarReport:

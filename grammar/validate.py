@@ -25,14 +25,9 @@ class FinalValidator:
         self._regex: re.Pattern[str] | None = None
         self._choices: frozenset[str] = frozenset()
         self._text_allowed = spec.option_dict.get("tool_choice") == "auto"
-        if spec.kind == "json_schema":
-            self._schema_validator = _json_validator(spec.json_value())
-        elif spec.kind == "tools":
-            opts = spec.option_dict
-            schema = tool_calls_schema(
-                spec.json_value(), opts["tool_choice"], parallel=opts["parallel"] == "1"
-            )
-            self._schema_validator = _json_validator(schema)
+        self._spec = spec
+        if spec.kind in ("json_schema", "tools"):
+            self._schema_validator = _LAZY  # built on first use: most outputs need no check
         elif spec.kind == "regex":
             try:
                 self._regex = re.compile(spec.text)
@@ -42,6 +37,8 @@ class FinalValidator:
             self._choices = frozenset(spec.json_value())
 
     def errors(self, text: str) -> list[str]:
+        if self._schema_validator is _LAZY:
+            self._schema_validator = _json_validator(self._json_schema())
         if self._schema_validator is not None:
             if self.kind == "tools" and not text.lstrip().startswith(("{", "[")):
                 return [] if self._text_allowed else ["expected a tool call, got text"]
@@ -56,15 +53,24 @@ class FinalValidator:
             return [f"output {text[:80]!r} is not one of the {len(self._choices)} choices"]
         return []
 
+    def _json_schema(self) -> Any:
+        if self._spec.kind == "json_schema":
+            return self._spec.json_value()
+        opts = self._spec.option_dict
+        return tool_calls_schema(
+            self._spec.json_value(), opts["tool_choice"], parallel=opts["parallel"] == "1"
+        )
+
+
+_LAZY = object()
+
 
 def _json_validator(schema: Any) -> Any:
     import jsonschema
 
+    # No check_schema here: it costs milliseconds per compile, and the backends already
+    # refused malformed schemas.
     cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
-    try:
-        cls.check_schema(schema)
-    except jsonschema.SchemaError:
-        cls = jsonschema.Draft202012Validator  # lenient: validate what can be validated
     return cls(schema, format_checker=cls.FORMAT_CHECKER)
 
 
