@@ -27,7 +27,7 @@ _MAX_SPLITS = 32
 def _find_request(query_start_loc_ptr, q_block, num_reqs, BLOCK_Q: tl.constexpr):
     # Request r owns global query blocks [start_r // BLOCK_Q + r, ...): the "+ r" gives every
     # request at least one block, so a binary search for the last r at or below q_block works.
-    lo = 0
+    lo: tl.int32 = 0
     hi = num_reqs
     while lo < hi:
         mid = (lo + hi) // 2
