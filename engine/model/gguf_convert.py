@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import importlib.util
 import json
 import logging
 import os
@@ -30,6 +29,7 @@ import re
 import shutil
 import uuid
 from collections.abc import Iterator
+from importlib.util import find_spec
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -104,7 +104,7 @@ def embedded_gguf_path() -> Path:
     Located with `find_spec` (which does not import the package: its `__init__` needs the
     `llm` CLI, which we do not install). Raises `ModelLoadError` with the install hint.
     """
-    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    spec = find_spec(EMBEDDED_PACKAGE)
     locations = list(spec.submodule_search_locations or []) if spec is not None else []
     for location in locations:
         candidate = Path(location) / EMBEDDED_GGUF_FILE

