@@ -30,9 +30,10 @@ class IncrementalDetokenizer:
     """Turns one request's generated token ids into text deltas and detects stop strings.
 
     Usage per engine step: `stop = append(new_token_ids)`, then `get_delta(streaming)`.
-    Invariants: text handed out by `get_delta(streaming=True)` is never retracted (it holds
-    back `max(len(stop)) - 1` chars that could still start a stop string), and the stop
-    string is searched only in new text plus that overlap window.
+    Invariants: text handed out by `get_delta(streaming=True)` is never retracted: it holds
+    back the longest tail of the text that is a proper prefix of a stop string (at most
+    `max(len(stop)) - 1` chars, vLLM's stop buffer, but only chars that could still become a
+    stop string). Stop strings are searched only in new text plus `len(stop) - 1` chars back.
     """
 
     def __init__(
@@ -56,8 +57,6 @@ class IncrementalDetokenizer:
         self._num_sent = 0  # chars of `_text` already returned by `get_delta`
         self._num_decoded_tokens = 0  # token_ids[:n] are fully represented in `_text`
         self._released = False  # the final `get_delta(streaming=False)` happened
-        # Chars that may still turn into (part of) a stop string: vLLM's stop buffer.
-        self._stop_buffer = max((len(s) for s in self.stop), default=1) - 1
         self._stream = _make_stream(
             tokenizer,
             _primer(tokenizer, prompt_token_ids, skip_special_tokens),
@@ -91,7 +90,7 @@ class IncrementalDetokenizer:
         if self.stop_reason is not None:
             self.token_ids.extend(token_ids)
             return None
-        for token_id in token_ids:
+        for i, token_id in enumerate(token_ids):
             self.token_ids.append(token_id)
             chunk = self._step(token_id)
             if not chunk:
@@ -100,6 +99,7 @@ class IncrementalDetokenizer:
             self._text += chunk
             self._num_decoded_tokens = len(self.token_ids)
             if self.stop and self._check_stop(old_len):
+                self.token_ids.extend(token_ids[i + 1 :])  # kept as ids, never as text
                 return self.stop_reason
         return None
 
@@ -117,10 +117,23 @@ class IncrementalDetokenizer:
                 self._flush_incomplete()
         end = len(self._text)
         if streaming and not self.finished:
-            end = max(self._num_sent, end - self._stop_buffer)
+            end = max(self._num_sent, end - self._num_chars_to_hold())
         delta = self._text[self._num_sent : end]
         self._num_sent = end
         return delta
+
+    def _num_chars_to_hold(self) -> int:
+        """Length of the longest tail of the text that is a proper prefix of a stop string."""
+        text = self._text
+        return max(
+            (
+                k
+                for stop in self.stop
+                for k in range(len(stop) - 1, 0, -1)
+                if text.endswith(stop[:k])
+            ),
+            default=0,
+        )
 
     def _step(self, token_id: int) -> str | None:
         try:

@@ -218,14 +218,27 @@ def test_stop_string_across_token_and_chunk_boundaries(
     assert all("END" not in d for d in deltas) or include
 
 
-def test_streaming_holds_back_possible_stop_prefix(tokenizer: Any) -> None:
+def test_streaming_holds_back_only_a_possible_stop_prefix(tokenizer: Any) -> None:
     detok = IncrementalDetokenizer(tokenizer, [], skip_special_tokens=True, stop=("</ans>",))
     assert detok.append(encode(tokenizer, "value</")) is None
-    held = detok.get_delta(streaming=True)
-    assert held == "va"  # the last len("</ans>") - 1 = 5 chars may still become the stop
-    assert detok.append(encode(tokenizer, "div> more")) is None
-    assert held + detok.get_delta(streaming=True) == "value</div>"  # " more" held back
-    assert detok.get_delta(streaming=False) == " more"
+    assert detok.get_delta(streaming=True) == "value"  # "</" may still become "</ans>"
+    assert detok.append(encode(tokenizer, "an")) is None
+    assert detok.get_delta(streaming=True) == ""
+    assert detok.append(encode(tokenizer, "div> more <")) is None
+    assert detok.get_delta(streaming=True) == "</andiv> more "
+    assert detok.get_delta(streaming=False) == "<"
+
+
+def test_hold_back_never_exceeds_longest_stop_minus_one(tokenizer: Any) -> None:
+    stops = ("abcabd", "xy")
+    detok = IncrementalDetokenizer(tokenizer, [], skip_special_tokens=True, stop=stops)
+    detok.append(encode(tokenizer, "zabcab"))
+    assert detok.get_delta(streaming=True) == "z"
+    detok.append(encode(tokenizer, "cabx"))  # text: zabcabcabx, no stop yet
+    assert detok.stop_reason is None
+    assert detok.get_delta(streaming=True) == "abcabcab"
+    assert detok.append(encode(tokenizer, "y")) == "xy"
+    assert detok.get_delta(streaming=True) == "" and detok.output_text == "zabcabcab"
 
 
 def test_stop_string_released_without_stop_text_when_it_completes(tokenizer: Any) -> None:

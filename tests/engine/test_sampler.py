@@ -13,6 +13,7 @@ from agentrt.engine.sampler import (
     SamplingMetadata,
     apply_penalties,
     apply_top_p,
+    draw_inverse_cdf,
     make_generator,
 )
 from agentrt.engine.sampling_params import SamplingParams
@@ -298,3 +299,10 @@ def test_metadata_skips_unused_stages() -> None:
     # A greedy row's top_k / seed does not turn on truncation or per-row draws.
     metadata = build([SamplingParams(temperature=0.0, top_k=5, seed=1)], 100)
     assert metadata.top_k is None and metadata.generators == {}
+
+
+def test_inverse_cdf_draw_never_returns_zero_probability_tokens() -> None:
+    probs = torch.tensor([[0.0, 0.3, 0.0, 0.7, 0.0, 0.0]] * 4)  # unnormalised is fine too
+    uniform = torch.tensor([[0.0], [0.2999], [0.3001], [1.0]])  # 1.0: rounding at the top end
+    assert draw_inverse_cdf(probs, uniform).tolist() == [1, 1, 3, 3]
+    assert draw_inverse_cdf(probs * 5, uniform).tolist() == [1, 1, 3, 3]
