@@ -80,10 +80,11 @@ def _gather_context(
     """K and V of one request's first seq_len positions, each [seq_len, num_kv_heads, head_dim]."""
     _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
     num_blocks = -(-seq_len // block_size)
-    kv = kv_cache[block_table[:num_blocks].long()]  # (nb, 2, bs, Hkv, D)
-    k = kv[:, 0].reshape(num_blocks * block_size, num_kv_heads, head_dim)[:seq_len]
-    v = kv[:, 1].reshape(num_blocks * block_size, num_kv_heads, head_dim)[:seq_len]
-    return k, v
+    table = block_table[:num_blocks].long()
+    # Index the K and V views separately: one gather each, already contiguous.
+    k = kv_cache[:, 0][table].view(num_blocks * block_size, num_kv_heads, head_dim)
+    v = kv_cache[:, 1][table].view(num_blocks * block_size, num_kv_heads, head_dim)
+    return k[:seq_len], v[:seq_len]
 
 
 def _attend_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -137,10 +138,9 @@ def _decode_batch(
         # Entries past a request's own blocks may hold anything: clamp them to a valid id;
         # the positions they cover are masked below.
         table = block_tables[idx, :num_blocks].long().clamp(0, num_blocks_total - 1)
-        kv = kv_cache[table]  # (r, nb, 2, bs, Hkv, D)
         padded = num_blocks * block_size
-        k = kv[:, :, 0].reshape(r, padded, num_kv_heads, head_dim).float()
-        v = kv[:, :, 1].reshape(r, padded, num_kv_heads, head_dim).float()
+        k = kv_cache[:, 0][table].view(r, padded, num_kv_heads, head_dim).float()  # (r, L, Hkv, D)
+        v = kv_cache[:, 1][table].view(r, padded, num_kv_heads, head_dim).float()
         valid = torch.arange(padded, device=device)[None, :] < ctx_lens[:, None]  # (r, L)
         # Unwritten cache slots may hold NaN; 0 * NaN would leak through the softmax weights.
         v = torch.where(valid[:, :, None, None], v, 0.0)
