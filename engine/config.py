@@ -49,10 +49,18 @@ class ModelConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        _check(self.device in ("cpu", "cuda") or self.device.startswith("cuda:"), "device",
-               self.device, "'cpu' or 'cuda[:N]'")
-        _check(self.max_model_len is None or self.max_model_len >= 1, "max_model_len",
-               self.max_model_len, "a positive integer or None")
+        _check(
+            self.device in ("cpu", "cuda") or self.device.startswith("cuda:"),
+            "device",
+            self.device,
+            "'cpu' or 'cuda[:N]'",
+        )
+        _check(
+            self.max_model_len is None or self.max_model_len >= 1,
+            "max_model_len",
+            self.max_model_len,
+            "a positive integer or None",
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,12 +72,24 @@ class CacheConfig:
     num_blocks: int | None = None
 
     def __post_init__(self) -> None:
-        _check(self.block_size in (8, 16, 32, 64, 128), "block_size", self.block_size,
-               "one of 8, 16, 32, 64, 128")
-        _check(self.kv_cache_memory_gb > 0, "kv_cache_memory_gb", self.kv_cache_memory_gb,
-               "a positive number of GiB")
-        _check(self.num_blocks is None or self.num_blocks >= 1, "num_blocks", self.num_blocks,
-               "a positive integer or None")
+        _check(
+            self.block_size in (8, 16, 32, 64, 128),
+            "block_size",
+            self.block_size,
+            "one of 8, 16, 32, 64, 128",
+        )
+        _check(
+            self.kv_cache_memory_gb > 0,
+            "kv_cache_memory_gb",
+            self.kv_cache_memory_gb,
+            "a positive number of GiB",
+        )
+        _check(
+            self.num_blocks is None or self.num_blocks >= 1,
+            "num_blocks",
+            self.num_blocks,
+            "a positive integer or None",
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,10 +107,13 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         _check(self.max_num_seqs >= 1, "max_num_seqs", self.max_num_seqs, "at least 1")
-        _check(self.max_num_batched_tokens >= 1, "max_num_batched_tokens",
-               self.max_num_batched_tokens, "at least 1")
-        _check(self.policy in ("fcfs", "priority"), "policy", self.policy,
-               "'fcfs' or 'priority'")
+        _check(
+            self.max_num_batched_tokens >= 1,
+            "max_num_batched_tokens",
+            self.max_num_batched_tokens,
+            "at least 1",
+        )
+        _check(self.policy in ("fcfs", "priority"), "policy", self.policy, "'fcfs' or 'priority'")
 
 
 @dataclass(frozen=True, slots=True)

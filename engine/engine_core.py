@@ -64,7 +64,5 @@ def _to_tokens(requests: list[Request], out: SamplerOutput) -> dict[str, Sampled
             tokens[request.req_id] = SampledToken(token_ids[row])
             continue
         top = dict(zip(top_ids[row][1 : 1 + num], top_logprobs[row][1 : 1 + num], strict=True))
-        tokens[request.req_id] = SampledToken(
-            token_ids[row], top_logprobs[row][0], ranks[row], top
-        )
+        tokens[request.req_id] = SampledToken(token_ids[row], top_logprobs[row][0], ranks[row], top)
     return tokens

@@ -108,8 +108,9 @@ class LLM:
         """Run every prompt to completion; outputs come back in prompt order. Prompts are
         strings or token-id lists. Every request is validated before any is queued."""
         prompt_list = _as_prompt_list(prompts)
-        return self._run([(p, p if isinstance(p, str) else None) for p in prompt_list],
-                         sampling_params, priority)
+        return self._run(
+            [(p, p if isinstance(p, str) else None) for p in prompt_list], sampling_params, priority
+        )
 
     def chat(
         self,
@@ -174,6 +175,7 @@ def _per_prompt(value, count: int, name: str) -> list:
     if len(value) != count:
         raise InvalidRequestError(
             f"{name} has {len(value)} entries for {count} prompts: pass one, or one per prompt.",
-            field=name, value=len(value),
+            field=name,
+            value=len(value),
         )
     return value

@@ -115,8 +115,10 @@ class OutputProcessor:
                 finish_reason, stop_reason = "stop", stop_str
                 if not core.finished:
                     to_abort.append(core.req_id)
-            completion.text = state.detokenizer.output_text
             out.num_cached_tokens = core.num_cached_tokens
+            if finish_reason is not None:
+                state.detokenizer.get_delta(streaming=False)  # final: flushes held-back text
+            completion.text = state.detokenizer.output_text
             if finish_reason is not None:
                 completion.finish_reason = finish_reason
                 completion.stop_reason = stop_reason

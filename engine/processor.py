@@ -35,24 +35,29 @@ class Processor:
     def tokenize(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
             if not prompt:
-                raise InvalidRequestError("prompt is empty: pass at least one character.",
-                                          field="prompt", value=prompt)
+                raise InvalidRequestError(
+                    "prompt is empty: pass at least one character.", field="prompt", value=prompt
+                )
             return self.tokenizer.encode(prompt)
         token_ids = [int(t) for t in prompt]
         bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise InvalidRequestError(
                 f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size}).",
-                field="prompt_token_ids", value=bad[:5],
+                field="prompt_token_ids",
+                value=bad[:5],
             )
         return token_ids
 
-    def chat_token_ids(self, messages: list[dict], *, add_generation_prompt: bool = True) -> list[int]:
+    def chat_token_ids(
+        self, messages: list[dict], *, add_generation_prompt: bool = True
+    ) -> list[int]:
         """The conversation rendered with the model's chat template, as token ids (the
         template spells out its special tokens, so none are added)."""
         if not messages:
-            raise InvalidRequestError("messages is empty: pass at least one message.",
-                                      field="messages", value=messages)
+            raise InvalidRequestError(
+                "messages is empty: pass at least one message.", field="messages", value=messages
+            )
         text = self.tokenizer.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=add_generation_prompt
         )
@@ -70,7 +75,8 @@ class Processor:
                 f"prompt is {num_prompt} tokens; the context length (max_model_len) is "
                 f"{self.max_model_len}, and at least one token must be generated. "
                 "Shorten the prompt.",
-                field="prompt", value=num_prompt,
+                field="prompt",
+                value=num_prompt,
             )
         room = self.max_model_len - num_prompt
         if params.max_tokens is not None and params.max_tokens > room:
@@ -78,7 +84,8 @@ class Processor:
                 f"max_tokens={params.max_tokens} is past the context: the prompt has "
                 f"{num_prompt} tokens and max_model_len is {self.max_model_len}, so at most "
                 f"{room} tokens can be generated.",
-                field="max_tokens", value=params.max_tokens,
+                field="max_tokens",
+                value=params.max_tokens,
             )
         max_tokens = room if params.max_tokens is None else params.max_tokens
         self._check_token_ids("stop_token_ids", params.stop_token_ids)
@@ -90,11 +97,16 @@ class Processor:
                 f"blocks) but the KV cache holds {self.num_kv_blocks} blocks of "
                 f"{self.block_size}; it could never be scheduled. Lower max_tokens or "
                 "raise kv_cache_memory_gb.",
-                field="max_tokens", value=max_tokens,
+                field="max_tokens",
+                value=max_tokens,
             )
         return Request(
-            req_id, token_ids, params, max_tokens=max_tokens,
-            eos_token_ids=self.eos_token_ids, priority=priority,
+            req_id,
+            token_ids,
+            params,
+            max_tokens=max_tokens,
+            eos_token_ids=self.eos_token_ids,
+            priority=priority,
         )
 
     def _check_token_ids(self, field: str, token_ids: tuple[int, ...]) -> None:
@@ -102,5 +114,6 @@ class Processor:
         if bad:
             raise InvalidRequestError(
                 f"{field} has token ids {bad[:5]} outside the vocabulary [0, {self.vocab_size}).",
-                field=field, value=bad[:5],
+                field=field,
+                value=bad[:5],
             )

@@ -46,7 +46,9 @@ class ModelArchConfig:
                 f"unsupported architecture {archs!r}: agentrt runs {', '.join(SUPPORTED_ARCHITECTURES)}."
             )
         rope = dict(config.get("rope_parameters") or {})
-        scaling = config.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+        scaling = config.get("rope_scaling") or (
+            rope if rope.get("rope_type", "default") != "default" else None
+        )
         theta = config.get("rope_theta", rope.get("rope_theta", 10000.0))
         num_heads = config["num_attention_heads"]
         eos = config.get("eos_token_id")

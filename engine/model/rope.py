@@ -11,9 +11,7 @@ from agentrt.engine.errors import ModelLoadError
 
 def inverse_frequencies(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
     """(head_dim // 2,) float32, computed exactly as transformers does."""
-    inv_freq = 1.0 / (
-        theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
-    )
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
     if rope_type == "default":
         return inv_freq

@@ -1,0 +1,90 @@
+"""`agentrt` command line: `agentrt generate "..."` and `agentrt chat`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+
+def _add_engine_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="local HF checkpoint dir or .gguf file (default: the embedded SmolLM2-135M-Instruct)",
+    )
+    parser.add_argument("--dtype", default="auto", help="auto, float32 or bfloat16")
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=None)
+
+
+def _params(args):
+    from agentrt.engine.sampling_params import SamplingParams
+
+    return SamplingParams(
+        temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens, seed=args.seed
+    )
+
+
+def _generate(args) -> int:
+    from agentrt.engine.llm import LLM
+
+    llm = LLM(args.model, dtype=args.dtype)
+    start = time.perf_counter()
+    (output,) = llm.generate(args.prompt, _params(args))
+    elapsed = time.perf_counter() - start
+    completion = output.outputs[0]
+    print(completion.text)
+    print(
+        f"[{len(completion.token_ids)} tokens in {elapsed:.2f}s, "
+        f"{len(completion.token_ids) / elapsed:.1f} tokens/s, finish: "
+        f"{completion.finish_reason}]",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def _chat(args) -> int:
+    from agentrt.engine.llm import LLM
+
+    llm = LLM(args.model, dtype=args.dtype)
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    print("agentrt chat — empty line or Ctrl-D to quit.", file=sys.stderr)
+    while True:
+        try:
+            line = input("you> ").strip()
+        except EOFError:
+            break
+        if not line:
+            break
+        messages.append({"role": "user", "content": line})
+        (output,) = llm.chat(messages, _params(args))
+        answer = output.outputs[0].text
+        print(f"assistant> {answer}")
+        messages.append({"role": "assistant", "content": answer})
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="agentrt", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    gen = commands.add_parser("generate", help="complete one prompt and print the text")
+    gen.add_argument("prompt")
+    _add_engine_args(gen)
+    chat = commands.add_parser("chat", help="an interactive chat on stdin")
+    chat.add_argument("--system", default=None, help="system prompt")
+    _add_engine_args(chat)
+    args = parser.parse_args(argv)
+    from agentrt.engine.errors import EngineError
+
+    try:
+        return _generate(args) if args.command == "generate" else _chat(args)
+    except EngineError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,82 @@
+"""The import arrows of DESIGN.md and the packaging layout."""
+
+from __future__ import annotations
+
+import ast
+import re
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+FOLDERS = {
+    "agentrt": "agentrt",
+    "engine": "agentrt.engine",
+    "grammar": "agentrt.grammar",
+    "kernels": "agentrt.kernels",
+}
+# What each package may import from the others (DESIGN.md, "Layout").
+ALLOWED = {
+    "agentrt": {"agentrt.engine", "agentrt.grammar"},
+    "agentrt.engine": {"agentrt.kernels", "agentrt.grammar"},
+    "agentrt.grammar": set(),
+    "agentrt.kernels": set(),
+}
+
+
+def _package_of(module: str) -> str | None:
+    for name in ("agentrt.engine", "agentrt.grammar", "agentrt.kernels"):
+        if module == name or module.startswith(name + "."):
+            return name
+    return "agentrt" if module == "agentrt" or module.startswith("agentrt.") else None
+
+
+def _imports(path: Path) -> list[str]:
+    modules = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            modules += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            modules.append(node.module)
+        # Relative imports (level > 0) stay inside their own package folder.
+    # importlib.import_module("agentrt....") strings count as imports too.
+    modules += re.findall(r"[\"'](agentrt(?:\.\w+)+)[\"']", path.read_text())
+    return modules
+
+
+def test_import_arrows():
+    violations = []
+    for folder, package in FOLDERS.items():
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            for module in _imports(path):
+                target = _package_of(module)
+                if target is None or target == package:
+                    continue
+                if target not in ALLOWED[package]:
+                    violations.append(f"{path.relative_to(ROOT)} imports {module}")
+    assert not violations, "import arrows broken:\n" + "\n".join(violations)
+
+
+def test_every_package_folder_is_listed_in_pyproject():
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    listed = set(config["packages"])
+    found = set()
+    for folder, package in FOLDERS.items():
+        assert config["package-dir"][package] == folder
+        for init in (ROOT / folder).rglob("__init__.py"):
+            rel = init.parent.relative_to(ROOT / folder)
+            found.add(".".join([package, *rel.parts]))
+    assert found == listed, f"pyproject packages {sorted(listed)} != folders {sorted(found)}"
+
+
+def test_nothing_generic_at_top_level_of_site_packages(tmp_path):
+    # Run outside the repository so only what is installed is importable.
+    code = (
+        "import importlib.util, agentrt.engine, agentrt.grammar, agentrt.kernels\n"
+        "print([m for m in ('engine', 'grammar', 'kernels') if importlib.util.find_spec(m)])"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True
+    )
+    assert result.stdout.strip() == "[]"
