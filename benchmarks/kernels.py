@@ -21,6 +21,7 @@ import sys
 import time
 
 import torch
+
 from agentrt.kernels import apply_token_bitmask_ref, paged_attention_ref, triton_available
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16

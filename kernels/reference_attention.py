@@ -3,13 +3,14 @@ merge of split-KV partial results.
 
 They define what the Triton kernels must compute, and they are the engine's CPU attention
 path, so they are vectorised: one batched computation for all decode requests (query run of
-1) and one per prefill request, never a Python loop per token. Softmax runs in fp32; outputs
-are cast back to the query dtype.
+1) and one per prefill request, never a Python loop per token. Attention runs in fp32
+(torch SDPA with an explicit mask); outputs are cast back to the query dtype.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from .checks import check_paged_attention, check_reshape_and_cache
 
@@ -88,24 +89,29 @@ def _gather_context(
 
 
 def _attend_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [n, H, D] at the last n of the L positions of k/v [L, Hkv, D]; returns [n, H, D]."""
+    """q [n, H, D] at the last n of the L positions of k/v [L, Hkv, D]; returns [n, H, D].
+
+    GQA without copying K/V: the group's query heads are folded into the query-row axis,
+    so each KV head is one SDPA batch entry. fp32 throughout, rounded once at the end.
+    """
     n, num_heads, head_dim = q.shape
     seq_len, num_kv_heads, _ = k.shape
     group = num_heads // num_kv_heads
-    kf, vf = k.float(), v.float()
+    kf = k.float().transpose(0, 1).unsqueeze(0)  # (1, Hkv, L, D)
+    vf = v.float().transpose(0, 1).unsqueeze(0)
     key_pos = torch.arange(seq_len, device=q.device)
     out = torch.empty_like(q)
-    # Chunk the query rows so the [Hkv, group, rows, L] score tensor stays bounded.
+    # Chunk the query rows so a materialised [Hkv, group * rows, L] score tensor stays bounded.
     rows = max(1, _MAX_TEMP_ELEMENTS // (num_heads * seq_len))
     for r0 in range(0, n, rows):
         qc = q[r0 : r0 + rows].float()
         m = qc.shape[0]
-        qg = qc.view(m, num_kv_heads, group, head_dim)  # (m, Hkv, G, D)
-        scores = torch.einsum("mhgd,khd->hgmk", qg, kf) * scale  # (Hkv, G, m, L)
+        qg = qc.view(m, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)  # (Hkv, G, m, D)
+        qg = qg.reshape(1, num_kv_heads, group * m, head_dim)  # (1, Hkv, G*m, D)
         q_pos = seq_len - n + r0 + torch.arange(m, device=q.device)
-        allowed = key_pos[None, :] <= q_pos[:, None]  # (m, L)
-        probs = scores.masked_fill(~allowed, float("-inf")).softmax(dim=-1)
-        ctx = torch.einsum("hgmk,khd->mhgd", probs, vf)  # (m, Hkv, G, D)
+        allowed = (key_pos[None, :] <= q_pos[:, None]).repeat(group, 1)  # (G*m, L)
+        ctx = F.scaled_dot_product_attention(qg, kf, vf, attn_mask=allowed, scale=scale)
+        ctx = ctx.view(num_kv_heads, group, m, head_dim).permute(2, 0, 1, 3)  # (m, Hkv, G, D)
         out[r0 : r0 + m] = ctx.reshape(m, num_heads, head_dim).to(q.dtype)
     return out
 
@@ -142,12 +148,18 @@ def _decode_batch(
         k = kv_cache[:, 0][table].view(r, padded, num_kv_heads, head_dim).float()  # (r, L, Hkv, D)
         v = kv_cache[:, 1][table].view(r, padded, num_kv_heads, head_dim).float()
         valid = torch.arange(padded, device=device)[None, :] < ctx_lens[:, None]  # (r, L)
-        # Unwritten cache slots may hold NaN; 0 * NaN would leak through the softmax weights.
+        # Unwritten cache slots may hold NaN, which a mask does not stop (NaN - inf, 0 * NaN).
+        k = torch.where(valid[:, :, None, None], k, 0.0)
         v = torch.where(valid[:, :, None, None], v, 0.0)
+        # The group's query heads share one mask row, so they ride the query-row axis.
         q = query[rows].float().view(r, num_kv_heads, group, head_dim)  # (r, Hkv, G, D)
-        scores = torch.einsum("rhgd,rkhd->rhgk", q, k) * scale  # (r, Hkv, G, L)
-        scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
-        ctx = torch.einsum("rhgk,rkhd->rhgd", scores.softmax(dim=-1), v)  # (r, Hkv, G, D)
+        ctx = F.scaled_dot_product_attention(
+            q,
+            k.transpose(1, 2),  # (r, Hkv, L, D)
+            v.transpose(1, 2),
+            attn_mask=valid[:, None, None, :],  # (r, 1, 1, L)
+            scale=scale,
+        )  # (r, Hkv, G, D)
         out[rows] = ctx.reshape(r, num_heads, head_dim).to(out.dtype)
 
 

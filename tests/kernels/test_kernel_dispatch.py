@@ -9,9 +9,10 @@ import subprocess
 import sys
 import textwrap
 
-import agentrt.kernels as kernels
 import pytest
 import torch
+
+import agentrt.kernels as kernels
 from agentrt.kernels import dispatch
 
 KERNELS_DIR = pathlib.Path(kernels.__file__).parent

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from agentrt.kernels import (
     apply_token_bitmask,
     apply_token_bitmask_ref,

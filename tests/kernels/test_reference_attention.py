@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from agentrt.kernels import (
     KernelInputError,
     merge_attn_states_ref,

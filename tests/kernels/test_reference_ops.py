@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+
 from agentrt.kernels import (
     KernelInputError,
     apply_token_bitmask_ref,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from agentrt.kernels import (
     KernelInputError,
     apply_token_bitmask_ref,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from agentrt.kernels import KernelInputError, paged_attention_ref, reshape_and_cache_ref
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
