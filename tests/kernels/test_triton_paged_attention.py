@@ -66,7 +66,7 @@ def test_paged_attention_matches_ref_gqa(
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("head_dim,block_size", [(64, 32), (128, 16), (128, 32)])
+@pytest.mark.parametrize("head_dim,block_size", [(64, 32), (128, 16), (128, 32), (96, 16)])
 def test_paged_attention_dtypes_and_shapes(
     tk, make_paged_batch, dense, tol, dtype, head_dim, block_size
 ):
