@@ -14,7 +14,7 @@ from typing import Any
 
 from .backend import BackendGrammar, GrammarBackend
 from .cache import RoutedSource
-from .errors import BackendUnavailableError, GrammarCompileError
+from .errors import BackendUnavailableError, GrammarCompileError, GrammarCompileTimeout
 from .limits import RunLimits, SchemaLimits
 from .normalize import normalize_schema
 from .report import GrammarReport, KeywordStatus, ReportBuilder
@@ -53,14 +53,15 @@ def compile_spec(
         # Text-or-call needs llguidance's %json embedding inside a Lark grammar.
         source = RoutedSource("llguidance", "lark", tool_calls_lark(schema), [], True)
         return source, build(source, get_backend, runs)
-    kind, text = _source_of(spec)
     errors: list[str] = []
-    for name in _readers(kind, order):
+    for name, kind, text in _sources(spec, order):
         source = RoutedSource(name, kind, text, [], spec.kind == "regex")
         try:
             return source, build(source, get_backend, runs)
         except BackendUnavailableError as exc:
             errors.append(exc.detail)
+        except GrammarCompileTimeout:
+            raise
         except GrammarCompileError as exc:
             errors.append(exc.detail)
     raise GrammarCompileError(f"cannot compile {spec.kind} spec: " + "; ".join(errors))
@@ -104,20 +105,21 @@ def report_of(source: RoutedSource) -> GrammarReport:
     return GrammarReport(source.backend, tuple(KeywordStatus(*e) for e in source.report))
 
 
-def _source_of(spec: GrammarSpec) -> tuple[str, str]:
-    if spec.kind == "regex":
-        return "regex", spec.text
-    if spec.kind == "text":
-        return "regex", r"(?s:.*)"
+def _sources(spec: GrammarSpec, order: tuple[str, ...]) -> list[tuple[str, str, str]]:
+    """(backend, source kind, source text) candidates in preference order."""
+    if spec.kind in ("regex", "text"):
+        pattern = spec.text if spec.kind == "regex" else r"(?s:.*)"
+        return [(b, "regex", pattern) for b in order if b != "outlines" or spec.kind == "regex"]
     if spec.kind == "choice":
         alts = " | ".join(json.dumps(c, ensure_ascii=False) for c in spec.json_value())
-        return "lark", f"start: {alts}\n"
-    return spec.option_dict.get("syntax", "lark"), spec.text
-
-
-def _readers(kind: str, order: tuple[str, ...]) -> list[str]:
-    readers = {"regex": order, "lark": ("llguidance",), "gbnf": ("xgrammar", "llguidance")}
-    return [b for b in readers[kind] if b in order]
+        by_backend = {
+            "llguidance": ("lark", f"start: {alts}\n"),
+            "xgrammar": ("gbnf", f"root ::= {alts}\n"),
+        }
+        return [(b, *by_backend[b]) for b in order if b in by_backend]
+    syntax = spec.option_dict.get("syntax", "lark")
+    readers = ("llguidance",) if syntax == "lark" else ("xgrammar", "llguidance")
+    return [(b, syntax, spec.text) for b in readers if b in order]
 
 
 def _compile_json(
@@ -146,6 +148,8 @@ def _compile_json(
             except BackendUnavailableError as exc:
                 errors.append(exc.detail)
                 break
+            except GrammarCompileTimeout:
+                raise
             except GrammarCompileError as exc:
                 more = unimplemented_keys(exc.detail) - drop
                 if not more:

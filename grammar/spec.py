@@ -120,12 +120,12 @@ class GrammarSpec:
         """
         canonical_tools, choice = tool_call_spec_text(tools, tool_choice)
         if choice == "none":
-            return cls.text()
+            return cls.any_text()
         options = (("parallel", "1" if parallel_tool_calls else "0"), ("tool_choice", choice))
         return cls("tools", _dumps(canonical_tools), options)
 
     @classmethod
-    def text(cls) -> GrammarSpec:
+    def any_text(cls) -> GrammarSpec:
         """Any text at all (no constraint); useful as the neutral element."""
         return cls("text", "")
 

@@ -9,6 +9,7 @@ jobs never queue others behind them (up to `max_workers`).
 
 from __future__ import annotations
 
+import atexit
 import heapq
 import itertools
 import queue
@@ -41,6 +42,11 @@ class CompileWorkers:
         self._counter = itertools.count()
         self._wake = threading.Condition(self._lock)
         self._watchdog: threading.Thread | None = None
+        self._num_running = 0
+        self._idle = threading.Condition(self._lock)
+        # A native compile still running when the interpreter tears down its threads aborts
+        # the process; let in-flight jobs finish first (bounded).
+        atexit.register(self.wait_idle, 60.0)
 
     def submit(
         self, job: Callable[[], None], future: Future, budget_s: float,
@@ -74,7 +80,18 @@ class CompileWorkers:
             job = self._jobs.get()
             with self._lock:
                 self._num_idle -= 1
-            job()
+                self._num_running += 1
+            try:
+                job()
+            finally:
+                with self._lock:
+                    self._num_running -= 1
+                    self._idle.notify_all()
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Wait until no job runs (abandoned ones included); False on timeout."""
+        with self._lock:
+            return self._idle.wait_for(lambda: self._num_running == 0, timeout_s)
 
     def _watch(self) -> None:
         with self._lock:
