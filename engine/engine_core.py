@@ -26,6 +26,7 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    @torch.inference_mode()
     def step(self) -> list[EngineCoreOutput]:
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:

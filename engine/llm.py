@@ -121,7 +121,11 @@ class LLM:
     ) -> list[RequestOutput]:
         """One conversation (a list of {"role", "content"} dicts) or a list of them, rendered
         with the model's chat template."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        if not messages:
+            raise InvalidRequestError(
+                "messages is empty: pass at least one message.", field="messages", value=messages
+            )
+        conversations = [messages] if isinstance(messages[0], dict) else messages
         prompts = []
         for conversation in conversations:
             ids = self.processor.chat_token_ids(

@@ -1,0 +1,79 @@
+"""Greedy fp32 token ids equal HF transformers `generate`, one request at a time and in one
+continuous batch, on the embedded model and on tiny random Llama / Qwen2 / Qwen3 / Mistral
+models; also under chunked prefill and KV pressure that forces preemption."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from agentrt.engine.llm import LLM
+from agentrt.engine.sampling_params import SamplingParams
+from tests.engine.conftest import hf_greedy
+
+PROMPTS = [
+    "The history of Rome",
+    "def fibonacci(n):",
+    "Once upon a time, in a land far away,",
+    "1, 2, 3, 4,",
+    "Translate to French: I love cheese.",
+    "<|im_start|>user\nWhat is the capital of Japan?<|im_end|>\n<|im_start|>assistant\n",
+    "Q: What is 17 * 3?\nA:",
+    "Emoji party: 🎉 and 日本語のテキスト",
+    "A long list of fruits: apple, banana, cherry, date, elderberry, fig, grape, honeydew, "
+    "kiwi, lemon, mango, nectarine, orange, papaya, quince, raspberry, strawberry,",
+]
+NUM_TOKENS = 64
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def hf_reference(smollm2_llm, hf_smollm2) -> list[list[int]]:
+    tokenizer = smollm2_llm.tokenizer
+    return [hf_greedy(hf_smollm2, tokenizer.encode(p), NUM_TOKENS) for p in PROMPTS]
+
+
+def _token_ids(outputs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def test_embedded_model_batched_equals_hf(smollm2_llm, hf_reference):
+    assert _token_ids(smollm2_llm.generate(PROMPTS, GREEDY)) == hf_reference
+
+
+def test_embedded_model_one_at_a_time_equals_hf(smollm2_llm, hf_reference):
+    for prompt, expected in zip(PROMPTS, hf_reference, strict=True):
+        assert _token_ids(smollm2_llm.generate(prompt, GREEDY)) == [expected], prompt
+
+
+@pytest.mark.parametrize(
+    "engine_args",
+    [
+        pytest.param({"max_num_batched_tokens": 7}, id="chunked-prefill-7"),
+        pytest.param({"max_num_batched_tokens": 32, "max_num_seqs": 3}, id="chunked-32-seqs3"),
+        # 12 blocks of 16 = 192 tokens for 9 requests of up to ~100 tokens: must preempt.
+        pytest.param({"num_kv_blocks": 12}, id="preemption"),
+        pytest.param({"block_size": 32, "max_num_batched_tokens": 50}, id="block32"),
+    ],
+)
+def test_embedded_model_under_scheduling_pressure_equals_hf(smollm2_dir, hf_reference, engine_args):
+    llm = LLM(None, dtype="float32", **engine_args)
+    assert _token_ids(llm.generate(PROMPTS, GREEDY)) == hf_reference
+    if "num_kv_blocks" in engine_args:
+        assert llm.scheduler.num_preemptions > 0
+    llm.kv_manager.check_invariants()
+    assert llm.kv_manager.pool.num_free_blocks == llm.kv_manager.num_blocks
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
+def test_tiny_models_equal_hf(tiny_checkpoint, arch):
+    from transformers import AutoModelForCausalLM
+
+    path = tiny_checkpoint(arch)
+    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    llm = LLM(str(path), dtype="float32", kv_cache_memory_gb=0.05, max_num_batched_tokens=40)
+    prompts = [llm.tokenizer.encode(p) for p in PROMPTS]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    expected = [hf_greedy(hf, ids, 24) for ids in prompts]
+    assert _token_ids(llm.generate(prompts, params)) == expected
+    assert _token_ids(llm.generate(prompts[0], params)) == expected[:1]
