@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from itertools import chain
 
 import torch
+
 from agentrt.engine.errors import InvalidRequestError
 from agentrt.engine.sampling_params import SamplingParams
 

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+
 from agentrt.engine.model.checkpoint import resolve_model
 from agentrt.engine.model.tiny import make_tiny_checkpoint
 

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import save_file
+
 from agentrt.engine.errors import ModelLoadError
 from agentrt.engine.model.checkpoint import (
     SUPPORTED_ARCHITECTURES,
@@ -18,7 +20,6 @@ from agentrt.engine.model.checkpoint import (
 )
 from agentrt.engine.model.gguf_convert import embedded_gguf_path
 from agentrt.engine.model.tiny import TINY_ARCHS, make_tiny_checkpoint
-from safetensors.torch import save_file
 
 # --- the embedded model through the public API ------------------------------------------
 

@@ -8,10 +8,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from agentrt.engine.detokenizer import IncrementalDetokenizer
-from agentrt.engine.errors import EngineError
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
+from agentrt.engine.detokenizer import IncrementalDetokenizer
+from agentrt.engine.errors import EngineError
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 

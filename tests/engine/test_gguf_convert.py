@@ -13,6 +13,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
+
 from agentrt.engine.errors import ModelLoadError
 from agentrt.engine.model import gguf_convert
 from agentrt.engine.model.checkpoint import load_state_dict, resolve_model

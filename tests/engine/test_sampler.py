@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+
 from agentrt.engine.errors import InvalidRequestError
 from agentrt.engine.sampler import (
     TOP_P_CANDIDATES,
