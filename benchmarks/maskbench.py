@@ -168,15 +168,19 @@ class LLGuidanceEngine:
         return done, done
 
 
-def run_schema(engine: Any, item: dict[str, Any], tok: Any, res: Result) -> None:
+def run_schema(engine: Any, item: dict[str, Any], tok: Any, res: Result, verbose: bool) -> None:
     res.n += 1
     t0 = time.perf_counter()
     try:
         grammar = engine.compile(item["schema"])
         first = engine.start(grammar)
         engine.fill(first)
-    except Exception:  # every engine's refusal counts the same way
+    except Exception as exc:  # every engine's refusal counts the same way
         res.compile_errors += 1
+        if verbose:
+            print(
+                f"  {engine.name} {item['name']}: compile error: {str(exc)[:160]}", file=sys.stderr
+            )
         return
     res.ttfm.append(time.perf_counter() - t0)
     valid_rejected = invalid_accepted = invalid_accepted_grammar = False
@@ -199,6 +203,9 @@ def run_schema(engine: Any, item: dict[str, Any], tok: Any, res: Result) -> None
             invalid_accepted = True
         if not test["valid"] and grammar_ok:
             invalid_accepted_grammar = True
+    if verbose and (valid_rejected or invalid_accepted):
+        what = "valid rejected" if valid_rejected else "invalid accepted"
+        print(f"  {engine.name} {item['name']}: {what}", file=sys.stderr)
     res.valid_rejected += valid_rejected
     res.invalid_accepted += invalid_accepted
     res.invalid_accepted_grammar += invalid_accepted_grammar
@@ -212,12 +219,13 @@ def main() -> None:
     ap.add_argument("--engines", default="agentrt,xgrammar,llguidance")
     ap.add_argument("--tokenizer", default=None, help="HF tokenizer dir (default: SmolLM2)")
     ap.add_argument("--timeout", type=float, default=10.0, help="agentrt compile budget, s")
+    ap.add_argument("--verbose", action="store_true", help="name failing schemas on stderr")
     args = ap.parse_args()
 
     files = sorted(p for p in Path(args.data).glob("*.json"))
     if args.sample:
         files = sorted(random.Random(0).sample(files, min(args.sample, len(files))))
-    items = [json.loads(p.read_text()) for p in files]
+    items = [json.loads(p.read_text()) | {"name": p.name} for p in files]
     tok = load_tokenizer(args.tokenizer)
     engines = {"agentrt": AgentrtEngine, "xgrammar": XGrammarEngine, "llguidance": LLGuidanceEngine}
     summary: dict[str, Any] = {"data": args.data, "schemas": len(items), "sample": args.sample}
@@ -226,7 +234,7 @@ def main() -> None:
         res = Result(name)
         t0 = time.perf_counter()
         for item in items:
-            run_schema(engine, item, tok, res)
+            run_schema(engine, item, tok, res, args.verbose)
         summary[name] = res.summary() | {"wall_s": round(time.perf_counter() - t0, 1)}
         print(f"{name:<11} " + " ".join(f"{k}={v}" for k, v in summary[name].items()), flush=True)
     print(json.dumps(summary))

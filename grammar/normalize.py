@@ -70,6 +70,17 @@ class _Walker:
         self.root = root
         self.report = report
         self.has_recursion = False
+        draft = str(root.get("$schema", ""))
+        # Up to draft 7, keywords next to $ref are ignored; from 2019-09 they also apply.
+        self.ref_overrides = any(f"draft-0{n}" in draft for n in (3, 4, 6, 7))
+
+    def _ref_siblings(self, node: dict[str, Any], path: str) -> dict[str, Any]:
+        ref = {"$ref": node.pop("$ref")}
+        if self.ref_overrides:
+            for key in node:
+                self.report.add(key, "annotation", path, "ignored next to $ref (draft <= 7)")
+            return ref
+        return {"allOf": [ref, node]}  # folded by merge_all_of below where exact
 
     def node(self, node: Any, path: str) -> Any:
         if isinstance(node, bool):
@@ -113,6 +124,8 @@ class _Walker:
                 }
             else:
                 out[key] = value
+        if "$ref" in out and len(out) > 1:
+            out = self._ref_siblings(out, path)
         _draft4_bounds(out)
         if isinstance(out.get("type"), list) and len(out["type"]) == 1:
             out["type"] = out["type"][0]

@@ -18,7 +18,7 @@ from .errors import BackendUnavailableError, GrammarCompileError, GrammarCompile
 from .limits import RunLimits, SchemaLimits
 from .normalize import normalize_schema
 from .report import GrammarReport, KeywordStatus, ReportBuilder
-from .router import relax_for, unimplemented_keys
+from .router import keys_to_drop, relax_for
 from .spec import GrammarSpec
 from .tools import tool_calls_lark, tool_calls_schema
 
@@ -136,7 +136,7 @@ def _compile_json(
     errors: list[str] = []
     for name in order:
         drop: frozenset[str] = frozenset()
-        for _attempt in range(2):
+        for _attempt in range(3):
             report = base.copy()
             relaxed = relax_for(name, normalized.schema, report, drop)
             # xgrammar approximates some keywords it claims: always check its output.
@@ -151,11 +151,11 @@ def _compile_json(
             except GrammarCompileTimeout:
                 raise
             except GrammarCompileError as exc:
-                more = unimplemented_keys(exc.detail) - drop
+                more = keys_to_drop(exc.detail) - drop
                 if not more:
                     errors.append(exc.detail)
                     break
-                drop |= more  # one retry without the keywords the backend named
+                drop |= more  # retry without the constructs the backend named
     raise GrammarCompileError(_explain(schema, errors), reason="invalid_schema")
 
 

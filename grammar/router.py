@@ -48,8 +48,28 @@ FORMATS: dict[str, frozenset[str]] = {
         {"date-time", "time", "date", "duration", "email", "ipv4", "ipv6", "uuid"}
     ),
 }
-# Regex features neither backend's lexer supports (look-around, back-references).
-_UNSUPPORTED_REGEX = re.compile(r"\(\?<?[=!]|\\[1-9]|\\k<")
+# Every keyword with a meaning for validation; anything else is an annotation (JSON Schema
+# ignores unknown keywords), so it is reported as such and never post-checked.
+ASSERTIONS = frozenset(
+    {
+        "type", "enum", "const", "multipleOf", "maximum", "exclusiveMaximum", "minimum",
+        "exclusiveMinimum", "maxLength", "minLength", "pattern", "maxItems", "minItems",
+        "uniqueItems", "maxContains", "minContains", "contains", "maxProperties",
+        "minProperties", "required", "dependentRequired", "dependencies", "properties",
+        "patternProperties", "additionalProperties", "propertyNames", "items", "prefixItems",
+        "unevaluatedItems", "unevaluatedProperties", "allOf", "anyOf", "oneOf", "not", "if",
+        "then", "else", "dependentSchemas", "format", "$dynamicRef", "$recursiveRef",
+    }
+)  # fmt: skip
+# Regex features the backends' lexers lack: look-around, back-references, and anchors
+# anywhere but at the very start or end.
+_UNSUPPORTED_REGEX = re.compile(r"\(\?<?[=!]|\\[1-9]|\\k<|(?<!\\)\$(?!$)|(?<=[^\\\[(|])\^")
+# llguidance errors that name a construct it cannot build, and what to drop on retry.
+_RETRY_DROPS = (
+    ("circular references with sibling keys", "allOf"),
+    ("intersection stack level exceeded", "allOf"),
+    ("patternProperty regexes", "patternProperties"),
+)
 _UNIMPLEMENTED = re.compile(r"Unimplemented keys: \[([^\]]*)\]")
 
 
@@ -80,7 +100,21 @@ def relax_for(
                 else:
                     out["anyOf"] = branches
                 continue
+            if key not in ASSERTIONS:
+                report.add(key, "annotation", path, "unknown keyword")
+                continue
             if key not in caps or not _keeps(backend, key, value, node, formats):
+                report.add(key, "post_checked", path)
+                if key == "patternProperties" and "additionalProperties" in node:
+                    # Without its patterns, additionalProperties would wrongly forbid keys.
+                    out.pop("additionalProperties", None)
+                    report.add("additionalProperties", "post_checked", path)
+                continue
+            if (
+                key == "additionalProperties"
+                and "patternProperties" in node
+                and ("patternProperties" not in caps)
+            ):
                 report.add(key, "post_checked", path)
                 continue
             report.add(key, "enforced", path)
@@ -114,9 +148,9 @@ def _keeps(backend: str, key: str, value: Any, node: dict[str, Any], formats: fr
     return True
 
 
-def unimplemented_keys(error: str) -> frozenset[str]:
-    """Keywords named in an llguidance "Unimplemented keys" error (for one retry)."""
+def keys_to_drop(error: str) -> frozenset[str]:
+    """Keywords to relax after a backend error naming a construct it cannot build."""
     match = _UNIMPLEMENTED.search(error)
-    if not match:
-        return frozenset()
-    return frozenset(k.strip().strip('"') for k in match.group(1).split(",") if k.strip())
+    if match:
+        return frozenset(k.strip().strip('"') for k in match.group(1).split(",") if k.strip())
+    return frozenset(key for text, key in _RETRY_DROPS if text in error)

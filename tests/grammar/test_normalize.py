@@ -92,3 +92,15 @@ def test_pydantic_nullable_and_defs_are_kept_working() -> None:
     out, _ = norm(schema)
     assert out["properties"]["pet"] == {"anyOf": [{"$ref": "#/$defs/Pet"}, {"type": "null"}]}
     assert out["$defs"]["Pet"] == {"type": "object", "properties": {"n": {"type": "string"}}}
+
+
+def test_ref_siblings_follow_the_draft() -> None:
+    defs = {"D": {"type": "object", "properties": {"a": {"type": "integer"}}}}
+    new, _ = norm({"$defs": defs, "properties": {"x": {"$ref": "#/$defs/D", "required": ["a"]}}})
+    assert new["properties"]["x"] == {**defs["D"], "required": ["a"]}  # intersection, inlined
+    old, report = norm({
+        "$schema": "http://json-schema.org/draft-04/schema#", "definitions": defs,
+        "properties": {"x": {"$ref": "#/definitions/D", "type": "string"}},
+    })  # fmt: skip
+    assert old["properties"]["x"] == {"$ref": "#/definitions/D"}  # sibling ignored (draft 4)
+    assert "type" in report.build("none").annotations
