@@ -64,7 +64,14 @@ def compile_spec(
             raise
         except GrammarCompileError as exc:
             errors.append(exc.detail)
-    raise GrammarCompileError(f"cannot compile {spec.kind} spec: " + "; ".join(errors))
+    if not errors:
+        errors.append(
+            f"no backend among {order} reads it (Lark grammars need llguidance; GBNF needs "
+            "xgrammar or llguidance; choices and regexes work on every backend)"
+        )
+    raise GrammarCompileError(
+        f"cannot compile {spec.kind} spec: " + "; ".join(errors), reason="unsupported"
+    )
 
 
 def build(source: RoutedSource, get_backend: GetBackend, runs: RunLimits) -> BackendGrammar:
@@ -112,7 +119,9 @@ def _sources(spec: GrammarSpec, order: tuple[str, ...]) -> list[tuple[str, str, 
         return [(b, "regex", pattern) for b in order if b != "outlines" or spec.kind == "regex"]
     if spec.kind == "choice":
         alts = " | ".join(json.dumps(c, ensure_ascii=False) for c in spec.json_value())
+        escaped = "|".join(_regex_escape(c) for c in spec.json_value())
         by_backend = {
+            "outlines": ("regex", f"({escaped})"),
             "llguidance": ("lark", f"start: {alts}\n"),
             "xgrammar": ("gbnf", f"root ::= {alts}\n"),
         }
@@ -120,6 +129,11 @@ def _sources(spec: GrammarSpec, order: tuple[str, ...]) -> list[tuple[str, str, 
     syntax = spec.option_dict.get("syntax", "lark")
     readers = ("llguidance",) if syntax == "lark" else ("xgrammar", "llguidance")
     return [(b, syntax, spec.text) for b in readers if b in order]
+
+
+def _regex_escape(text: str) -> str:
+    """Escape only regex metacharacters (portable across Rust, C++ and Python dialects)."""
+    return "".join("\\" + ch if ch in r"\.^$|?*+()[]{}" else ch for ch in text)
 
 
 def _compile_json(
@@ -139,8 +153,8 @@ def _compile_json(
         for _attempt in range(3):
             report = base.copy()
             relaxed = relax_for(name, normalized.schema, report, drop)
-            # xgrammar approximates some keywords it claims: always check its output.
-            gate = bool(report.build(name).post_checked) or name == "xgrammar"
+            # xgrammar and outlines approximate some keywords they claim: always check.
+            gate = bool(report.build(name).post_checked) or name != "llguidance"
             entries = [list(dataclasses.astuple(e)) for e in report.build(name).entries]
             source = RoutedSource(name, "json", json.dumps(relaxed), entries, gate)
             try:

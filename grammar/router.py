@@ -28,6 +28,7 @@ CAPABILITIES: dict[str, frozenset[str]] = {
     "llguidance": _COMMON
     | {"allOf", "patternProperties", "multipleOf", "minProperties", "maxProperties"},
     "xgrammar": _COMMON,
+    "outlines": _COMMON - {"pattern", "format"} | {"allOf"},
 }
 FORMATS: dict[str, frozenset[str]] = {
     "llguidance": frozenset(
@@ -47,6 +48,7 @@ FORMATS: dict[str, frozenset[str]] = {
     "xgrammar": frozenset(
         {"date-time", "time", "date", "duration", "email", "ipv4", "ipv6", "uuid"}
     ),
+    "outlines": frozenset(),
 }
 # Every keyword with a meaning for validation; anything else is an annotation (JSON Schema
 # ignores unknown keywords), so it is reported as such and never post-checked.
