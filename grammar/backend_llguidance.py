@@ -117,7 +117,8 @@ class LLGuidanceMatcher:
         if token_id in self._stop:
             if not self._m.is_accepting():
                 return False
-            self._m.consume_token(token_id)
+            # The stop token is not fed to llguidance: it does not count it as a token once
+            # the grammar is already complete, which would make rollback(n) miscount.
             self._terminated = True
             return True
         if self._m.validate_tokens([token_id]) != 1:
@@ -133,7 +134,9 @@ class LLGuidanceMatcher:
     def rollback(self, num_tokens: int) -> None:
         if num_tokens and self._terminated:
             self._terminated = False
-        self._m.rollback(num_tokens)
+            num_tokens -= 1  # the stop token never reached llguidance
+        if num_tokens:
+            self._m.rollback(num_tokens)
 
     def forced_tokens(self) -> list[int]:
         if self._terminated:

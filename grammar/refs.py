@@ -34,6 +34,22 @@ def resolve_pointer(root: Any, ref: str) -> Any:
     return node
 
 
+def find_anchor(root: Any, name: str) -> Any | None:
+    """The subschema declaring plain-name fragment `name` ($anchor, or a draft-4-7 `#id`)."""
+    stack = [root]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            if node.get("$anchor") == name or node.get("$id") == f"#{name}":
+                return node
+            if node.get("id") == f"#{name}":
+                return node
+            stack.extend(v for k, v in node.items() if k not in ("enum", "const", "default"))
+        elif isinstance(node, list):
+            stack.extend(node)
+    return None
+
+
 def localize_refs(schema: dict[str, Any]) -> dict[str, Any]:
     """Return a copy of `schema` whose refs are all `#`, `#/$defs/X` or `#/definitions/X`."""
     root = copy.deepcopy(schema)
@@ -56,8 +72,17 @@ def localize_refs(schema: dict[str, Any]) -> dict[str, Any]:
             return "#" if ref == "#/" else ref
         if ref not in materialized:
             name = f"ref__{len(materialized)}"
+            if len(ref) > 1 and ref[1] != "/":  # plain-name fragment: an anchor
+                target = find_anchor(root, unquote(ref[1:]))
+                if target is None:
+                    raise GrammarCompileError(
+                        f"$ref {ref!r} names an anchor that no subschema declares "
+                        '(expected "$anchor" or "$id": "#name")'
+                    )
+            else:
+                target = resolve_pointer(root, ref)
             materialized[ref] = name
-            new_defs[name] = copy.deepcopy(resolve_pointer(root, ref))
+            new_defs[name] = copy.deepcopy(target)
             pending.append(new_defs[name])
         return f"#/$defs/{materialized[ref]}"
 

@@ -12,6 +12,7 @@ import json
 import re
 from typing import Any
 
+from .formats import format_checker
 from .spec import GrammarSpec
 from .tools import tool_calls_schema
 
@@ -71,7 +72,7 @@ def _json_validator(schema: Any) -> Any:
     # No check_schema here: it costs milliseconds per compile, and the backends already
     # refused malformed schemas.
     cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
-    return cls(schema, format_checker=cls.FORMAT_CHECKER)
+    return cls(schema, format_checker=format_checker(cls.FORMAT_CHECKER))
 
 
 def _schema_errors(validator: Any, value: Any) -> list[str]:

@@ -205,3 +205,27 @@ def test_pathological_schema_hits_time_budget_and_others_go_on(synth_tok) -> Non
     with pytest.raises(GrammarCompileTimeout):
         slow.result(timeout=30)
     assert compiler._workers.wait_idle(60)  # abandoned native work drains in the background
+
+
+def test_rollback_over_the_stop_token(synth_compiler, synth_tok) -> None:
+    g = synth_compiler.compile(GrammarSpec.from_json_schema(PERSON))
+    m = g.matcher()
+    ids = synth_tok.encode('{"name": "Al", "ok": true}', add_special_tokens=False)
+    assert m.accept_tokens([*ids, 0]) == len(ids) + 1 and m.is_terminated()
+    m.rollback(1)  # a rejected speculative <eos>
+    assert not m.is_terminated() and m.can_terminate()
+    m.rollback(1)
+    assert not m.can_terminate() and m.accept_token(ids[-1]) and m.can_terminate()
+
+
+def test_final_validation_checks_formats_without_optional_packages(auto_compiler) -> None:
+    schema = {
+        "type": "object",
+        "properties": {"when": {"type": "string", "format": "duration"},
+                       "link": {"type": "string", "format": "uri-reference"}},
+    }  # fmt: skip
+    m = auto_compiler.compile(GrammarSpec.from_json_schema(schema)).matcher()
+    assert m.validate_final('{"when": "P3DT4H", "link": "../a/b"}') == []
+    errors = m.validate_final('{"when": "3 days", "link": "://"}')
+    assert len(errors) == 2 and all("is not a" in e for e in errors)
+    assert m.validate_final('{"when": ') and "not valid JSON" in m.validate_final("{")[0]

@@ -104,3 +104,13 @@ def test_ref_siblings_follow_the_draft() -> None:
     })  # fmt: skip
     assert old["properties"]["x"] == {"$ref": "#/definitions/D"}  # sibling ignored (draft 4)
     assert "type" in report.build("none").annotations
+
+
+def test_anchor_refs_resolve() -> None:
+    schema = {
+        "properties": {"p": {"$ref": "#prio"}},
+        "definitions": {"x": {"$id": "#prio", "type": "integer"}},
+    }
+    out = localize_refs(schema)
+    ref = out["properties"]["p"]["$ref"]
+    assert out["$defs"][ref.split("/")[-1]]["type"] == "integer"
