@@ -99,7 +99,8 @@ def test_forced_tokens_follow_the_schema(real_compiler, smollm2_tok) -> None:
 @pytest.mark.skipif(not MASKBENCH.exists(), reason="MaskBench data not present")
 @pytest.mark.parametrize(
     "name", ["Github_easy---o10010.json", "Kubernetes---kb_9_Normalized.json",
-             "Snowplow---sp_1_Normalized.json", "WashingtonPost---wp_5_Normalized.json"],
+             "Snowplow---sp_1_Normalized.json", "WashingtonPost---wp_13_Normalized.json",
+             "JsonSchemaStore---openrewrite.json"],
 )  # fmt: skip
 def test_maskbench_cases(real_compiler, smollm2_tok, name: str) -> None:
     item = json.loads((MASKBENCH / name).read_text())
