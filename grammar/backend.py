@@ -34,6 +34,25 @@ class TokenizerData:
     stop_token_ids: tuple[int, ...]
     token_bytes: tuple[bytes, ...]
     fingerprint: str
+    digit_start_words: np.ndarray  # uint32 [ceil(vocab_size/32)]: token starts with a digit
+    digit_only: np.ndarray  # bool [vocab_size]: token is all digits
+    digit_tail: np.ndarray  # int32 [vocab_size]: digits at the end of the token
+
+
+def digit_tables(token_bytes: tuple[bytes, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per-token digit facts used to cap digit runs (see RunLimits.max_digit_run)."""
+    n = len(token_bytes)
+    starts = np.zeros(((n + 31) // 32) * 32, dtype=bool)
+    only = np.zeros(n, dtype=bool)
+    tail = np.zeros(n, dtype=np.int32)
+    for i, data in enumerate(token_bytes):
+        if data[:1].isdigit():
+            starts[i] = True
+        stripped = data.rstrip(b"0123456789")
+        tail[i] = len(data) - len(stripped)
+        only[i] = bool(data) and not stripped
+    words = np.packbits(starts.reshape(-1, 32)[:, ::-1], axis=1).view(">u4").astype(np.uint32)
+    return words.reshape(-1), only, tail
 
 
 class BackendMatcher(Protocol):

@@ -15,7 +15,7 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
-from .backend import BackendGrammar, GrammarBackend, TokenizerData
+from .backend import BackendGrammar, GrammarBackend, TokenizerData, digit_tables
 from .cache import DiskCache, GrammarCache
 from .errors import GrammarCompileError, GrammarCompileTimeout, GrammarSpecError
 from .limits import RunLimits, SchemaLimits
@@ -26,6 +26,7 @@ from .validate import FinalValidator
 from .workers import CompileWorkers, settle
 
 BACKENDS = ("llguidance", "xgrammar", "outlines")
+_JSON_KINDS = ("json_schema", "tools")
 
 
 class GrammarCompiler:
@@ -152,6 +153,7 @@ class GrammarCompiler:
             backend_grammar=backend_grammar,
             validator=FinalValidator(spec),
             gate_eos=routed.gate_eos,
+            max_digit_run=self.run_limits.max_digit_run if spec.kind in _JSON_KINDS else 0,
             tok=self.tok,
             compile_seconds=time.perf_counter() - start,
         )
@@ -215,4 +217,7 @@ def _tokenizer_data(hf: Any, vocab_size: int | None, stop_ids: list[int] | None)
     token_bytes = token_bytes + (b"",) * (width - len(token_bytes))
     digest = hashlib.sha256(b"\0".join(token_bytes[:n]))
     digest.update(f"{width}|{sorted(stop_ids)}".encode())
-    return TokenizerData(hf, width, n, tuple(stop_ids), token_bytes, digest.hexdigest()[:16])
+    starts, only, tail = digit_tables(token_bytes)
+    return TokenizerData(
+        hf, width, n, tuple(stop_ids), token_bytes, digest.hexdigest()[:16], starts, only, tail
+    )

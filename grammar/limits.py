@@ -2,9 +2,8 @@
 
 `SchemaLimits` caps what a schema may contain before any backend sees it (size, nesting
 depth, enum sizes), so a hostile or accidental giant schema fails fast with a clear error.
-`RunLimits` bounds whitespace runs in generated JSON so that constrained output always
-terminates (a model cannot pad forever with spaces). Numbers are bounded by the backends'
-number lexemes only; see the report in README of the grammar layer.
+`RunLimits` bounds whitespace runs and digit runs in generated JSON so that constrained
+output always terminates (a model cannot pad forever with spaces or digits).
 """
 
 from __future__ import annotations
@@ -77,10 +76,13 @@ class RunLimits:
     whitespace, i.e. `json.dumps` output; it also makes jump-forward effective (keys and
     punctuation are forced). "bounded" = any JSON whitespace, in runs of at most
     `max_whitespace` characters (pretty-printed output).
+    max_digit_run: longest run of consecutive digits in JSON output (numbers, and digits
+    inside strings too: the matcher cannot tell them apart cheaply); 0 disables the cap.
     """
 
     json_whitespace: str = "compact"
     max_whitespace: int = 12
+    max_digit_run: int = 64
 
     def __post_init__(self) -> None:
         if self.json_whitespace not in ("compact", "bounded"):
@@ -88,6 +90,8 @@ class RunLimits:
                 f"RunLimits.json_whitespace must be 'compact' or 'bounded', "
                 f"got {self.json_whitespace!r}"
             )
+        if self.max_digit_run < 0:
+            raise ValueError(f"RunLimits.max_digit_run must be >= 0, got {self.max_digit_run}")
         if self.max_whitespace < 0:
             raise ValueError(f"RunLimits.max_whitespace must be >= 0, got {self.max_whitespace}")
 

@@ -31,6 +31,7 @@ class Grammar:
     gate_eos: bool
     tok: TokenizerData
     compile_seconds: float
+    max_digit_run: int = 0  # 0 = no cap (see RunLimits.max_digit_run)
 
     @property
     def backend(self) -> str:
@@ -58,6 +59,7 @@ class GrammarMatcher:
         self._token_ids: list[int] = []
         self._gate_cache: tuple[int, bool] | None = None  # (num_tokens, text passes)
         self._checked: np.ndarray | None = None  # last bitmask whose layout was checked
+        self._digit_run = 0  # consecutive digits at the end of the accepted text
 
     @property
     def num_tokens(self) -> int:
@@ -76,6 +78,11 @@ class GrammarMatcher:
             _check_bitmask(bitmask, self._tok.vocab_size)
             self._checked = bitmask
         self._m.fill_row(bitmask, row)
+        cap = self.grammar.max_digit_run
+        if cap and self._digit_run >= cap:
+            words = bitmask[row].view(np.uint32)
+            n = self._tok.digit_start_words.size
+            words[:n] &= ~self._tok.digit_start_words
         if self.grammar.gate_eos and not self._final_ok():
             words = bitmask[row].view(np.uint32)
             for stop in self._stop_ids:
@@ -85,10 +92,22 @@ class GrammarMatcher:
         """Advance by one token. False (state unchanged) if the grammar forbids it."""
         if token_id in self._stop_ids and self.grammar.gate_eos and not self._final_ok():
             return False
+        cap = self.grammar.max_digit_run
+        if cap and self._digit_run >= cap and self._starts_with_digit(token_id):
+            return False
         if not self._m.accept(token_id):
             return False
         self._token_ids.append(token_id)
+        self._digit_run = self._run_after(self._digit_run, token_id)
         return True
+
+    def _starts_with_digit(self, token_id: int) -> bool:
+        return self._tok.token_bytes[token_id][:1].isdigit()
+
+    def _run_after(self, run: int, token_id: int) -> int:
+        if self._tok.digit_only[token_id]:
+            return run + len(self._tok.token_bytes[token_id])
+        return int(self._tok.digit_tail[token_id])
 
     def accept_tokens(self, token_ids: list[int]) -> int:
         """Accept tokens in order until one is refused; returns how many were accepted."""
@@ -116,6 +135,9 @@ class GrammarMatcher:
             self._m.rollback(num_tokens)
             self._gate_cache = None
             del self._token_ids[len(self._token_ids) - num_tokens :]
+            self._digit_run = 0
+            for t in self._token_ids[-64:]:  # enough history unless runs exceed 64 tokens
+                self._digit_run = self._run_after(self._digit_run, t)
 
     def forced_tokens(self) -> list[int]:
         """Tokens the grammar forces next (free drafts for jump-forward); state unchanged."""
@@ -125,6 +147,7 @@ class GrammarMatcher:
         self._m.reset()
         self._token_ids.clear()
         self._gate_cache = None
+        self._digit_run = 0
 
     def text(self) -> str:
         """The accepted output so far, decoded (stop tokens excluded)."""
