@@ -85,8 +85,8 @@ class BackendGrammar(Protocol):
 class GrammarBackend(Protocol):
     name: str
 
-    def compile_json(self, schema: dict[str, Any] | bool, runs: RunLimits) -> BackendGrammar:
-        """Raise GrammarCompileError when the schema cannot be compiled."""
+    def compile_json(self, schema: dict[str, Any] | bool | str, runs: RunLimits) -> BackendGrammar:
+        """`schema` is a schema or its JSON text; raise GrammarCompileError on failure."""
 
     def compile_regex(self, pattern: str) -> BackendGrammar: ...
 

@@ -41,7 +41,7 @@ class LLGuidanceBackend:
         )
         self._words = (tok.tokenizer_vocab_size + 31) // 32
 
-    def grammar_for_json(self, schema: dict[str, Any] | bool, runs: RunLimits) -> str:
+    def grammar_for_json(self, schema: dict[str, Any] | bool | str, runs: RunLimits) -> str:
         if runs.json_whitespace == "compact":
             options = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
         else:
@@ -52,13 +52,14 @@ class LLGuidanceBackend:
                 "key_separator": ":",
             }
         try:
-            return self._llg.LLMatcher.grammar_from_json_schema(
-                json.dumps(schema), defaults=options
-            )
+            text = schema if isinstance(schema, str) else json.dumps(schema)
+            return self._llg.LLMatcher.grammar_from_json_schema(text, defaults=options)
         except ValueError as exc:
             raise GrammarCompileError(f"llguidance: {exc}") from None
 
-    def compile_json(self, schema: dict[str, Any] | bool, runs: RunLimits) -> LLGuidanceGrammar:
+    def compile_json(
+        self, schema: dict[str, Any] | bool | str, runs: RunLimits
+    ) -> LLGuidanceGrammar:
         return self._build(self.grammar_for_json(schema, runs))
 
     def compile_regex(self, pattern: str) -> LLGuidanceGrammar:

@@ -38,13 +38,14 @@ class OutlinesBackend:
                 table.setdefault(data, []).append(i)
         self._vocab = self._oc.Vocabulary(tok.stop_token_ids[0], table)
 
-    def compile_json(self, schema: dict[str, Any] | bool, runs: RunLimits) -> OutlinesGrammar:
+    def compile_json(self, schema: dict[str, Any] | bool | str, runs: RunLimits) -> OutlinesGrammar:
         # outlines has one whitespace pattern for every gap, so "compact" allows an optional
         # single space anywhere between tokens (json.dumps output included).
         compact = runs.json_whitespace == "compact"
         ws = "[ ]?" if compact else f"[ \\t\\n\\r]{{0,{runs.max_whitespace}}}"
         try:
-            pattern = self._oc.json_schema.build_regex_from_schema(json.dumps(schema), ws)
+            text = schema if isinstance(schema, str) else json.dumps(schema)
+            pattern = self._oc.json_schema.build_regex_from_schema(text, ws)
         except (ValueError, TypeError) as exc:
             raise GrammarCompileError(f"outlines: {exc}", reason="unsupported") from None
         return self.compile_regex(pattern)

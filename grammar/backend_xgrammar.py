@@ -33,8 +33,8 @@ class XGrammarBackend:
         # CPU share predictable.
         self._compiler = xg.GrammarCompiler(self._info, max_threads=1, cache_enabled=False)
 
-    def compile_json(self, schema: dict[str, Any] | bool, runs: RunLimits) -> XGrammarGrammar:
-        text = json.dumps(schema)
+    def compile_json(self, schema: dict[str, Any] | bool | str, runs: RunLimits) -> XGrammarGrammar:
+        text = schema if isinstance(schema, str) else json.dumps(schema)
         if runs.json_whitespace == "compact":
             ws: dict[str, Any] = {"any_whitespace": False, "separators": (", ", ": ")}
         else:

