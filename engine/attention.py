@@ -19,6 +19,20 @@ import torch.nn.functional as F
 from agentrt.engine.errors import ConfigError
 
 
+@dataclass(frozen=True, slots=True)
+class DecodeGroup:
+    """Decode requests of similar context length, attended to in one batched call."""
+
+    token_index: torch.Tensor  # (B,) flat token row of each request's query
+    block_tables: torch.Tensor  # (B, num_blocks) int64, trimmed to the group's longest
+    mask: torch.Tensor  # (B, 1, 1, num_blocks * block_size) bool: position < seq_len
+
+
+# Decode requests are grouped so that padding each group to its longest context wastes at
+# most this factor of the group's shortest context.
+DECODE_GROUP_SPREAD = 1.5
+
+
 @dataclass(slots=True)
 class AttentionMetadata:
     """Per-step attention inputs shared by every layer. R = requests, T = tokens."""
@@ -32,29 +46,39 @@ class AttentionMetadata:
     context_lens: list[int]
     block_size: int
     # Derived once per step for the torch backend.
-    slot_blocks: torch.Tensor | None = None  # (T,) slot // block_size
-    slot_offsets: torch.Tensor | None = None  # (T,) slot % block_size
-    decode_rows: torch.Tensor | None = None  # (D,) requests with query_len == 1
-    decode_token_index: torch.Tensor | None = None  # (D,) their flat token rows
-    decode_block_tables: torch.Tensor | None = None  # (D, max_decode_blocks)
-    decode_mask: torch.Tensor | None = None  # (D, 1, 1, max_decode_blocks * block_size) bool
+    key_rows: torch.Tensor | None = None  # (T,) row of each new K in the flat cache view
+    decode_groups: list[DecodeGroup] | None = None
     prefill_rows: list[int] | None = None
 
     def prepare_torch(self) -> None:
-        self.slot_blocks = torch.div(self.slot_mapping, self.block_size, rounding_mode="floor")
-        self.slot_offsets = self.slot_mapping.remainder(self.block_size)
-        decode = [i for i, q in enumerate(self.query_lens) if q == 1]
+        blocks = torch.div(self.slot_mapping, self.block_size, rounding_mode="floor")
+        self.key_rows = blocks * 2 * self.block_size + self.slot_mapping.remainder(self.block_size)
         self.prefill_rows = [i for i, q in enumerate(self.query_lens) if q > 1]
-        if not decode:
-            return
-        rows = torch.tensor(decode, dtype=torch.int64)
-        seq_lens = self.seq_lens.index_select(0, rows).to(torch.int64)
-        num_blocks = -(-int(seq_lens.max()) // self.block_size)
-        self.decode_rows = rows
-        self.decode_token_index = self.query_start_loc.index_select(0, rows).to(torch.int64)
-        self.decode_block_tables = self.block_tables.index_select(0, rows)[:, :num_blocks].long()
+        seq_lens = [c + q for c, q in zip(self.context_lens, self.query_lens, strict=True)]
+        decode = sorted(
+            (i for i, q in enumerate(self.query_lens) if q == 1),
+            key=seq_lens.__getitem__,
+            reverse=True,
+        )
+        self.decode_groups = []
+        while decode:
+            longest = seq_lens[decode[0]]
+            size = 1
+            while size < len(decode) and seq_lens[decode[size]] * DECODE_GROUP_SPREAD >= longest:
+                size += 1
+            group, decode = decode[:size], decode[size:]
+            self.decode_groups.append(self._decode_group(group, longest))
+
+    def _decode_group(self, rows: list[int], longest: int) -> DecodeGroup:
+        index = torch.tensor(rows, dtype=torch.int64)
+        num_blocks = -(-longest // self.block_size)
+        lens = self.seq_lens.index_select(0, index).to(torch.int64)
         positions = torch.arange(num_blocks * self.block_size)
-        self.decode_mask = (positions[None, :] < seq_lens[:, None])[:, None, None, :]
+        return DecodeGroup(
+            token_index=self.query_start_loc.index_select(0, index).to(torch.int64),
+            block_tables=self.block_tables.index_select(0, index)[:, :num_blocks].long(),
+            mask=(positions[None, :] < lens[:, None])[:, None, None, :],
+        )
 
 
 class TorchAttentionBackend:
@@ -69,12 +93,15 @@ class TorchAttentionBackend:
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        kv_cache[meta.slot_blocks, 0, meta.slot_offsets] = key
-        kv_cache[meta.slot_blocks, 1, meta.slot_offsets] = value
+        # Rows of the cache viewed as (NB * 2 * BS, KVH, D): K of slot s at
+        # block * 2 * BS + offset, its V one block_size further.
+        rows = kv_cache.view(-1, key.shape[1], key.shape[2])
+        rows.index_copy_(0, meta.key_rows, key)
+        rows.index_copy_(0, meta.key_rows + meta.block_size, value)
         out = torch.empty_like(query)
         num_heads, num_kv_heads = query.shape[1], key.shape[1]
-        if meta.decode_rows is not None:
-            out[meta.decode_token_index] = self._decode(query, kv_cache, meta, scale)
+        for group in meta.decode_groups:
+            out[group.token_index] = self._decode(query, kv_cache, group, scale)
         for row in meta.prefill_rows:
             start = int(meta.query_start_loc[row])
             end = start + meta.query_lens[row]
@@ -102,21 +129,26 @@ class TorchAttentionBackend:
         seq_len = int(meta.seq_lens[row])
         num_blocks = -(-seq_len // meta.block_size)
         blocks = meta.block_tables[row, :num_blocks].long()
-        kv = kv_cache.index_select(0, blocks)  # (nb, 2, BS, KVH, D)
-        kv = kv.transpose(0, 1).flatten(1, 2)[:, :seq_len]  # (2, L, KVH, D)
-        return kv[0].transpose(0, 1), kv[1].transpose(0, 1)  # (KVH, L, D) each
+        kv_heads, head_dim = kv_cache.shape[3], kv_cache.shape[4]
+        k = kv_cache[:, 0].index_select(0, blocks).view(-1, kv_heads, head_dim)[:seq_len]
+        v = kv_cache[:, 1].index_select(0, blocks).view(-1, kv_heads, head_dim)[:seq_len]
+        return k.transpose(0, 1), v.transpose(0, 1)  # (KVH, L, D) each
 
     @staticmethod
-    def _decode(query, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def _decode(query, kv_cache, group: DecodeGroup, scale: float) -> torch.Tensor:
         num_kv_heads, head_dim = kv_cache.shape[3], kv_cache.shape[4]
-        q = query.index_select(0, meta.decode_token_index)  # (B, H, D)
+        q = query.index_select(0, group.token_index)  # (B, H, D)
         batch, num_heads = q.shape[0], q.shape[1]
-        group = num_heads // num_kv_heads
         # Each KV head serves `group` query heads: treat them as that head's query rows.
-        q = q.view(batch, num_kv_heads, group, head_dim)  # (B, KVH, G, D)
-        kv = kv_cache[meta.decode_block_tables]  # (B, nb, 2, BS, KVH, D)
-        kv = kv.permute(2, 0, 4, 1, 3, 5).flatten(3, 4)  # (2, B, KVH, nb * BS, D)
-        o = F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=meta.decode_mask, scale=scale)
+        q = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)  # (B, KVH, G, D)
+        # index_select on a block-strided view copies whole (BS, KVH, D) blocks; the result
+        # is contiguous per request, so (B, L, KVH, D) -> (B, KVH, L, D) is a free transpose.
+        blocks = group.block_tables.reshape(-1)
+        k = kv_cache[:, 0].index_select(0, blocks).view(batch, -1, num_kv_heads, head_dim)
+        v = kv_cache[:, 1].index_select(0, blocks).view(batch, -1, num_kv_heads, head_dim)
+        o = F.scaled_dot_product_attention(
+            q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=group.mask, scale=scale
+        )
         return o.reshape(batch, num_heads, head_dim)  # (B, H, D)
 
 
