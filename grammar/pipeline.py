@@ -150,7 +150,7 @@ def _compile_json(
     errors: list[str] = []
     for name in order:
         drop: frozenset[str] = frozenset()
-        for _attempt in range(3):
+        for _attempt in range(5):
             report = base.copy()
             relaxed = relax_for(name, normalized.schema, report, drop)
             # xgrammar and outlines approximate some keywords they claim: always check.
@@ -165,7 +165,7 @@ def _compile_json(
             except GrammarCompileTimeout:
                 raise
             except GrammarCompileError as exc:
-                more = keys_to_drop(exc.detail) - drop
+                more = keys_to_drop(exc.detail, drop)
                 if not more:
                     errors.append(exc.detail)
                     break

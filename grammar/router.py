@@ -66,8 +66,13 @@ ASSERTIONS = frozenset(
 # Regex features the backends' lexers lack: look-around, back-references, and anchors
 # anywhere but at the very start or end.
 _UNSUPPORTED_REGEX = re.compile(r"\(\?<?[=!]|\\[1-9]|\\k<|(?<!\\)\$(?!$)|(?<=[^\\\[(|])\^")
+# Pseudo-keyword for `extra_drop`: assertions next to an anyOf/oneOf that has $ref branches
+# (llguidance must intersect them with each branch, which fails for recursive refs).
+SIBLINGS_OF_REF_UNIONS = "<siblings of $ref unions>"
 # llguidance errors that name a construct it cannot build, and what to drop on retry.
 _RETRY_DROPS = (
+    ("circular references with sibling keys", SIBLINGS_OF_REF_UNIONS),
+    ("circular references with sibling keys", "patternProperties"),
     ("circular references with sibling keys", "allOf"),
     ("intersection stack level exceeded", "allOf"),
     ("patternProperty regexes", "patternProperties"),
@@ -86,6 +91,7 @@ def relax_for(
         if not isinstance(node, dict):
             return node
         out: dict[str, Any] = {}
+        ref_union = SIBLINGS_OF_REF_UNIONS in extra_drop and _has_ref_branch(node)
         for key, value in node.items():
             if key in _STRUCTURAL:
                 out[key] = (
@@ -104,6 +110,9 @@ def relax_for(
                 continue
             if key not in ASSERTIONS:
                 report.add(key, "annotation", path, "unknown keyword")
+                continue
+            if ref_union and key in ASSERTIONS and key not in ("anyOf", "oneOf"):
+                report.add(key, "post_checked", path, "next to a recursive union")
                 continue
             if key not in caps or not _keeps(backend, key, value, node, formats):
                 report.add(key, "post_checked", path)
@@ -134,6 +143,14 @@ def relax_for(
     return walk(schema, "#")
 
 
+def _has_ref_branch(node: dict[str, Any]) -> bool:
+    return any(
+        isinstance(b, dict) and "$ref" in b
+        for key in ("anyOf", "oneOf")
+        for b in (node.get(key) or [])
+    )
+
+
 def _keeps(backend: str, key: str, value: Any, node: dict[str, Any], formats: frozenset) -> bool:
     """Keyword-value checks beyond the capability table."""
     if key == "format":
@@ -150,9 +167,13 @@ def _keeps(backend: str, key: str, value: Any, node: dict[str, Any], formats: fr
     return True
 
 
-def keys_to_drop(error: str) -> frozenset[str]:
-    """Keywords to relax after a backend error naming a construct it cannot build."""
+def keys_to_drop(error: str, dropped: frozenset[str]) -> frozenset[str]:
+    """Keywords to relax next after a backend error naming a construct it cannot build."""
     match = _UNIMPLEMENTED.search(error)
     if match:
-        return frozenset(k.strip().strip('"') for k in match.group(1).split(",") if k.strip())
-    return frozenset(key for text, key in _RETRY_DROPS if text in error)
+        keys = frozenset(k.strip().strip('"') for k in match.group(1).split(",") if k.strip())
+        return keys - dropped
+    for text, key in _RETRY_DROPS:
+        if text in error and key not in dropped:
+            return frozenset({key})
+    return frozenset()

@@ -229,3 +229,17 @@ def test_final_validation_checks_formats_without_optional_packages(auto_compiler
     errors = m.validate_final('{"when": "3 days", "link": "://"}')
     assert len(errors) == 2 and all("is not a" in e for e in errors)
     assert m.validate_final('{"when": ') and "not valid JSON" in m.validate_final("{")[0]
+
+
+def test_llguidance_refusals_are_relaxed_not_rerouted(auto_compiler, synth_tok) -> None:
+    # A recursive union with a sibling keyword: llguidance cannot intersect the two, so the
+    # sibling is relaxed (post-checked) and the grammar stays on llguidance.
+    schema = {
+        "$defs": {"A": {"type": "object", "properties": {"c": {
+            "anyOf": [{"$ref": "#/$defs/A"}, {"type": "null"}], "type": "object"}}}},
+        "$ref": "#/$defs/A",
+    }  # fmt: skip
+    g = auto_compiler.compile(GrammarSpec.from_json_schema(schema))
+    assert g.backend == "llguidance" and "type" in g.report.post_checked
+    assert drive(g.matcher(), synth_tok, '{"c": {"c": {}}}') == (True, True)
+    assert drive(g.matcher(), synth_tok, '{"c": null}') == (True, False)  # EOS gate: type
