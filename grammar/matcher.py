@@ -88,6 +88,23 @@ class GrammarMatcher:
             for stop in self._stop_ids:
                 words[stop >> 5] &= np.uint32(~(1 << (stop & 31)) & 0xFFFFFFFF)
 
+    def fill_draft_bitmasks(self, draft_ids: list[int], bitmask: np.ndarray, row: int) -> int:
+        """Rows for speculative decoding: `row` for the next token, `row + i + 1` for the
+        position after draft token i. Drafts are accepted temporarily and rolled back, so
+        the state is unchanged. Stops at the first draft the grammar refuses (its later rows
+        are zeroed); returns how many drafts were grammatical.
+        """
+        self.fill_bitmask(bitmask, row)
+        num_ok = 0
+        for i, t in enumerate(draft_ids):
+            if not self.accept_token(t):
+                bitmask[row + i + 1 : row + len(draft_ids) + 1] = 0
+                break
+            num_ok += 1
+            self.fill_bitmask(bitmask, row + i + 1)
+        self.rollback(num_ok)
+        return num_ok
+
     def accept_token(self, token_id: int) -> bool:
         """Advance by one token. False (state unchanged) if the grammar forbids it."""
         if token_id in self._stop_ids and self.grammar.gate_eos and not self._final_ok():

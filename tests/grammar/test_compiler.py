@@ -243,3 +243,21 @@ def test_llguidance_refusals_are_relaxed_not_rerouted(auto_compiler, synth_tok) 
     assert g.backend == "llguidance" and "type" in g.report.post_checked
     assert drive(g.matcher(), synth_tok, '{"c": {"c": {}}}') == (True, True)
     assert drive(g.matcher(), synth_tok, '{"c": null}') == (True, False)  # EOS gate: type
+
+
+def test_draft_rows_for_speculative_decoding(synth_compiler, synth_tok) -> None:
+    g = synth_compiler.compile(GrammarSpec.from_json_schema(PERSON))
+    ids = synth_tok.encode('{"name": "Al", "ok": true}', add_special_tokens=False)
+    m = g.matcher()
+    m.accept_tokens(ids[:3])
+    bitmask = allocate_bitmask(6, SYNTH_VOCAB)
+    bad = synth_tok.convert_tokens_to_ids("{")
+    assert m.fill_draft_bitmasks([ids[3], ids[4], bad, ids[5]], bitmask, 1) == 2
+    assert m.num_tokens == 3  # state unchanged
+    expected = g.matcher()
+    row = allocate_bitmask(1, SYNTH_VOCAB)
+    for i in range(3):  # rows 1..3 equal a matcher walked to the same positions
+        expected.accept_tokens(ids[: 3 + i][expected.num_tokens :])
+        expected.fill_bitmask(row, 0)
+        assert np.array_equal(bitmask[1 + i], row[0])
+    assert not bitmask[4:].any() and (bitmask[0] == -1).all()
