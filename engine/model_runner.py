@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 
+import numpy as np
 import torch
 
 from agentrt.engine.attention import AttentionMetadata, get_attention_backend
@@ -25,6 +26,17 @@ def num_kv_blocks(arch: ModelArchConfig, cache: CacheConfig, dtype: torch.dtype)
     if cache.num_blocks is not None:
         return cache.num_blocks
     return int(cache.kv_cache_memory_gb * 2**30) // kv_block_bytes(arch, cache.block_size, dtype)
+
+
+def allocate_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device):
+    """Zeroed KV memory. On the CPU, numpy's calloc maps zero pages lazily, so a large pool
+    costs nothing until blocks are used (torch.zeros would write every byte up front).
+    Zeros matter: attention multiplies masked-out slots by probability 0, and 0 * NaN from
+    uninitialised memory would poison the output."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    storage = np.zeros(shape, dtype=f"i{dtype.itemsize}")  # same bytes, all-zero bits
+    return torch.from_numpy(storage).view(dtype)
 
 
 class ModelRunner:
@@ -56,9 +68,7 @@ class ModelRunner:
         self.model.rotary.sin = self.model.rotary.sin.to(device)
         self.attention = get_attention_backend(attention_backend, device)
         shape = (num_blocks, 2, block_size, arch.num_kv_heads, arch.head_dim)
-        self.kv_caches = [
-            torch.zeros(shape, dtype=dtype, device=device) for _ in range(arch.num_layers)
-        ]
+        self.kv_caches = [allocate_zeros(shape, dtype, device) for _ in range(arch.num_layers)]
 
     def prepare_input(self, scheduler_output: SchedulerOutput) -> ModelInput:
         bs = self.block_size

@@ -123,15 +123,15 @@ class LlamaForCausalLM(nn.Module):
             for i, layer in enumerate(self.layers):
                 p = f"model.layers.{i}."
                 attn = [f"{p}self_attn.{n}_proj" for n in "qkv"]
-                layer.qkv_proj.weight.copy_(torch.cat([take(f"{n}.weight") for n in attn]))
+                torch.cat([take(f"{n}.weight") for n in attn], out=layer.qkv_proj.weight)
                 if layer.qkv_proj.bias is not None:
-                    layer.qkv_proj.bias.copy_(torch.cat([take(f"{n}.bias") for n in attn]))
+                    torch.cat([take(f"{n}.bias") for n in attn], out=layer.qkv_proj.bias)
                 layer.o_proj.weight.copy_(take(f"{p}self_attn.o_proj.weight"))
                 if layer.q_norm is not None:
                     layer.q_norm.weight.copy_(take(f"{p}self_attn.q_norm.weight"))
                     layer.k_norm.weight.copy_(take(f"{p}self_attn.k_norm.weight"))
                 gate_up = [take(f"{p}mlp.gate_proj.weight"), take(f"{p}mlp.up_proj.weight")]
-                layer.gate_up_proj.weight.copy_(torch.cat(gate_up))
+                torch.cat(gate_up, out=layer.gate_up_proj.weight)
                 layer.down_proj.weight.copy_(take(f"{p}mlp.down_proj.weight"))
                 layer.input_layernorm.weight.copy_(take(f"{p}input_layernorm.weight"))
                 layer.post_attention_layernorm.weight.copy_(
