@@ -1,19 +1,22 @@
-"""BlockPool: owns every KV-cache block, its ref count, and the free-block queue.
+"""BlockPool: owns every KV-cache block, its ref count, the free-block queue and the
+prefix-cache index.
 
 The free queue is a doubly linked list threaded through the blocks themselves, so taking a
 block out of the middle (a prefix-cache hit) is O(1). Its order is the eviction order:
-the head is taken first.
+the head is taken first. A freed block keeps its hash and stays findable until it is
+taken for new data (lazy eviction).
 """
 
 from __future__ import annotations
 
 
 class KVCacheBlock:
-    __slots__ = ("block_id", "ref_cnt", "prev_free", "next_free")
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "prev_free", "next_free")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_cnt = 0
+        self.block_hash: int | None = None  # set once the block is full and indexed
         self.prev_free: KVCacheBlock | None = None
         self.next_free: KVCacheBlock | None = None
 
@@ -72,6 +75,7 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
+        self.cached: dict[int, KVCacheBlock] = {}  # block hash -> the block holding it
 
     @property
     def num_free_blocks(self) -> int:
@@ -85,9 +89,34 @@ class BlockPool:
         taken = []
         for _ in range(num_blocks):
             block = self.free_queue.popleft()
+            self._evict(block)
             block.ref_cnt = 1
             taken.append(block)
         return taken
+
+    def _evict(self, block: KVCacheBlock) -> None:
+        if block.block_hash is not None:
+            if self.cached.get(block.block_hash) is block:
+                del self.cached[block.block_hash]
+            block.block_hash = None
+
+    def cache_block(self, block: KVCacheBlock, block_hash: int) -> None:
+        """Index a full block under its chained hash (first writer wins)."""
+        if block.block_hash is None and block_hash not in self.cached:
+            block.block_hash = block_hash
+            self.cached[block_hash] = block
+
+    def touch(self, blocks: list[KVCacheBlock]) -> None:
+        """Take a reference on prefix-cache hits, pulling free ones out of the queue."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                self.free_queue.remove(block)
+            block.ref_cnt += 1
+
+    def reset_prefix_cache(self) -> None:
+        for block in self.cached.values():
+            block.block_hash = None
+        self.cached.clear()
 
     def free_blocks(self, blocks: list[KVCacheBlock]) -> None:
         """Drop one reference from each block; blocks reaching 0 join the queue's tail

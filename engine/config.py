@@ -70,6 +70,7 @@ class CacheConfig:
     block_size: int = 16
     kv_cache_memory_gb: float = 2.0
     num_blocks: int | None = None
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         _check(
@@ -104,6 +105,8 @@ class SchedulerConfig:
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
     policy: str = "fcfs"
+    # Cap on one request's prefill tokens per step (0 = only the step budget caps it).
+    long_prefill_token_threshold: int = 0
 
     def __post_init__(self) -> None:
         _check(self.max_num_seqs >= 1, "max_num_seqs", self.max_num_seqs, "at least 1")
@@ -114,6 +117,12 @@ class SchedulerConfig:
             "at least 1",
         )
         _check(self.policy in ("fcfs", "priority"), "policy", self.policy, "'fcfs' or 'priority'")
+        _check(
+            self.long_prefill_token_threshold >= 0,
+            "long_prefill_token_threshold",
+            self.long_prefill_token_threshold,
+            ">= 0 (0 disables the cap)",
+        )
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,6 +1,9 @@
-"""KVCacheManager: which blocks each request holds, and allocation for the next step."""
+"""KVCacheManager: which blocks each request holds, allocation for the next step, and
+prefix caching by chained block hashes."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from agentrt.engine.block_pool import BlockPool, KVCacheBlock
 from agentrt.engine.request import Request
@@ -10,44 +13,117 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def hash_block(parent_hash: int | None, token_ids: tuple[int, ...], extra_keys: tuple) -> int:
+    """Chained hash of one full block: equal hashes mean equal token prefixes (and equal
+    extra keys, which cover anything else that changes the KV for the same tokens)."""
+    return hash((parent_hash, token_ids, extra_keys))
+
+
+@dataclass(slots=True)
+class PrefixCacheStats:
+    num_queried_tokens: int = 0  # prompt tokens looked up
+    num_hit_tokens: int = 0  # of those, found in the cache
+
+
 class KVCacheManager:
     """Maps requests to block tables. Does not touch tensors: the model runner writes KV
     into the blocks whose ids the scheduler passes it."""
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = True):
         self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        self.req_to_hashes: dict[str, list[int]] = {}
+        self.num_cached_blocks: dict[str, int] = {}  # per request: blocks already indexed
+        self.stats = PrefixCacheStats()
 
     @property
     def num_blocks(self) -> int:
         return self.pool.num_blocks
 
-    def max_tokens_in_pool(self) -> int:
-        return self.pool.num_blocks * self.block_size
+    def _block_hashes(self, request: Request) -> list[int]:
+        """Hashes of every full block of the request's known tokens (extended lazily)."""
+        hashes = self.req_to_hashes.setdefault(request.req_id, [])
+        bs = self.block_size
+        tokens = request.all_token_ids
+        for i in range(len(hashes), len(tokens) // bs):
+            parent = hashes[-1] if hashes else None
+            hashes.append(hash_block(parent, tuple(tokens[i * bs : (i + 1) * bs]), ()))
+        return hashes
 
-    def allocate_slots(self, request: Request, num_new_tokens: int) -> list[KVCacheBlock] | None:
-        """Make room for `num_new_tokens` more computed tokens of `request`.
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """The longest cached prefix of a request that has no blocks yet, in whole blocks,
+        and its length in tokens. At least the last token is left to compute so the step
+        produces logits. Does not take references (`allocate_slots` does)."""
+        if not self.enable_prefix_caching:
+            return [], 0
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits = []
+        for block_hash in self._block_hashes(request)[:max_blocks]:
+            block = self.pool.cached.get(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        self.stats.num_queried_tokens += request.num_tokens
+        self.stats.num_hit_tokens += len(hits) * self.block_size
+        return hits, len(hits) * self.block_size
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        computed_blocks: list[KVCacheBlock] | None = None,
+    ) -> list[KVCacheBlock] | None:
+        """Make room for `num_new_tokens` more tokens after `request.num_computed_tokens`,
+        first reusing `computed_blocks` (prefix-cache hits of a new request, which the
+        caller then counts as computed).
 
         Returns the newly allocated blocks (possibly empty), or None when the pool has too
         few free blocks; then nothing changes and the caller decides whether to preempt.
         """
+        computed_blocks = computed_blocks or []
         blocks = self.req_to_blocks.get(request.req_id, [])
-        num_needed = cdiv(request.num_computed_tokens + num_new_tokens, self.block_size)
-        num_new_blocks = num_needed - len(blocks)
-        if num_new_blocks <= 0:
-            return []
-        if num_new_blocks > self.pool.num_free_blocks:
+        num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
+        num_needed = cdiv(num_computed + num_new_tokens, self.block_size)
+        num_new_blocks = max(0, num_needed - len(blocks) - len(computed_blocks))
+        # Hits sitting in the free queue stop being free once touched.
+        num_evictable_hits = sum(1 for b in computed_blocks if b.ref_cnt == 0)
+        if num_new_blocks + num_evictable_hits > self.pool.num_free_blocks:
             return None
+        self.pool.touch(computed_blocks)
         new_blocks = self.pool.get_new_blocks(num_new_blocks)
-        self.req_to_blocks[request.req_id] = blocks + new_blocks
+        blocks = blocks + computed_blocks + new_blocks
+        self.req_to_blocks[request.req_id] = blocks
+        if self.enable_prefix_caching:
+            self._cache_full_blocks(request, blocks, num_computed + num_new_tokens)
         return new_blocks
 
+    def _cache_full_blocks(self, request: Request, blocks: list[KVCacheBlock], num_tokens: int):
+        """Index the blocks that are full once this step's tokens are written. Their KV is
+        written before any attention reads it in the same forward pass, so another request
+        may hit them in the same step."""
+        start = self.num_cached_blocks.get(request.req_id, 0)
+        end = num_tokens // self.block_size
+        if end <= start:
+            return
+        hashes = self._block_hashes(request)
+        for i in range(start, end):
+            self.pool.cache_block(blocks[i], hashes[i])
+        self.num_cached_blocks[request.req_id] = end
+
     def free(self, request: Request) -> None:
-        """Release every block of `request` (tail first). A no-op for unknown requests."""
+        """Release every block of `request`, tail first so that a prompt's shared head is
+        evicted last. A no-op for unknown requests. Cached blocks stay findable."""
         blocks = self.req_to_blocks.pop(request.req_id, None)
+        self.num_cached_blocks.pop(request.req_id, None)
+        if request.status.finished:  # a preempted request keeps its hashes for later
+            self.req_to_hashes.pop(request.req_id, None)
         if blocks:
             self.pool.free_blocks(list(reversed(blocks)))
+
+    def reset_prefix_cache(self) -> None:
+        self.pool.reset_prefix_cache()
 
     def block_ids(self, req_id: str) -> list[int]:
         return [block.block_id for block in self.req_to_blocks.get(req_id, ())]
@@ -57,7 +133,8 @@ class KVCacheManager:
 
     def check_invariants(self) -> None:
         """Every block is free xor referenced; ref counts equal the number of block tables
-        holding the block; the free queue is a consistent list. Raises AssertionError."""
+        holding the block; the free queue is a consistent list; every indexed hash maps to
+        a block carrying that hash. Raises AssertionError."""
         refs = [0] * self.pool.num_blocks
         for blocks in self.req_to_blocks.values():
             for block in blocks:
@@ -75,3 +152,5 @@ class KVCacheManager:
                 f"{block}: ref_cnt {block.ref_cnt} but held by {refs[block.block_id]} tables"
             )
             assert (block.ref_cnt == 0) == (block.block_id in queued), f"{block} free xor used"
+        for block_hash, block in self.pool.cached.items():
+            assert block.block_hash == block_hash, f"{block} indexed under a stale hash"

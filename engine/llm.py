@@ -19,7 +19,7 @@ from agentrt.engine.model.checkpoint import (
     load_tokenizer,
     resolve_model,
 )
-from agentrt.engine.model_runner import ModelRunner, num_kv_blocks
+from agentrt.engine.model_runner import ModelRunner, kv_pool_blocks
 from agentrt.engine.outputs import OutputProcessor, RequestOutput
 from agentrt.engine.processor import Processor, Prompt
 from agentrt.engine.request import Request
@@ -46,6 +46,8 @@ class LLM:
         kv_cache_memory_gb: float = 2.0,
         num_kv_blocks: int | None = None,
         scheduling_policy: str = "fcfs",
+        enable_prefix_caching: bool = True,
+        long_prefill_token_threshold: int = 0,
         attention_backend: str = "torch",
         seed: int = 0,
     ) -> None:
@@ -54,9 +56,11 @@ class LLM:
             torch.set_num_threads(threads)
         torch.manual_seed(seed)
         self.model_config = ModelConfig(model, resolve_dtype(dtype), device, max_model_len, seed)
-        self.cache_config = CacheConfig(block_size, kv_cache_memory_gb, num_kv_blocks)
+        self.cache_config = CacheConfig(
+            block_size, kv_cache_memory_gb, num_kv_blocks, enable_prefix_caching
+        )
         self.scheduler_config = SchedulerConfig(
-            max_num_seqs, max_num_batched_tokens, scheduling_policy
+            max_num_seqs, max_num_batched_tokens, scheduling_policy, long_prefill_token_threshold
         )
         path = resolve_model(model)
         self.model_path = path
@@ -67,7 +71,7 @@ class LLM:
             max_model_len or self.arch.max_position_embeddings, self.arch.max_position_embeddings
         )
         dtype_ = self.model_config.dtype
-        num_blocks = num_kv_blocks_for(self.arch, self.cache_config, dtype_)
+        num_blocks = kv_pool_blocks(self.arch, self.cache_config, dtype_)
         self.runner = ModelRunner(
             self.arch,
             load_state_dict(path),
@@ -78,7 +82,9 @@ class LLM:
             max_model_len=self.max_model_len,
             attention_backend=attention_backend,
         )
-        self.kv_manager = KVCacheManager(num_blocks, block_size)
+        self.kv_manager = KVCacheManager(
+            num_blocks, block_size, enable_prefix_caching=enable_prefix_caching
+        )
         self.scheduler = Scheduler(self.scheduler_config, self.kv_manager, self.max_model_len)
         self.engine_core = EngineCore(self.scheduler, self.runner, self.arch.vocab_size)
         eos = set(self.arch.eos_token_ids)
@@ -97,6 +103,13 @@ class LLM:
 
     def get_tokenizer(self):
         return self.tokenizer
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (blocks in use stay valid for their requests)."""
+        self.kv_manager.reset_prefix_cache()
+
+    def stats(self):
+        return self.scheduler.stats()
 
     def generate(
         self,
@@ -153,10 +166,6 @@ class LLM:
             self.engine_core.abort_requests(to_abort)
             results.update((out.request_id, out) for out in finished)
         return [results[request.req_id] for request, _ in requests]
-
-
-def num_kv_blocks_for(arch: ModelArchConfig, cache: CacheConfig, dtype: torch.dtype) -> int:
-    return num_kv_blocks(arch, cache, dtype)
 
 
 def _as_prompt_list(prompts) -> list[Prompt]:

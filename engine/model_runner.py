@@ -22,7 +22,7 @@ def kv_block_bytes(arch: ModelArchConfig, block_size: int, dtype: torch.dtype) -
     return per_layer * arch.num_layers
 
 
-def num_kv_blocks(arch: ModelArchConfig, cache: CacheConfig, dtype: torch.dtype) -> int:
+def kv_pool_blocks(arch: ModelArchConfig, cache: CacheConfig, dtype: torch.dtype) -> int:
     if cache.num_blocks is not None:
         return cache.num_blocks
     return int(cache.kv_cache_memory_gb * 2**30) // kv_block_bytes(arch, cache.block_size, dtype)

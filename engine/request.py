@@ -63,6 +63,7 @@ class Request:
         "stop_reason",
         "generator",
         "first_token_time",
+        "num_cached_tokens",
     )
 
     def __init__(
@@ -90,6 +91,7 @@ class Request:
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None
         self.first_token_time: float | None = None
+        self.num_cached_tokens = 0  # prompt tokens found in the prefix cache at admission
         self.generator: torch.Generator | None = None
         if sampling_params.seed is not None:
             self.generator = torch.Generator().manual_seed(sampling_params.seed)

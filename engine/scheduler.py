@@ -25,8 +25,10 @@ from agentrt.engine.request import Request, RequestStatus
 class SchedulerStats:
     num_running: int
     num_waiting: int
-    kv_cache_usage: float
+    kv_cache_usage: float  # fraction of blocks referenced by requests
     num_preemptions: int
+    prefix_cache_queried_tokens: int
+    prefix_cache_hit_tokens: int
 
 
 class Scheduler:
@@ -109,7 +111,7 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = self._num_new_tokens(request, request.num_computed_tokens, budget)
             while self.kv.allocate_slots(request, num_new) is None:
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -130,10 +132,14 @@ class Scheduler:
             and len(self.running) < self.config.max_num_seqs
         ):
             request = self.waiting[0]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if self.kv.allocate_slots(request, num_new) is None:
+            hits, num_cached = self.kv.get_computed_blocks(request)
+            num_new = self._num_new_tokens(request, num_cached, budget)
+            if self.kv.allocate_slots(request, num_new, hits) is None:
                 break
             self.waiting.popleft()
+            request.num_computed_tokens = num_cached
+            if request.num_preemptions == 0:
+                request.num_cached_tokens = num_cached
             request.status = RequestStatus.RUNNING
             self._insert_running(request)
             chunks.append(self._chunk(request, num_new))
@@ -144,6 +150,15 @@ class Scheduler:
             num_batched_tokens=self.config.max_num_batched_tokens - budget,
             preempted_req_ids=preempted,
         )
+
+    def _num_new_tokens(self, request: Request, num_computed: int, budget: int) -> int:
+        """Tokens to compute this step: all that are behind, within the step budget and the
+        per-request prefill cap (so one long prompt cannot starve the decodes)."""
+        num_new = min(request.num_tokens - num_computed, budget)
+        threshold = self.config.long_prefill_token_threshold
+        if threshold:
+            num_new = min(num_new, threshold)
+        return num_new
 
     def _chunk(self, request: Request, num_new: int) -> ScheduledChunk:
         start = request.num_computed_tokens
@@ -183,6 +198,7 @@ class Scheduler:
                     new_logprobs=[token] if token.logprob is not None else None,
                     finish_reason=request.status.finish_reason,
                     stop_reason=request.stop_reason,
+                    num_cached_tokens=request.num_cached_tokens,
                 )
             )
         return outputs
@@ -193,4 +209,6 @@ class Scheduler:
             num_waiting=len(self.waiting),
             kv_cache_usage=self.kv.usage(),
             num_preemptions=self.num_preemptions,
+            prefix_cache_queried_tokens=self.kv.stats.num_queried_tokens,
+            prefix_cache_hit_tokens=self.kv.stats.num_hit_tokens,
         )

@@ -54,6 +54,9 @@ def test_embedded_model_one_at_a_time_equals_hf(smollm2_llm, hf_reference):
         # 12 blocks of 16 = 192 tokens for 9 requests of up to ~100 tokens: must preempt.
         pytest.param({"num_kv_blocks": 12}, id="preemption"),
         pytest.param({"block_size": 32, "max_num_batched_tokens": 50}, id="block32"),
+        pytest.param({"enable_prefix_caching": False}, id="no-prefix-cache"),
+        pytest.param({"long_prefill_token_threshold": 5, "scheduling_policy": "priority"},
+                     id="prefill-cap-priority"),
     ],
 )
 def test_embedded_model_under_scheduling_pressure_equals_hf(smollm2_dir, hf_reference, engine_args):
@@ -77,3 +80,35 @@ def test_tiny_models_equal_hf(tiny_checkpoint, arch):
     expected = [hf_greedy(hf, ids, 24) for ids in prompts]
     assert _token_ids(llm.generate(prompts, params)) == expected
     assert _token_ids(llm.generate(prompts[0], params)) == expected[:1]
+
+
+def test_prefix_cache_hits_keep_outputs_identical(smollm2_llm, hf_reference):
+    """Second pass over the same prompts: prompts of two or more blocks hit the cache and
+    still produce HF's tokens, in a batch and alone."""
+    smollm2_llm.reset_prefix_cache()
+    first = smollm2_llm.generate(PROMPTS, GREEDY)
+    assert all(o.num_cached_tokens == 0 for o in first)
+    second = smollm2_llm.generate(PROMPTS, GREEDY)
+    assert _token_ids(second) == hf_reference
+    block = smollm2_llm.cache_config.block_size
+    for out in second:
+        expected = (len(out.prompt_token_ids) - 1) // block * block
+        assert out.num_cached_tokens == expected
+    assert smollm2_llm.stats().prefix_cache_hit_tokens >= sum(o.num_cached_tokens for o in second)
+
+
+def test_multi_turn_session_reuses_the_history(smollm2_llm):
+    system = {"role": "system", "content": "You are a helpful assistant. " * 20}
+    history = [system]
+    params = SamplingParams(temperature=0.0, max_tokens=16)
+    cached = []  # (cached tokens, prompt tokens) per turn
+    for question in ["What is 2 + 2?", "And times 3?", "Name a prime number."]:
+        history.append({"role": "user", "content": question})
+        (out,) = smollm2_llm.chat(history, params)
+        cached.append((out.num_cached_tokens, len(out.prompt_token_ids)))
+        history.append({"role": "assistant", "content": out.outputs[0].text})
+    # Every later turn finds (nearly) the whole previous conversation in the cache.
+    block = smollm2_llm.cache_config.block_size
+    for turn in range(1, len(cached)):
+        assert cached[turn][0] >= cached[turn - 1][1] // block * block
+    smollm2_llm.kv_manager.check_invariants()

@@ -1,0 +1,129 @@
+"""Prefix caching in the KV cache manager: chained hashes over full blocks, shared blocks
+with ref counts, lazy LRU eviction, touch on hit, reset; and through the scheduler."""
+
+from __future__ import annotations
+
+import random
+
+from agentrt.engine.kv_cache_manager import KVCacheManager
+from agentrt.engine.request import Request, RequestStatus
+from agentrt.engine.sampling_params import SamplingParams
+from tests.engine.test_scheduler import make_scheduler, run_step, run_to_completion
+
+BS = 4
+
+
+def request(req_id: str, prompt: list[int], max_tokens: int = 4) -> Request:
+    return Request(req_id, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                   max_tokens=max_tokens, eos_token_ids=frozenset())
+
+
+def admit(kv: KVCacheManager, req: Request) -> int:
+    """What the scheduler does for a waiting request; returns the cached token count."""
+    hits, num_cached = kv.get_computed_blocks(req)
+    assert kv.allocate_slots(req, req.num_tokens - num_cached, hits) is not None
+    req.num_computed_tokens = req.num_tokens
+    kv.check_invariants()
+    return num_cached
+
+
+def finish(kv: KVCacheManager, req: Request) -> None:
+    req.status = RequestStatus.FINISHED_STOPPED
+    kv.free(req)
+    kv.check_invariants()
+
+
+def test_shared_prefix_blocks_are_reused_and_ref_counted():
+    kv = KVCacheManager(16, BS)
+    a = request("a", list(range(10)))  # 2 full blocks + 2 tokens
+    assert admit(kv, a) == 0
+    b = request("b", list(range(8)) + [50, 51, 52])  # shares the 2 full blocks
+    assert admit(kv, b) == 8
+    assert kv.block_ids("a")[:2] == kv.block_ids("b")[:2]
+    assert kv.block_ids("a")[2] != kv.block_ids("b")[2]  # partial blocks are never shared
+    assert [kv.pool.blocks[i].ref_cnt for i in kv.block_ids("b")] == [2, 2, 1]
+    finish(kv, a)
+    assert [kv.pool.blocks[i].ref_cnt for i in kv.block_ids("b")] == [1, 1, 1]
+    assert kv.stats.num_hit_tokens == 8
+
+
+def test_fully_cached_prompt_still_computes_its_last_token():
+    kv = KVCacheManager(16, BS)
+    admit(kv, request("a", list(range(8))))
+    assert admit(kv, request("b", list(range(8)))) == 4  # not 8: one token left to run
+    assert admit(kv, request("c", list(range(9)))) == 8
+
+
+def test_freed_blocks_stay_cached_until_evicted_in_lru_order():
+    kv = KVCacheManager(4, BS)
+    a = request("a", list(range(8)) + [99])  # 3 blocks: two full (cached), one partial
+    admit(kv, a)
+    finish(kv, a)
+    assert len(kv.pool.cached) == 2 and kv.pool.num_free_blocks == 4
+    # Freed tail first: the free queue ends with a's first block (evicted last).
+    order = [b.block_id for b in kv.pool.free_queue]
+    assert order[-1] == kv.pool.cached[next(iter(kv.pool.cached))].block_id
+    # A hit touches cached blocks out of the free queue.
+    assert admit(kv, request("b", list(range(8)) + [7])) == 8
+    assert kv.pool.num_free_blocks == 1
+    # Pressure: a new prompt needing 3 blocks cannot fit without b's blocks.
+    assert kv.allocate_slots(request("c", list(range(100, 112))), 12) is None
+    kv.check_invariants()
+
+
+def test_eviction_removes_hash_and_new_data_is_not_found():
+    kv = KVCacheManager(3, BS)
+    a = request("a", list(range(8)) + [1])
+    admit(kv, a)
+    finish(kv, a)
+    c = request("c", list(range(200, 212)))  # takes all 3 blocks, evicting a's
+    assert admit(kv, c) == 0
+    hits, num_cached = kv.get_computed_blocks(request("e", list(range(8)) + [1]))
+    assert hits == [] and num_cached == 0
+    kv.check_invariants()
+
+
+def test_reset_prefix_cache():
+    kv = KVCacheManager(8, BS)
+    a = request("a", list(range(9)))
+    admit(kv, a)
+    finish(kv, a)
+    kv.reset_prefix_cache()
+    assert not kv.pool.cached
+    assert kv.get_computed_blocks(request("b", list(range(9)))) == ([], 0)
+    kv.check_invariants()
+
+
+def test_extra_tokens_change_the_hash_chain():
+    kv = KVCacheManager(8, BS)
+    admit(kv, request("a", [1, 2, 3, 4, 5, 6, 7, 8, 9]))
+    # Same second block, different first block: nothing may be reused.
+    assert admit(kv, request("b", [0, 2, 3, 4, 5, 6, 7, 8, 9])) == 0
+
+
+def test_preempted_request_resumes_from_its_cached_prefix():
+    s = make_scheduler(num_blocks=7, block_size=4, budget=64, max_num_seqs=4)
+    s.add_request(request("early", list(range(12)), max_tokens=8))
+    s.add_request(request("late", list(range(100, 112)), max_tokens=8))
+    while s.num_preemptions == 0:
+        run_step(s)
+    hits_before = s.kv.stats.num_hit_tokens
+    run_to_completion(s)
+    assert s.kv.stats.num_hit_tokens > hits_before  # "late" found its blocks again
+
+
+def test_randomized_stress_with_shared_prefixes():
+    rng = random.Random(7)
+    s = make_scheduler(num_blocks=20, block_size=4, budget=20, max_num_seqs=5)
+    prefixes = [[rng.randint(1, 50) for _ in range(rng.randint(3, 14))] for _ in range(3)]
+    for step in range(300):
+        if rng.random() < 0.3:
+            prompt = rng.choice(prefixes) + [rng.randint(1, 50) for _ in range(rng.randint(0, 8))]
+            s.add_request(request(f"r{step}", prompt, max_tokens=rng.randint(1, 12)))
+        if s.requests and rng.random() < 0.05:
+            s.finish_requests([rng.choice(list(s.requests))], RequestStatus.FINISHED_ABORTED)
+        run_step(s)
+    run_to_completion(s)
+    assert s.kv.stats.num_hit_tokens > 0
+    assert s.kv.pool.num_free_blocks == 20 and not s.kv.req_to_blocks
+    s.kv.check_invariants()
