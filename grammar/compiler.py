@@ -17,7 +17,7 @@ from typing import Any
 
 from .backend import BackendGrammar, GrammarBackend, TokenizerData, digit_tables
 from .cache import DiskCache, GrammarCache
-from .errors import GrammarCompileError, GrammarCompileTimeout, GrammarSpecError
+from .errors import GrammarCompileError, GrammarCompileTimeout, GrammarError, GrammarSpecError
 from .limits import RunLimits, SchemaLimits
 from .matcher import Grammar
 from .pipeline import Runner, build, compile_spec, report_of, run_inline, with_runner
@@ -101,10 +101,15 @@ class GrammarCompiler:
                 settle(future, exc=_timeout(spec, budget))
                 raise _timeout(spec, budget) from None
 
-        grammar = self._compile_now(spec, key, runner)
+        try:
+            grammar = self._compile_now(spec, key, runner)
+        except GrammarError:
+            raise
+        except Exception as exc:  # a backend bug fails this spec, with its cause attached
+            raise GrammarCompileError(f"internal: {exc!r}", reason="backend") from exc
+        self.cache.put(key, grammar, grammar.memory_bytes)  # a retry may reuse it
         if time.monotonic() > deadline:
             raise _timeout(spec, budget)
-        self.cache.put(key, grammar, grammar.memory_bytes)
         return grammar
 
     def compile_async(self, spec: GrammarSpec, *, timeout_s: float | None = None) -> Future:
