@@ -7,7 +7,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import SYNTH_VOCAB, drive
 
 from agentrt.grammar import (
     GrammarCompileError,
@@ -20,6 +19,8 @@ from agentrt.grammar import (
     allocate_bitmask,
     allowed_token_ids,
 )
+
+from .helpers import SYNTH_VOCAB, drive
 
 PERSON = {
     "type": "object",

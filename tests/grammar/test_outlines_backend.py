@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-from conftest import SYNTH_VOCAB, drive
 
 from agentrt.grammar import (
     GrammarCompileError,
@@ -12,6 +11,8 @@ from agentrt.grammar import (
     allocate_bitmask,
     allowed_token_ids,
 )
+
+from .helpers import SYNTH_VOCAB, drive
 
 pytest.importorskip("outlines_core")
 

@@ -7,10 +7,11 @@ from pathlib import Path
 from typing import Literal
 
 import pytest
-from conftest import drive
 from pydantic import BaseModel
 
 from agentrt.grammar import GrammarCompiler, GrammarSpec, allocate_bitmask, allowed_token_ids
+
+from .helpers import drive
 
 MASKBENCH = Path("/work/shared/data/maskbench")
 
