@@ -2,22 +2,38 @@
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from agentrt.engine.records import EngineCoreOutput, SampledToken, SchedulerOutput
 from agentrt.engine.request import Request, RequestStatus
 from agentrt.engine.sampler import Sampler, SamplerOutput, SamplingMetadata
 from agentrt.engine.scheduler import Scheduler
+from agentrt.engine.structured_output import StructuredOutputManager
+from agentrt.grammar import GrammarSpec
+from agentrt.kernels import apply_token_bitmask
 
 
 class EngineCore:
-    def __init__(self, scheduler: Scheduler, runner, vocab_size: int) -> None:
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        runner,
+        vocab_size: int,
+        structured: StructuredOutputManager,
+    ) -> None:
         self.scheduler = scheduler
         self.runner = runner
         self.sampler = Sampler()
         self.vocab_size = vocab_size
+        self.structured = structured
 
-    def add_request(self, request: Request) -> None:
+    def add_request(self, request: Request, spec: GrammarSpec | None = None) -> None:
+        """Queue a validated request; with a grammar spec it first waits for compilation."""
+        if spec is not None:
+            self.structured.start(request, spec)
+            request.status = RequestStatus.WAITING_FOR_GRAMMAR
         self.scheduler.add_request(request)
 
     def abort_requests(self, req_ids: list[str]) -> list[str]:
@@ -29,16 +45,24 @@ class EngineCore:
     @torch.inference_mode()
     def step(self) -> list[EngineCoreOutput]:
         scheduler_output = self.scheduler.schedule()
+        errored = self.scheduler.take_errored()
         if scheduler_output.is_empty:
-            return []
+            if not errored and self.scheduler.has_unfinished_requests():
+                time.sleep(0.001)  # only grammars compiling: let them run
+            return errored
         logits = self.runner.execute(scheduler_output)
         sampled = self._sample(scheduler_output, logits)
-        return self.scheduler.update_from_output(scheduler_output, sampled)
+        return errored + self.scheduler.update_from_output(scheduler_output, sampled)
 
     def _sample(self, so: SchedulerOutput, logits: torch.Tensor) -> dict[str, SampledToken]:
         requests = [self.scheduler.requests[c.req_id] for c in so.chunks if c.sample]
         if not requests:
             return {}
+        grammar = self.structured.bitmask(requests)
+        dead: set[str] = set()
+        if grammar is not None:
+            mask, rows, dead = grammar
+            apply_token_bitmask(logits, mask, rows)
         metadata = SamplingMetadata.build(
             params=[r.sampling_params for r in requests],
             prompt_token_ids=[r.prompt_token_ids for r in requests],
@@ -48,7 +72,10 @@ class EngineCore:
             vocab_size=self.vocab_size,
             device=logits.device,
         )
-        return _to_tokens(requests, self.sampler(logits, metadata))
+        sampled = _to_tokens(requests, self.sampler(logits, metadata))
+        for req_id in dead:  # no token is allowed: the scheduler fails these requests
+            del sampled[req_id]
+        return sampled
 
 
 def _to_tokens(requests: list[Request], out: SamplerOutput) -> dict[str, SampledToken]:

@@ -25,6 +25,8 @@ from agentrt.engine.processor import Processor, Prompt
 from agentrt.engine.request import Request
 from agentrt.engine.sampling_params import SamplingParams
 from agentrt.engine.scheduler import Scheduler
+from agentrt.engine.structured_output import StructuredOutputManager, to_grammar_spec
+from agentrt.grammar import GrammarSpec
 
 Messages = list[dict]
 
@@ -49,6 +51,7 @@ class LLM:
         enable_prefix_caching: bool = True,
         long_prefill_token_threshold: int = 0,
         attention_backend: str = "torch",
+        grammar_timeout_s: float = 10.0,
         seed: int = 0,
     ) -> None:
         threads = envs.num_threads()
@@ -86,10 +89,13 @@ class LLM:
             num_blocks, block_size, enable_prefix_caching=enable_prefix_caching
         )
         self.scheduler = Scheduler(self.scheduler_config, self.kv_manager, self.max_model_len)
-        self.engine_core = EngineCore(self.scheduler, self.runner, self.arch.vocab_size)
         eos = set(self.arch.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
+        structured = StructuredOutputManager(
+            self.tokenizer, self.arch.vocab_size, sorted(eos), grammar_timeout_s
+        )
+        self.engine_core = EngineCore(self.scheduler, self.runner, self.arch.vocab_size, structured)
         self.processor = Processor(
             self.tokenizer,
             vocab_size=self.arch.vocab_size,
@@ -150,22 +156,24 @@ class LLM:
     def _run(self, prompts, sampling_params, priority) -> list[RequestOutput]:
         params = _per_prompt(sampling_params, len(prompts), "sampling_params")
         priorities = _per_prompt(priority, len(prompts), "priority") if priority else None
-        requests: list[tuple[Request, str | None]] = []
+        requests: list[tuple[Request, str | None, GrammarSpec | None]] = []
         for i, ((prompt, text), p) in enumerate(zip(prompts, params, strict=True)):
             req_id = f"llm-{next(self._req_counter)}"
             prio = priorities[i] if priorities else 0
-            requests.append((self.processor.process(req_id, prompt, p, priority=prio), text))
-        for request, text in requests:
+            request = self.processor.process(req_id, prompt, p, priority=prio)
+            spec = to_grammar_spec(p.structured_outputs) if p.structured_outputs else None
+            requests.append((request, text, spec))
+        for request, text, spec in requests:
             self.output_processor.add_request(
                 request.req_id, text, request.prompt_token_ids, request.sampling_params
             )
-            self.engine_core.add_request(request)
+            self.engine_core.add_request(request, spec)
         results: dict[str, RequestOutput] = {}
         while self.engine_core.has_unfinished_requests():
             finished, to_abort = self.output_processor.process_outputs(self.engine_core.step())
             self.engine_core.abort_requests(to_abort)
             results.update((out.request_id, out) for out in finished)
-        return [results[request.req_id] for request, _ in requests]
+        return [results[request.req_id] for request, _, _ in requests]
 
 
 def _as_prompt_list(prompts) -> list[Prompt]:

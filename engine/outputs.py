@@ -29,6 +29,8 @@ class CompletionOutput:
     # One dict per generated token: the sampled token and the top-N alternatives.
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float | None = None
+    # Structured outputs: problems with the finished text (empty = valid; None = no grammar).
+    structured_errors: list[str] | None = None
 
 
 @dataclass(slots=True)
@@ -53,6 +55,7 @@ class RequestOutput:
     finished: bool = False
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
+    error: str | None = None  # set when finish_reason is "error"
 
 
 @dataclass(slots=True)
@@ -122,6 +125,8 @@ class OutputProcessor:
             if finish_reason is not None:
                 completion.finish_reason = finish_reason
                 completion.stop_reason = stop_reason
+                completion.structured_errors = core.structured_errors
+                out.error = core.error
                 out.finished = True
                 out.metrics.finished_time = time.monotonic()
                 finished.append(out)

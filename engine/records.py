@@ -64,9 +64,12 @@ class EngineCoreOutput:
     req_id: str
     new_token_ids: list[int]
     new_logprobs: list[SampledToken] | None
-    finish_reason: str | None  # "stop", "length", "abort" or None while running
+    finish_reason: str | None  # "stop", "length", "abort", "error"; None while running
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    # Structured outputs: what the finished output violates (empty list = valid).
+    structured_errors: list[str] | None = None
+    error: str | None = None  # why a request finished with "error"
 
     @property
     def finished(self) -> bool:

@@ -11,12 +11,14 @@ from agentrt.engine.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):
+    WAITING_FOR_GRAMMAR = enum.auto()  # its grammar is compiling; others go ahead
     WAITING = enum.auto()
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
     FINISHED_STOPPED = enum.auto()  # EOS, a stop token id, or a stop string
     FINISHED_LENGTH_CAPPED = enum.auto()  # max_tokens or the context length
     FINISHED_ABORTED = enum.auto()
+    FINISHED_ERROR = enum.auto()  # failed alone (e.g. its grammar did not compile)
 
     @property
     def finished(self) -> bool:
@@ -31,11 +33,13 @@ _FINISHED = {
     RequestStatus.FINISHED_STOPPED,
     RequestStatus.FINISHED_LENGTH_CAPPED,
     RequestStatus.FINISHED_ABORTED,
+    RequestStatus.FINISHED_ERROR,
 }
 _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH_CAPPED: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
 }
 
 
@@ -64,6 +68,7 @@ class Request:
         "generator",
         "first_token_time",
         "num_cached_tokens",
+        "structured",
     )
 
     def __init__(
@@ -92,6 +97,7 @@ class Request:
         self.stop_reason: int | str | None = None
         self.first_token_time: float | None = None
         self.num_cached_tokens = 0  # prompt tokens found in the prefix cache at admission
+        self.structured = None  # StructuredRequest when the output is grammar-constrained
         self.generator: torch.Generator | None = None
         if sampling_params.seed is not None:
             self.generator = torch.Generator().manual_seed(sampling_params.seed)

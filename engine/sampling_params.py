@@ -11,6 +11,36 @@ MAX_LOGPROBS = 20
 
 
 @dataclass(frozen=True, slots=True)
+class StructuredOutputsParams:
+    """Constrain the output (vLLM's names). Set exactly one of: `json` (a JSON-schema dict or
+    its text, or a Pydantic model class / any type pydantic's TypeAdapter accepts), `regex`,
+    `choice` (a list of strings), `grammar` (a Lark grammar), `json_object` (any JSON
+    object)."""
+
+    json: object = None
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    def __post_init__(self) -> None:
+        if self.choice is not None and not isinstance(self.choice, tuple):
+            object.__setattr__(self, "choice", tuple(self.choice))
+        given = [
+            name
+            for name in ("json", "regex", "choice", "grammar")
+            if getattr(self, name) is not None
+        ] + (["json_object"] if self.json_object else [])
+        if len(given) != 1:
+            raise InvalidRequestError(
+                f"structured_outputs sets {given or 'nothing'}: expected exactly one of "
+                "json, regex, choice, grammar, json_object.",
+                field="structured_outputs",
+                value=given,
+            )
+
+
+@dataclass(frozen=True, slots=True)
 class SamplingParams:
     """Per-request decoding parameters, validated on creation.
 
@@ -39,6 +69,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         # Accept lists / single strings from users, store tuples so the record stays hashable.

@@ -42,6 +42,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.errored: list[EngineCoreOutput] = []
 
     def _order_key(self, request: Request) -> tuple:
         if self.config.policy == "priority":
@@ -124,19 +125,25 @@ class Scheduler:
             budget -= num_new
             index += 1
 
-        # Then admit waiting requests, unless this step already had to preempt.
+        # Then admit waiting requests in order, unless this step already had to preempt.
+        # Requests whose grammar is still compiling are passed over, not waited for.
+        position = 0
         while (
             not preempted
-            and self.waiting
+            and position < len(self.waiting)
             and budget > 0
             and len(self.running) < self.config.max_num_seqs
         ):
-            request = self.waiting[0]
+            request = self.waiting[position]
+            if not self._grammar_ready(request):
+                if request.status != RequestStatus.FINISHED_ERROR:
+                    position += 1  # (a failed one left the queue: same position again)
+                continue
             hits, num_cached = self.kv.get_computed_blocks(request)
             num_new = self._num_new_tokens(request, num_cached, budget)
             if self.kv.allocate_slots(request, num_new, hits) is None:
                 break
-            self.waiting.popleft()
+            del self.waiting[position]
             request.num_computed_tokens = num_cached
             if request.num_preemptions == 0:
                 request.num_cached_tokens = num_cached
@@ -150,6 +157,42 @@ class Scheduler:
             num_batched_tokens=self.config.max_num_batched_tokens - budget,
             preempted_req_ids=preempted,
         )
+
+    def _grammar_ready(self, request: Request) -> bool:
+        if request.status != RequestStatus.WAITING_FOR_GRAMMAR:
+            return True
+        if not request.structured.poll():
+            return False
+        if request.structured.error is not None:
+            self.waiting.remove(request)
+            request.status = RequestStatus.FINISHED_ERROR
+            self._free(request)
+            self.errored.append(
+                EngineCoreOutput(request.req_id, [], None, "error", error=request.structured.error)
+            )
+            return False
+        request.status = RequestStatus.WAITING
+        return True
+
+    def _fail_grammar_dead_end(self, request: Request) -> EngineCoreOutput:
+        """The grammar allows no next token (the output so far cannot become valid)."""
+        self.running.remove(request)
+        request.status = RequestStatus.FINISHED_ERROR
+        self._free(request)
+        problems = request.structured.matcher.validate_final()
+        return EngineCoreOutput(
+            request.req_id,
+            [],
+            None,
+            "error",
+            structured_errors=problems,
+            error="the output cannot be completed into a valid instance: " + "; ".join(problems),
+        )
+
+    def take_errored(self) -> list[EngineCoreOutput]:
+        """Requests that failed on their own since the last call (e.g. bad grammar)."""
+        errored, self.errored = self.errored, []
+        return errored
 
     def _num_new_tokens(self, request: Request, num_computed: int, budget: int) -> int:
         """Tokens to compute this step: all that are behind, within the step budget and the
@@ -184,13 +227,22 @@ class Scheduler:
             request.num_computed_tokens += len(chunk.token_ids)
             if not chunk.sample:
                 continue
-            token = sampled[chunk.req_id]
+            token = sampled.get(chunk.req_id)
+            if token is None or (
+                request.structured is not None
+                and not request.structured.matcher.accept_token(token.token_id)
+            ):
+                outputs.append(self._fail_grammar_dead_end(request))
+                continue
             if request.first_token_time is None:
                 request.first_token_time = now
             request.append_output_token(token.token_id)
+            structured_errors = None
             if request.check_stop(self.max_model_len):
                 self.running.remove(request)
                 self._free(request)
+                if request.structured is not None:
+                    structured_errors = request.structured.matcher.validate_final()
             outputs.append(
                 EngineCoreOutput(
                     req_id=request.req_id,
@@ -199,6 +251,7 @@ class Scheduler:
                     finish_reason=request.status.finish_reason,
                     stop_reason=request.stop_reason,
                     num_cached_tokens=request.num_cached_tokens,
+                    structured_errors=structured_errors,
                 )
             )
         return outputs

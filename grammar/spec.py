@@ -76,7 +76,7 @@ class GrammarSpec:
                 schema = pydantic.TypeAdapter(tp).json_schema()
         except (pydantic.PydanticUserError, pydantic.PydanticSchemaGenerationError) as exc:
             raise GrammarSpecError(f"cannot derive a JSON schema from {tp!r}: {exc}") from None
-        return cls.from_json_schema(schema)
+        return cls.from_json_schema(_close_objects(schema))
 
     @classmethod
     def from_regex(cls, pattern: str) -> GrammarSpec:
@@ -168,3 +168,22 @@ def canonical_schema(node: Any) -> Any:
         else:
             out[key] = canonical_schema(value)
     return out
+
+
+def _close_objects(node: Any) -> Any:
+    """Pydantic models ignore unknown keys but do not say so in their schema; generating
+    them is wasted tokens (and a small model may never stop). Objects with `properties`
+    and no explicit `additionalProperties` become closed (a model with extra="allow" emits
+    `additionalProperties: true` itself and stays open) — as OpenAI's strict mode does."""
+    if isinstance(node, dict):
+        node = {k: _close_objects(v) for k, v in node.items()}
+        if (
+            node.get("type") == "object"
+            and "properties" in node
+            and "additionalProperties" not in node
+        ):
+            node["additionalProperties"] = False
+        return node
+    if isinstance(node, list):
+        return [_close_objects(v) for v in node]
+    return node

@@ -1,0 +1,108 @@
+"""Structured outputs in the engine: each request's grammar compiles off the engine thread
+(the request waits in WAITING_FOR_GRAMMAR without blocking others), the batch bitmask is
+filled on the CPU for the sampled rows, matchers advance with every accepted token, and a
+finished output is validated against everything the token grammar did not enforce."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+
+import torch
+
+from agentrt.engine.errors import InvalidRequestError
+from agentrt.engine.request import Request
+from agentrt.engine.sampling_params import StructuredOutputsParams
+from agentrt.grammar import (
+    GrammarCompiler,
+    GrammarError,
+    GrammarMatcher,
+    GrammarSpec,
+    GrammarSpecError,
+    allocate_bitmask,
+)
+
+
+def to_grammar_spec(params: StructuredOutputsParams) -> GrammarSpec:
+    """The canonical spec for a request; raises InvalidRequestError for a bad one."""
+    try:
+        if params.json is not None:
+            if isinstance(params.json, dict | str | bool):
+                return GrammarSpec.from_json_schema(params.json)
+            return GrammarSpec.from_type(params.json)
+        if params.regex is not None:
+            return GrammarSpec.from_regex(params.regex)
+        if params.choice is not None:
+            return GrammarSpec.from_choice(list(params.choice))
+        if params.grammar is not None:
+            return GrammarSpec.from_ebnf(params.grammar)
+        return GrammarSpec.from_json_schema({"type": "object"})
+    except GrammarSpecError as exc:
+        raise InvalidRequestError(
+            f"structured_outputs is invalid: {exc}", field="structured_outputs"
+        ) from None
+
+
+class StructuredRequest:
+    """One request's grammar: a compile future, then a matcher (or the compile error)."""
+
+    __slots__ = ("future", "matcher", "error")
+
+    def __init__(self, future: Future) -> None:
+        self.future = future
+        self.matcher: GrammarMatcher | None = None
+        self.error: str | None = None
+
+    def poll(self) -> bool:
+        """True once compilation finished, successfully (`matcher`) or not (`error`)."""
+        if self.matcher is not None or self.error is not None:
+            return True
+        if not self.future.done():
+            return False
+        try:
+            self.matcher = self.future.result().matcher()
+        except GrammarError as exc:
+            self.error = f"grammar compilation failed: {exc}"
+        return True
+
+
+class StructuredOutputManager:
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int], timeout_s: float):
+        self._tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self._stop_token_ids = stop_token_ids
+        self._timeout_s = timeout_s
+        self._compiler: GrammarCompiler | None = None
+
+    @property
+    def compiler(self) -> GrammarCompiler:
+        """Built on first use: plain-text workloads never pay for tokenizer analysis."""
+        if self._compiler is None:
+            self._compiler = GrammarCompiler(
+                self._tokenizer,
+                vocab_size=self.vocab_size,
+                stop_token_ids=self._stop_token_ids,
+                timeout_s=self._timeout_s,
+            )
+        return self._compiler
+
+    def start(self, request: Request, spec: GrammarSpec) -> None:
+        request.structured = StructuredRequest(self.compiler.compile_async(spec))
+
+    def bitmask(
+        self, requests: list[Request]
+    ) -> tuple[torch.Tensor, torch.Tensor, set[str]] | None:
+        """For one step's sampled requests: (bitmask (B, ceil(V / 32)) int32, indices of the
+        constrained rows, ids of requests whose grammar allows no token at all), or None
+        when no row is constrained. A dead end happens when the token grammar accepted an
+        output that the final check rejects (a keyword it does not enforce): nothing may
+        follow, and the request must fail rather than sample an arbitrary token."""
+        rows = [i for i, r in enumerate(requests) if r.structured is not None]
+        if not rows:
+            return None
+        mask = allocate_bitmask(len(requests), self.vocab_size)
+        dead = set()
+        for row in rows:
+            requests[row].structured.matcher.fill_bitmask(mask, row)
+            if not mask[row].any():
+                dead.add(requests[row].req_id)
+        return torch.from_numpy(mask), torch.tensor(rows, dtype=torch.int64), dead

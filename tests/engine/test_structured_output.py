@@ -1,0 +1,178 @@
+"""Structured outputs end to end on the embedded model: Pydantic models and MaskBench schemas,
+greedy and sampled; every finished output parses and validates, and a truncated one is
+reported, never passed off as valid. Bad specs fail alone."""
+
+from __future__ import annotations
+
+import enum
+import json
+import random
+from pathlib import Path
+
+import jsonschema
+import pytest
+from pydantic import BaseModel, Field
+
+from agentrt.engine.errors import InvalidRequestError
+from agentrt.engine.sampling_params import SamplingParams, StructuredOutputsParams
+
+MASKBENCH = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "maskbench"
+
+
+class Color(enum.StrEnum):
+    red = "red"
+    green = "green"
+    blue = "blue"
+
+
+class Address(BaseModel):
+    street: str = Field(max_length=40)
+    city: str = Field(max_length=30)
+    zip_code: str = Field(pattern=r"^[0-9]{5}$")
+
+
+class Person(BaseModel):
+    name: str = Field(max_length=40)
+    age: int = Field(ge=0, le=130)
+    height_m: float = Field(gt=0.5, lt=2.5)
+    favorite_color: Color
+    nickname: str | None = None
+    address: Address
+    skills: list[str] = Field(max_length=3)
+
+
+PROMPT = [{"role": "user", "content": "Invent a person and describe them as JSON."}]
+
+
+def _params(fmt, temperature: float, seed: int = 0, max_tokens: int = 200) -> SamplingParams:
+    return SamplingParams(
+        temperature=temperature,
+        seed=seed,
+        max_tokens=max_tokens,
+        structured_outputs=StructuredOutputsParams(json=fmt),
+    )
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_pydantic_model_outputs_validate(smollm2_llm, temperature):
+    params = [_params(Person, temperature, seed=s) for s in range(4)]
+    outs = smollm2_llm.chat([PROMPT] * 4, params)
+    for out in outs:
+        completion = out.outputs[0]
+        assert completion.finish_reason == "stop", completion.text
+        person = Person.model_validate_json(completion.text)
+        assert 0 <= person.age <= 130
+        assert completion.structured_errors == []
+
+
+def test_list_of_models_literal_choice_and_regex(smollm2_llm):
+    from typing import Literal
+
+    fmts = [
+        StructuredOutputsParams(json=list[Address]),
+        StructuredOutputsParams(json=Literal["yes", "no"]),
+        StructuredOutputsParams(choice=["alpha", "beta", "gamma"]),
+        StructuredOutputsParams(regex=r"[A-Z]{3}-[0-9]{4}"),
+        StructuredOutputsParams(json_object=True),
+    ]
+    params = [
+        SamplingParams(temperature=1.0, seed=3, max_tokens=150, structured_outputs=f) for f in fmts
+    ]
+    outs = smollm2_llm.chat([PROMPT] * len(fmts), params)
+    texts = [o.outputs[0].text for o in outs]
+    assert all(o.outputs[0].finish_reason == "stop" for o in outs), texts
+    assert isinstance(json.loads(texts[0]), list)
+    assert json.loads(texts[1]) in ("yes", "no")
+    assert texts[2] in ("alpha", "beta", "gamma")
+    assert len(texts[3]) == 8 and texts[3][3] == "-" and texts[3][4:].isdigit()
+    assert isinstance(json.loads(texts[4]), dict)
+
+
+def _maskbench_schemas(count: int) -> list[dict]:
+    """A fixed, seeded sample of small schemas (by file name, not by outcome)."""
+    files = sorted(MASKBENCH.glob("*.json"))
+    random.Random(2026).shuffle(files)
+    schemas = []
+    for path in files:
+        schema = json.loads(path.read_text())["schema"]
+        if len(json.dumps(schema)) <= 1500:
+            schemas.append(schema)
+        if len(schemas) == count:
+            break
+    return schemas
+
+
+@pytest.mark.skipif(not MASKBENCH.is_dir(), reason="shared MaskBench data not present")
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_maskbench_schemas_validate_or_report(smollm2_llm, temperature):
+    schemas = _maskbench_schemas(30)
+    messages = [
+        [
+            {
+                "role": "user",
+                "content": "Produce one JSON instance of this schema:\n" + json.dumps(s)[:600],
+            }
+        ]
+        for s in schemas
+    ]
+    params = [_params(s, temperature, seed=i, max_tokens=192) for i, s in enumerate(schemas)]
+    outs = smollm2_llm.chat(messages, params)
+    stopped = 0
+    for schema, out in zip(schemas, outs, strict=True):
+        completion = out.outputs[0]
+        if completion.finish_reason == "stop":
+            stopped += 1
+            jsonschema.validate(json.loads(completion.text), schema)
+            assert completion.structured_errors == []
+        else:  # cut by max_tokens, or a dead end: reported as not valid, never as success
+            assert completion.finish_reason in ("length", "error")
+            assert completion.structured_errors, completion.text
+    # A 135M model often loops in unbounded arrays and strings until max_tokens.
+    assert stopped >= 15, f"only {stopped} of 30 outputs finished"
+    smollm2_llm.kv_manager.check_invariants()
+
+
+def test_bad_structured_outputs_are_rejected_up_front(smollm2_llm):
+    with pytest.raises(InvalidRequestError, match="exactly one"):
+        StructuredOutputsParams(json={"type": "object"}, regex="a+")
+    with pytest.raises(InvalidRequestError) as info:
+        smollm2_llm.generate(
+            "x", SamplingParams(structured_outputs=StructuredOutputsParams(regex="(unclosed"))
+        )
+    assert info.value.field == "structured_outputs"
+    assert not smollm2_llm.engine_core.has_unfinished_requests()
+
+
+def test_grammar_that_fails_to_compile_fails_alone(smollm2_llm):
+    bad = StructuredOutputsParams(
+        json={"type": "object", "properties": {"x": {"$ref": "#/$defs/missing"}}}
+    )
+    good = SamplingParams(temperature=0.0, max_tokens=8)
+    outs = smollm2_llm.generate(
+        ["Hello", "Hi"], [SamplingParams(max_tokens=8, structured_outputs=bad), good]
+    )
+    assert outs[0].outputs[0].finish_reason == "error" and outs[0].error
+    assert outs[1].outputs[0].finish_reason in ("stop", "length")
+    assert not smollm2_llm.engine_core.has_unfinished_requests()
+    smollm2_llm.kv_manager.check_invariants()
+
+
+def test_grammar_dead_end_fails_the_request_with_the_reason(smollm2_llm):
+    # The token grammar can only spell [1, 1]; uniqueItems is checked after generation, so
+    # the stop token is never allowed: the request must fail, not emit an arbitrary token.
+    schema = {
+        "type": "array",
+        "items": {"enum": [1]},
+        "minItems": 2,
+        "maxItems": 2,
+        "uniqueItems": True,
+    }
+    good = SamplingParams(temperature=0.0, max_tokens=8)
+    outs = smollm2_llm.generate(["A list:", "Hi"], [_params(schema, 0.0, max_tokens=20), good])
+    completion = outs[0].outputs[0]
+    assert completion.finish_reason == "error"
+    assert completion.text == "[1, 1]"
+    assert completion.structured_errors and "unique" in " ".join(completion.structured_errors)
+    assert "cannot be completed" in outs[0].error
+    assert outs[1].outputs[0].finish_reason in ("stop", "length")
+    smollm2_llm.kv_manager.check_invariants()
