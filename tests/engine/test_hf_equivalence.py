@@ -55,8 +55,10 @@ def test_embedded_model_one_at_a_time_equals_hf(smollm2_llm, hf_reference):
         pytest.param({"num_kv_blocks": 12}, id="preemption"),
         pytest.param({"block_size": 32, "max_num_batched_tokens": 50}, id="block32"),
         pytest.param({"enable_prefix_caching": False}, id="no-prefix-cache"),
-        pytest.param({"long_prefill_token_threshold": 5, "scheduling_policy": "priority"},
-                     id="prefill-cap-priority"),
+        pytest.param(
+            {"long_prefill_token_threshold": 5, "scheduling_policy": "priority"},
+            id="prefill-cap-priority",
+        ),
     ],
 )
 def test_embedded_model_under_scheduling_pressure_equals_hf(smollm2_dir, hf_reference, engine_args):

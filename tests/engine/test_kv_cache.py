@@ -14,8 +14,13 @@ BS = 4
 
 
 def request(req_id: str, prompt: list[int], max_tokens: int = 4) -> Request:
-    return Request(req_id, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
-                   max_tokens=max_tokens, eos_token_ids=frozenset())
+    return Request(
+        req_id,
+        prompt,
+        SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+        max_tokens=max_tokens,
+        eos_token_ids=frozenset(),
+    )
 
 
 def admit(kv: KVCacheManager, req: Request) -> int:
