@@ -13,6 +13,7 @@ _EXPORTS = {
     "Logprob": "agentrt.engine.outputs",
     "RequestOutput": "agentrt.engine.outputs",
     "SamplingParams": "agentrt.engine.sampling_params",
+    "StructuredOutputsParams": "agentrt.engine.sampling_params",
 }
 __all__ = sorted(_EXPORTS)
 

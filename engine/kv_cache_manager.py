@@ -65,8 +65,6 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        self.stats.num_queried_tokens += request.num_tokens
-        self.stats.num_hit_tokens += len(hits) * self.block_size
         return hits, len(hits) * self.block_size
 
     def allocate_slots(
@@ -91,6 +89,9 @@ class KVCacheManager:
         num_evictable_hits = sum(1 for b in computed_blocks if b.ref_cnt == 0)
         if num_new_blocks + num_evictable_hits > self.pool.num_free_blocks:
             return None
+        if not blocks and self.enable_prefix_caching:  # admission: count the lookup once
+            self.stats.num_queried_tokens += request.num_tokens
+            self.stats.num_hit_tokens += len(computed_blocks) * self.block_size
         self.pool.touch(computed_blocks)
         new_blocks = self.pool.get_new_blocks(num_new_blocks)
         blocks = blocks + computed_blocks + new_blocks

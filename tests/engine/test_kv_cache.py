@@ -132,3 +132,16 @@ def test_randomized_stress_with_shared_prefixes():
     assert s.kv.stats.num_hit_tokens > 0
     assert s.kv.pool.num_free_blocks == 20 and not s.kv.req_to_blocks
     s.kv.check_invariants()
+
+
+def test_prefix_stats_count_each_admission_once():
+    kv = KVCacheManager(3, BS)
+    a = request("a", list(range(9)))
+    admit(kv, a)  # 3 blocks: the pool is full
+    b = request("b", list(range(9)))
+    hits, _ = kv.get_computed_blocks(b)
+    assert kv.allocate_slots(b, 1, hits) is None  # needs one more block: retried later
+    assert kv.stats.num_queried_tokens == 9 and kv.stats.num_hit_tokens == 0
+    finish(kv, a)
+    assert admit(kv, b) == 8
+    assert kv.stats.num_queried_tokens == 18 and kv.stats.num_hit_tokens == 8
