@@ -6,7 +6,7 @@ Cache layout per layer: (num_blocks, 2, block_size, num_kv_heads, head_dim), ind
 The `torch` backend is the CPU path: requests with one query token (decodes) are batched
 into one SDPA call over their gathered blocks; prefill chunks run one SDPA call each
 (causal over their own tokens when nothing precedes them, else over the gathered context).
-The `triton` backend (CUDA) calls the kernels package.
+The `triton` backend calls the kernels package (Triton kernels on CUDA).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from agentrt import kernels
 from agentrt.engine.errors import ConfigError
 
 
@@ -83,6 +84,12 @@ class AttentionMetadata:
 
 class TorchAttentionBackend:
     name = "torch"
+
+    def __init__(self, device: torch.device) -> None:
+        del device  # runs wherever torch does
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        meta.prepare_torch()
 
     def forward(
         self,
@@ -152,7 +159,40 @@ class TorchAttentionBackend:
         return o.reshape(batch, num_heads, head_dim)  # (B, H, D)
 
 
+class KernelAttentionBackend:
+    """The kernels package's unified varlen paged attention: its Triton kernels on CUDA,
+    their torch references elsewhere (slower than the torch backend on the CPU, but the
+    same code path the GPU runs, so it is tested here)."""
+
+    name = "triton"
+
+    def __init__(self, device: torch.device) -> None:
+        if device.type == "cuda":
+            kernels.require_triton()
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        """Nothing to derive: the kernels read the metadata as it is."""
+
+    def forward(self, query, key, value, kv_cache, meta: AttentionMetadata, scale: float):
+        kernels.reshape_and_cache(key, value, kv_cache, meta.slot_mapping)
+        return kernels.paged_attention(
+            query,
+            kv_cache,
+            meta.query_start_loc,
+            meta.seq_lens,
+            meta.block_tables,
+            scale,
+            max_query_len=max(meta.query_lens),
+            max_seq_len=meta.max_seq_len,
+        )
+
+
+BACKENDS = {"torch": TorchAttentionBackend, "triton": KernelAttentionBackend}
+
+
 def get_attention_backend(name: str, device: torch.device):
-    if name == "torch":
-        return TorchAttentionBackend()
-    raise ConfigError(f"attention_backend={name!r} is not available here: expected 'torch'.")
+    if name not in BACKENDS:
+        raise ConfigError(
+            f"attention_backend={name!r} is invalid: expected one of {sorted(BACKENDS)}."
+        )
+    return BACKENDS[name](device)

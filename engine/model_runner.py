@@ -119,6 +119,6 @@ class ModelRunner:
             context_lens=inp.context_lens,
             block_size=self.block_size,
         )
-        meta.prepare_torch()
+        self.attention.prepare(meta)
         hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, meta, self.attention)
         return self.model.compute_logits(hidden.index_select(0, inp.logits_indices))

@@ -35,15 +35,28 @@ class CompletionOutput:
 
 @dataclass(slots=True)
 class RequestMetrics:
+    """Wall-clock times (time.monotonic) of one request, as seen by the output processor."""
+
     arrival_time: float
     first_token_time: float | None = None
     finished_time: float | None = None
+    num_output_tokens: int = 0
 
     @property
     def time_to_first_token(self) -> float | None:
         if self.first_token_time is None:
             return None
         return self.first_token_time - self.arrival_time
+
+    @property
+    def time_per_output_token(self) -> float | None:
+        """Mean time between output tokens after the first (None until finished, or for
+        fewer than two tokens)."""
+        if self.finished_time is None or self.first_token_time is None:
+            return None
+        if self.num_output_tokens < 2:
+            return None
+        return (self.finished_time - self.first_token_time) / (self.num_output_tokens - 1)
 
 
 @dataclass(slots=True)
@@ -129,6 +142,7 @@ class OutputProcessor:
                 out.error = core.error
                 out.finished = True
                 out.metrics.finished_time = time.monotonic()
+                out.metrics.num_output_tokens = len(completion.token_ids)
                 finished.append(out)
                 del self.states[core.req_id]
         return finished, to_abort

@@ -70,18 +70,34 @@ def test_embedded_model_under_scheduling_pressure_equals_hf(smollm2_dir, hf_refe
     assert llm.kv_manager.pool.num_free_blocks == llm.kv_manager.num_blocks
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
-def test_tiny_models_equal_hf(tiny_checkpoint, arch):
+TINY_ENGINES = {
+    "default": {},
+    "preemption": {"num_kv_blocks": 10, "block_size": 8},
+    "kernels-backend": {"attention_backend": "triton"},  # kernels' torch references on CPU
+    "no-prefix-cache-priority": {"enable_prefix_caching": False, "scheduling_policy": "priority"},
+}
+
+
+@pytest.mark.parametrize(
+    ("arch", "engine"),
+    [(arch, "default") for arch in ("llama", "qwen2", "qwen3", "mistral")]
+    + [("qwen2", name) for name in TINY_ENGINES if name != "default"],
+)
+def test_tiny_models_equal_hf(tiny_checkpoint, arch, engine):
     from transformers import AutoModelForCausalLM
 
     path = tiny_checkpoint(arch)
     hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
-    llm = LLM(str(path), dtype="float32", kv_cache_memory_gb=0.05, max_num_batched_tokens=40)
+    engine_args = {"kv_cache_memory_gb": 0.05, "max_num_batched_tokens": 40}
+    llm = LLM(str(path), dtype="float32", **(engine_args | TINY_ENGINES[engine]))
     prompts = [llm.tokenizer.encode(p) for p in PROMPTS]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     expected = [hf_greedy(hf, ids, 24) for ids in prompts]
     assert _token_ids(llm.generate(prompts, params)) == expected
     assert _token_ids(llm.generate(prompts[0], params)) == expected[:1]
+    if engine == "preemption":
+        assert llm.scheduler.num_preemptions > 0
+    llm.kv_manager.check_invariants()
 
 
 def test_prefix_cache_hits_keep_outputs_identical(smollm2_llm, hf_reference):

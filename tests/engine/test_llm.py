@@ -7,6 +7,8 @@ import math
 import subprocess
 import sys
 
+import torch
+
 from agentrt.engine.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
@@ -30,6 +32,9 @@ def test_token_id_prompts_equal_string_prompts(smollm2_llm):
     assert by_text.outputs[0].token_ids == by_ids.outputs[0].token_ids
     assert by_text.prompt == text and by_ids.prompt is None
     assert by_ids.prompt_token_ids == ids
+    metrics = by_text.metrics
+    assert 0 < metrics.time_to_first_token < metrics.finished_time - metrics.arrival_time
+    assert metrics.time_per_output_token > 0
 
 
 def test_stop_string_is_removed_and_reported(smollm2_llm):
@@ -150,3 +155,25 @@ def test_cli_reports_bad_input(smollm2_dir):
     )
     assert result.returncode == 2
     assert "temperature=-1.0 is invalid" in result.stderr
+
+
+def test_bf16_engine_answers_like_fp32(smollm2_dir):
+    from agentrt.engine.llm import LLM
+
+    llm = LLM(None, dtype="bfloat16", kv_cache_memory_gb=0.1)
+    assert llm.runner.kv_caches[0].dtype == torch.bfloat16
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    (out,) = llm.chat(messages, GREEDY)
+    assert "Paris" in out.outputs[0].text
+
+
+def test_cli_chat_reads_turns_from_stdin(smollm2_dir):
+    result = subprocess.run(
+        [sys.executable, "-m", "agentrt", "chat", "--max-tokens", "24"],
+        input="What is the capital of France?\n\n",
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "assistant> " in result.stdout and "Paris" in result.stdout
