@@ -92,7 +92,7 @@ class StructuredOutputManager:
         self, requests: list[Request]
     ) -> tuple[torch.Tensor, torch.Tensor, set[str]] | None:
         """For one step's sampled requests: (bitmask (B, ceil(V / 32)) int32, indices of the
-        constrained rows, ids of requests whose grammar allows no token at all), or None
+        rows to mask, ids of requests whose grammar allows no token at all), or None
         when no row is constrained. A dead end happens when the token grammar accepted an
         output that the final check rejects (a keyword it does not enforce): nothing may
         follow, and the request must fail rather than sample an arbitrary token."""
@@ -100,9 +100,11 @@ class StructuredOutputManager:
         if not rows:
             return None
         mask = allocate_bitmask(len(requests), self.vocab_size)
-        dead = set()
+        live, dead = [], set()
         for row in rows:
             requests[row].structured.matcher.fill_bitmask(mask, row)
-            if not mask[row].any():
+            if mask[row].any():
+                live.append(row)
+            else:  # left unmasked: an all -inf row must not reach the sampler
                 dead.add(requests[row].req_id)
-        return torch.from_numpy(mask), torch.tensor(rows, dtype=torch.int64), dead
+        return torch.from_numpy(mask), torch.tensor(live, dtype=torch.int64), dead
