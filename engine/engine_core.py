@@ -62,7 +62,8 @@ class EngineCore:
         dead: set[str] = set()
         if grammar is not None:
             mask, rows, dead = grammar
-            apply_token_bitmask(logits, mask, rows)
+            if len(rows):
+                apply_token_bitmask(logits, mask, rows)
         metadata = SamplingMetadata.build(
             params=[r.sampling_params for r in requests],
             prompt_token_ids=[r.prompt_token_ids for r in requests],
