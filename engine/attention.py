@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from agentrt import kernels
+import agentrt.kernels as kernels
 from agentrt.engine.errors import ConfigError
 
 
