@@ -9,6 +9,7 @@ Also agentrt's single-request decode speed. Last line: a JSON object with every 
 
     python benchmarks/throughput.py            # both workloads (several minutes on 2 cores)
     python benchmarks/throughput.py --quick    # smaller workloads, for a smoke test
+    python benchmarks/throughput.py --only fixed
 """
 
 from __future__ import annotations
@@ -89,6 +90,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small workloads (smoke test)")
     parser.add_argument("--skip-hf", action="store_true", help="agentrt only")
+    parser.add_argument("--only", choices=("fixed", "mixed"), help="run one workload")
     args = parser.parse_args()
     scale = 4 if args.quick else 1
 
@@ -116,6 +118,8 @@ def main() -> None:
     llm.generate("warm up", SamplingParams(max_tokens=8))
     result: dict[str, float | None] = {"threads": torch.get_num_threads()}
     for name, (prompts, max_tokens) in (("fixed", fixed), ("mixed", mixed)):
+        if args.only and name != args.only:
+            continue
         elapsed, tokens = run_agentrt(llm, prompts, max_tokens)
         ours = tokens / elapsed
         print(f"{name}: agentrt {tokens} tokens in {elapsed:.1f}s = {ours:.1f} tok/s")
