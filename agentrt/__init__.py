@@ -1,24 +1,24 @@
 """agentrt: a structured-output agent runtime on its own paged inference engine.
 
-Public names load lazily: `import agentrt.grammar` does not start loading the engine.
+The offline API (`LLM`, `SamplingParams`, ...) is re-exported from `agentrt.engine`, lazily:
+`import agentrt.grammar` does not start loading the engine.
 """
 
 from __future__ import annotations
 
 import importlib
 
-_EXPORTS = {
-    "LLM": "agentrt.engine.llm",
-    "CompletionOutput": "agentrt.engine.outputs",
-    "Logprob": "agentrt.engine.outputs",
-    "RequestOutput": "agentrt.engine.outputs",
-    "SamplingParams": "agentrt.engine.sampling_params",
-    "StructuredOutputsParams": "agentrt.engine.sampling_params",
-}
-__all__ = sorted(_EXPORTS)
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "Logprob",
+    "RequestOutput",
+    "SamplingParams",
+    "StructuredOutputsParams",
+]
 
 
 def __getattr__(name: str):
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    if name in __all__:
+        return getattr(importlib.import_module("agentrt.engine"), name)
     raise AttributeError(f"module 'agentrt' has no attribute {name!r}")

@@ -123,10 +123,3 @@ class SchedulerConfig:
             self.long_prefill_token_threshold,
             ">= 0 (0 disables the cap)",
         )
-
-
-@dataclass(frozen=True, slots=True)
-class EngineConfig:
-    model: ModelConfig
-    cache: CacheConfig
-    scheduler: SchedulerConfig

@@ -66,7 +66,6 @@ class Request:
         "num_preemptions",
         "stop_reason",
         "generator",
-        "first_token_time",
         "num_cached_tokens",
         "structured",
     )
@@ -95,7 +94,6 @@ class Request:
         self.num_computed_tokens = 0
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None
-        self.first_token_time: float | None = None
         self.num_cached_tokens = 0  # prompt tokens found in the prefix cache at admission
         self.structured = None  # StructuredRequest when the output is grammar-constrained
         self.generator: torch.Generator | None = None

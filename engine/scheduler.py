@@ -11,7 +11,6 @@ by recompute: its blocks are freed and it goes back to the front of the waiting 
 from __future__ import annotations
 
 import bisect
-import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -219,7 +218,6 @@ class Scheduler:
         """Advance computed counts, append sampled tokens, apply stop conditions and free
         the blocks of finished requests. Returns one delta per request that sampled."""
         outputs = []
-        now = time.monotonic()
         for chunk in scheduler_output.chunks:
             request = self.requests.get(chunk.req_id)
             if request is None or request.status != RequestStatus.RUNNING:
@@ -234,8 +232,6 @@ class Scheduler:
             ):
                 outputs.append(self._fail_grammar_dead_end(request))
                 continue
-            if request.first_token_time is None:
-                request.first_token_time = now
             request.append_output_token(token.token_id)
             structured_errors = None
             if request.check_stop(self.max_model_len):
