@@ -8,14 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from agentrt.engine.errors import ModelLoadError
-
-SUPPORTED_ARCHITECTURES = (
-    "LlamaForCausalLM",
-    "MistralForCausalLM",
-    "Qwen2ForCausalLM",
-    "Qwen3ForCausalLM",
-)
+from agentrt.engine.model.checkpoint import check_architecture
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,12 +32,7 @@ class ModelArchConfig:
 
     @classmethod
     def from_hf_dict(cls, config: dict) -> ModelArchConfig:
-        archs = config.get("architectures") or []
-        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
-        if arch is None:
-            raise ModelLoadError(
-                f"unsupported architecture {archs!r}: agentrt runs {', '.join(SUPPORTED_ARCHITECTURES)}."
-            )
+        arch = check_architecture(config)
         rope = dict(config.get("rope_parameters") or {})
         scaling = config.get("rope_scaling") or (
             rope if rope.get("rope_type", "default") != "default" else None
