@@ -44,8 +44,8 @@ class StructuredOutputsParams:
 class SamplingParams:
     """Per-request decoding parameters, validated on creation.
 
-    `temperature == 0` means greedy. `top_k` of -1 or 0 disables top-k (0 is accepted as
-    vLLM's "disabled" alias). `seed` makes sampling reproducible per request, independent of
+    `temperature == 0` means greedy. `top_k=-1` disables top-k (0 is rejected: it
+    would keep no token). `seed` makes sampling reproducible per request, independent of
     batch composition. `logprobs=N` returns the sampled token's logprob and the top N.
     Limits that depend on the model (vocabulary size, context length) are checked by the
     `Processor` when the request is added.
@@ -97,8 +97,8 @@ class SamplingParams:
             raise bad("temperature", self.temperature, ">= 0 (0 means greedy)")
         if not 0.0 < self.top_p <= 1.0:
             raise bad("top_p", self.top_p, "a value in (0, 1]")
-        if self.top_k < -1:
-            raise bad("top_k", self.top_k, "-1 or 0 (disabled) or a positive integer")
+        if self.top_k < -1 or self.top_k == 0:
+            raise bad("top_k", self.top_k, "-1 (disabled) or a positive integer")
         if not 0.0 <= self.min_p <= 1.0:
             raise bad("min_p", self.min_p, "a value in [0, 1]")
         if not -2.0 <= self.presence_penalty <= 2.0:
