@@ -90,6 +90,17 @@ def check_reshape_and_cache(
     )
 
 
+def check_like(name: str, t: torch.Tensor, ref_name: str, ref: torch.Tensor) -> None:
+    """`t` must have `ref`'s shape and dtype, with a contiguous last dim."""
+    if t.shape != ref.shape or t.dtype != ref.dtype:
+        raise KernelInputError(
+            f"{name} is {t.dtype} {tuple(t.shape)}; expected {ref.dtype} "
+            f"{tuple(ref.shape)} like {ref_name}.",
+            arg=name,
+        )
+    check_last_dim_contiguous(name, t)
+
+
 def check_paged_attention(
     query: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -131,13 +142,7 @@ def check_paged_attention(
     tensors = [query, kv_cache, query_start_loc, seq_lens, block_tables]
     names = ["query", "kv_cache", "query_start_loc", "seq_lens", "block_tables"]
     if out is not None:
-        if out.shape != query.shape or out.dtype != query.dtype:
-            raise KernelInputError(
-                f"out is {out.dtype} {tuple(out.shape)}; expected {query.dtype} "
-                f"{tuple(query.shape)} like query.",
-                arg="out",
-            )
-        check_last_dim_contiguous("out", out)
+        check_like("out", out, "query", query)
         tensors.append(out)
         names.append("out")
     check_same_device(tuple(names), *tensors)
@@ -173,13 +178,7 @@ def check_rms_norm(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor
     check_dtype("weight", weight, FLOAT_DTYPES)
     tensors, names = [x, weight], ["x", "weight"]
     if residual is not None:
-        if residual.shape != x.shape or residual.dtype != x.dtype:
-            raise KernelInputError(
-                f"residual is {residual.dtype} {tuple(residual.shape)}; expected "
-                f"{x.dtype} {tuple(x.shape)} like x.",
-                arg="residual",
-            )
-        check_last_dim_contiguous("residual", residual)
+        check_like("residual", residual, "x", x)
         tensors.append(residual)
         names.append("residual")
     check_same_device(tuple(names), *tensors)

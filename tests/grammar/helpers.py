@@ -42,3 +42,13 @@ def drive(matcher: Any, tok: Any, text: str) -> tuple[bool, bool]:
         if not allowed or not matcher.accept_token(t):
             return False, False
     return True, matcher.can_terminate()
+
+
+# Two OpenAI-style tool definitions shared by the spec and real-tokenizer tests.
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}},
+    {"type": "function", "function": {"name": "add", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+        "required": ["a", "b"]}}},
+]  # fmt: skip

@@ -11,7 +11,7 @@ from pydantic import BaseModel
 
 from agentrt.grammar import GrammarCompiler, GrammarSpec, allocate_bitmask, allowed_token_ids
 
-from .helpers import drive
+from .helpers import TOOLS, drive
 
 MASKBENCH = Path("/work/shared/data/maskbench")
 
@@ -48,15 +48,6 @@ def test_list_of_models_and_enum_union(real_compiler, smollm2_tok) -> None:
     assert drive(u.matcher(), smollm2_tok, '"none"') == (True, True)
     assert drive(u.matcher(), smollm2_tok, "17") == (True, True)
     assert drive(u.matcher(), smollm2_tok, '"some"')[0] is False
-
-
-TOOLS = [
-    {"type": "function", "function": {"name": "get_weather", "parameters": {
-        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}},
-    {"type": "function", "function": {"name": "add", "parameters": {
-        "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
-        "required": ["a", "b"]}}},
-]  # fmt: skip
 
 
 def test_tool_calls(real_compiler, smollm2_tok) -> None:

@@ -8,6 +8,8 @@ from pydantic import BaseModel
 
 from agentrt.grammar import GrammarSpec, GrammarSpecError
 
+from .helpers import TOOLS
+
 
 class Person(BaseModel):
     name: str
@@ -48,15 +50,6 @@ def test_choice_and_regex_and_ebnf() -> None:
         GrammarSpec.from_choice([])
     with pytest.raises(GrammarSpecError, match="syntax"):
         GrammarSpec.from_ebnf("x", syntax="yacc")
-
-
-TOOLS = [
-    {"type": "function", "function": {"name": "get_weather", "parameters": {
-        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}},
-    {"type": "function", "function": {"name": "add", "parameters": {
-        "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
-        "required": ["a", "b"]}}},
-]  # fmt: skip
 
 
 def test_from_tools_choices() -> None:
