@@ -154,12 +154,11 @@ class LLM:
         return self._run(prompts, sampling_params, None)
 
     def _run(self, prompts, sampling_params, priority) -> list[RequestOutput]:
-        params = _per_prompt(sampling_params, len(prompts), "sampling_params")
-        priorities = _per_prompt(priority, len(prompts), "priority") if priority else None
+        params = _per_prompt(sampling_params, len(prompts), "sampling_params", SamplingParams())
+        priorities = _per_prompt(priority, len(prompts), "priority", 0)
         requests: list[tuple[Request, str | None, GrammarSpec | None]] = []
-        for i, ((prompt, text), p) in enumerate(zip(prompts, params, strict=True)):
+        for (prompt, text), p, prio in zip(prompts, params, priorities, strict=True):
             req_id = f"llm-{next(self._req_counter)}"
-            prio = priorities[i] if priorities else 0
             request = self.processor.process(req_id, prompt, p, priority=prio)
             spec = to_grammar_spec(p.structured_outputs) if p.structured_outputs else None
             requests.append((request, text, spec))
@@ -187,10 +186,12 @@ def _as_prompt_list(prompts) -> list[Prompt]:
     return prompts
 
 
-def _per_prompt(value, count: int, name: str) -> list:
+def _per_prompt(value, count: int, name: str, default) -> list:
+    """One value per prompt: None -> `default` for all, a single value -> for all, else a
+    sequence that must have one entry per prompt."""
     if value is None:
-        return [SamplingParams()] * count if name == "sampling_params" else [0] * count
-    if isinstance(value, SamplingParams):
+        value = default
+    if isinstance(value, SamplingParams | int):
         return [value] * count
     value = list(value)
     if len(value) != count:
