@@ -22,3 +22,12 @@ class ConfigError(EngineError, ValueError):
 
 class ModelLoadError(EngineError):
     """Weights, config or tokenizer could not be found or read."""
+
+
+class EngineDeadError(EngineError):
+    """The engine loop stopped (a fault, or shutdown): every pending request fails with this,
+    and new requests are refused. Start a new engine."""
+
+
+class EngineOverloadedError(EngineError):
+    """Too many requests are already waiting; retry later (the server answers 429)."""

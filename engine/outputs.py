@@ -72,6 +72,22 @@ class RequestOutput:
 
 
 @dataclass(slots=True)
+class RequestDelta:
+    """What one engine step added to one request: the unit a stream delivers."""
+
+    request_id: str
+    text: str  # new text; never retracted (a possible stop-string prefix is held back)
+    token_ids: list[int]
+    logprobs: list[dict[int, Logprob]] | None
+    num_cached_tokens: int
+    output: RequestOutput | None = None  # the complete output, set once finished
+
+    @property
+    def finished(self) -> bool:
+        return self.output is not None
+
+
+@dataclass(slots=True)
 class _RequestState:
     output: RequestOutput
     params: SamplingParams
@@ -109,10 +125,11 @@ class OutputProcessor:
 
     def process_outputs(
         self, core_outputs: list[EngineCoreOutput]
-    ) -> tuple[list[RequestOutput], list[str]]:
-        """Apply one step's deltas. Returns the requests that finished this step and the ids
-        the engine core must abort because a stop string ended them."""
-        finished: list[RequestOutput] = []
+    ) -> tuple[list[RequestDelta], list[str]]:
+        """Apply one step's deltas. Returns what changed per request (finished requests carry
+        their complete `RequestOutput`) and the ids the engine core must abort because a
+        stop string ended them."""
+        deltas: list[RequestDelta] = []
         to_abort: list[str] = []
         for core in core_outputs:
             state = self.states.get(core.req_id)
@@ -123,6 +140,7 @@ class OutputProcessor:
             if out.metrics.first_token_time is None and core.new_token_ids:
                 out.metrics.first_token_time = time.monotonic()
             completion.token_ids.extend(core.new_token_ids)
+            num_logprobs = len(completion.logprobs) if completion.logprobs is not None else 0
             if core.new_logprobs is not None and completion.logprobs is not None:
                 self._add_logprobs(completion, core)
             stop_str = state.detokenizer.append(core.new_token_ids)
@@ -132,9 +150,16 @@ class OutputProcessor:
                 if not core.finished:
                     to_abort.append(core.req_id)
             out.num_cached_tokens = core.num_cached_tokens
-            if finish_reason is not None:
-                state.detokenizer.get_delta(streaming=False)  # final: flushes held-back text
+            # The final call releases held-back text (and a trailing partial character).
+            text = state.detokenizer.get_delta(streaming=finish_reason is None)
             completion.text = state.detokenizer.output_text
+            delta = RequestDelta(
+                core.req_id,
+                text,
+                list(core.new_token_ids),
+                completion.logprobs[num_logprobs:] if completion.logprobs is not None else None,
+                core.num_cached_tokens,
+            )
             if finish_reason is not None:
                 completion.finish_reason = finish_reason
                 completion.stop_reason = stop_reason
@@ -143,19 +168,26 @@ class OutputProcessor:
                 out.finished = True
                 out.metrics.finished_time = time.monotonic()
                 out.metrics.num_output_tokens = len(completion.token_ids)
-                finished.append(out)
+                delta.output = out
                 del self.states[core.req_id]
-        return finished, to_abort
+            if delta.text or delta.token_ids or delta.finished:
+                deltas.append(delta)
+        return deltas, to_abort
 
-    def abort(self, req_ids: list[str]) -> list[RequestOutput]:
-        outputs = []
+    def abort(self, req_ids: list[str]) -> list[RequestDelta]:
+        """Finish requests as aborted; returns a final delta for each one still tracked."""
+        deltas = []
         for req_id in req_ids:
             state = self.states.pop(req_id, None)
-            if state is not None:
-                state.output.outputs[0].finish_reason = "abort"
-                state.output.finished = True
-                outputs.append(state.output)
-        return outputs
+            if state is None:
+                continue
+            out = state.output
+            out.outputs[0].finish_reason = "abort"
+            out.finished = True
+            out.metrics.finished_time = time.monotonic()
+            out.metrics.num_output_tokens = len(out.outputs[0].token_ids)
+            deltas.append(RequestDelta(req_id, "", [], None, out.num_cached_tokens, out))
+        return deltas
 
     def _add_logprobs(self, completion: CompletionOutput, core: EngineCoreOutput) -> None:
         for sampled in core.new_logprobs:

@@ -1,4 +1,5 @@
-"""Shared fixtures: the converted embedded model and tiny random checkpoints.
+"""Shared fixtures: the converted embedded model, one fp32 LLM on it per session (loading
+takes seconds; SDK tests drive its `engine` too), and tiny random checkpoints.
 
 `smollm2_dir` uses the real user cache (`AGENTRT_CACHE_DIR`, else `$XDG_CACHE_HOME/agentrt`,
 else `~/.cache/agentrt`), so only the first test run ever pays for the GGUF conversion.
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from agentrt.engine.llm import LLM
 from agentrt.engine.model.checkpoint import resolve_model
 from agentrt.engine.model.tiny import make_tiny_checkpoint
 
@@ -19,6 +21,12 @@ from agentrt.engine.model.tiny import make_tiny_checkpoint
 def smollm2_dir() -> Path:
     """The HF checkpoint directory of the embedded SmolLM2-135M-Instruct (converted once)."""
     return resolve_model(None)
+
+
+@pytest.fixture(scope="session")
+def smollm2_llm(smollm2_dir: Path) -> LLM:
+    """The embedded model in fp32 with a small KV pool. Tests must leave it idle."""
+    return LLM(None, dtype="float32", kv_cache_memory_gb=0.25)
 
 
 @pytest.fixture(scope="session")

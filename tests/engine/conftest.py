@@ -1,5 +1,4 @@
-"""Engine fixtures: one fp32 LLM on the embedded model per session (loading takes seconds),
-and HF reference models for equivalence tests."""
+"""Engine fixtures: HF reference models for equivalence tests."""
 
 from __future__ import annotations
 
@@ -7,14 +6,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from agentrt.engine.llm import LLM
-
-
-@pytest.fixture(scope="session")
-def smollm2_llm(smollm2_dir: Path) -> LLM:
-    """The embedded model in fp32 with a small KV pool. Tests must leave it idle."""
-    return LLM(None, dtype="float32", kv_cache_memory_gb=0.25)
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,140 @@
+"""LLMEngine: the engine's components wired together, driven one step at a time.
+
+`LLM` (synchronous, offline) and `AsyncEngine` (a background thread behind an async API) both
+drive one of these. It is not thread-safe: exactly one thread calls its methods.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from agentrt.engine import envs
+from agentrt.engine.config import CacheConfig, ModelConfig, SchedulerConfig, resolve_dtype
+from agentrt.engine.engine_core import EngineCore
+from agentrt.engine.kv_cache_manager import KVCacheManager
+from agentrt.engine.model.arch import ModelArchConfig
+from agentrt.engine.model.checkpoint import (
+    load_hf_config,
+    load_state_dict,
+    load_tokenizer,
+    resolve_model,
+)
+from agentrt.engine.model_runner import ModelRunner, kv_pool_blocks
+from agentrt.engine.outputs import OutputProcessor, RequestDelta
+from agentrt.engine.processor import Processor
+from agentrt.engine.request import Request
+from agentrt.engine.scheduler import Scheduler, SchedulerStats
+from agentrt.engine.structured_output import StructuredOutputManager
+from agentrt.grammar import GrammarSpec
+
+
+class LLMEngine:
+    """`model=None` runs the embedded SmolLM2-135M-Instruct; otherwise a local HF checkpoint
+    directory or a .gguf file. Every option is validated on creation (`ConfigError`)."""
+
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        dtype: str | torch.dtype = "auto",
+        device: str = "cpu",
+        block_size: int = 16,
+        max_num_seqs: int = 128,
+        max_num_batched_tokens: int = 2048,
+        max_model_len: int | None = None,
+        kv_cache_memory_gb: float = 2.0,
+        num_kv_blocks: int | None = None,
+        scheduling_policy: str = "fcfs",
+        enable_prefix_caching: bool = True,
+        long_prefill_token_threshold: int = 0,
+        attention_backend: str = "torch",
+        grammar_timeout_s: float = 10.0,
+        seed: int = 0,
+    ) -> None:
+        threads = envs.num_threads()
+        if threads:
+            torch.set_num_threads(threads)
+        torch.manual_seed(seed)
+        self.model_config = ModelConfig(model, resolve_dtype(dtype), device, max_model_len, seed)
+        self.cache_config = CacheConfig(
+            block_size, kv_cache_memory_gb, num_kv_blocks, enable_prefix_caching
+        )
+        self.scheduler_config = SchedulerConfig(
+            max_num_seqs, max_num_batched_tokens, scheduling_policy, long_prefill_token_threshold
+        )
+        path = resolve_model(model)
+        self.model_path = path
+        self.arch = ModelArchConfig.from_hf_dict(load_hf_config(path))
+        self.tokenizer = load_tokenizer(path)
+        self.max_model_len = min(
+            max_model_len or self.arch.max_position_embeddings, self.arch.max_position_embeddings
+        )
+        dtype_ = self.model_config.dtype
+        num_blocks = kv_pool_blocks(self.arch, self.cache_config, dtype_)
+        self.runner = ModelRunner(
+            self.arch,
+            load_state_dict(path),
+            dtype=dtype_,
+            device=torch.device(device),
+            block_size=block_size,
+            num_blocks=num_blocks,
+            max_model_len=self.max_model_len,
+            attention_backend=attention_backend,
+        )
+        self.kv_manager = KVCacheManager(
+            num_blocks, block_size, enable_prefix_caching=enable_prefix_caching
+        )
+        self.scheduler = Scheduler(self.scheduler_config, self.kv_manager, self.max_model_len)
+        eos = set(self.arch.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_token_ids = frozenset(eos)
+        structured = StructuredOutputManager(
+            self.tokenizer, self.arch.vocab_size, sorted(eos), grammar_timeout_s
+        )
+        self.engine_core = EngineCore(self.scheduler, self.runner, self.arch.vocab_size, structured)
+        self.processor = self.make_processor(self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer)
+
+    def make_processor(self, tokenizer) -> Processor:
+        """A Processor checking this engine's limits (a front end may bring its own copy of
+        the tokenizer so it can tokenize on another thread)."""
+        return Processor(
+            tokenizer,
+            vocab_size=self.arch.vocab_size,
+            max_model_len=self.max_model_len,
+            block_size=self.cache_config.block_size,
+            num_kv_blocks=self.kv_manager.num_blocks,
+            eos_token_ids=self.eos_token_ids,
+        )
+
+    def add_request(
+        self, request: Request, prompt: str | None, spec: GrammarSpec | None = None
+    ) -> None:
+        """Queue a request the Processor built; `prompt` is its text, if it had one."""
+        self.output_processor.add_request(
+            request.req_id, prompt, request.prompt_token_ids, request.sampling_params
+        )
+        self.engine_core.add_request(request, spec)
+
+    def abort_requests(self, req_ids: list[str]) -> list[RequestDelta]:
+        """Stop requests in any state and free their blocks; unknown or finished ids are
+        ignored. Returns the final delta of each request that was still live."""
+        self.engine_core.abort_requests(req_ids)
+        return self.output_processor.abort(req_ids)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.engine_core.has_unfinished_requests()
+
+    def step(self) -> list[RequestDelta]:
+        """One engine step: what changed for each request (finished ones carry `output`)."""
+        deltas, to_abort = self.output_processor.process_outputs(self.engine_core.step())
+        self.engine_core.abort_requests(to_abort)  # ended by a stop string
+        return deltas
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (blocks in use stay valid for their requests)."""
+        self.kv_manager.reset_prefix_cache()
+
+    def stats(self) -> SchedulerStats:
+        return self.scheduler.stats()
