@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from agentrt.engine.errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    from agentrt.grammar import GrammarSpec
 
 # Upper bound for `logprobs` / `prompt_logprobs` (OpenAI allows 20 top logprobs).
 MAX_LOGPROBS = 20
@@ -15,26 +19,27 @@ class StructuredOutputsParams:
     """Constrain the output (vLLM's names). Set exactly one of: `json` (a JSON-schema dict or
     its text, or a Pydantic model class / any type pydantic's TypeAdapter accepts), `regex`,
     `choice` (a list of strings), `grammar` (a Lark grammar), `json_object` (any JSON
-    object)."""
+    object), `spec` (a prebuilt `agentrt.grammar.GrammarSpec`, e.g. `from_tools(...)`)."""
 
     json: object = None
     regex: str | None = None
     choice: tuple[str, ...] | None = None
     grammar: str | None = None
     json_object: bool = False
+    spec: GrammarSpec | None = None
 
     def __post_init__(self) -> None:
         if self.choice is not None and not isinstance(self.choice, tuple):
             object.__setattr__(self, "choice", tuple(self.choice))
         given = [
             name
-            for name in ("json", "regex", "choice", "grammar")
+            for name in ("json", "regex", "choice", "grammar", "spec")
             if getattr(self, name) is not None
         ] + (["json_object"] if self.json_object else [])
         if len(given) != 1:
             raise InvalidRequestError(
                 f"structured_outputs sets {given or 'nothing'}: expected exactly one of "
-                "json, regex, choice, grammar, json_object.",
+                "json, regex, choice, grammar, json_object, spec.",
                 field="structured_outputs",
                 value=given,
             )

@@ -24,6 +24,13 @@ from agentrt.grammar import (
 
 def to_grammar_spec(params: StructuredOutputsParams) -> GrammarSpec:
     """The canonical spec for a request; raises InvalidRequestError for a bad one."""
+    if params.spec is not None:
+        if not isinstance(params.spec, GrammarSpec):
+            raise InvalidRequestError(
+                f"structured_outputs.spec must be a GrammarSpec, got {type(params.spec).__name__}.",
+                field="structured_outputs",
+            )
+        return params.spec
     try:
         if params.json is not None:
             if isinstance(params.json, dict | str | bool):
