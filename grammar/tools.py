@@ -74,19 +74,49 @@ def tool_calls_schema(
     """The JSON schema of the tool-call payload for a canonical tools list and choice."""
     if choice.startswith("name:"):
         tools = [t for t in tools if t["name"] == choice[5:]]
+    defs: dict[str, Any] = {}
     calls = [
         {
             "type": "object",
-            "properties": {"name": {"const": t["name"]}, "arguments": t["parameters"]},
+            "properties": {
+                "name": {"const": t["name"]},
+                "arguments": _hoist_defs(t["name"], t["parameters"], defs),
+            },
             "required": ["name", "arguments"],
             "additionalProperties": False,
         }
         for t in tools
     ]
     one = calls[0] if len(calls) == 1 else {"anyOf": calls}
-    if not parallel:
-        return one
-    return {"type": "array", "items": one, "minItems": 1}
+    schema = {"type": "array", "items": one, "minItems": 1} if parallel else dict(one)
+    if defs:
+        schema["$defs"] = defs
+    return schema
+
+
+def _hoist_defs(tool: str, parameters: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
+    """A tool's parameters nest inside the payload schema, so their local `$defs` (Pydantic
+    puts nested models there) move to the payload's root as `<tool>__<name>`, and the
+    `#/$defs/...` references in them are rewritten to match."""
+    local = {**parameters.get("definitions", {}), **parameters.get("$defs", {})}
+    if not local:
+        return parameters
+
+    def rewrite(node: Any) -> Any:
+        if isinstance(node, dict):
+            out = {k: rewrite(v) for k, v in node.items() if k not in ("$defs", "definitions")}
+            ref = node.get("$ref")
+            for prefix in ("#/$defs/", "#/definitions/"):
+                if isinstance(ref, str) and ref.startswith(prefix):
+                    out["$ref"] = f"#/$defs/{tool}__{ref[len(prefix) :]}"
+            return out
+        if isinstance(node, list):
+            return [rewrite(v) for v in node]
+        return node
+
+    for name, definition in local.items():
+        defs[f"{tool}__{name}"] = rewrite(definition)
+    return rewrite(parameters)
 
 
 def tool_calls_lark(schema: dict[str, Any]) -> str:
