@@ -208,11 +208,12 @@ class AsyncEngine:
         params: SamplingParams | None = None,
         *,
         messages: list[dict] | None = None,
+        tools: list[dict] | None = None,
         request_id: str | None = None,
         priority: int = 0,
     ) -> RequestStream:
         """Validate and queue one request: a prompt (text or token ids) or chat `messages`
-        (rendered with the model's chat template). Raises `InvalidRequestError` for bad
+        (rendered with the model's chat template, which also gets `tools`). Raises `InvalidRequestError` for bad
         input, `EngineOverloadedError` when the waiting queue is full, `EngineDeadError`
         when the engine has stopped."""
         self._check_accepting()
@@ -231,7 +232,7 @@ class AsyncEngine:
             )
         text: str | None
         if messages is not None:
-            prompt = self.processor.chat_token_ids(messages)
+            prompt = self.processor.chat_token_ids(messages, tools=tools)
             text = self.tokenizer.decode(prompt)
         else:
             text = prompt if isinstance(prompt, str) else None

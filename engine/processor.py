@@ -50,16 +50,21 @@ class Processor:
         return token_ids
 
     def chat_token_ids(
-        self, messages: list[dict], *, add_generation_prompt: bool = True
+        self,
+        messages: list[dict],
+        *,
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
     ) -> list[int]:
         """The conversation rendered with the model's chat template, as token ids (the
-        template spells out its special tokens, so none are added)."""
+        template spells out its special tokens, so none are added). `tools` go to templates
+        that render tool definitions."""
         if not messages:
             raise InvalidRequestError(
                 "messages is empty: pass at least one message.", field="messages", value=messages
             )
         text = self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt
+            messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt
         )
         return self.tokenizer.encode(text, add_special_tokens=False)
 

@@ -1,0 +1,189 @@
+"""Agent: the tool loop. Each reply is grammar-constrained to tool calls whose arguments match
+the chosen tool's schema, or to the final answer; tools run (parallel calls concurrently),
+their results and exceptions go back as tool messages, until a final answer or `max_steps`.
+
+With `output=Model` the final answer is a call of the `final_answer` tool whose arguments are
+the model, so the reply is always constrained; without it the model may answer in plain
+text (tool_choice "auto")."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+import pydantic
+
+from agentrt.backend import Backend, Usage
+from agentrt.errors import AgentError, SchemaError
+from agentrt.formats import resolve_format, tools_format
+from agentrt.session import _collect, check_completion
+from agentrt.tool_calls import ToolCall
+from agentrt.tools import Tool
+
+FINAL_ANSWER = "final_answer"
+
+
+@dataclass(slots=True)
+class ToolResult:
+    call: ToolCall
+    output: Any = None
+    error: str | None = None  # the tool's exception (or bad arguments), as the model saw it
+
+
+@dataclass(slots=True)
+class Step:
+    """One model reply: the tool calls it made and what they returned, or the final text."""
+
+    text: str
+    calls: list[ToolCall] = field(default_factory=list)
+    results: list[ToolResult] = field(default_factory=list)
+    usage: Usage = field(default_factory=Usage)
+
+
+@dataclass(slots=True)
+class AgentResult:
+    output: Any  # the final answer: an `output` instance, or text
+    steps: list[Step]
+    messages: list[dict]
+    usage: Usage
+
+
+class Agent:
+    """`Agent(rt, tools=[...], system=..., output=Model | None, max_steps=8)`;
+    `await agent.run(task)`. `tool_choice` ("auto", "required" or a tool name) applies to the
+    first step only, then resets so the agent cannot loop on a forced call.
+    `parallel_tool_calls=True` lets one reply call several tools (run concurrently); it is
+    off by default because small models tend to repeat calls in an open-ended list."""
+
+    def __init__(
+        self,
+        runtime: Any,
+        tools: Sequence[Tool],
+        *,
+        system: str | None = None,
+        output: Any = None,
+        max_steps: int = 8,
+        tool_choice: str = "auto",
+        parallel_tool_calls: bool = False,
+        **sampling: Any,
+    ) -> None:
+        self.backend: Backend = getattr(runtime, "backend", runtime)
+        self.tools = {t.name: t for t in tools}
+        if len(self.tools) != len(tools) or FINAL_ANSWER in self.tools:
+            raise SchemaError(
+                f"tool names must be unique and not {FINAL_ANSWER!r}: {[t.name for t in tools]}"
+            )
+        if max_steps < 1:
+            raise AgentError(f"max_steps={max_steps} is invalid: expected >= 1.")
+        self.system = system
+        self.output = output
+        self.max_steps = max_steps
+        self.tool_choice = tool_choice
+        self.parallel_tool_calls = parallel_tool_calls
+        self.sampling = sampling
+        self._output_format = resolve_format(output) if output is not None else None
+        self._definitions = [t.definition() for t in tools]
+        if self._output_format is not None:
+            self._definitions.append(self._final_answer_definition())
+
+    async def run(self, task: str) -> AgentResult:
+        messages = [{"role": "system", "content": self.system}] if self.system else []
+        messages.append({"role": "user", "content": task})
+        steps: list[Step] = []
+        usage = Usage()
+        for number in range(self.max_steps):
+            fmt = tools_format(
+                self._definitions,
+                self._tool_choice(first=number == 0),
+                parallel_tool_calls=self.parallel_tool_calls,
+            )
+            completion = await _collect(self.backend.stream(messages, fmt, self.sampling))
+            usage = usage + completion.usage
+            reply = check_completion(completion, fmt, completion.usage)
+            step = Step(completion.text, usage=completion.usage)
+            steps.append(step)
+            if isinstance(reply, str):  # a plain-text final answer
+                messages.append({"role": "assistant", "content": reply})
+                return AgentResult(reply, steps, messages, usage)
+            step.calls = reply
+            final = next((c for c in reply if c.name == FINAL_ANSWER), None)
+            if final is not None:
+                messages.append(_assistant_calls([final]))
+                return AgentResult(self._final_value(final), steps, messages, usage)
+            messages.append(_assistant_calls(reply))
+            step.results = await self._run_tools(reply)
+            messages.extend(_tool_message(r) for r in step.results)
+        raise AgentError(
+            f"no final answer after max_steps={self.max_steps} steps.",
+            trace=AgentResult(None, steps, messages, usage),
+        )
+
+    def _tool_choice(self, *, first: bool) -> str:
+        if first and self.tool_choice != "auto":
+            return self.tool_choice
+        return "required" if self._output_format is not None else "auto"
+
+    async def _run_tools(self, calls: list[ToolCall]) -> list[ToolResult]:
+        results = [ToolResult(call) for call in calls]
+
+        async def run(result: ToolResult) -> None:
+            tool = self.tools[result.call.name]
+            try:
+                result.output = await tool.call(result.call.arguments)
+            except Exception as exc:  # the model sees the failure and may recover
+                result.error = f"{type(exc).__name__}: {exc}"
+
+        async with anyio.create_task_group() as tg:
+            for result in results:
+                tg.start_soon(run, result)
+        return results
+
+    def _final_answer_definition(self) -> dict[str, Any]:
+        schema = self._output_format.json_schema
+        if self._output_format.kind != "json" or schema.get("type") != "object":
+            raise SchemaError(
+                f"output={self.output!r}: the final answer must be a JSON object type "
+                "(a Pydantic model or an object schema)."
+            )
+        return {
+            "type": "function",
+            "function": {
+                "name": FINAL_ANSWER,
+                "description": "Give the final answer to the task. Call it once you know it.",
+                "parameters": schema,
+            },
+        }
+
+    def _final_value(self, call: ToolCall) -> Any:
+        return self._output_format.parse(json.dumps(call.arguments))
+
+
+def _assistant_calls(calls: list[ToolCall]) -> dict[str, Any]:
+    return {"role": "assistant", "content": None, "tool_calls": [c.to_openai() for c in calls]}
+
+
+def _tool_message(result: ToolResult) -> dict[str, Any]:
+    if result.error is not None:
+        content = f"error: {result.error}"
+    else:
+        content = _to_text(result.output)
+    return {
+        "role": "tool",
+        "tool_call_id": result.call.id,
+        "name": result.call.name,
+        "content": content,
+    }
+
+
+def _to_text(value: Any) -> str:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, pydantic.BaseModel):
+        return value.model_dump_json()
+    try:
+        return json.dumps(value, default=str)
+    except (TypeError, ValueError):
+        return str(value)

@@ -1,0 +1,113 @@
+"""Backends: where a Session's turns run. `LocalBackend` drives an in-process `AsyncEngine`;
+a remote backend speaks the OpenAI API. Both stream text deltas and end with a `Completion`,
+so Session, Agent and extraction code is the same for either."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from agentrt.engine.async_engine import AsyncEngine
+from agentrt.engine.errors import InvalidRequestError
+from agentrt.engine.outputs import RequestOutput
+from agentrt.engine.sampling_params import SamplingParams
+from agentrt.formats import OutputFormat
+from agentrt.tool_calls import render_messages
+
+# The SDK decodes greedily unless told otherwise: structured replies from small models are
+# most reliable that way, and runs are reproducible.
+DEFAULT_SAMPLING: dict[str, Any] = {"temperature": 0.0, "max_tokens": 512}
+SAMPLING_OPTIONS = frozenset(
+    f.name for f in dataclasses.fields(SamplingParams) if f.name not in ("n", "structured_outputs")
+)
+
+
+@dataclass(slots=True)
+class Usage:
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    completion_tokens: int = 0
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+    def __add__(self, other: Usage) -> Usage:
+        return Usage(
+            self.prompt_tokens + other.prompt_tokens,
+            self.cached_tokens + other.cached_tokens,
+            self.completion_tokens + other.completion_tokens,
+        )
+
+
+@dataclass(slots=True)
+class Completion:
+    """A finished reply: text, why it ended ("stop", "length", "error", "abort"), usage, and
+    the engine's problems with it (`error`; `structured_errors` from post-validation)."""
+
+    text: str
+    finish_reason: str | None
+    usage: Usage
+    error: str | None = None
+    structured_errors: list[str] | None = None
+
+
+class Backend(Protocol):
+    def stream(
+        self, messages: list[dict], fmt: OutputFormat, sampling: dict[str, Any]
+    ) -> AsyncIterator[str | Completion]:
+        """Text deltas of one reply, then its `Completion` (always last)."""
+
+    async def stats(self) -> Any: ...
+
+
+def check_sampling(sampling: dict[str, Any]) -> dict[str, Any]:
+    """SDK defaults overlaid with the caller's options; unknown names are rejected."""
+    unknown = sorted(set(sampling) - SAMPLING_OPTIONS)
+    if unknown:
+        raise InvalidRequestError(
+            f"unknown sampling options {unknown}: expected some of {sorted(SAMPLING_OPTIONS)}.",
+            field=unknown[0],
+        )
+    return {**DEFAULT_SAMPLING, **sampling}
+
+
+class LocalBackend:
+    def __init__(self, engine: AsyncEngine) -> None:
+        self.engine = engine
+
+    async def stream(
+        self, messages: list[dict], fmt: OutputFormat, sampling: dict[str, Any]
+    ) -> AsyncIterator[str | Completion]:
+        tools = list(fmt.tools) if fmt.kind == "tools" else None
+        rendered, template_tools = render_messages(
+            messages, tools, self.engine.tokenizer, parallel=fmt.parallel_tool_calls
+        )
+        params = SamplingParams(
+            **check_sampling(sampling), structured_outputs=fmt.structured_outputs()
+        )
+        async with self.engine.add_request(
+            messages=rendered, tools=template_tools, params=params
+        ) as stream:
+            async for delta in stream:
+                if delta.text:
+                    yield delta.text
+                if delta.output is not None:
+                    yield to_completion(delta.output)
+
+    async def stats(self):
+        return await self.engine.stats()
+
+
+def to_completion(output: RequestOutput) -> Completion:
+    completion = output.outputs[0]
+    usage = Usage(len(output.prompt_token_ids), output.num_cached_tokens, len(completion.token_ids))
+    return Completion(
+        completion.text,
+        completion.finish_reason,
+        usage,
+        output.error,
+        completion.structured_errors,
+    )

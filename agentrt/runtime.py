@@ -1,0 +1,104 @@
+"""Runtime: owns where generation happens — an in-process engine (the embedded default model
+with no arguments) or, with `base_url`, any OpenAI-compatible server — and hands out
+Sessions, one-shot `generate`, `extract_many` and Agents on top of it."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from agentrt.backend import Backend, LocalBackend
+from agentrt.engine.async_engine import AsyncEngine
+from agentrt.engine.llm_engine import LLMEngine
+from agentrt.extract import ExtractResult, extract_many
+from agentrt.session import Session
+
+
+class Runtime:
+    """`async with agentrt.Runtime() as rt:` — options are the engine's (`dtype`,
+    `max_num_seqs`, `kv_cache_memory_gb`, ...; see `agentrt.engine.LLMEngine`) plus
+    `max_waiting_requests`. `engine=` reuses an already loaded `LLMEngine`. With `base_url`
+    (and `api_key`), the same API runs against a remote OpenAI-compatible server, `model`
+    naming the served model."""
+
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        base_url: str | None = None,
+        api_key: str | None = None,
+        engine: LLMEngine | None = None,
+        **engine_options: Any,
+    ) -> None:
+        self.model = model
+        self.base_url = base_url
+        self._api_key = api_key
+        self._llm_engine = engine
+        self._engine_options = engine_options
+        self.engine: AsyncEngine | None = None
+        self._backend: Backend | None = None
+
+    async def __aenter__(self) -> Runtime:
+        if self.base_url is not None:
+            from agentrt.remote import RemoteBackend
+
+            self._backend = RemoteBackend(
+                base_url=self.base_url, api_key=self._api_key, model=self.model
+            )
+            return self
+        self.engine = AsyncEngine(self.model, engine=self._llm_engine, **self._engine_options)
+        await self.engine.__aenter__()
+        self._backend = LocalBackend(self.engine)
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        if self.engine is not None:
+            await self.engine.aclose()
+            self.engine = None
+        close = getattr(self._backend, "aclose", None)
+        if close is not None:
+            await close()
+        self._backend = None
+
+    @property
+    def backend(self) -> Backend:
+        if self._backend is None:
+            raise RuntimeError("the Runtime is not running: use `async with Runtime(...) as rt:`.")
+        return self._backend
+
+    def session(self, system: str | None = None, **sampling: Any) -> Session:
+        """A new conversation; `sampling` options apply to each of its turns."""
+        return Session(self.backend, system=system, **sampling)
+
+    async def generate(
+        self, prompt: str, schema: Any = None, *, system: str | None = None, **options: Any
+    ) -> Any:
+        """One turn in a fresh session (see `Session.generate`)."""
+        return await self.session(system).generate(prompt, schema, **options)
+
+    async def extract_many(
+        self,
+        texts: Sequence[str],
+        schema: Any,
+        *,
+        instructions: str = "Extract the requested fields from the document as JSON.",
+        concurrency: int = 32,
+        progress: bool = True,
+        **sampling: Any,
+    ) -> list[ExtractResult]:
+        """One result per text, in input order (see `agentrt.extract.extract_many`)."""
+        return await extract_many(
+            self.backend,
+            texts,
+            schema,
+            instructions=instructions,
+            concurrency=concurrency,
+            progress=progress,
+            **sampling,
+        )
+
+    async def stats(self) -> Any:
+        return await self.backend.stats()

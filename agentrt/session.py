@@ -1,0 +1,205 @@
+"""Session: a conversation (system prompt + history) whose turns return parsed, validated
+objects. Every turn re-sends the whole history; the engine's prefix cache serves it, so turn
+N only computes what turn N-1 added."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import pydantic
+
+from agentrt.backend import Backend, Completion, Usage
+from agentrt.errors import (
+    GenerationError,
+    OutputValidationError,
+    SchemaError,
+    TruncatedOutputError,
+)
+from agentrt.formats import OutputFormat, resolve_format
+from agentrt.partial import completed_members
+
+
+@dataclass(slots=True)
+class Result:
+    """One finished turn: the parsed `value`, the raw `text`, why it ended, and its usage
+    (with retries, the usage of every attempt)."""
+
+    value: Any
+    text: str
+    finish_reason: str | None
+    usage: Usage
+
+
+class Session:
+    """`rt.session(system=..., **sampling_defaults)`. `generate` returns the value; the last
+    `Result` is `session.last`, the running token totals `session.usage`."""
+
+    def __init__(
+        self,
+        backend: Backend,
+        *,
+        system: str | None = None,
+        messages: list[dict] | None = None,
+        **sampling: Any,
+    ) -> None:
+        self.backend = backend
+        self.system = system
+        self.messages: list[dict] = list(messages or [])  # the history after the system prompt
+        self.sampling = sampling
+        self.last: Result | None = None
+        self.usage = Usage()
+
+    @property
+    def history(self) -> list[dict]:
+        """Everything sent on the next turn, system prompt first."""
+        system = [{"role": "system", "content": self.system}] if self.system else []
+        return system + self.messages
+
+    def fork(self) -> Session:
+        """A branch of this conversation: same history (and so the same cached prefix),
+        independent from here on."""
+        return Session(
+            self.backend,
+            system=self.system,
+            messages=copy.deepcopy(self.messages),
+            **self.sampling,
+        )
+
+    async def generate(
+        self, prompt: str, schema: Any = None, *, retries: int = 0, **sampling: Any
+    ) -> Any:
+        """Send `prompt` as the user's turn and return the reply: text without a schema, else
+        the parsed value (a Pydantic model instance, a dict for a JSON schema, the string for
+        `Regex` / `Choice`). The turn joins the history only on success.
+
+        Raises `SchemaError`, `TruncatedOutputError`, `OutputValidationError` (a constraint
+        only post-validation checks; `retries=N` re-asks up to N times with the errors),
+        `GenerationError` and the engine's errors."""
+        fmt = resolve_format(schema)
+        turn = [{"role": "user", "content": prompt}]
+        usage = Usage()
+        for attempt in range(retries + 1):
+            completion = await _collect(
+                self.backend.stream(self.history + turn, fmt, self._s(sampling))
+            )
+            usage = usage + completion.usage
+            try:
+                value = check_completion(completion, fmt, usage)
+                break
+            except OutputValidationError as exc:
+                if attempt == retries:
+                    exc.usage = usage
+                    raise
+                turn = turn + [
+                    {"role": "assistant", "content": completion.text},
+                    {"role": "user", "content": _retry_message(exc)},
+                ]
+        self._commit(prompt, completion, value, usage)
+        return value
+
+    async def stream(self, prompt: str, schema: Any = None, **sampling: Any) -> AsyncIterator[Any]:
+        """Without a schema (or with `Regex` / `Choice`): text deltas. With a JSON schema:
+        successive partial values as members complete (a Pydantic model built from the
+        fields completed so far, or a dict / list), ending with the validated value."""
+        fmt = resolve_format(schema)
+        messages = self.history + [{"role": "user", "content": prompt}]
+        text, num_members, completion = "", 0, None
+        async for item in self.backend.stream(messages, fmt, self._s(sampling)):
+            if isinstance(item, Completion):
+                completion = item
+                break
+            if fmt.kind != "json":
+                yield item
+                continue
+            text += item
+            members = completed_members(text)
+            if members is not None and len(members) > num_members:
+                num_members = len(members)
+                yield _partial(fmt, members)
+        if completion is None:
+            raise GenerationError("the stream ended without a completion")
+        value = check_completion(completion, fmt, completion.usage)
+        self._commit(prompt, completion, value, completion.usage)
+        if fmt.kind == "json":
+            yield value
+
+    def _s(self, sampling: dict[str, Any]) -> dict[str, Any]:
+        return {**self.sampling, **sampling}
+
+    def _commit(self, prompt: str, completion: Completion, value: Any, usage: Usage) -> None:
+        self.messages.append({"role": "user", "content": prompt})
+        self.messages.append({"role": "assistant", "content": completion.text})
+        self.last = Result(value, completion.text, completion.finish_reason, usage)
+        self.usage = self.usage + usage
+
+
+async def _collect(stream: AsyncIterator[str | Completion]) -> Completion:
+    async for item in stream:
+        if isinstance(item, Completion):
+            return item
+    raise GenerationError("the stream ended without a completion")
+
+
+def check_completion(completion: Completion, fmt: OutputFormat, usage: Usage) -> Any:
+    """The parsed value of a finished reply, or the typed error that says why there is none."""
+    reason, text = completion.finish_reason, completion.text
+    if reason == "error":
+        error = completion.error or "unknown error"
+        if "grammar compilation failed" in error:
+            raise SchemaError(error.removeprefix("grammar compilation failed: "))
+        if completion.structured_errors:
+            raise OutputValidationError(
+                f"the output cannot be completed validly: {error}",
+                text=text,
+                errors=completion.structured_errors,
+                usage=usage,
+            )
+        raise GenerationError(error)
+    if reason == "abort":
+        raise GenerationError("the request was aborted")
+    if reason == "length" and fmt.kind != "text":
+        raise TruncatedOutputError(
+            f"the output hit max_tokens after {usage.completion_tokens} tokens before the "
+            f"{fmt.kind} was complete; raise max_tokens.",
+            text=text,
+            usage=usage,
+        )
+    if completion.structured_errors:
+        raise OutputValidationError(
+            "the output fails checks the grammar does not enforce: "
+            + "; ".join(completion.structured_errors),
+            text=text,
+            errors=completion.structured_errors,
+            usage=usage,
+        )
+    try:
+        return fmt.parse(text)
+    except OutputValidationError as exc:
+        exc.usage = usage
+        raise
+
+
+def _retry_message(exc: OutputValidationError) -> str:
+    return f"Your reply was invalid: {exc}. Reply again with the corrected output only."
+
+
+def _partial(fmt: OutputFormat, members: dict | list) -> Any:
+    """A partial value: for a Pydantic model, an instance built (unvalidated as a whole)
+    from the completed fields, each validated on its own."""
+    model = fmt.python_type
+    if not (isinstance(members, dict) and isinstance(model, type)):
+        return members
+    if not issubclass(model, pydantic.BaseModel):
+        return members
+    fields = {}
+    for name, info in model.model_fields.items():
+        key = info.alias or name
+        if key in members:
+            try:
+                fields[name] = pydantic.TypeAdapter(info.annotation).validate_python(members[key])
+            except pydantic.ValidationError:
+                fields[name] = members[key]
+    return model.model_construct(**fields)
