@@ -67,6 +67,12 @@ def _chat(args) -> int:
     return 0
 
 
+def _serve(args) -> int:
+    from agentrt.server.cli import run_serve
+
+    return run_serve(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="agentrt", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -76,7 +82,12 @@ def main(argv: list[str] | None = None) -> int:
     chat = commands.add_parser("chat", help="an interactive chat on stdin")
     chat.add_argument("--system", default=None, help="system prompt")
     _add_engine_args(chat)
+    from agentrt.server.cli import add_serve_args
+
+    add_serve_args(commands.add_parser("serve", help="an OpenAI-compatible HTTP server"))
     args = parser.parse_args(argv)
+    if args.command == "serve":
+        return _serve(args)
     from agentrt.engine.errors import EngineError
 
     try:

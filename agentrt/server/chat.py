@@ -1,0 +1,235 @@
+"""`POST /v1/chat/completions`: messages through the chat template, n choices, structured
+outputs and tool calls, as one JSON body or as a stream of `chat.completion.chunk` events."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import anyio
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from agentrt.engine.errors import InvalidRequestError
+from agentrt.engine.outputs import CompletionOutput, RequestDelta, RequestOutput
+from agentrt.server.errors import bad_request, invalid_request
+from agentrt.server.generation import EventStreamResponse, Generation, structured_failure
+from agentrt.server.params import ChatConstraint, chat_constraint, choice_params
+from agentrt.server.protocol import ChatCompletionRequest, ChatMessage
+from agentrt.server.responses import chat_logprobs, new_id, now, usage
+from agentrt.server.state import ServerState
+from agentrt.server.tool_stream import ToolCallStreamer
+from agentrt.tool_calls import parse_tool_calls, render_messages
+
+
+async def create_chat_completion(
+    state: ServerState, request: ChatCompletionRequest, raw: Request
+) -> Response:
+    state.check_model(request.model)
+    constraint = chat_constraint(request)
+    prompt_ids = chat_prompt(state, request, constraint)
+    if request.top_logprobs is not None and not request.logprobs:
+        raise bad_request("top_logprobs needs logprobs=true.", param="top_logprobs")
+    top_n = request.top_logprobs or 0
+    if request.max_completion_tokens is not None:
+        max_tokens, max_field = request.max_completion_tokens, "max_completion_tokens"
+    else:
+        max_tokens, max_field = request.max_tokens, "max_tokens"
+    params = choice_params(
+        request,
+        num_prompt_tokens=len(prompt_ids),
+        limits=state.limits,
+        max_tokens=max_tokens,
+        max_tokens_field=max_field,
+        logprobs=top_n if request.logprobs else None,
+        structured=constraint.structured,
+    )
+    generation = Generation(
+        state.engine,
+        state.metrics,
+        [prompt_ids] * len(params),
+        params,
+        priority=request.priority or 0,
+    )
+    view = _ChatView(state.model_name, constraint, top_n if request.logprobs else None)
+    if request.stream:
+        firsts = await generation.first_deltas(raw.receive)
+        failure = structured_failure([d.output for d in firsts if d.output is not None])
+        if failure is not None:
+            raise failure
+        include_usage = bool(request.stream_options and request.stream_options.include_usage)
+        return EventStreamResponse(
+            lambda emit: view.stream(generation, firsts, emit, include_usage), generation.abort
+        )
+    outputs = await generation.collect(raw.receive)
+    failure = structured_failure(outputs)
+    if failure is not None:
+        raise failure
+    return JSONResponse(view.completion(outputs))
+
+
+def chat_prompt(
+    state: ServerState, request: ChatCompletionRequest, constraint: ChatConstraint
+) -> list[int]:
+    """The prompt token ids: messages (tool calls and tool results included) rendered by the
+    model's chat template; tools go to the template, or into the system message."""
+    messages = [_message_dict(i, m) for i, m in enumerate(request.messages)]
+    tokenizer = state.engine.tokenizer
+    parallel = request.parallel_tool_calls is not False
+    try:
+        rendered, template_tools = render_messages(
+            messages, constraint.tools_in_prompt, tokenizer, parallel=parallel
+        )
+        return state.engine.processor.chat_token_ids(
+            rendered,
+            tools=template_tools,
+            add_generation_prompt=request.add_generation_prompt is not False,
+        )
+    except InvalidRequestError as exc:
+        raise invalid_request(exc) from None
+    except Exception as exc:  # jinja2 errors and the like: the messages do not fit the template
+        raise bad_request(
+            f"the chat template cannot render these messages: {exc}", param="messages"
+        ) from None
+
+
+def _message_dict(index: int, message: ChatMessage) -> dict[str, Any]:
+    role = "system" if message.role == "developer" else message.role
+    content = message.content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if part.type != "text" or part.text is None:
+                raise bad_request(
+                    f"content part of type {part.type!r} is not supported: this model reads "
+                    "text parts only.",
+                    param=f"messages.{index}.content",
+                )
+            texts.append(part.text)
+        content = "".join(texts)
+    out: dict[str, Any] = {"role": role, "content": content or ""}
+    if message.tool_calls:
+        out["tool_calls"] = [call.model_dump() for call in message.tool_calls]
+    if message.tool_call_id is not None:
+        out["tool_call_id"] = message.tool_call_id
+    if message.name is not None:
+        out["name"] = message.name
+    return out
+
+
+class _ChatView:
+    """Shapes engine outputs into chat response bodies."""
+
+    def __init__(self, model: str, constraint: ChatConstraint, top_n: int | None) -> None:
+        self.model = model
+        self.tools_active = constraint.tools is not None
+        self.top_n = top_n
+        self.id = new_id("chatcmpl")
+        self.created = now()
+
+    def completion(self, outputs: list[RequestOutput]) -> dict[str, Any]:
+        choices = []
+        for index, output in enumerate(outputs):
+            completion = output.outputs[0]
+            message, finish_reason = self._message(completion)
+            logprobs = None
+            if self.top_n is not None:
+                logprobs = {"content": chat_logprobs(completion.logprobs or [], self.top_n)}
+            choices.append(
+                {
+                    "index": index,
+                    "message": message,
+                    "logprobs": logprobs,
+                    "finish_reason": finish_reason,
+                }
+            )
+        return {
+            "id": self.id,
+            "object": "chat.completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            "usage": usage(outputs, len(outputs)),
+        }
+
+    def _message(self, completion: CompletionOutput) -> tuple[dict[str, Any], str | None]:
+        calls = parse_tool_calls(completion.text) if self.tools_active else None
+        if calls:
+            message = {
+                "role": "assistant",
+                "content": None,
+                "refusal": None,
+                "tool_calls": [call.to_openai() for call in calls],
+            }
+            return message, _finish(completion.finish_reason, tool_calls=True)
+        message = {"role": "assistant", "content": completion.text, "refusal": None}
+        return message, _finish(completion.finish_reason, tool_calls=False)
+
+    def chunk(self, choices: list[dict[str, Any]], usage_: dict | None = None, **extra) -> dict:
+        body = {
+            "id": self.id,
+            "object": "chat.completion.chunk",
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+        body.update(extra)
+        if usage_ is not None:
+            body["usage"] = usage_
+        return body
+
+    async def stream(
+        self,
+        generation: Generation,
+        firsts: list[RequestDelta],
+        emit,
+        include_usage: bool,
+    ) -> None:
+        outputs: list[RequestOutput | None] = [None] * len(firsts)
+        extra = {"usage": None} if include_usage else {}
+
+        async def run(index: int) -> None:
+            streamer = ToolCallStreamer() if self.tools_active else None
+            await emit(self.chunk([_choice(index, {"role": "assistant", "content": ""})], **extra))
+            delta = firsts[index]
+            while True:
+                body: dict[str, Any] = {}
+                if streamer is not None:
+                    content, calls = streamer.feed(delta.text)
+                    if content:
+                        body["content"] = content
+                    if calls:
+                        body["tool_calls"] = calls
+                elif delta.text:
+                    body["content"] = delta.text
+                logprobs = None
+                if self.top_n is not None and delta.logprobs:
+                    logprobs = {"content": chat_logprobs(delta.logprobs, self.top_n)}
+                if body or logprobs:
+                    await emit(self.chunk([_choice(index, body, logprobs)], **extra))
+                if delta.output is not None:
+                    break
+                delta = await generation.next_delta(index)
+            outputs[index] = delta.output
+            failure = structured_failure([delta.output])
+            if failure is not None:
+                await emit(failure.body())
+                return
+            tool_calls = streamer is not None and streamer.is_tool_calls
+            finish = _finish(delta.output.outputs[0].finish_reason, tool_calls=tool_calls)
+            await emit(self.chunk([_choice(index, {}, None, finish)], **extra))
+
+        async with anyio.create_task_group() as tg:
+            for index in range(len(firsts)):
+                tg.start_soon(run, index)
+        if include_usage:
+            await emit(self.chunk([], usage(outputs, len(outputs))))
+
+
+def _choice(index: int, delta: dict, logprobs: dict | None = None, finish: str | None = None):
+    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+
+
+def _finish(reason: str | None, *, tool_calls: bool) -> str | None:
+    if tool_calls and reason == "stop":
+        return "tool_calls"
+    return reason

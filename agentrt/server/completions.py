@@ -1,0 +1,180 @@
+"""`POST /v1/completions` (OpenAI's legacy text completions): one or more prompts (text or
+token ids), n choices each, optional `echo` and logprobs, streamed or not."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import anyio
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from agentrt.engine.errors import InvalidRequestError
+from agentrt.engine.outputs import RequestDelta, RequestOutput
+from agentrt.server.errors import bad_request, invalid_request
+from agentrt.server.generation import EventStreamResponse, Generation, structured_failure
+from agentrt.server.params import choice_params, vllm_structured
+from agentrt.server.protocol import CompletionRequest
+from agentrt.server.responses import completion_logprobs, new_id, now, usage
+from agentrt.server.state import ServerState
+
+MAX_PROMPTS = 64
+
+
+async def create_completion(
+    state: ServerState, request: CompletionRequest, raw: Request
+) -> Response:
+    state.check_model(request.model)
+    if request.suffix:
+        raise bad_request("suffix is not supported by this server.", param="suffix")
+    n = request.n or 1
+    if request.best_of is not None and request.best_of != n:
+        raise bad_request(
+            f"best_of={request.best_of} is not supported: only best_of == n ({n}).",
+            param="best_of",
+        )
+    if request.echo and request.logprobs is not None:
+        raise bad_request(
+            "echo with logprobs is not supported (prompt logprobs are not computed).",
+            param="echo",
+        )
+    texts, prompts = _prompts(state, request.prompt)
+    structured = vllm_structured(request.structured_outputs) if request.structured_outputs else None
+    all_params = []
+    for prompt_ids in prompts:
+        all_params += choice_params(
+            request,
+            num_prompt_tokens=len(prompt_ids),
+            limits=state.limits,
+            max_tokens=request.max_tokens if request.max_tokens is not None else 16,
+            max_tokens_field="max_tokens",
+            logprobs=request.logprobs,
+            structured=structured,
+        )
+    generation = Generation(
+        state.engine,
+        state.metrics,
+        [p for p in prompts for _ in range(n)],
+        all_params,
+        priority=request.priority or 0,
+    )
+    view = _CompletionView(state.model_name, n, texts if request.echo else None, request.logprobs)
+    if request.stream:
+        firsts = await generation.first_deltas(raw.receive)
+        failure = structured_failure([d.output for d in firsts if d.output is not None])
+        if failure is not None:
+            raise failure
+        include_usage = bool(request.stream_options and request.stream_options.include_usage)
+        return EventStreamResponse(
+            lambda emit: view.stream(generation, firsts, emit, include_usage), generation.abort
+        )
+    outputs = await generation.collect(raw.receive)
+    failure = structured_failure(outputs)
+    if failure is not None:
+        raise failure
+    return JSONResponse(view.completion(outputs))
+
+
+def _prompts(state: ServerState, prompt) -> tuple[list[str], list[list[int]]]:
+    """(texts, token ids) of each prompt; the forms are a string, a list of strings, a list
+    of token ids, or a list of such lists."""
+    if isinstance(prompt, str):
+        items: list = [prompt]
+    elif prompt and isinstance(prompt[0], int):
+        items = [prompt]
+    else:
+        items = list(prompt)
+    if len(items) > MAX_PROMPTS:
+        raise bad_request(f"at most {MAX_PROMPTS} prompts per request.", param="prompt")
+    texts, token_ids = [], []
+    processor, tokenizer = state.engine.processor, state.engine.tokenizer
+    for item in items:
+        try:
+            ids = processor.tokenize(item)
+        except InvalidRequestError as exc:
+            raise invalid_request(exc, {"prompt_token_ids": "prompt"}) from None
+        if not ids:
+            raise bad_request("the prompt has no tokens.", param="prompt")
+        token_ids.append(ids)
+        texts.append(item if isinstance(item, str) else tokenizer.decode(ids))
+    return texts, token_ids
+
+
+class _CompletionView:
+    def __init__(self, model: str, n: int, echo: list[str] | None, top_n: int | None) -> None:
+        self.model = model
+        self.n = n
+        self.echo = echo
+        self.top_n = top_n
+        self.id = new_id("cmpl")
+        self.created = now()
+
+    def _prefix(self, index: int) -> str:
+        return self.echo[index // self.n] if self.echo is not None else ""
+
+    def completion(self, outputs: list[RequestOutput]) -> dict[str, Any]:
+        choices = []
+        for index, output in enumerate(outputs):
+            completion = output.outputs[0]
+            logprobs = None
+            if self.top_n is not None:
+                logprobs = completion_logprobs(completion.logprobs or [], self.top_n)
+            choices.append(
+                {
+                    "index": index,
+                    "text": self._prefix(index) + completion.text,
+                    "logprobs": logprobs,
+                    "finish_reason": completion.finish_reason,
+                }
+            )
+        return self._body(choices, usage=usage(outputs, self.n))
+
+    def _body(self, choices: list[dict[str, Any]], **extra) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            **extra,
+        }
+
+    async def stream(
+        self, generation: Generation, firsts: list[RequestDelta], emit, include_usage: bool
+    ) -> None:
+        outputs: list[RequestOutput | None] = [None] * len(firsts)
+        extra = {"usage": None} if include_usage else {}
+
+        async def run(index: int) -> None:
+            delta = firsts[index]
+            text = self._prefix(index)
+            offset = len(text)
+            while True:
+                text += delta.text
+                logprobs = None
+                if self.top_n is not None and delta.logprobs:
+                    logprobs = completion_logprobs(delta.logprobs, self.top_n, offset)
+                    offset += sum(len(t) for t in logprobs["tokens"])
+                finish = delta.output.outputs[0].finish_reason if delta.output else None
+                if text or logprobs or finish:
+                    choice = {
+                        "index": index,
+                        "text": text,
+                        "logprobs": logprobs,
+                        "finish_reason": finish,
+                    }
+                    await emit(self._body([choice], **extra))
+                text = ""
+                if delta.output is not None:
+                    break
+                delta = await generation.next_delta(index)
+            outputs[index] = delta.output
+            failure = structured_failure([delta.output])
+            if failure is not None:
+                await emit(failure.body())
+
+        async with anyio.create_task_group() as tg:
+            for index in range(len(firsts)):
+                tg.start_soon(run, index)
+        if include_usage:
+            await emit(self._body([], usage=usage(outputs, self.n)))

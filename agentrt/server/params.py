@@ -1,0 +1,204 @@
+"""From an API request to engine inputs: `SamplingParams` for each choice and the structured
+output constraint (`response_format`, tools, or vLLM's `structured_outputs`).
+
+Every problem is a 400 naming the request field (`APIError`); nothing here touches the
+engine thread, so a bad request fails before it is queued.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from agentrt.engine.errors import InvalidRequestError
+from agentrt.engine.sampling_params import SamplingParams, StructuredOutputsParams
+from agentrt.errors import SchemaError
+from agentrt.formats import OutputFormat, resolve_format, tools_format
+from agentrt.server.errors import bad_request, invalid_request
+from agentrt.server.protocol import (
+    MAX_SEED,
+    MIN_SEED,
+    ChatCompletionRequest,
+    CompletionRequest,
+    StructuredOutputsRequest,
+)
+
+_SEED_SPAN = MAX_SEED - MIN_SEED + 1
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """How many tokens one request may hold: the context, and what the KV pool can hold."""
+
+    max_model_len: int
+    max_kv_tokens: int
+
+    def room(self, num_prompt_tokens: int) -> int:
+        return min(self.max_model_len, self.max_kv_tokens) - num_prompt_tokens
+
+
+def choice_params(
+    request: ChatCompletionRequest | CompletionRequest,
+    *,
+    num_prompt_tokens: int,
+    limits: Limits,
+    max_tokens: int | None,
+    max_tokens_field: str,
+    logprobs: int | None,
+    structured: StructuredOutputsParams | None,
+) -> list[SamplingParams]:
+    """One `SamplingParams` per choice (`n` engine requests). Choice i of a seeded request
+    gets seed + i, so the choices differ and the response is reproducible."""
+    room = limits.room(num_prompt_tokens)
+    if room < 1:
+        raise bad_request(
+            f"the prompt is {num_prompt_tokens} tokens, which leaves no room to generate: the "
+            f"context holds {min(limits.max_model_len, limits.max_kv_tokens)} tokens. "
+            "Shorten the prompt.",
+            param="messages" if isinstance(request, ChatCompletionRequest) else "prompt",
+            code="context_length_exceeded",
+        )
+    if max_tokens is not None and max_tokens > room:
+        raise bad_request(
+            f"{max_tokens_field}={max_tokens} is past the context: the prompt has "
+            f"{num_prompt_tokens} tokens and at most {room} more fit (max_model_len "
+            f"{limits.max_model_len}, KV cache {limits.max_kv_tokens} tokens). Lower "
+            f"{max_tokens_field}.",
+            param=max_tokens_field,
+            code="context_length_exceeded",
+        )
+    options: dict[str, Any] = {
+        "max_tokens": max_tokens if max_tokens is not None else room,
+        "logprobs": logprobs,
+        "structured_outputs": structured,
+    }
+    for name in (
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        "min_tokens",
+        "ignore_eos",
+        "skip_special_tokens",
+        "include_stop_str_in_output",
+    ):
+        value = getattr(request, name)
+        if value is not None:
+            options[name] = value
+    if request.stop is not None:
+        options["stop"] = [request.stop] if isinstance(request.stop, str) else request.stop
+    if request.stop_token_ids:
+        options["stop_token_ids"] = request.stop_token_ids
+    if request.logit_bias:
+        options["logit_bias"] = _logit_bias(request.logit_bias)
+    names = {"max_tokens": max_tokens_field}
+    params = []
+    for i in range(request.n or 1):
+        seed = (
+            None if request.seed is None else (request.seed + i - MIN_SEED) % _SEED_SPAN + MIN_SEED
+        )
+        try:
+            params.append(SamplingParams(**options, seed=seed))
+        except InvalidRequestError as exc:
+            raise invalid_request(exc, names) from None
+    return params
+
+
+def _logit_bias(bias: dict[str, float]) -> dict[int, float]:
+    out = {}
+    for key, value in bias.items():
+        try:
+            token_id = int(key)
+        except ValueError:
+            raise bad_request(
+                f"logit_bias key {key!r} is not a token id: keys are token ids as strings.",
+                param="logit_bias",
+            ) from None
+        out[token_id] = value
+    return out
+
+
+def vllm_structured(request: StructuredOutputsRequest) -> StructuredOutputsParams:
+    given = request.model_dump(by_alias=True, exclude_none=True)
+    if given.get("json_object") is False:
+        del given["json_object"]
+    try:
+        return StructuredOutputsParams(**given)
+    except InvalidRequestError as exc:
+        raise invalid_request(exc) from None
+
+
+@dataclass(frozen=True, slots=True)
+class ChatConstraint:
+    """What constrains a chat reply: `structured` for the engine; `tools` when the reply is
+    tool calls (or, under "auto", text); `tools_in_prompt` is what the prompt shows."""
+
+    structured: StructuredOutputsParams | None
+    tools: OutputFormat | None
+    tools_in_prompt: list[dict] | None
+
+
+def chat_constraint(request: ChatCompletionRequest) -> ChatConstraint:
+    tools = [t.model_dump(exclude_none=True) for t in request.tools] if request.tools else None
+    choice = request.tool_choice
+    if not tools and choice is not None and choice not in ("none", "auto"):
+        raise bad_request(
+            f"tool_choice={_choice_text(choice)} needs tools: pass `tools`, or drop tool_choice.",
+            param="tool_choice",
+        )
+    constraints = []
+    fmt = None
+    if tools and choice != "none":
+        tool_choice = choice.model_dump() if hasattr(choice, "model_dump") else choice or "auto"
+        fmt = tools_format(
+            tools, tool_choice, parallel_tool_calls=request.parallel_tool_calls is not False
+        )
+        try:
+            structured = fmt.structured_outputs()
+        except SchemaError as exc:
+            param = "tool_choice" if "tool_choice" in str(exc) else "tools"
+            raise bad_request(str(exc), param=param, code="invalid_tools") from None
+        constraints.append(("tools", structured))
+    if request.response_format is not None and request.response_format.type != "text":
+        constraints.append(("response_format", _response_format(request)))
+    if request.structured_outputs is not None:
+        constraints.append(("structured_outputs", vllm_structured(request.structured_outputs)))
+    if len(constraints) > 1:
+        names = [name for name, _ in constraints]
+        raise bad_request(
+            f"{' and '.join(names)} both constrain the reply: use one of them (tool_choice "
+            "'none' turns tool calls off).",
+            param=names[1],
+        )
+    structured = constraints[0][1] if constraints else None
+    return ChatConstraint(structured, fmt, tools)
+
+
+def _response_format(request: ChatCompletionRequest) -> StructuredOutputsParams:
+    response_format = request.response_format
+    if response_format.type == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    spec = response_format.json_schema
+    if spec is None:
+        raise bad_request(
+            "response_format type 'json_schema' needs a `json_schema` object with `name` and "
+            "`schema`.",
+            param="response_format.json_schema",
+        )
+    schema = spec.schema_ if spec.schema_ is not None else {"type": "object"}
+    try:
+        resolve_format(schema)  # the schema must itself be a valid JSON schema
+        return StructuredOutputsParams(json=schema)
+    except (SchemaError, InvalidRequestError) as exc:
+        raise bad_request(
+            str(exc), param="response_format.json_schema.schema", code="invalid_schema"
+        ) from None
+
+
+def _choice_text(choice: Any) -> str:
+    if hasattr(choice, "function"):
+        return f"{{'function': {{'name': {choice.function.name!r}}}}}"
+    return repr(choice)

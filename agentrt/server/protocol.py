@@ -1,0 +1,189 @@
+"""Request bodies of the OpenAI-compatible API (pydantic models; they are the OpenAPI schema).
+
+Top-level fields are closed (`extra="forbid"`): OpenAI answers an unknown argument with 400,
+and so do we. Messages stay open, because clients echo assistant messages back with fields
+(`refusal`, `annotations`, `audio`) that mean nothing to a local model. Besides OpenAI's
+fields, vLLM's common extensions are accepted (`top_k`, `min_p`, `repetition_penalty`,
+`min_tokens`, `ignore_eos`, `stop_token_ids`, `structured_outputs`, ...), so clients written
+for vLLM work unchanged. Range checks here mirror `SamplingParams`, which checks again.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+# torch generators take seeds in [-2**63, 2**64).
+MIN_SEED = -(2**63)
+MAX_SEED = 2**64 - 1
+MAX_N = 16  # choices per request: each one is a separate engine request
+MAX_STOP = 16
+
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
+Seed = Annotated[int, Field(ge=MIN_SEED, le=MAX_SEED)]
+TokenId = Annotated[int, Field(ge=0, lt=2**31)]
+
+
+class _Closed(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Closed):
+    include_usage: bool = False
+
+
+class StructuredOutputsRequest(_Closed):
+    """vLLM's `structured_outputs` extension: exactly one constraint."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
+class _SamplingFields(_Closed):
+    """Fields both completion endpoints share."""
+
+    model: str
+    frequency_penalty: Penalty | None = None
+    presence_penalty: Penalty | None = None
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    n: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
+    seed: Seed | None = None
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOP)] | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    user: str | None = None
+    # vLLM extensions
+    top_k: Annotated[int, Field(ge=-1)] | None = None
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0)] | None = None
+    min_tokens: Annotated[int, Field(ge=0)] | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP)] | None = None
+    skip_special_tokens: bool | None = None
+    include_stop_str_in_output: bool | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    priority: int | None = None
+
+
+# -- chat ------------------------------------------------------------------------------------
+
+
+class ContentPart(BaseModel):
+    """A part of a message's content; only `{"type": "text", "text": ...}` is supported."""
+
+    model_config = ConfigDict(extra="allow")
+    type: str
+    text: str | None = None
+
+
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    name: str
+    arguments: str
+
+
+class MessageToolCall(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None
+    tool_call_id: str | None = None
+
+
+class FunctionDefinition(_Closed):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDefinition(_Closed):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Closed):
+    name: str
+
+
+class NamedToolChoice(_Closed):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JsonSchemaFormat(_Closed):
+    name: Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Closed):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    logprobs: bool | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    response_format: ResponseFormat | None = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    # Accepted and ignored (they change nothing for a local model).
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    # vLLM extensions for chat
+    add_generation_prompt: bool | None = None
+
+
+# -- completions -----------------------------------------------------------------------------
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: (
+        Annotated[str, Field(min_length=1)]
+        | Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)]
+        | Annotated[list[TokenId], Field(min_length=1)]
+        | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]
+    )
+    echo: bool | None = None
+    logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    best_of: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
+    suffix: str | None = None
+
+
+# -- tokenizer -------------------------------------------------------------------------------
+
+
+class TokenizeRequest(_Closed):
+    """Either `prompt` (text) or `messages` (rendered with the chat template)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(_Closed):
+    model: str | None = None
+    tokens: list[TokenId]

@@ -1,0 +1,147 @@
+"""Tool calls as OpenAI stream deltas, read from the text of a constrained reply as it grows.
+
+The grammar (`GrammarSpec.from_tools`) makes a reply either plain text (under
+`tool_choice="auto"`, never starting with `{` or `[`) or JSON: one call
+`{"name": ..., "arguments": {...}}`, or a list of them. `ToolCallStreamer` scans that JSON
+incrementally — strings, escapes and nesting depth — and turns it into OpenAI's deltas: the
+first delta of a call carries its `id`, `type` and `name`; later ones append raw text to
+`function.arguments`, so the client's concatenation is the arguments' JSON text.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from agentrt.tool_calls import new_call_id
+
+
+@dataclass(slots=True)
+class _Call:
+    id: str = field(default_factory=new_call_id)
+    name: str | None = None
+    args_start: int | None = None  # offset of the arguments value in the text
+    args_end: int | None = None  # one past its end, once closed
+    sent_header: bool = False
+    sent_args: int = 0  # characters of the arguments already sent
+
+
+class ToolCallStreamer:
+    """Feed text deltas; get content deltas (plain-text replies) or tool-call deltas."""
+
+    def __init__(self) -> None:
+        self.text = ""
+        self.mode: str | None = None  # None until the first non-space character: "text" / "json"
+        self.calls: list[_Call] = []
+        self._pos = 0  # next character to scan
+        self._depth = 0
+        self._call_depth = 1  # depth of a call object: 1, or 2 inside a list
+        self._in_string = False
+        self._escape = False
+        self._string_start = 0
+        self._last_string: str | None = None  # last closed string at the call's depth
+        self._key: str | None = None  # key whose value comes next (at the call's depth)
+        self._value_key: str | None = None  # key whose value is being read
+
+    def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
+        """Add a text delta; returns (content delta, tool-call deltas)."""
+        self.text += text
+        if self.mode is None:
+            stripped = self.text.lstrip()
+            if not stripped:
+                return "", []
+            self.mode = "json" if stripped[0] in "{[" else "text"
+            if self.mode == "text":
+                return self.text, []
+            if stripped[0] == "[":
+                self._call_depth = 2
+        elif self.mode == "text":
+            return text, []
+        self._scan()
+        return "", self._deltas()
+
+    @property
+    def is_tool_calls(self) -> bool:
+        return self.mode == "json"
+
+    def _scan(self) -> None:
+        text = self.text
+        while self._pos < len(text):
+            i, ch = self._pos, text[self._pos]
+            self._pos += 1
+            if self._in_string:
+                if self._escape:
+                    self._escape = False
+                elif ch == "\\":
+                    self._escape = True
+                elif ch == '"':
+                    self._in_string = False
+                    self._close_string(i)
+                continue
+            if ch == '"':
+                self._in_string = True
+                self._string_start = i
+                self._open_value(i)
+            elif ch in "{[":
+                self._open_value(i)
+                self._depth += 1
+                if ch == "{" and self._depth == self._call_depth:
+                    self.calls.append(_Call())
+            elif ch in "}]":
+                self._depth -= 1
+                self._close_container(i)
+            elif ch == ":" and self._depth == self._call_depth:
+                self._key = self._last_string
+            elif not ch.isspace() and ch != ",":
+                self._open_value(i)  # a number / literal value (not part of a call)
+
+    def _open_value(self, i: int) -> None:
+        """A value starts at text[i]; if it follows a key of the current call, note it."""
+        if self._depth != self._call_depth or self._key is None or not self.calls:
+            return
+        self._value_key, self._key = self._key, None
+        if self._value_key == "arguments":
+            self.calls[-1].args_start = i
+
+    def _close_string(self, i: int) -> None:
+        value = self.text[self._string_start : i + 1]
+        if self._depth != self._call_depth or not self.calls:
+            return
+        if self._value_key == "name":
+            self.calls[-1].name = json.loads(value)
+            self._value_key = None
+        elif self._value_key == "arguments":  # arguments given as a string value
+            self.calls[-1].args_end = i + 1
+            self._value_key = None
+        else:
+            self._last_string = json.loads(value)
+
+    def _close_container(self, i: int) -> None:
+        if self._depth == self._call_depth and self._value_key == "arguments" and self.calls:
+            self.calls[-1].args_end = i + 1
+            self._value_key = None
+
+    def _deltas(self) -> list[dict[str, Any]]:
+        deltas = []
+        for index, call in enumerate(self.calls):
+            if call.name is None:
+                continue
+            if not call.sent_header:
+                call.sent_header = True
+                deltas.append(
+                    {
+                        "index": index,
+                        "id": call.id,
+                        "type": "function",
+                        "function": {"name": call.name, "arguments": ""},
+                    }
+                )
+            if call.args_start is None:
+                continue
+            end = call.args_end if call.args_end is not None else len(self.text)
+            fragment = self.text[call.args_start + call.sent_args : end]
+            if fragment:
+                call.sent_args += len(fragment)
+                deltas.append({"index": index, "function": {"arguments": fragment}})
+        return deltas
