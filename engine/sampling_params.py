@@ -112,6 +112,9 @@ class SamplingParams:
             raise bad("frequency_penalty", self.frequency_penalty, "a value in [-2, 2]")
         if not self.repetition_penalty > 0.0:
             raise bad("repetition_penalty", self.repetition_penalty, "a value > 0 (1 = off)")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**64:
+            # torch generators take 64-bit seeds; a larger one would fail on the engine thread.
+            raise bad("seed", self.seed, "an integer in [-2**63, 2**64)")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise bad("max_tokens", self.max_tokens, "at least 1 (or None for the context limit)")
         if self.min_tokens < 0:

@@ -29,6 +29,8 @@ OK = SamplingParams(temperature=0.0, max_tokens=4)
         ({"presence_penalty": 3.0}, "presence_penalty", "[-2, 2]"),
         ({"repetition_penalty": 0.0}, "repetition_penalty", "> 0"),
         ({"logit_bias": {5: 500.0}}, "logit_bias", "[-100, 100]"),
+        ({"seed": 2**64}, "seed", "[-2**63, 2**64)"),
+        ({"seed": -(2**63) - 1}, "seed", "[-2**63, 2**64)"),
     ],
 )
 def test_sampling_params_are_validated(kwargs, field, hint):
