@@ -160,7 +160,11 @@ def check_completion(completion: Completion, fmt: OutputFormat, usage: Usage) ->
         raise GenerationError(error)
     if reason == "abort":
         raise GenerationError("the request was aborted")
-    if reason == "length" and fmt.kind != "text":
+    # A plain-text answer (tool_choice "auto") may end at max_tokens like any text reply.
+    plain_text = fmt.kind == "text" or (
+        fmt.kind == "tools" and not text.lstrip().startswith(("{", "["))
+    )
+    if reason == "length" and not plain_text:
         raise TruncatedOutputError(
             f"the output hit max_tokens after {usage.completion_tokens} tokens before the "
             f"{fmt.kind} was complete; raise max_tokens.",

@@ -61,7 +61,7 @@ def tool(
 
 def _make_tool(fn: Callable[..., Any], name: str, description: str | None) -> Tool:
     fields: dict[str, Any] = {}
-    for param in inspect.signature(fn).parameters.values():
+    for param in inspect.signature(fn, eval_str=True).parameters.values():
         if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
             raise SchemaError(f"tool {name}: *args / **kwargs cannot be described as a schema.")
         if param.annotation is inspect.Parameter.empty:
