@@ -59,8 +59,12 @@ class Generation:
             raise
 
     def abort(self) -> None:
-        for stream in self.streams:
+        """Abort every choice still running (the client left, or a sibling was refused)."""
+        for stream, timer, prompt_len in zip(
+            self.streams, self.timers, self.prompt_lens, strict=False
+        ):
             self.engine.abort(stream.request_id)
+            timer.on_finish("abort", prompt_len)
 
     async def next_delta(self, i: int) -> RequestDelta:
         """The next delta of choice i (raises StopAsyncIteration after the last)."""

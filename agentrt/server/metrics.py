@@ -59,6 +59,7 @@ class RequestTimer:
     arrival: float
     last_token_time: float | None = None
     num_tokens: int = 0
+    finished: bool = False
 
     def on_tokens(self, num_tokens: int) -> None:
         """Tokens arrived: the first gives the TTFT, later ones the inter-token latency (a
@@ -76,6 +77,10 @@ class RequestTimer:
         self.num_tokens += num_tokens
 
     def on_finish(self, finish_reason: str | None, num_prompt_tokens: int) -> None:
+        """Count the request once (an abort after the end changes nothing)."""
+        if self.finished:
+            return
+        self.finished = True
         self.metrics.e2e.observe(time.monotonic() - self.arrival)
         self.metrics.finished[finish_reason or "unknown"] += 1
         self.metrics.prompt_tokens += num_prompt_tokens

@@ -1,0 +1,93 @@
+"""Start and stop `agentrt serve` subprocesses; read their Prometheus metrics."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+API_KEY = "test-key"
+STARTUP_TIMEOUT_S = 180
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class ServerProcess:
+    """`with ServerProcess(*serve_args) as server:` runs `python -m agentrt serve` on a free
+    port and waits for /health; on exit it sends SIGTERM and waits for the process."""
+
+    def __init__(self, *args: str) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.args = [sys.executable, "-m", "agentrt", "serve", "--port", str(self.port), *args]
+        self.log = Path(tempfile.mkstemp(prefix="agentrt-serve-", suffix=".log")[1])
+        self.process: subprocess.Popen | None = None
+
+    def __enter__(self) -> ServerProcess:
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "AGENTRT_NUM_THREADS": "1"}
+        with self.log.open("wb") as log:
+            self.process = subprocess.Popen(
+                self.args, stdout=log, stderr=subprocess.STDOUT, env=env
+            )
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"agentrt serve exited early:\n{self.output()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.process.kill()
+        raise RuntimeError(f"agentrt serve did not start:\n{self.output()}")
+
+    def __exit__(self, *exc_info) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+
+def metrics(http: httpx.Client) -> dict[str, float]:
+    """Unlabelled view of /metrics: `name` (first sample) and `name{labels}` -> value."""
+    response = http.get("/metrics")
+    assert response.status_code == 200, response.text
+    values: dict[str, float] = {}
+    for line in response.text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        key, value = line.rsplit(" ", 1)
+        values[key] = float(value)
+        values.setdefault(key.split("{", 1)[0], float(value))
+    return values
+
+
+def wait_idle(http: httpx.Client, timeout_s: float = 30.0) -> dict[str, float]:
+    """Poll /metrics until nothing runs or waits; returns the idle metrics."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        values = metrics(http)
+        idle = values["agentrt:num_requests_running"] == 0
+        if idle and values["agentrt:num_requests_waiting"] == 0:
+            return values
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the server is not idle after {timeout_s}s: {values}")
+        time.sleep(0.05)
