@@ -1,4 +1,5 @@
-"""`agentrt` command line: `agentrt generate "..."` and `agentrt chat`."""
+"""`agentrt` command line: `agentrt generate "..."`, `agentrt chat`, `agentrt extract`,
+`agentrt serve`."""
 
 from __future__ import annotations
 
@@ -67,6 +68,46 @@ def _chat(args) -> int:
     return 0
 
 
+def _extract(args) -> int:
+    import json
+
+    import anyio
+
+    from agentrt.extract import load_schema, read_documents, write_results
+    from agentrt.runtime import Runtime
+
+    schema = load_schema(args.schema)
+    texts = read_documents(args.input, args.text_field)
+    instructions = args.instructions or (
+        "Extract the fields of the JSON schema below from the user's document. Reply with "
+        f"JSON only.\nSchema: {json.dumps(_schema_json(schema))}"
+    )
+
+    async def run():
+        async with Runtime(args.model, dtype=args.dtype) as rt:
+            return await rt.extract_many(
+                texts,
+                schema,
+                instructions=instructions,
+                concurrency=args.concurrency,
+                progress=not args.quiet,
+                max_tokens=args.max_tokens,
+                temperature=args.temperature,
+            )
+
+    results = anyio.run(run)
+    write_results(args.output, results)
+    failed = sum(not r.ok for r in results)
+    print(f"{len(results) - failed}/{len(results)} extracted -> {args.output}", file=sys.stderr)
+    return 0 if failed == 0 else 1
+
+
+def _schema_json(schema) -> dict:
+    from agentrt.formats import resolve_format
+
+    return resolve_format(schema).json_schema or {}
+
+
 def _serve(args) -> int:
     from agentrt.server.cli import run_serve
 
@@ -82,6 +123,17 @@ def main(argv: list[str] | None = None) -> int:
     chat = commands.add_parser("chat", help="an interactive chat on stdin")
     chat.add_argument("--system", default=None, help="system prompt")
     _add_engine_args(chat)
+    extract = commands.add_parser(
+        "extract", help="extract a schema from every document of a JSONL file"
+    )
+    extract.add_argument("--schema", required=True, help="pkg.module:Model or a JSON-schema file")
+    extract.add_argument("--input", required=True, help="JSONL: strings or objects with a text")
+    extract.add_argument("--output", required=True, help="JSONL: one result per input line")
+    extract.add_argument("--text-field", default="text", help="field holding the document")
+    extract.add_argument("--instructions", default=None, help="the shared instruction")
+    extract.add_argument("--concurrency", type=int, default=32)
+    extract.add_argument("--quiet", action="store_true", help="no progress bar")
+    _add_engine_args(extract)
     from agentrt.server.cli import add_serve_args
 
     add_serve_args(commands.add_parser("serve", help="an OpenAI-compatible HTTP server"))
@@ -89,10 +141,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve":
         return _serve(args)
     from agentrt.engine.errors import EngineError
+    from agentrt.errors import AgentrtError
 
+    run = {"generate": _generate, "chat": _chat, "extract": _extract}[args.command]
     try:
-        return _generate(args) if args.command == "generate" else _chat(args)
-    except EngineError as exc:
+        return run(args)
+    except (EngineError, AgentrtError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 

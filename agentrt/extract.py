@@ -4,14 +4,17 @@ one-token warm-up request) and every document after that hits the prefix cache f
 
 from __future__ import annotations
 
+import importlib
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import anyio
 
 from agentrt.backend import Backend, Usage
-from agentrt.errors import AgentrtError, InvalidRequestError
+from agentrt.errors import AgentrtError, InvalidRequestError, SchemaError
 from agentrt.formats import TEXT, resolve_format
 from agentrt.session import Session
 
@@ -91,3 +94,56 @@ def _progress_bar(total: int, enabled: bool):
     from tqdm.auto import tqdm
 
     return tqdm(total=total, desc="extract", unit="doc")
+
+
+# -- the `agentrt extract` command's files ------------------------------------------------------
+
+
+def load_schema(spec: str) -> Any:
+    """`pkg.module:Name` (a Pydantic model or type) or the path of a JSON-schema file."""
+    if ":" in spec and not Path(spec).exists():
+        module_name, _, attr = spec.partition(":")
+        try:
+            return getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError) as exc:
+            raise SchemaError(f"cannot load the schema {spec!r}: {exc}") from None
+    try:
+        return json.loads(Path(spec).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise SchemaError(
+            f"--schema {spec!r} is neither pkg.module:Name nor a JSON-schema file: {exc}"
+        ) from None
+
+
+def read_documents(path: str, text_field: str) -> list[str]:
+    """One document per non-empty JSONL line: a JSON string, or an object's `text_field`."""
+    texts = []
+    for number, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise InvalidRequestError(f"{path}:{number}: not JSON: {exc}", field="input") from None
+        text = item.get(text_field) if isinstance(item, dict) else item
+        if not isinstance(text, str):
+            raise InvalidRequestError(
+                f"{path}:{number}: expected a string or an object with a {text_field!r} string.",
+                field="input",
+            )
+        texts.append(text)
+    return texts
+
+
+def write_results(path: str, results: list[ExtractResult]) -> None:
+    """One JSON line per result, in input order: {"index", "value", "error"}."""
+    with open(path, "w") as out:
+        for result in results:
+            value = result.value
+            if hasattr(value, "model_dump"):
+                value = value.model_dump(mode="json")
+            error = None
+            if result.error is not None:
+                error = {"type": type(result.error).__name__, "message": str(result.error)}
+            line = {"index": result.index, "value": value, "error": error}
+            out.write(json.dumps(line, default=str) + "\n")

@@ -1,5 +1,5 @@
-"""The main job on the embedded model: chat answers and grammar-constrained extraction into
-a Pydantic model, with what it did and how fast.
+"""The main job on the embedded model: chat answers, a batch extraction pipeline into a
+Pydantic model, and a tool-calling agent — with what it did and how fast.
 
 Run with `make demo` (or `python examples/demo.py`). The first run converts the embedded
 GGUF once into the user cache (~20 s); later runs start in a few seconds.
@@ -7,11 +7,17 @@ GGUF once into the user cache (~20 s); later runs start in a few seconds.
 
 from __future__ import annotations
 
+import sys
 import time
+from pathlib import Path
 
-from pydantic import BaseModel, Field
+import anyio
 
 import agentrt
+
+sys.path.insert(0, str(Path(__file__).parent))
+import agent  # noqa: E402  (examples/agent.py)
+import extraction  # noqa: E402  (examples/extraction.py)
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -19,53 +25,39 @@ QUESTIONS = [
     "Explain what a KV cache is in one sentence.",
     "Write a haiku about the sea.",
 ]
-FACTS = [
-    "John Smith is 42 years old and works as a plumber in Boston.",
-    "Maria Garcia, 29, is a software engineer living in Madrid.",
-    "The retired teacher Li Wei (67) lives in Shanghai.",
-]
 
 
-class Person(BaseModel):
-    name: str = Field(max_length=40)
-    age: int = Field(ge=0, le=130)
-    occupation: str = Field(max_length=40)
-    city: str = Field(max_length=40)
+async def chat(rt: agentrt.Runtime) -> None:
+    """Four conversations at once: the engine batches them continuously."""
+    sessions = [rt.session(max_tokens=96) for _ in QUESTIONS]
+    answers: list[str] = [""] * len(QUESTIONS)
 
+    async def ask(i: int) -> None:
+        answers[i] = await sessions[i].generate(QUESTIONS[i])
 
-def main() -> None:
     start = time.perf_counter()
-    llm = agentrt.LLM()  # embedded SmolLM2-135M-Instruct, fp32 on the CPU
-    print(f"loaded {llm.model_path.name} in {time.perf_counter() - start:.1f}s")
-
-    # 1. Chat: four conversations in one continuous batch.
-    params = agentrt.SamplingParams(temperature=0.0, max_tokens=96)
-    start = time.perf_counter()
-    outputs = llm.chat([[{"role": "user", "content": q}] for q in QUESTIONS], params)
+    async with anyio.create_task_group() as tg:
+        for i in range(len(QUESTIONS)):
+            tg.start_soon(ask, i)
     elapsed = time.perf_counter() - start
-    num_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-    for question, output in zip(QUESTIONS, outputs, strict=True):
-        completion = output.outputs[0]
-        print(f"\n> {question}\n{completion.text.strip()}  [{completion.finish_reason}]")
+    for question, answer in zip(QUESTIONS, answers, strict=True):
+        print(f"\n> {question}\n{answer.strip()}")
+    num_tokens = sum(s.usage.completion_tokens for s in sessions)
     print(f"\nchat: {num_tokens} tokens in {elapsed:.2f}s = {num_tokens / elapsed:.1f} tokens/s")
 
-    # 2. Extraction: decoding is constrained to Person's JSON schema, so it always parses.
-    extract = agentrt.SamplingParams(
-        temperature=0.0,
-        max_tokens=80,
-        structured_outputs=agentrt.StructuredOutputsParams(json=Person),
-    )
-    system = {"role": "system", "content": "Extract the person described as JSON."}
+
+async def main() -> None:
     start = time.perf_counter()
-    outputs = llm.chat([[system, {"role": "user", "content": f}] for f in FACTS], extract)
-    elapsed = time.perf_counter() - start
-    num_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-    print()
-    for fact, output in zip(FACTS, outputs, strict=True):
-        person = Person.model_validate_json(output.outputs[0].text)
-        print(f"{fact}\n  -> {person!r}")
-    print(f"extraction: {len(FACTS)} objects, {num_tokens} tokens in {elapsed:.2f}s")
+    async with agentrt.Runtime() as rt:  # embedded SmolLM2-135M-Instruct on the CPU
+        print(f"loaded the embedded model in {time.perf_counter() - start:.1f}s")
+        await chat(rt)
+        print("\n== extraction ==")
+        start = time.perf_counter()
+        await extraction.run(rt)
+        print(f"extraction: {time.perf_counter() - start:.1f}s")
+        print("\n== agent ==")
+        await agent.run(rt)
 
 
 if __name__ == "__main__":
-    main()
+    anyio.run(main)

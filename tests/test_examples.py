@@ -31,6 +31,18 @@ def test_readme_python_blocks_run(smollm2_dir, index):
 
 
 def test_demo(smollm2_dir):
+    """`make demo`: chat, the extraction pipeline and the agent (examples/extraction.py and
+    examples/agent.py) on one Runtime."""
     out = _run([sys.executable, "examples/demo.py"]).stdout
     assert "tokens/s" in out and "Paris" in out
-    assert out.count("-> Person(") == 3
+    assert out.count("-> Invoice(") == 4  # every document extracted and validated
+    assert "step 1: lookup_product({'name': '" in out  # the forced first tool call ran
+    assert "answer: " in out
+
+
+def test_chat_session_example(smollm2_dir):
+    out = _run([sys.executable, "examples/chat_session.py"]).stdout
+    assert "trip: Trip(city=" in out and "fork: " in out
+    # Turns after the first are served from the prefix cache.
+    cached = [int(m) for m in re.findall(r"cached_tokens=(\d+)", out)]
+    assert cached[0] == 0 and all(c > 0 for c in cached[1:4])
