@@ -20,7 +20,11 @@ def _run(args: list[str]) -> subprocess.CompletedProcess:
 
 
 # What a block's output must contain, by block index (blocks not listed just have to run).
-EXPECTED = {0: ["Paris"], 1: ["name='John Smith'", "age=42"]}
+EXPECTED = {
+    0: ["Person(name='John Smith', age=42)", "cached_tokens="],
+    1: ["Paris"],
+    2: ["name='John Smith'", "age=42"],
+}
 
 
 @pytest.mark.parametrize("index", range(len(README_BLOCKS)))
