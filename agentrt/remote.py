@@ -1,0 +1,284 @@
+"""RemoteBackend: Session, Agent and extraction turns over HTTP, with the official `openai`
+client, against `agentrt serve` or any OpenAI-compatible server.
+
+Each turn is one streaming chat completion. Output formats travel the way OpenAI (and vLLM)
+spell them: a JSON schema as `response_format` json_schema (strict), tools as `tools` /
+`tool_choice` / `parallel_tool_calls`, a regex or a choice as vLLM's `structured_outputs`
+extension. Returned tool calls are turned back into the text payload the local engine
+produces (`[{"name": ..., "arguments": {...}}]`), so `OutputFormat.parse` and everything
+above it work unchanged. HTTP errors become the SDK's typed errors.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import AsyncIterator
+from typing import Any
+
+import anyio
+
+from agentrt.backend import Completion, Usage, check_sampling
+from agentrt.engine.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
+from agentrt.engine.scheduler import SchedulerStats
+from agentrt.errors import SchemaError
+from agentrt.formats import OutputFormat
+
+# SamplingParams options OpenAI itself has; the others go in `extra_body` (vLLM's names),
+# and only when they differ from the default, so plain OpenAI endpoints accept the request.
+_OPENAI_OPTIONS = ("temperature", "top_p", "seed", "presence_penalty", "frequency_penalty")
+_EXTRA_DEFAULTS: dict[str, Any] = {
+    "top_k": -1,
+    "min_p": 0.0,
+    "repetition_penalty": 1.0,
+    "min_tokens": 0,
+    "ignore_eos": False,
+    "stop_token_ids": (),
+    "skip_special_tokens": True,
+    "include_stop_str_in_output": False,
+}
+# The server's prefix before the engine's error text (agentrt.server.generation).
+_CONSTRAINT_FAILED = "the output constraint failed: "
+
+
+def _openai():
+    try:
+        import openai
+    except ImportError:
+        raise ImportError(
+            "Runtime(base_url=...) needs the openai client: pip install 'agentrt[server]'"
+        ) from None
+    return openai
+
+
+class RemoteBackend:
+    """`model=None` uses the first model the server lists (`GET /v1/models`)."""
+
+    def __init__(
+        self,
+        *,
+        base_url: str,
+        api_key: str | None = None,
+        model: str | None = None,
+        timeout_s: float = 600.0,
+        max_retries: int = 2,
+    ) -> None:
+        openai = _openai()
+        self.base_url = base_url.rstrip("/")
+        self.model = model
+        # A server without auth still needs some key for the client to start.
+        self.client = openai.AsyncOpenAI(
+            base_url=self.base_url,
+            api_key=api_key or "EMPTY",
+            timeout=timeout_s,
+            max_retries=max_retries,
+        )
+
+    async def aclose(self) -> None:
+        await self.client.close()
+
+    async def stream(
+        self, messages: list[dict], fmt: OutputFormat, sampling: dict[str, Any]
+    ) -> AsyncIterator[str | Completion]:
+        openai = _openai()
+        request = self.request(messages, fmt, check_sampling(sampling))
+        request["model"] = await self._model_name()
+        try:
+            stream = await self.client.chat.completions.create(**request)
+        except openai.APIStatusError as exc:
+            failed = _constraint_failure(exc)
+            if failed is not None:
+                yield failed
+                return
+            raise _typed_error(exc) from None
+        except openai.APIConnectionError as exc:
+            raise EngineDeadError(f"cannot reach {self.base_url}: {exc}") from None
+        text, calls = "", {}
+        finish_reason, usage = None, Usage()
+        try:
+            async for chunk in stream:
+                if chunk.usage is not None:
+                    usage = _usage(chunk.usage)
+                for choice in chunk.choices:
+                    delta = choice.delta
+                    if delta.content:
+                        text += delta.content
+                        yield delta.content
+                    for call in delta.tool_calls or []:
+                        _merge_call(calls, call)
+                    if choice.finish_reason is not None:
+                        finish_reason = choice.finish_reason
+        except openai.APIError as exc:  # an error event in the stream
+            raise _typed_error(exc) from None
+        finally:  # closing the connection makes the server abort the request
+            with anyio.CancelScope(shield=True):
+                await stream.close()
+        if calls:
+            text = _tool_payload(calls, fmt)
+            yield text
+        if finish_reason == "tool_calls":
+            finish_reason = "stop"
+        yield Completion(text, finish_reason, usage)
+
+    def request(
+        self, messages: list[dict], fmt: OutputFormat, sampling: dict[str, Any]
+    ) -> dict[str, Any]:
+        """The keyword arguments of `chat.completions.create` for one turn (no model)."""
+        request: dict[str, Any] = {
+            "messages": messages,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        for name in _OPENAI_OPTIONS:
+            if sampling.get(name) is not None:
+                request[name] = sampling[name]
+        if sampling.get("max_tokens") is not None:
+            request["max_tokens"] = sampling["max_tokens"]
+        if sampling.get("stop"):
+            stop = sampling["stop"]
+            request["stop"] = [stop] if isinstance(stop, str) else list(stop)
+        if sampling.get("logit_bias"):
+            request["logit_bias"] = {str(k): v for k, v in sampling["logit_bias"].items()}
+        extra = {
+            name: list(value) if isinstance(value, tuple) else value
+            for name, default in _EXTRA_DEFAULTS.items()
+            if (value := sampling.get(name, default)) != default
+        }
+        if fmt.kind == "json":
+            request["response_format"] = {
+                "type": "json_schema",
+                "json_schema": {
+                    "name": _schema_name(fmt.name),
+                    "schema": fmt.json_schema,
+                    "strict": True,
+                },
+            }
+        elif fmt.kind == "regex":
+            extra["structured_outputs"] = {"regex": fmt.regex}
+        elif fmt.kind == "choice":
+            extra["structured_outputs"] = {"choice": list(fmt.choices)}
+        elif fmt.kind == "tools":
+            request["tools"] = list(fmt.tools)
+            request["tool_choice"] = _tool_choice(fmt.tool_choice)
+            if fmt.tool_choice != "none":
+                request["parallel_tool_calls"] = fmt.parallel_tool_calls
+        if extra:
+            request["extra_body"] = extra
+        return request
+
+    async def _model_name(self) -> str:
+        if self.model is None:
+            openai = _openai()
+            try:
+                models = await self.client.models.list()
+            except openai.APIStatusError as exc:
+                raise _typed_error(exc) from None
+            except openai.APIConnectionError as exc:
+                raise EngineDeadError(f"cannot reach {self.base_url}: {exc}") from None
+            if not models.data:
+                raise InvalidRequestError(f"{self.base_url} serves no models.", field="model")
+            self.model = models.data[0].id
+        return self.model
+
+    async def stats(self) -> SchedulerStats:
+        """The server's scheduler gauges and counters, read from its Prometheus `/metrics`
+        (agentrt and vLLM servers)."""
+        import httpx  # the openai client's own HTTP library
+
+        root = re.sub(r"/v1$", "", self.base_url)
+        headers = {"Authorization": f"Bearer {self.client.api_key}"}
+        try:
+            async with httpx.AsyncClient(timeout=30) as http:
+                response = await http.get(root + "/metrics", headers=headers)
+        except httpx.HTTPError as exc:
+            raise EngineDeadError(f"cannot reach {root}/metrics: {exc}") from None
+        if response.status_code != 200:
+            raise InvalidRequestError(
+                f"{root}/metrics answered {response.status_code}: the server does not export "
+                "Prometheus metrics.",
+                field="base_url",
+            )
+        values: dict[str, float] = {}
+        for line in response.text.splitlines():
+            if line and not line.startswith("#"):
+                key, _, value = line.rpartition(" ")
+                values.setdefault(key.split("{", 1)[0].split(":", 1)[-1], float(value))
+        return SchedulerStats(
+            num_running=int(values.get("num_requests_running", 0)),
+            num_waiting=int(values.get("num_requests_waiting", 0)),
+            kv_cache_usage=values.get("kv_cache_usage_perc", 0.0),
+            num_preemptions=int(values.get("num_preemptions_total", 0)),
+            prefix_cache_queried_tokens=int(values.get("prefix_cache_queries_total", 0)),
+            prefix_cache_hit_tokens=int(values.get("prefix_cache_hits_total", 0)),
+        )
+
+
+def _tool_choice(choice: str | dict) -> str | dict:
+    """OpenAI names a forced tool as an object; the SDK also takes the bare name."""
+    if isinstance(choice, str) and choice not in ("auto", "required", "none"):
+        return {"type": "function", "function": {"name": choice}}
+    return choice
+
+
+def _schema_name(name: str) -> str:
+    """OpenAI's json_schema names match ^[a-zA-Z0-9_-]{1,64}$."""
+    return re.sub(r"[^a-zA-Z0-9_-]", "_", name)[:64] or "output"
+
+
+def _usage(usage) -> Usage:
+    details = getattr(usage, "prompt_tokens_details", None)
+    cached = getattr(details, "cached_tokens", None) or 0
+    return Usage(usage.prompt_tokens, cached, usage.completion_tokens)
+
+
+def _merge_call(calls: dict[int, dict[str, str]], delta) -> None:
+    """Accumulate a streamed tool-call delta (the first one of a call names it)."""
+    call = calls.setdefault(delta.index, {"name": "", "arguments": ""})
+    if delta.function is not None:
+        call["name"] += delta.function.name or ""
+        call["arguments"] += delta.function.arguments or ""
+
+
+def _tool_payload(calls: dict[int, dict[str, str]], fmt: OutputFormat) -> str:
+    """The local engine's tool-call text: one call object, or a list with parallel calls."""
+    items = []
+    for index in sorted(calls):
+        call = calls[index]
+        try:
+            arguments = json.loads(call["arguments"] or "{}")
+        except json.JSONDecodeError:
+            arguments = call["arguments"]  # OutputFormat.parse reports it
+        items.append({"name": call["name"], "arguments": arguments})
+    payload = items if fmt.parallel_tool_calls or len(items) > 1 else items[0]
+    return json.dumps(payload, ensure_ascii=False)
+
+
+def _error_body(exc) -> dict[str, Any]:
+    body = getattr(exc, "body", None)
+    if isinstance(body, dict) and isinstance(body.get("error"), dict):
+        return body["error"]
+    return body if isinstance(body, dict) else {}
+
+
+def _constraint_failure(exc) -> Completion | None:
+    """A 400 for an output constraint that failed in the engine (a grammar that does not
+    compile, an output that cannot be valid) is a finished turn with finish_reason "error",
+    as the local backend reports it; Session raises SchemaError / OutputValidationError."""
+    error = _error_body(exc)
+    if error.get("code") != "structured_output_failed":
+        return None
+    message = str(error.get("message", ""))
+    return Completion("", "error", Usage(), error=message.removeprefix(_CONSTRAINT_FAILED))
+
+
+def _typed_error(exc) -> Exception:
+    openai = _openai()
+    error = _error_body(exc)
+    message = str(error.get("message") or exc)
+    if isinstance(exc, openai.RateLimitError):
+        return EngineOverloadedError(message)
+    if isinstance(exc, openai.APIStatusError) and exc.status_code < 500:
+        if error.get("code") in ("invalid_schema", "invalid_tools"):
+            return SchemaError(message)
+        return InvalidRequestError(message, field=error.get("param"))
+    return EngineDeadError(f"the server failed: {message}")

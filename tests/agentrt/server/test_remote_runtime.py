@@ -1,0 +1,103 @@
+"""The remote Runtime (`Runtime(base_url=..., api_key=...)`, the official openai client)
+against a real `agentrt serve` process passes the same Session and Agent tests as the local
+Runtime: the tests are imported from tests/agentrt and run here with a remote `rt`."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import BaseModel
+
+import agentrt
+from agentrt import InvalidRequestError, SchemaError
+from agentrt.backend import Completion
+from agentrt.formats import resolve_format, tools_format
+from agentrt.remote import RemoteBackend
+from tests.agentrt.server.helpers import API_KEY
+from tests.agentrt.test_agent import (  # noqa: F401 (collected here with the remote rt)
+    test_forced_tool_call_runs_and_the_run_ends_typed,
+)
+from tests.agentrt.test_session import (  # noqa: F401 (collected here with the remote rt)
+    test_cancelled_generate_frees_its_blocks,
+    test_fork_shares_the_prefix_and_diverges,
+    test_post_validation_failure_and_explicit_retries,
+    test_schema_errors_are_typed_and_name_the_problem,
+    test_schema_kinds_round_trip,
+    test_stream_partial_objects_are_prefixes_of_the_final_object,
+    test_stream_text_deltas_concatenate_to_the_reply,
+    test_truncated_output_carries_the_partial_text,
+    test_turns_hit_the_prefix_cache_and_history_grows,
+)
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+async def rt(server):
+    async with agentrt.Runtime(base_url=server.url + "/v1", api_key=API_KEY) as runtime:
+        yield runtime
+
+
+class Person(BaseModel):
+    name: str
+    age: int
+
+
+def test_requests_speak_openai():
+    backend = RemoteBackend(base_url="http://127.0.0.1:1/v1", model="m")
+    sampling = {"temperature": 0.0, "max_tokens": 9, "top_k": 5, "stop": "x", "logit_bias": {3: 1}}
+    request = backend.request([], resolve_format(Person), sampling)
+    assert request["response_format"]["type"] == "json_schema"
+    assert request["response_format"]["json_schema"]["strict"] is True
+    assert request["response_format"]["json_schema"]["schema"]["required"] == ["name", "age"]
+    assert request["extra_body"] == {"top_k": 5}  # non-OpenAI options only when set
+    assert request["stop"] == ["x"] and request["logit_bias"] == {"3": 1}
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    named = backend.request([], tools_format(tools, "f", parallel_tool_calls=False), {})
+    assert named["tool_choice"] == {"type": "function", "function": {"name": "f"}}
+    assert named["parallel_tool_calls"] is False
+    regex = backend.request([], resolve_format(agentrt.Regex("[a-z]+")), {})
+    assert regex["extra_body"] == {"structured_outputs": {"regex": "[a-z]+"}}
+
+
+async def test_tool_calls_come_back_as_the_local_payload(rt):
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "parameters": {
+                    "type": "object",
+                    "properties": {"city": {"type": "string", "maxLength": 20}},
+                    "required": ["city"],
+                },
+            },
+        }
+    ]
+    fmt = tools_format(tools, "required", parallel_tool_calls=True)
+    messages = [{"role": "user", "content": "Weather in Paris and in Rome?"}]
+    items = [i async for i in rt.backend.stream(messages, fmt, {"max_tokens": 60})]
+    completion = items[-1]
+    assert isinstance(completion, Completion)
+    if completion.finish_reason == "stop":
+        calls = fmt.parse(completion.text)
+        assert calls and all(c.name == "get_weather" for c in calls)
+        assert completion.usage.completion_tokens > 0
+
+
+async def test_remote_errors_are_typed(server):
+    async with agentrt.Runtime(base_url=server.url + "/v1", api_key="wrong") as rt:
+        with pytest.raises(InvalidRequestError, match="API key"):
+            await rt.generate("hi", max_tokens=2)
+    async with agentrt.Runtime(
+        model="no-such-model", base_url=server.url + "/v1", api_key=API_KEY
+    ) as rt:
+        with pytest.raises(InvalidRequestError, match="does not exist") as info:
+            await rt.generate("hi", max_tokens=2)
+        assert info.value.field == "model"
+    async with agentrt.Runtime(base_url=server.url + "/v1", api_key=API_KEY) as rt:
+        with pytest.raises(InvalidRequestError, match="max_tokens"):
+            await rt.generate("hi", max_tokens=10**7)
+        with pytest.raises(SchemaError):
+            await rt.generate("hi", schema={"type": "object", "properties": {"a": {"$ref": "#/x"}}})
+        stats = await rt.stats()
+        assert stats.num_waiting == 0 and 0.0 <= stats.kv_cache_usage <= 1.0
