@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
 
@@ -107,18 +108,21 @@ class Session:
         fmt = resolve_format(schema)
         messages = self.history + [{"role": "user", "content": prompt}]
         text, num_members, completion = "", 0, None
-        async for item in self.backend.stream(messages, fmt, self._s(sampling)):
-            if isinstance(item, Completion):
-                completion = item
-                break
-            if fmt.kind != "json":
-                yield item
-                continue
-            text += item
-            members = completed_members(text)
-            if members is not None and len(members) > num_members:
-                num_members = len(members)
-                yield _partial(fmt, members)
+        # aclosing: a consumer that stops early closes the backend stream, which aborts the
+        # request in the engine instead of leaving it to the garbage collector.
+        async with aclosing(self.backend.stream(messages, fmt, self._s(sampling))) as items:
+            async for item in items:
+                if isinstance(item, Completion):
+                    completion = item
+                    break
+                if fmt.kind != "json":
+                    yield item
+                    continue
+                text += item
+                members = completed_members(text)
+                if members is not None and len(members) > num_members:
+                    num_members = len(members)
+                    yield _partial(fmt, members)
         if completion is None:
             raise GenerationError("the stream ended without a completion")
         value = check_completion(completion, fmt, completion.usage)
@@ -137,9 +141,10 @@ class Session:
 
 
 async def _collect(stream: AsyncIterator[str | Completion]) -> Completion:
-    async for item in stream:
-        if isinstance(item, Completion):
-            return item
+    async with aclosing(stream):
+        async for item in stream:
+            if isinstance(item, Completion):
+                return item
     raise GenerationError("the stream ended without a completion")
 
 

@@ -225,3 +225,15 @@ async def test_engine_fault_raises_engine_dead_error(tiny_checkpoint):
             await rt.generate("hello", max_tokens=4)
         with pytest.raises(EngineDeadError):
             await rt.session().generate("again", max_tokens=4)
+
+
+async def test_leaving_a_stream_early_aborts_the_request(rt):
+    baseline = await rt.stats()
+    session = rt.session()
+    async for _ in session.stream("Write a very long story.", max_tokens=400):
+        break  # the generator is finalized when dropped; that closes the engine stream
+    with anyio.fail_after(10):
+        while (await rt.stats()).num_running:
+            await anyio.sleep(0.01)
+    assert (await rt.stats()).kv_cache_usage == baseline.kv_cache_usage
+    assert session.history == []
