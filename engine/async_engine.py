@@ -27,6 +27,7 @@ import anyio
 
 from agentrt.engine.errors import (
     EngineDeadError,
+    EngineError,
     EngineOverloadedError,
     InvalidRequestError,
 )
@@ -43,6 +44,14 @@ class _Stopped:
     """Sentinel from the engine thread: the loop ended; `error` is the fault, if any."""
 
     def __init__(self, error: BaseException | None) -> None:
+        self.error = error
+
+
+class _Failed:
+    """From the engine thread: one request could not be added; the engine goes on."""
+
+    def __init__(self, request_id: str, error: Exception) -> None:
+        self.request_id = request_id
         self.error = error
 
 
@@ -331,7 +340,12 @@ class AsyncEngine:
             block = False
             kind = command[0]
             if kind == "add":
-                engine.add_request(*command[1:])
+                request = command[1]
+                try:
+                    engine.add_request(*command[1:])
+                except Exception as exc:  # this request is bad, not the engine
+                    engine.abort_requests([request.req_id])
+                    self._outputs.put(_Failed(request.req_id, exc))
             elif kind == "abort":
                 deltas = engine.abort_requests(command[1])
                 if deltas:
@@ -355,6 +369,13 @@ class AsyncEngine:
             if isinstance(item, _Stopped):
                 self._on_stopped(item.error)
                 return
+            if isinstance(item, _Failed):
+                stream = self._streams.pop(item.request_id, None)
+                if stream is not None:
+                    error = EngineError(f"request {item.request_id} failed: {item.error!r}")
+                    error.__cause__ = item.error
+                    stream._fail(error)
+                continue
             for delta in item:
                 stream = self._streams.get(delta.request_id)
                 if stream is not None:

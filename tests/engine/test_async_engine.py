@@ -153,3 +153,25 @@ async def test_shutdown_fails_open_streams_instead_of_hanging(tiny_checkpoint):
         await stream.result()
     llm.engine.kv_manager.check_invariants()
     assert llm.engine.kv_manager.pool.num_free_blocks == llm.engine.kv_manager.num_blocks
+
+
+async def test_a_request_that_fails_inside_the_engine_fails_alone(smollm2_llm: LLM):
+    from agentrt.engine.errors import EngineError
+
+    async with AsyncEngine(engine=smollm2_llm.engine) as engine:
+        original = engine.engine.engine_core.add_request
+
+        def refuse_one(request, spec=None):
+            if request.req_id == "poison":
+                raise RuntimeError("cannot take this one")
+            return original(request, spec)
+
+        engine.engine.engine_core.add_request = refuse_one
+        try:
+            with pytest.raises(EngineError, match="cannot take this one"):
+                await engine.generate("x", GREEDY, request_id="poison")
+            out = await engine.generate(PROMPTS[0], GREEDY)
+        finally:
+            del engine.engine.engine_core.add_request
+        assert out.outputs[0].finish_reason == "length" and not engine.is_dead
+        await engine.call(lambda e: e.kv_manager.check_invariants())
