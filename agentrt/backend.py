@@ -14,7 +14,7 @@ from agentrt.engine.errors import InvalidRequestError
 from agentrt.engine.outputs import RequestOutput
 from agentrt.engine.sampling_params import SamplingParams
 from agentrt.formats import OutputFormat
-from agentrt.tool_calls import render_messages
+from agentrt.tool_calls import render_messages, tool_call_style
 
 # The SDK decodes greedily unless told otherwise: structured replies from small models are
 # most reliable that way, and runs are reproducible.
@@ -81,7 +81,10 @@ class LocalBackend:
     async def stream(
         self, messages: list[dict], fmt: OutputFormat, sampling: dict[str, Any]
     ) -> AsyncIterator[str | Completion]:
-        tools = list(fmt.tools) if fmt.kind == "tools" else None
+        tools = None
+        if fmt.kind == "tools":
+            tools = list(fmt.tools)
+            fmt = dataclasses.replace(fmt, tool_style=tool_call_style(self.engine.tokenizer))
         rendered, template_tools = render_messages(
             messages, tools, self.engine.tokenizer, parallel=fmt.parallel_tool_calls
         )

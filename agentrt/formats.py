@@ -15,7 +15,7 @@ import pydantic
 from agentrt.engine.sampling_params import StructuredOutputsParams
 from agentrt.errors import OutputValidationError, SchemaError
 from agentrt.grammar import GrammarSpec, GrammarSpecError
-from agentrt.tool_calls import ToolCall, parse_tool_calls
+from agentrt.tool_calls import ToolCall, hermes_spec, parse_tool_calls
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +54,7 @@ class OutputFormat:
     tools: tuple[dict, ...] | None = None
     tool_choice: str | dict = "auto"
     parallel_tool_calls: bool = True
+    tool_style: str = "json"  # or "hermes" (see agentrt.tool_calls)
 
     def structured_outputs(self) -> StructuredOutputsParams | None:
         """The engine's constraint for this format (None for plain text)."""
@@ -67,11 +68,16 @@ class OutputFormat:
             return StructuredOutputsParams(choice=self.choices)
         if self.kind == "tools":
             try:
-                spec = GrammarSpec.from_tools(
-                    list(self.tools),
-                    self.tool_choice,
-                    parallel_tool_calls=self.parallel_tool_calls,
-                )
+                if self.tool_style == "hermes":
+                    spec = hermes_spec(
+                        list(self.tools), self.tool_choice, parallel=self.parallel_tool_calls
+                    )
+                else:
+                    spec = GrammarSpec.from_tools(
+                        list(self.tools),
+                        self.tool_choice,
+                        parallel_tool_calls=self.parallel_tool_calls,
+                    )
             except GrammarSpecError as exc:
                 raise SchemaError(f"the tools are invalid: {exc}") from None
             return None if spec.kind == "text" else StructuredOutputsParams(spec=spec)

@@ -167,7 +167,7 @@ def check_completion(completion: Completion, fmt: OutputFormat, usage: Usage) ->
         raise GenerationError("the request was aborted")
     # A plain-text answer (tool_choice "auto") may end at max_tokens like any text reply.
     plain_text = fmt.kind == "text" or (
-        fmt.kind == "tools" and not text.lstrip().startswith(("{", "["))
+        fmt.kind == "tools" and not text.lstrip().startswith(("{", "[", "<tool_call>"))
     )
     if reason == "length" and not plain_text:
         raise TruncatedOutputError(

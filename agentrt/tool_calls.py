@@ -1,19 +1,27 @@
 """Tool calls in chat, shared by the SDK and the server.
 
-The reply format is the grammar layer's (`agentrt.grammar` `GrammarSpec.from_tools`): one call
-`{"name": ..., "arguments": {...}}`, or with parallel calls a JSON list of them; with
-`tool_choice="auto"` plain text (not starting with `{` or `[`) is the other option. Chat
-templates that take `tools` (Qwen, Llama 3.1, ...) render the tool definitions and the tool
-messages themselves; for templates that do not (SmolLM2's ChatML), the definitions go into the
-system message and tool turns become plain text.
+Two reply styles, chosen from the chat template:
+- "hermes", when the template defines `<tool_call>` (Qwen 2.5 / 3, Hermes): the model's own
+  format, one `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>` block per call.
+- "json" otherwise (the grammar layer's `GrammarSpec.from_tools`): one call
+  `{"name": ..., "arguments": {...}}`, or with parallel calls a JSON list of them.
+With `tool_choice="auto"` plain text is the other option. Chat templates that take `tools`
+render the tool definitions and the tool messages themselves; for templates that do not
+(SmolLM2's ChatML), the definitions go into the system message and tool turns become text.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass
 from typing import Any
+
+from agentrt.grammar import GrammarSpec
+from agentrt.grammar.tools import compact, tool_call_spec_text, tool_calls_schema
+
+_HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,16 +46,54 @@ def template_supports_tools(tokenizer) -> bool:
     return "tools" in (getattr(tokenizer, "chat_template", None) or "")
 
 
+def tool_call_style(tokenizer) -> str:
+    """The reply style for this tokenizer's chat template: "hermes" or "json"."""
+    return (
+        "hermes" if "<tool_call>" in (getattr(tokenizer, "chat_template", None) or "") else "json"
+    )
+
+
+def hermes_spec(tools: list[dict[str, Any]], tool_choice: Any, *, parallel: bool) -> GrammarSpec:
+    """The grammar of `<tool_call>` blocks (llguidance Lark with an embedded JSON schema per
+    call); under "auto", plain text not starting with `<` is the alternative. Raises the
+    grammar layer's GrammarSpecError for bad tools or an unknown tool_choice."""
+    canonical, choice = tool_call_spec_text(tools, tool_choice)
+    if choice == "none":
+        return GrammarSpec.any_text()
+    call_schema = compact(tool_calls_schema(canonical, choice, parallel=False))
+    calls = "call+" if parallel else "call"
+    lines = [
+        f"calls: {calls}",
+        f'call: "<tool_call>\\n" %json {json.dumps(call_schema)} "\\n</tool_call>" "\\n"?',
+    ]
+    if choice == "auto":
+        lines.insert(0, "start: calls | text")
+        lines.append("text: /([^< \\t\\r\\n][\\s\\S]*)?/")
+    else:
+        lines.insert(0, "start: calls")
+    return GrammarSpec.from_ebnf("\n".join(lines) + "\n")
+
+
 def parse_tool_calls(text: str) -> list[ToolCall] | None:
-    """The calls in a constrained reply, or None when the reply is plain text."""
+    """The calls in a constrained reply (either style), or None when it is plain text."""
     stripped = text.strip()
+    blocks = _HERMES_CALL.findall(stripped) if stripped.startswith("<tool_call>") else None
+    if blocks:
+        try:
+            items = [json.loads(block) for block in blocks]
+        except json.JSONDecodeError:
+            return None
+        return _to_calls(items)
     if not stripped.startswith(("{", "[")):
         return None
     try:
         payload = json.loads(stripped)
     except json.JSONDecodeError:
         return None
-    items = payload if isinstance(payload, list) else [payload]
+    return _to_calls(payload if isinstance(payload, list) else [payload])
+
+
+def _to_calls(items: list[Any]) -> list[ToolCall] | None:
     calls = []
     for item in items:
         if not (

@@ -119,11 +119,21 @@ def _hoist_defs(tool: str, parameters: dict[str, Any], defs: dict[str, Any]) -> 
     return rewrite(parameters)
 
 
+# Inside Lark, `%json` has llguidance's default free whitespace, which lets a weak model
+# emit whitespace forever; tool calls are written compactly instead.
+COMPACT_JSON = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def compact(schema: dict[str, Any]) -> dict[str, Any]:
+    """`schema` for a Lark `%json` embedding, with compact separators."""
+    return {**schema, "x-guidance": COMPACT_JSON}
+
+
 def tool_calls_lark(schema: dict[str, Any]) -> str:
     """Lark grammar (llguidance dialect) for "auto": plain text or a tool-call payload."""
     return (
         "start: text | calls\n"
-        f"calls: %json {json.dumps(schema, ensure_ascii=False)}\n"
+        f"calls: %json {json.dumps(compact(schema), ensure_ascii=False)}\n"
         # Plain text must not start like a payload, so the two branches never overlap.
         "text: /([^\\[{ \\t\\r\\n][\\s\\S]*)?/\n"
     )
