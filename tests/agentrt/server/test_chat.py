@@ -207,6 +207,11 @@ def test_n_choices_seeds_and_stop(client: openai.OpenAI, model_name: str):
     # Seeds seed, seed + 1: the choices are different samples.
     assert reply.choices[0].message.content != reply.choices[1].message.content
     assert 2 <= reply.usage.completion_tokens <= 16
+    texts = ["", ""]
+    for chunk in client.chat.completions.create(**kwargs, n=2, stream=True):
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+    assert texts == [c.message.content for c in reply.choices]  # the streams interleave
     greedy = client.chat.completions.create(
         model=model_name, messages=HELLO, max_tokens=12, temperature=0
     ).choices[0]
