@@ -17,11 +17,11 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from agentrt.engine.async_engine import AsyncEngine
 from agentrt.engine.errors import InvalidRequestError
 from agentrt.engine.llm_engine import LLMEngine
-from agentrt.server import metrics as metrics_module
 from agentrt.server.chat import chat_prompt, create_chat_completion
 from agentrt.server.completions import create_completion
 from agentrt.server.errors import APIError, bad_request, install_error_handlers, invalid_request
 from agentrt.server.generation import ClientDisconnected
+from agentrt.server.metrics import CONTENT_TYPE
 from agentrt.server.middleware import GuardMiddleware
 from agentrt.server.params import ChatConstraint
 from agentrt.server.protocol import (
@@ -126,8 +126,7 @@ def _add_routes(app: FastAPI) -> None:
         state = _state(request)
         stats = None if state.engine.is_dead else await state.engine.stats()
         return PlainTextResponse(
-            state.metrics.render(stats, state.model_name),
-            media_type=metrics_module.CONTENT_TYPE,
+            state.metrics.render(stats, state.model_name), media_type=CONTENT_TYPE
         )
 
     @app.get("/v1/models")
