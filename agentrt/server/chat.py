@@ -18,14 +18,15 @@ from agentrt.server.protocol import ChatCompletionRequest, ChatMessage
 from agentrt.server.responses import chat_logprobs, new_id, now, usage
 from agentrt.server.state import ServerState
 from agentrt.server.tool_stream import ToolCallStreamer
-from agentrt.tool_calls import parse_tool_calls, render_messages
+from agentrt.tool_calls import parse_tool_calls, render_messages, tool_call_style
 
 
 async def create_chat_completion(
     state: ServerState, request: ChatCompletionRequest, raw: Request
 ) -> Response:
     state.check_model(request.model)
-    constraint = chat_constraint(request)
+    tool_style = tool_call_style(state.engine.tokenizer)
+    constraint = chat_constraint(request, tool_style)
     prompt_ids = chat_prompt(state, request, constraint)
     if request.top_logprobs is not None and not request.logprobs:
         raise bad_request("top_logprobs needs logprobs=true.", param="top_logprobs")
@@ -50,7 +51,7 @@ async def create_chat_completion(
         params,
         priority=request.priority or 0,
     )
-    view = _ChatView(state.model_name, constraint, top_n if request.logprobs else None)
+    view = _ChatView(state.model_name, constraint, top_n if request.logprobs else None, tool_style)
     if request.stream:
         firsts = await generation.first_deltas(raw.receive)
         failure = structured_failure([d.output for d in firsts if d.output is not None])
@@ -119,8 +120,11 @@ def _message_dict(index: int, message: ChatMessage) -> dict[str, Any]:
 class _ChatView:
     """Shapes engine outputs into chat response bodies."""
 
-    def __init__(self, model: str, constraint: ChatConstraint, top_n: int | None) -> None:
+    def __init__(
+        self, model: str, constraint: ChatConstraint, top_n: int | None, tool_style: str
+    ) -> None:
         self.model = model
+        self.tool_style = tool_style
         self.tools_active = constraint.tools is not None
         self.top_n = top_n
         self.id = new_id("chatcmpl")
@@ -188,7 +192,7 @@ class _ChatView:
         extra = {"usage": None} if include_usage else {}
 
         async def run(index: int) -> None:
-            streamer = ToolCallStreamer() if self.tools_active else None
+            streamer = ToolCallStreamer(self.tool_style) if self.tools_active else None
             await emit(self.chunk([_choice(index, {"role": "assistant", "content": ""})], **extra))
             delta = firsts[index]
             while True:

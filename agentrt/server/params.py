@@ -7,6 +7,7 @@ engine thread, so a bad request fails before it is queued.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -141,7 +142,8 @@ class ChatConstraint:
     tools_in_prompt: list[dict] | None
 
 
-def chat_constraint(request: ChatCompletionRequest) -> ChatConstraint:
+def chat_constraint(request: ChatCompletionRequest, tool_style: str = "json") -> ChatConstraint:
+    """`tool_style` is the served model's tool-call format (`agentrt.tool_calls`)."""
     tools = [t.model_dump(exclude_none=True) for t in request.tools] if request.tools else None
     choice = request.tool_choice
     if not tools and choice is not None and choice not in ("none", "auto"):
@@ -156,6 +158,7 @@ def chat_constraint(request: ChatCompletionRequest) -> ChatConstraint:
         fmt = tools_format(
             tools, tool_choice, parallel_tool_calls=request.parallel_tool_calls is not False
         )
+        fmt = dataclasses.replace(fmt, tool_style=tool_style)
         try:
             structured = fmt.structured_outputs()
         except SchemaError as exc:

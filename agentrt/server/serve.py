@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import socket
+from collections.abc import Callable
 
 from agentrt.server.app import create_app
 from agentrt.server.state import ServerConfig, ServerState
@@ -36,9 +37,12 @@ async def serve(
     log_level: str = "info",
     llm_engine=None,
     sock: socket.socket | None = None,
+    on_ready: Callable[[ServerState], None] | None = None,
 ) -> int:
     """Serve until drained or the engine dies; returns the process exit status. `sock` is
-    an already bound socket to serve on (then host and port are ignored)."""
+    an already bound socket to serve on (then host and port are ignored). `on_ready(state)`
+    runs once the server accepts requests; setting `state.drain_requested` stops it as
+    SIGTERM does (for a server embedded in another program)."""
     app = create_app(config, llm_engine=llm_engine)
     uv_config = uvicorn.Config(
         app,
@@ -50,6 +54,7 @@ async def serve(
         lifespan="on",
     )
     server = _Server(uv_config)
+    server.on_ready = on_ready
     await server.serve(sockets=[sock] if sock is not None else None)
     state = getattr(app.state, "server", None)
     if state is None or not server.started:  # the lifespan failed (the model did not load)
@@ -61,6 +66,7 @@ class _Server(uvicorn.Server):
     """Signals start a drain instead of a stop; the app's supervisor stops the server."""
 
     agentrt_state: ServerState | None = None
+    on_ready: Callable[[ServerState], None] | None = None
 
     async def startup(self, sockets=None) -> None:
         await super().startup(sockets=sockets)
@@ -72,6 +78,8 @@ class _Server(uvicorn.Server):
                 self.should_exit = True
 
             state.request_exit = request_exit
+            if self.on_ready is not None:
+                self.on_ready(state)
 
     def handle_exit(self, sig, frame) -> None:
         state = self.agentrt_state

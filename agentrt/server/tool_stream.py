@@ -1,11 +1,14 @@
 """Tool calls as OpenAI stream deltas, read from the text of a constrained reply as it grows.
 
-The grammar (`GrammarSpec.from_tools`) makes a reply either plain text (under
-`tool_choice="auto"`, never starting with `{` or `[`) or JSON: one call
-`{"name": ..., "arguments": {...}}`, or a list of them. `ToolCallStreamer` scans that JSON
-incrementally — strings, escapes and nesting depth — and turns it into OpenAI's deltas: the
-first delta of a call carries its `id`, `type` and `name`; later ones append raw text to
-`function.arguments`, so the client's concatenation is the arguments' JSON text.
+The grammar makes a reply either plain text (under `tool_choice="auto"`) or calls, in one
+of the two styles of `agentrt.tool_calls`: "json", one call `{"name": ..., "arguments":
+{...}}` or a list of them (text then never starts with `{` or `[`); "hermes", one
+`<tool_call>\n{...}\n</tool_call>` block per call (text never starts with `<`).
+`ToolCallStreamer` scans the JSON incrementally — strings, escapes and nesting depth; the
+tags between hermes blocks hold no JSON punctuation, so they pass through the same scan —
+and turns it into OpenAI's deltas: the first delta of a call carries its `id`, `type` and
+`name`; later ones append raw text to `function.arguments`, so the client's concatenation
+is the arguments' JSON text.
 """
 
 from __future__ import annotations
@@ -30,7 +33,8 @@ class _Call:
 class ToolCallStreamer:
     """Feed text deltas; get content deltas (plain-text replies) or tool-call deltas."""
 
-    def __init__(self) -> None:
+    def __init__(self, style: str = "json") -> None:
+        self.openers = "<" if style == "hermes" else "{["
         self.text = ""
         self.mode: str | None = None  # None until the first non-space character: "text" / "json"
         self.calls: list[_Call] = []
@@ -51,7 +55,7 @@ class ToolCallStreamer:
             stripped = self.text.lstrip()
             if not stripped:
                 return "", []
-            self.mode = "json" if stripped[0] in "{[" else "text"
+            self.mode = "json" if stripped[0] in self.openers else "text"
             if self.mode == "text":
                 return self.text, []
             if stripped[0] == "[":

@@ -9,8 +9,11 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 
+import anyio
 import httpx
 
 API_KEY = "test-key"
@@ -91,3 +94,47 @@ def wait_idle(http: httpx.Client, timeout_s: float = 30.0) -> dict[str, float]:
         if time.monotonic() > deadline:
             raise AssertionError(f"the server is not idle after {timeout_s}s: {values}")
         time.sleep(0.05)
+
+
+@asynccontextmanager
+async def in_process_server(config, llm_engine) -> AsyncIterator[InProcessServer]:
+    """`serve(config, llm_engine=...)` as a task of the test's event loop on a free port;
+    waits for /health. Leaving the block waits for the server to stop: by itself (a dead
+    engine) or after `server.stop()` (a drain, as on SIGTERM)."""
+    from agentrt.server.serve import serve
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = InProcessServer(f"http://127.0.0.1:{sock.getsockname()[1]}")
+
+    async def run() -> None:
+        server.exit_code = await serve(
+            config, llm_engine=llm_engine, sock=sock, log_level="warning", on_ready=server.ready
+        )
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(run)
+        with anyio.fail_after(30):
+            async with httpx.AsyncClient() as http:
+                while server.exit_code is None:
+                    try:
+                        if (await http.get(server.url + "/health")).status_code == 200:
+                            break
+                    except httpx.HTTPError:
+                        pass
+                    await anyio.sleep(0.05)
+        yield server
+
+
+class InProcessServer:
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.exit_code: int | None = None
+        self.state = None
+
+    def ready(self, state) -> None:
+        self.state = state
+
+    def stop(self) -> None:
+        """Drain and exit, as on SIGTERM."""
+        self.state.drain_requested = True

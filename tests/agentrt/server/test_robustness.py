@@ -6,19 +6,16 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
 import time
 from collections.abc import Iterator
 
-import anyio
 import httpx
 import openai
 import pytest
 
 from agentrt.engine.llm import LLM
-from agentrt.server.serve import serve
 from agentrt.server.state import ServerConfig
-from tests.agentrt.server.helpers import ServerProcess, metrics, wait_idle
+from tests.agentrt.server.helpers import ServerProcess, in_process_server, metrics, wait_idle
 
 MODEL = "SmolLM2-135M-Instruct"
 LONG = {"max_tokens": 400, "ignore_eos": True, "temperature": 0}
@@ -138,29 +135,13 @@ async def test_dead_engine_makes_health_503_and_exits_1(tiny_model: str):
         return original_step()
 
     llm.engine.engine_core.step = failing_step
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
     config = ServerConfig(model=tiny_model, dead_engine_grace_s=3.0)
-    exit_code = None
-
-    async def run() -> None:
-        nonlocal exit_code
-        exit_code = await serve(config, llm_engine=llm.engine, sock=sock, log_level="warning")
-
-    async with anyio.create_task_group() as tg, httpx.AsyncClient(base_url=url) as http:
-        tg.start_soon(run)
-        with anyio.fail_after(30):
-            while True:
-                try:
-                    if (await http.get("/health")).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    await anyio.sleep(0.05)
-        body = {"model": "llama", "prompt": "x", "max_tokens": 50, "ignore_eos": True}
-        response = await http.post("/v1/completions", json=body)
-        assert response.status_code == 503
-        assert "injected fault" in response.json()["error"]["message"]
-        health = await http.get("/health")
-        assert health.status_code == 503 and "engine dead" in health.text
-    assert exit_code == 1
+    async with in_process_server(config, llm.engine) as server:
+        async with httpx.AsyncClient(base_url=server.url) as http:
+            body = {"model": "llama", "prompt": "x", "max_tokens": 50, "ignore_eos": True}
+            response = await http.post("/v1/completions", json=body)
+            assert response.status_code == 503
+            assert "injected fault" in response.json()["error"]["message"]
+            health = await http.get("/health")
+            assert health.status_code == 503 and "engine dead" in health.text
+    assert server.exit_code == 1

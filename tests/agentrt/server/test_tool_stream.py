@@ -1,0 +1,71 @@
+"""ToolCallStreamer: tool calls read incrementally from a constrained reply, in both styles,
+whatever the split of the text into deltas."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from agentrt.server.tool_stream import ToolCallStreamer
+from agentrt.tool_calls import parse_tool_calls
+
+CALLS = [
+    {"name": "get_weather", "arguments": {"city": "Paris", "note": 'a "quoted" }{ brace'}},
+    {"name": "get_time", "arguments": {"tz": "CET", "nested": {"a": [1, {"b": None}]}}},
+]
+
+
+def _assemble(streamer: ToolCallStreamer, pieces: list[str]) -> tuple[str, dict[int, dict]]:
+    content, calls = "", {}
+    for piece in pieces:
+        text, deltas = streamer.feed(piece)
+        content += text
+        for delta in deltas:
+            call = calls.setdefault(delta["index"], {"name": None, "arguments": "", "id": None})
+            if "id" in delta:
+                assert call["id"] is None, "the header comes once"
+                call["id"], call["name"] = delta["id"], delta["function"]["name"]
+            else:
+                assert call["id"] is not None, "arguments come after the header"
+            call["arguments"] += delta["function"]["arguments"]
+    return content, calls
+
+
+def _split(text: str, cuts: list[int]) -> list[str]:
+    points = sorted({min(c, len(text)) for c in cuts})
+    return [text[a:b] for a, b in zip([0, *points], [*points, len(text)], strict=True)]
+
+
+REPLIES = {
+    "json-one": ("json", json.dumps(CALLS[0])),
+    "json-list": ("json", " " + json.dumps(CALLS, indent=1)),
+    "hermes": (
+        "hermes",
+        "".join(f"<tool_call>\n{json.dumps(c)}\n</tool_call>\n" for c in CALLS),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", REPLIES)
+@given(cuts=st.lists(st.integers(min_value=0, max_value=400), max_size=30))
+def test_deltas_assemble_to_the_calls(name, cuts):
+    style, reply = REPLIES[name]
+    streamer = ToolCallStreamer(style)
+    content, calls = _assemble(streamer, _split(reply, cuts))
+    assert content == "" and streamer.is_tool_calls
+    expected = parse_tool_calls(reply)
+    assert [calls[i]["name"] for i in sorted(calls)] == [c.name for c in expected]
+    assert [json.loads(calls[i]["arguments"]) for i in sorted(calls)] == [
+        c.arguments for c in expected
+    ]
+    assert len({c["id"] for c in calls.values()}) == len(calls)
+
+
+@pytest.mark.parametrize(("style", "reply"), [("json", "Sure! <b>"), ("hermes", "It is {sunny}.")])
+def test_plain_text_replies_stream_as_content(style, reply):
+    streamer = ToolCallStreamer(style)
+    content, calls = _assemble(streamer, [" ", reply[:3], reply[3:]])
+    assert content == " " + reply and calls == {} and not streamer.is_tool_calls
