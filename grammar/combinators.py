@@ -135,7 +135,8 @@ def _values_of(branch: dict[str, Any]) -> list[Any] | None:
     return None
 
 
-def _disjoint_pair(a: Any, b: Any, root: dict[str, Any]) -> bool:
+def disjoint(a: Any, b: Any, root: dict[str, Any], depth: int = 0) -> bool:
+    """True when no instance can satisfy both subschemas (False = not proven)."""
     a, b = _deref(a, root), _deref(b, root)
     if a is False or b is False:
         return True
@@ -149,16 +150,14 @@ def _disjoint_pair(a: Any, b: Any, root: dict[str, Any]) -> bool:
         return True
     if ta != {"object"} or tb != {"object"}:
         return False
-    # Discriminator: a property both require, with disjoint const/enum values.
+    # Discriminator: a property both require, with disjoint values (const/enum, types, or
+    # a nested discriminator; the depth cap keeps recursive schemas finite).
     pa, pb = a.get("properties", {}), b.get("properties", {})
     common_required = set(a.get("required", [])) & set(b.get("required", []))
-    for name in common_required & set(pa) & set(pb):
-        sa, sb = _deref(pa[name], root), _deref(pb[name], root)
-        if isinstance(sa, dict) and isinstance(sb, dict):
-            xa, xb = _values_of(sa), _values_of(sb)
-            if xa is not None and xb is not None:
-                if not ({_key(v) for v in xa} & {_key(v) for v in xb}):
-                    return True
+    if depth < 4 and isinstance(pa, dict) and isinstance(pb, dict):
+        for name in common_required & set(pa) & set(pb):
+            if disjoint(pa[name], pb[name], root, depth + 1):
+                return True
     # Incompatible required keys: one requires a key the other (closed) cannot have.
     return _forbids(a, b.get("required", [])) or _forbids(b, a.get("required", []))
 
@@ -174,4 +173,4 @@ def one_of_is_disjoint(branches: list[Any], root: dict[str, Any]) -> bool:
     """True when no instance can satisfy two branches (so oneOf == anyOf)."""
     if len(branches) > 64:
         return False  # quadratic check; large unions are left to post-checking
-    return all(_disjoint_pair(a, b, root) for a, b in combinations(branches, 2))
+    return all(disjoint(a, b, root) for a, b in combinations(branches, 2))

@@ -7,7 +7,9 @@ Steps, in order: localize `$ref`s (refs.py); then one walk over every subschema 
     `exclusiveMinimum`, single-element `type` lists);
   - merges `allOf` where the merge is exact (combinators.merge_all_of), keeping property
     order as written;
-  - turns `oneOf` into `anyOf` when its branches are provably disjoint.
+  - turns `oneOf` into `anyOf` when its branches are provably disjoint;
+  - rewrites a subschema holding `not: {}` (nothing matches) as `false`, which every
+    backend enforces (not at the root: an unsatisfiable root stays a post-check).
 Recursion stays recursion: refs are never expanded except one level when merging.
 """
 
@@ -124,6 +126,13 @@ class _Walker:
                 }
             else:
                 out[key] = value
+        if "not" in out and isinstance(out["not"], bool | dict) and path != "#":
+            negated = out.pop("not")
+            if negated is True or negated == {}:  # nothing satisfies this subschema
+                self.report.add("not", "enforced", path, "not {} matches nothing: false")
+                return False
+            if negated is not False:  # `not false` constrains nothing: dropped
+                out["not"] = negated
         if "$ref" in out and len(out) > 1:
             out = self._ref_siblings(out, path)
         _draft4_bounds(out)

@@ -114,3 +114,16 @@ def test_anchor_refs_resolve() -> None:
     out = localize_refs(schema)
     ref = out["properties"]["p"]["$ref"]
     assert out["$defs"][ref.split("/")[-1]]["type"] == "integer"
+
+
+def test_not_empty_schema_is_false_and_oneof_by_nested_discriminator_is_anyof() -> None:
+    out, report = norm({"properties": {"a": {"not": {"description": "nothing"}}, "b": {}}})
+    assert out["properties"]["a"] is False  # enforced by every backend, not post-checked
+    assert "not" in report.build("none").enforced
+    root, _ = norm({"not": {}})
+    assert root == {"not": {}}  # an unsatisfiable root is left to the post-check
+    by_nested_type, _ = norm({"oneOf": [
+        {"type": "object", "properties": {"p": {"type": "string"}}, "required": ["p"]},
+        {"type": "object", "properties": {"p": {"type": "object"}}, "required": ["p"]},
+    ]})  # fmt: skip
+    assert "anyOf" in by_nested_type and "oneOf" not in by_nested_type
