@@ -22,13 +22,14 @@ from .errors import (
     MatcherStateError,
     SchemaLimitError,
 )
-from .limits import RunLimits, SchemaLimits
+from .limits import GenerationBounds, RunLimits, SchemaLimits
 from .matcher import Grammar, GrammarMatcher
 from .report import GrammarReport, KeywordStatus
 from .spec import GrammarSpec
 
 __all__ = [
     "BackendUnavailableError",
+    "GenerationBounds",
     "Grammar",
     "GrammarCompileError",
     "GrammarCompileTimeout",

@@ -37,6 +37,8 @@ class TokenizerData:
     digit_start_words: np.ndarray  # uint32 [ceil(vocab_size/32)]: token starts with a digit
     digit_only: np.ndarray  # bool [vocab_size]: token is all digits
     digit_tail: np.ndarray  # int32 [vocab_size]: digits at the end of the token
+    finish_rank: np.ndarray  # int32 token ids, preferred first by completions (budget.py)
+    opener_words: np.ndarray  # uint32 [ceil(vocab_size/32)]: token holds `{`, `[` or `,`
 
 
 def digit_tables(token_bytes: tuple[bytes, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

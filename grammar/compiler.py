@@ -16,9 +16,10 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 from .backend import BackendGrammar, GrammarBackend, TokenizerData, digit_tables
+from .budget import finish_tables
 from .cache import DiskCache, GrammarCache
 from .errors import GrammarCompileError, GrammarCompileTimeout, GrammarError, GrammarSpecError
-from .limits import RunLimits, SchemaLimits
+from .limits import GenerationBounds, RunLimits, SchemaLimits
 from .matcher import Grammar
 from .pipeline import Runner, build, compile_spec, report_of, run_inline, with_runner
 from .spec import GrammarSpec
@@ -35,6 +36,10 @@ class GrammarCompiler:
     hf_tokenizer: a fast HF tokenizer. vocab_size: logits width when padded (ids at or above
     the tokenizer's vocabulary are always masked). backend: "auto" (llguidance, then
     xgrammar), or one backend name to use only that one. timeout_s: default time budget.
+    bounds: caps for JSON schemas that leave strings, arrays or objects unbounded, so that
+    generation always ends (`GenerationBounds`; reported as "bounded"). None (default)
+    compiles each schema's exact language, as validators and MaskBench need; an inference
+    engine passes `GenerationBounds()`.
     """
 
     def __init__(
@@ -49,6 +54,7 @@ class GrammarCompiler:
         disk_cache_dir: str | None = None,
         schema_limits: SchemaLimits | None = None,
         run_limits: RunLimits | None = None,
+        bounds: GenerationBounds | None = None,
     ) -> None:
         if backend != "auto" and backend not in BACKENDS:
             raise GrammarSpecError(f"backend must be 'auto' or one of {BACKENDS}, got {backend!r}")
@@ -59,6 +65,7 @@ class GrammarCompiler:
         self.timeout_s = timeout_s
         self.schema_limits = schema_limits or SchemaLimits()
         self.run_limits = run_limits or RunLimits()
+        self.bounds = bounds
         self.cache = GrammarCache(cache_bytes)
         self.disk_cache = DiskCache(disk_cache_dir) if disk_cache_dir else None
         self._backends: dict[str, GrammarBackend] = {}
@@ -148,7 +155,13 @@ class GrammarCompiler:
             backend_grammar = build(routed, with_runner(self._backend, runner), self.run_limits)
         else:
             routed, backend_grammar = compile_spec(
-                spec, self.order, self._backend, self.schema_limits, self.run_limits, runner
+                spec,
+                self.order,
+                self._backend,
+                self.schema_limits,
+                self.run_limits,
+                runner,
+                self._bounds_for(spec),
             )
             if self.disk_cache:
                 self.disk_cache.put(key, routed)
@@ -163,6 +176,11 @@ class GrammarCompiler:
             compile_seconds=time.perf_counter() - start,
         )
 
+    def _bounds_for(self, spec: GrammarSpec) -> GenerationBounds | None:
+        """The spec's own bounds (GrammarSpec.with_bounds), else the compiler's."""
+        text = spec.option_dict.get("bounds")
+        return self.bounds if text is None else GenerationBounds.from_option(text)
+
     def _backend(self, name: str) -> GrammarBackend:
         with self._backend_lock:
             if name not in self._backends:
@@ -171,7 +189,7 @@ class GrammarCompiler:
 
     def _key(self, spec: GrammarSpec) -> str:
         h = hashlib.sha256(spec.cache_key().encode())
-        h.update(f"{self.tok.fingerprint}|{self.order}|{self.run_limits}".encode())
+        h.update(f"{self.tok.fingerprint}|{self.order}|{self.run_limits}|{self.bounds}".encode())
         return h.hexdigest()
 
 
@@ -223,6 +241,8 @@ def _tokenizer_data(hf: Any, vocab_size: int | None, stop_ids: list[int] | None)
     digest = hashlib.sha256(b"\0".join(token_bytes[:n]))
     digest.update(f"{width}|{sorted(stop_ids)}".encode())
     starts, only, tail = digit_tables(token_bytes)
+    rank, openers = finish_tables(token_bytes, tuple(stop_ids))
+    fingerprint = digest.hexdigest()[:16]
     return TokenizerData(
-        hf, width, n, tuple(stop_ids), token_bytes, digest.hexdigest()[:16], starts, only, tail
+        hf, width, n, tuple(stop_ids), token_bytes, fingerprint, starts, only, tail, rank, openers
     )

@@ -4,6 +4,8 @@
 depth, enum sizes), so a hostile or accidental giant schema fails fast with a clear error.
 `RunLimits` bounds whitespace runs and digit runs in generated JSON so that constrained
 output always terminates (a model cannot pad forever with spaces or digits).
+`GenerationBounds` caps the strings, arrays and objects a schema leaves unbounded (see
+bounds.py), so that a small model looping inside one cannot run to max_tokens.
 """
 
 from __future__ import annotations
@@ -94,6 +96,59 @@ class RunLimits:
             raise ValueError(f"RunLimits.max_digit_run must be >= 0, got {self.max_digit_run}")
         if self.max_whitespace < 0:
             raise ValueError(f"RunLimits.max_whitespace must be >= 0, got {self.max_whitespace}")
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationBounds:
+    """Caps added to a JSON schema's grammar where the schema sets none (bounds.py).
+
+    The bounded grammar is stricter than the schema: every output it allows is valid for
+    the schema, and for a schema without recursion every output has a finite maximum
+    length. Each cap is listed in the grammar's report with status "bounded". A schema that
+    needs more sets its own `maxLength` / `maxItems` (Pydantic: `Field(max_length=...)`),
+    which always wins.
+
+    max_string_length: characters in a string without maxLength, enum, const or a
+    fixed-length format (also the longest key of an object whose keys are not declared).
+    max_items: items of an array without maxItems; entries of an object whose keys are not
+    declared (a map) without maxProperties.
+    max_any_depth: how deep values the schema leaves unconstrained (`{}`, a map's values,
+    an array without `items`) may nest containers.
+    close_objects: objects that declare `properties` and do not mention
+    `additionalProperties` get no undeclared keys (as xgrammar's and OpenAI's strict modes
+    do); without it such objects stay open, and unbounded.
+
+    `GrammarCompiler` applies no bounds unless given some (its language is then exactly the
+    schema's, as the MaskBench protocol requires); the engine's StructuredOutputManager
+    applies `GenerationBounds()` to every request. One request can choose its own with
+    `GrammarSpec.with_bounds(...)` (None: the schema's exact language).
+    """
+
+    max_string_length: int = 512
+    max_items: int = 64
+    max_any_depth: int = 3
+    close_objects: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("max_string_length", "max_items", "max_any_depth"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"GenerationBounds.{name} must be an int >= 1, got {value!r}")
+
+    def to_option(self) -> str:
+        """The compact text a `GrammarSpec` option carries (see GrammarSpec.with_bounds)."""
+        return (
+            f"{self.max_string_length},{self.max_items},{self.max_any_depth},"
+            f"{int(self.close_objects)}"
+        )
+
+    @classmethod
+    def from_option(cls, text: str) -> GenerationBounds | None:
+        """Inverse of `to_option`; "off" is None (no bounds)."""
+        if text == "off":
+            return None
+        length, items, depth, close = (int(x) for x in text.split(","))
+        return cls(length, items, depth, bool(close))
 
 
 def schema_text(schema: Any) -> str:

@@ -1,10 +1,11 @@
 """`Grammar` (compiled, shared, immutable) and `GrammarMatcher` (one per request).
 
 The matcher wraps a backend matcher and adds what the engine relies on regardless of
-backend: token bookkeeping for rollback, masking of padded ids, and the EOS gate. When the
-grammar's report has post-checked keywords (or the backend is approximate), a stop token is
-allowed only if the text so far passes `validate_final`: the model can never end on an
-output the token grammar let through but the schema rejects.
+backend: token bookkeeping for rollback, masking of padded ids, the EOS gate, and steering
+to a valid end when a token budget runs out (budget.py). When the grammar's report has
+post-checked keywords (or the backend is approximate), a stop token is allowed only if
+the text so far passes `validate_final`: the model can never end on an output the token
+grammar let through but the schema rejects.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .backend import BackendGrammar, BackendMatcher, TokenizerData
+from .budget import STEER_WINDOW, BudgetSteer
 from .errors import MatcherStateError
 from .report import GrammarReport
 from .spec import GrammarSpec
@@ -60,6 +62,7 @@ class GrammarMatcher:
         self._gate_cache: tuple[int, bool] | None = None  # (num_tokens, text passes)
         self._checked: np.ndarray | None = None  # last bitmask whose layout was checked
         self._digit_run = 0  # consecutive digits at the end of the accepted text
+        self._steer: BudgetSteer | None = None  # made on the first fill with a budget
 
     @property
     def num_tokens(self) -> int:
@@ -69,9 +72,25 @@ class GrammarMatcher:
     def token_ids(self) -> list[int]:
         return list(self._token_ids)
 
-    def fill_bitmask(self, bitmask: np.ndarray, row: int = 0) -> None:
+    @property
+    def last_token_id(self) -> int | None:
+        return self._token_ids[-1] if self._token_ids else None
+
+    @property
+    def num_steered(self) -> int:
+        """Mask rows narrowed so the output ends within its token budget (fill_bitmask's
+        tokens_left): nonzero means the output was closed early, not by the model."""
+        return self._steer.num_steered if self._steer is not None else 0
+
+    def fill_bitmask(
+        self, bitmask: np.ndarray, row: int = 0, *, tokens_left: int | None = None
+    ) -> None:
         """Write the allowed tokens into `bitmask[row]`; does not change the state.
 
+        tokens_left: how many more tokens the output may have (the stop token included),
+        e.g. max_tokens minus the tokens generated. Near that budget's end the row steers
+        the output to a valid end instead of letting it be cut (budget.py); each steered
+        row counts in `num_steered`. None: no budget.
         Raises ValueError when the bitmask is not int32 `[rows, >= ceil(vocab/32)]`.
         """
         if bitmask is not self._checked:
@@ -87,6 +106,10 @@ class GrammarMatcher:
             words = bitmask[row].view(np.uint32)
             for stop in self._stop_ids:
                 words[stop >> 5] &= np.uint32(~(1 << (stop & 31)) & 0xFFFFFFFF)
+        if tokens_left is not None and tokens_left <= STEER_WINDOW:
+            if self._steer is None:
+                self._steer = BudgetSteer(bitmask.shape[1])
+            self._steer.steer_row(self, bitmask, row, tokens_left)
 
     def fill_draft_bitmasks(self, draft_ids: list[int], bitmask: np.ndarray, row: int) -> int:
         """Rows for speculative decoding: `row` for the next token, `row + i + 1` for the
@@ -151,6 +174,8 @@ class GrammarMatcher:
         if num_tokens:
             self._m.rollback(num_tokens)
             self._gate_cache = None
+            if self._steer is not None:
+                self._steer.forget()
             del self._token_ids[len(self._token_ids) - num_tokens :]
             self._digit_run = 0
             for t in self._token_ids[-64:]:  # enough history unless runs exceed 64 tokens
@@ -162,6 +187,7 @@ class GrammarMatcher:
 
     def reset(self) -> None:
         self._m.reset()
+        self._steer = None
         self._token_ids.clear()
         self._gate_cache = None
         self._digit_run = 0

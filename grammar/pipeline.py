@@ -1,7 +1,8 @@
 """Spec -> (routing decision, backend grammar). Pure compilation, no caching, no threads.
 
-For JSON schemas: limits check -> normalize -> for each backend in preference order,
-relax to what it enforces and try it; the first that compiles wins. Other kinds map to a
+For JSON schemas: limits check -> normalize -> (generation bounds, when asked for) -> for
+each backend in preference order, relax to what it enforces and try it; the first that
+compiles wins. Other kinds map to a
 regex or grammar text and go to the first backend that reads it.
 """
 
@@ -13,9 +14,10 @@ from collections.abc import Callable
 from typing import Any
 
 from .backend import BackendGrammar, GrammarBackend
+from .bounds import bound_schema
 from .cache import RoutedSource
 from .errors import BackendUnavailableError, GrammarCompileError, GrammarCompileTimeout
-from .limits import RunLimits, SchemaLimits
+from .limits import GenerationBounds, RunLimits, SchemaLimits
 from .normalize import normalize_schema
 from .report import GrammarReport, KeywordStatus, ReportBuilder
 from .router import keys_to_drop, relax_for
@@ -39,17 +41,20 @@ def compile_spec(
     limits: SchemaLimits,
     runs: RunLimits,
     runner: Runner = run_inline,
+    bounds: GenerationBounds | None = None,
 ) -> tuple[RoutedSource, BackendGrammar]:
     get_backend = with_runner(get_backend, runner)
     if spec.kind == "json_schema":
-        return _compile_json(spec.json_value(), spec.text, order, get_backend, limits, runs)
+        value = spec.json_value()
+        return _compile_json(value, spec.text, order, get_backend, limits, runs, bounds)
     if spec.kind == "tools":
         opts = spec.option_dict
         schema = tool_calls_schema(
             spec.json_value(), opts["tool_choice"], parallel=opts["parallel"] == "1"
         )
         if opts["tool_choice"] != "auto":
-            return _compile_json(schema, json.dumps(schema), order, get_backend, limits, runs)
+            text = json.dumps(schema)
+            return _compile_json(schema, text, order, get_backend, limits, runs, bounds)
         # Text-or-call needs llguidance's %json embedding inside a Lark grammar.
         source = RoutedSource("llguidance", "lark", tool_calls_lark(schema), [], True)
         return source, build(source, get_backend, runs)
@@ -143,34 +148,60 @@ def _compile_json(
     get_backend: GetBackend,
     limits: SchemaLimits,
     runs: RunLimits,
+    bounds: GenerationBounds | None,
 ) -> tuple[RoutedSource, BackendGrammar]:
     limits.check(schema, text)
     base = ReportBuilder()
     normalized = normalize_schema(schema, base)
     errors: list[str] = []
+    candidates = [(normalized.schema, base)]
+    if bounds is not None:
+        bounded = base.copy()
+        target = bound_schema(normalized.schema, bounds, bounded)
+        # A cap the schema cannot meet (a pattern longer than max_string_length) makes the
+        # bounded schema fail: then this backend compiles it as written, and says so.
+        base.add("bounds", "annotation", "#", "not applied: the bounded schema did not compile")
+        candidates.insert(0, (target, bounded))
     for name in order:
-        drop: frozenset[str] = frozenset()
-        for _attempt in range(5):
-            report = base.copy()
-            relaxed = relax_for(name, normalized.schema, report, drop)
-            # xgrammar and outlines approximate some keywords they claim: always check.
-            gate = bool(report.build(name).post_checked) or name != "llguidance"
-            entries = [list(dataclasses.astuple(e)) for e in report.build(name).entries]
-            source = RoutedSource(name, "json", json.dumps(relaxed), entries, gate)
-            try:
-                return source, build(source, get_backend, runs)
-            except BackendUnavailableError as exc:
-                errors.append(exc.detail)
-                break
-            except GrammarCompileTimeout:
-                raise
-            except GrammarCompileError as exc:
-                more = keys_to_drop(exc.detail, drop)
-                if not more:
-                    errors.append(exc.detail)
-                    break
-                drop |= more  # retry without the constructs the backend named
+        for target, report in candidates:
+            found = _route(target, name, get_backend, runs, report, errors)
+            if found is not None:
+                return found
     raise GrammarCompileError(_explain(schema, errors), reason="invalid_schema")
+
+
+def _route(
+    schema: Any,
+    name: str,
+    get_backend: GetBackend,
+    runs: RunLimits,
+    base: ReportBuilder,
+    errors: list[str],
+) -> tuple[RoutedSource, BackendGrammar] | None:
+    """Backend `name`'s grammar for `schema` relaxed for it; None if it cannot compile it
+    (the error is appended to `errors`)."""
+    drop: frozenset[str] = frozenset()
+    for _attempt in range(5):
+        report = base.copy()
+        relaxed = relax_for(name, schema, report, drop)
+        # xgrammar and outlines approximate some keywords they claim: always check.
+        gate = bool(report.build(name).post_checked) or name != "llguidance"
+        entries = [list(dataclasses.astuple(e)) for e in report.build(name).entries]
+        source = RoutedSource(name, "json", json.dumps(relaxed), entries, gate)
+        try:
+            return source, build(source, get_backend, runs)
+        except BackendUnavailableError as exc:
+            errors.append(exc.detail)
+            return None
+        except GrammarCompileTimeout:
+            raise
+        except GrammarCompileError as exc:
+            more = keys_to_drop(exc.detail, drop)
+            if not more:
+                errors.append(exc.detail)
+                return None
+            drop |= more  # retry without the constructs the backend named
+    return None
 
 
 def _explain(schema: Any, errors: list[str]) -> str:

@@ -4,8 +4,11 @@ status:
   "enforced"     - the token grammar allows only outputs that satisfy the keyword;
   "post_checked" - the token grammar is looser (a superset); the keyword is checked on the
                    finished output (`validate_final`, and before EOS is allowed);
-  "annotation"   - has no effect on validity (title, description, unknown `format`, ...).
-Nothing is removed from a schema without an entry here.
+  "annotation"   - has no effect on validity (title, description, unknown `format`, ...);
+  "bounded"      - a cap the schema does not set, added so generation ends (GenerationBounds,
+                   bounds.py): the grammar is stricter than the schema there. The cap's
+                   keyword also counts as "enforced", since the grammar enforces it.
+Nothing is removed from (or added to) a schema without an entry here.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-STATUSES = ("enforced", "post_checked", "annotation")
+STATUSES = ("enforced", "post_checked", "annotation", "bounded")
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +76,10 @@ class GrammarReport:
     @property
     def annotations(self) -> set[str]:
         return self.keywords("annotation")
+
+    @property
+    def bounded(self) -> set[str]:
+        return self.keywords("bounded")
 
     @property
     def exact(self) -> bool:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .errors import GrammarSpecError
+from .limits import GenerationBounds
 from .tools import tool_call_spec_text
 
 KINDS = ("json_schema", "regex", "choice", "ebnf", "tools", "text")
@@ -128,6 +129,20 @@ class GrammarSpec:
     def any_text(cls) -> GrammarSpec:
         """Any text at all (no constraint); useful as the neutral element."""
         return cls("text", "")
+
+    def with_bounds(self, bounds: GenerationBounds | None) -> GrammarSpec:
+        """This spec with its own generation bounds, used instead of the compiler's (None:
+        the schema's exact language, no bounds). Only JSON-schema and tool-call specs."""
+        if self.kind not in ("json_schema", "tools"):
+            raise GrammarSpecError(f"generation bounds apply to JSON specs, not {self.kind!r}")
+        if bounds is not None and not isinstance(bounds, GenerationBounds):
+            raise GrammarSpecError(
+                f"bounds must be a GenerationBounds or None, got {type(bounds).__name__}"
+            )
+        text = "off" if bounds is None else bounds.to_option()
+        options = dict(self.options)
+        options["bounds"] = text
+        return GrammarSpec(self.kind, self.text, tuple(sorted(options.items())))
 
     # ---- accessors ----------------------------------------------------------------------
 

@@ -1,0 +1,80 @@
+"""Steering to a valid end within a token budget (budget.py, fill_bitmask's tokens_left)."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import numpy as np
+
+from agentrt.grammar import GrammarSpec, allocate_bitmask, allowed_token_ids
+from agentrt.grammar.budget import FORCE_SLACK, completion
+
+from .helpers import SYNTH_VOCAB
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"s": {"type": "string"}, "n": {"type": "array", "items": {"type": "integer"}},
+                   "t": {"type": "string", "pattern": "^[a-c]+/[0-9]+$"}},
+    "required": ["s", "n", "t"],
+}  # fmt: skip
+
+
+def looping_model(synth_tok, matcher, budget: int) -> tuple[str, bool]:
+    """A model that never wants to stop: it writes `a` (or `1`, or `,`) whenever it may.
+    Returns (output, ended with a stop token within the budget)."""
+    prefs = [synth_tok.convert_tokens_to_ids(t) for t in ("a", "1", ",")]
+    bitmask = allocate_bitmask(1, SYNTH_VOCAB)
+    for used in range(budget):
+        matcher.fill_bitmask(bitmask, 0, tokens_left=budget - used)
+        allowed = allowed_token_ids(bitmask, 0, SYNTH_VOCAB)
+        token = next((t for t in prefs if t in allowed), allowed[0])
+        assert matcher.accept_token(token)
+        if token == 0:
+            return matcher.text(), True
+    return matcher.text(), False
+
+
+def test_a_looping_model_still_ends_valid_within_the_budget(synth_compiler, synth_tok) -> None:
+    spec = GrammarSpec.from_json_schema(SCHEMA)
+    for budget in (40, 90, 150):
+        matcher = synth_compiler.compile(spec).matcher()
+        text, ended = looping_model(synth_tok, matcher, budget)
+        assert ended, text
+        jsonschema.validate(json.loads(text), SCHEMA)
+        assert matcher.num_steered > 0
+        assert matcher.num_tokens <= budget  # the stop token included
+
+
+def test_without_a_budget_nothing_is_steered(auto_compiler, synth_tok) -> None:
+    matcher = auto_compiler.compile(GrammarSpec.from_json_schema(SCHEMA)).matcher()
+    prefix = synth_tok.encode('{"s": "aaa', add_special_tokens=False)
+    assert matcher.accept_tokens(prefix) == len(prefix)
+    plain, budgeted = allocate_bitmask(1, SYNTH_VOCAB), allocate_bitmask(1, SYNTH_VOCAB)
+    matcher.fill_bitmask(plain, 0)
+    matcher.fill_bitmask(budgeted, 0, tokens_left=1000)  # far from the end: same row
+    assert np.array_equal(plain, budgeted) and matcher.num_steered == 0
+    path = completion(matcher, 100, allocate_bitmask(1, SYNTH_VOCAB))
+    assert synth_tok.decode(path) == '", "n": [], "t": "a/0"}<eos>'
+    assert matcher.num_tokens == len(prefix)  # the search left the state as it was
+    matcher.fill_bitmask(budgeted, 0, tokens_left=len(path) + FORCE_SLACK)
+    assert allowed_token_ids(budgeted, 0, SYNTH_VOCAB) == [path[0]] and matcher.num_steered == 1
+    matcher.fill_bitmask(budgeted, 0)
+    assert np.array_equal(plain, budgeted)
+
+
+def test_tokens_that_open_something_are_refused_before_the_end(auto_compiler, synth_tok) -> None:
+    matcher = auto_compiler.compile(GrammarSpec.from_json_schema(SCHEMA)).matcher()
+    matcher.accept_tokens(synth_tok.encode('{"s": "a b', add_special_tokens=False))
+    bitmask = allocate_bitmask(1, SYNTH_VOCAB)
+    matcher.fill_bitmask(bitmask, 0, tokens_left=30)  # completion ~17 tokens: no forcing yet
+    allowed = {synth_tok.decode([t]) for t in allowed_token_ids(bitmask, 0, SYNTH_VOCAB)}
+    assert {"a", '"', " "} <= allowed and not {",", "[", "{"} & allowed
+
+
+def test_free_text_is_never_steered(auto_compiler) -> None:
+    matcher = auto_compiler.compile(GrammarSpec.any_text()).matcher()
+    plain, budgeted = allocate_bitmask(1, SYNTH_VOCAB), allocate_bitmask(1, SYNTH_VOCAB)
+    matcher.fill_bitmask(plain, 0)
+    matcher.fill_bitmask(budgeted, 0, tokens_left=1)
+    assert np.array_equal(plain, budgeted) and matcher.num_steered == 0
