@@ -13,6 +13,7 @@ from agentrt.engine.errors import InvalidRequestError
 from agentrt.engine.request import Request
 from agentrt.engine.sampling_params import StructuredOutputsParams
 from agentrt.grammar import (
+    GenerationBounds,
     GrammarCompiler,
     GrammarError,
     GrammarMatcher,
@@ -20,6 +21,8 @@ from agentrt.grammar import (
     GrammarSpecError,
     allocate_bitmask,
 )
+
+DEFAULT_BOUNDS = GenerationBounds()
 
 
 def to_grammar_spec(params: StructuredOutputsParams) -> GrammarSpec:
@@ -73,11 +76,30 @@ class StructuredRequest:
 
 
 class StructuredOutputManager:
-    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int], timeout_s: float):
+    """Owns the grammar compiler and every request's matcher.
+
+    A constrained output ends valid rather than cut by max_tokens: `bounds` caps what a
+    schema leaves unbounded (`GenerationBounds`, listed in each grammar's report as
+    "bounded"; None generates each schema's exact language), and with `steer_to_budget`
+    the last tokens of the budget are steered to close what is open (matcher.fill_bitmask
+    with tokens_left; the matcher's `num_steered` counts the steered steps).
+    """
+
+    def __init__(
+        self,
+        tokenizer,
+        vocab_size: int,
+        stop_token_ids: list[int],
+        timeout_s: float,
+        bounds: GenerationBounds | None = DEFAULT_BOUNDS,
+        steer_to_budget: bool = True,
+    ):
         self._tokenizer = tokenizer
         self.vocab_size = vocab_size
         self._stop_token_ids = stop_token_ids
         self._timeout_s = timeout_s
+        self.bounds = bounds
+        self.steer_to_budget = steer_to_budget
         self._compiler: GrammarCompiler | None = None
 
     @property
@@ -89,6 +111,7 @@ class StructuredOutputManager:
                 vocab_size=self.vocab_size,
                 stop_token_ids=self._stop_token_ids,
                 timeout_s=self._timeout_s,
+                bounds=self.bounds,
             )
         return self._compiler
 
@@ -109,9 +132,19 @@ class StructuredOutputManager:
         mask = allocate_bitmask(len(requests), self.vocab_size)
         live, dead = [], set()
         for row in rows:
-            requests[row].structured.matcher.fill_bitmask(mask, row)
+            left = _tokens_left(requests[row]) if self.steer_to_budget else None
+            requests[row].structured.matcher.fill_bitmask(mask, row, tokens_left=left)
             if mask[row].any():
                 live.append(row)
             else:  # left unmasked: an all -inf row must not reach the sampler
                 dead.add(requests[row].req_id)
         return torch.from_numpy(mask), torch.tensor(live, dtype=torch.int64), dead
+
+
+def _tokens_left(request: Request) -> int | None:
+    """Tokens the output may still have, the stop token included; None when a stop token
+    could not end it now (ignore_eos, or min_tokens not reached)."""
+    params = request.sampling_params
+    if params.ignore_eos or request.num_output_tokens < params.min_tokens:
+        return None
+    return request.max_tokens - request.num_output_tokens
