@@ -34,7 +34,7 @@ STEER_WINDOW = 256
 FORCE_SLACK = 4
 # Refuse opening tokens once the tokens left are at most twice its length plus this.
 OPEN_SLACK = 16
-# Far from both, search again only after this many tokens (or once that close).
+# Searches are at least this many tokens apart until openers are refused.
 RECHECK_STEPS = 8
 _CLOSERS = frozenset(b'"]}')
 _OPENERS = frozenset(b"{[,")
@@ -77,56 +77,70 @@ def completion(matcher: GrammarMatcher, limit: int, scratch: np.ndarray) -> list
     `scratch` is a one-row bitmask to work in."""
     tok = matcher.grammar.tok
     path: list[int] = []
+    previous: list[int] = []  # the candidates of the step before
+    last_use: dict[int, int] = {}  # since the candidates last changed
     try:
         while len(path) < limit:
             if matcher.can_terminate():
                 return [*path, tok.stop_token_ids[0]]
             matcher.fill_bitmask(scratch, 0)
-            candidates = _first_allowed(tok.finish_rank, scratch[0].view(np.uint32))
-            if not candidates.size:
+            candidates = _allowed_in_rank(tok.finish_rank, scratch[0].view(np.uint32))
+            if not candidates:
                 return None
-            pick = int(candidates[0])
-            if not set(tok.token_bytes[pick]) <= _CLOSERS:
-                # Not closing anything yet (e.g. inside a pattern): avoid going round in
-                # circles on one token, so `[a-z.-]+/` reaches its `/`.
-                pick = next((int(c) for c in candidates[:8] if int(c) not in path[-2:]), pick)
+            pick = candidates[0]
+            if candidates != previous:
+                last_use.clear()
+            elif not set(tok.token_bytes[pick]) <= _CLOSERS:
+                # The same choices again and nothing to close (a `[a-z0-9.]+` run, say):
+                # the least recently used one, so the run reaches the `@` that ends it.
+                pick = min(candidates, key=lambda t: last_use.get(t, -1))
             if not matcher.accept_token(pick):
                 return None
+            last_use[pick] = len(path)
+            previous = candidates
             path.append(pick)
         return None
     finally:
         matcher.rollback(len(path))
 
 
-def _first_allowed(rank: np.ndarray, words: np.ndarray, want: int = 8) -> np.ndarray:
-    """Up to `want` allowed ids, in `rank` order. Reads the rank in growing slices: the
-    closers and the shortest tokens come first, so the whole vocabulary is rarely read."""
-    start, size = 0, 64
-    while start < rank.size:
-        ids = rank[start : start + size]
-        allowed = (words[ids >> 5] >> (ids & 31).astype(np.uint32)) & 1
-        found = ids[allowed.astype(bool)]
+def _allowed_in_rank(rank: np.ndarray, words: np.ndarray) -> list[int]:
+    """Allowed ids in `rank` order: those among the first ~1,000 ranked (the closers and the
+    shortest tokens), or else the first allowed one further down; the whole vocabulary is
+    rarely read."""
+    for start, stop in ((0, 1088), (1088, rank.size)):
+        ids = rank[start:stop]
+        found = ids[((words[ids >> 5] >> (ids & 31).astype(np.uint32)) & 1).astype(bool)]
         if found.size:
-            return found[:want]
-        start, size = start + size, size * 16
-    return rank[:0]
+            return found[: 64 if start == 0 else 1].tolist()
+    return []
 
 
 class BudgetSteer:
     """One matcher's steering state: a scratch bitmask row, the last completion found (a
     greedy completion is a function of the state, so after its first token is accepted the
-    rest is still the completion) and how many rows were narrowed."""
+    rest is still the completion), whether opening tokens are being refused, when to search
+    next, and how many rows were narrowed.
+
+    Searches are spaced out: far from the end, after half the distance to where openers
+    are refused (at least RECHECK_STEPS tokens); while refusing openers (the completion then
+    grows by a token or two per step at most), after a third of the distance to where the
+    completion must be forced; once forcing, every step, which costs nothing since the
+    model follows the completion.
+    """
 
     def __init__(self, words: int) -> None:
         self.scratch = np.zeros((1, words), dtype=np.int32)
         self.num_steered = 0
         self._cached: tuple[int, list[int] | None] | None = None  # (num_tokens, completion)
-        self._quiet_above = STEER_WINDOW  # no search while more tokens than this are left
+        self._search_at = STEER_WINDOW  # search when at most this many tokens are left
+        self._refusing = False  # opening tokens are refused until the next search
 
     def forget(self) -> None:
         """The state moved other than by accepting one token (rollback, reset)."""
         self._cached = None
-        self._quiet_above = STEER_WINDOW
+        self._search_at = STEER_WINDOW
+        self._refusing = False
 
     def completion(self, matcher: GrammarMatcher, limit: int) -> list[int] | None:
         n = matcher.num_tokens
@@ -146,25 +160,35 @@ class BudgetSteer:
     ) -> None:
         """Narrow `bitmask[row]` (already filled) so the output can end within
         `tokens_left` tokens, the stop token included."""
-        if tokens_left > min(STEER_WINDOW, self._quiet_above):
+        if tokens_left > min(STEER_WINDOW, self._search_at):
+            if self._refusing:
+                self._refuse_openers(matcher, bitmask, row)
             return
         path = self.completion(matcher, tokens_left)
-        # Until the next search: RECHECK_STEPS tokens, or less if that would come close to
-        # the zone where opening tokens are refused.
-        near = 2 * len(path) + OPEN_SLACK + RECHECK_STEPS if path else 0
-        self._quiet_above = max(near, tokens_left - RECHECK_STEPS)
-        if path is None:
-            return  # nothing fits (or a dead end): leave the model's choice alone
-        if len(path) == 1:
-            return  # the output may end here: nothing to close (free text stays free)
-        words = bitmask[row].view(np.uint32)
+        self._refusing = False
+        self._search_at = tokens_left - RECHECK_STEPS
+        if path is None or len(path) == 1:
+            # Nothing fits (or a dead end): leave the model's choice alone. Or the output
+            # may end here: nothing to close (and free text stays free).
+            return
         if len(path) + FORCE_SLACK >= tokens_left:
+            words = bitmask[row].view(np.uint32)
             words[:] = 0
             words[path[0] >> 5] = np.uint32(1 << (path[0] & 31))
             self.num_steered += 1
+            self._search_at = tokens_left - 1
         elif 2 * len(path) + OPEN_SLACK >= tokens_left:
-            openers = matcher.grammar.tok.opener_words
-            narrowed = words[: openers.size] & ~openers
-            if narrowed.any():
-                words[: openers.size] = narrowed
-                self.num_steered += 1
+            self._refusing = True
+            self._search_at = tokens_left - max(1, (tokens_left - len(path) - FORCE_SLACK) // 3)
+            self._refuse_openers(matcher, bitmask, row)
+        else:  # halve the distance to where openers are refused, at least RECHECK_STEPS
+            zone = 2 * len(path) + OPEN_SLACK
+            self._search_at = max(zone, tokens_left - max(RECHECK_STEPS, (tokens_left - zone) // 2))
+
+    def _refuse_openers(self, matcher: GrammarMatcher, bitmask: np.ndarray, row: int) -> None:
+        openers = matcher.grammar.tok.opener_words
+        words = bitmask[row].view(np.uint32)
+        narrowed = words[: openers.size] & ~openers
+        if narrowed.any():
+            words[: openers.size] = narrowed
+            self.num_steered += 1
