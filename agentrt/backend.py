@@ -45,13 +45,15 @@ class Usage:
 @dataclass(slots=True)
 class Completion:
     """A finished reply: text, why it ended ("stop", "length", "error", "abort"), usage, and
-    the engine's problems with it (`error`; `structured_errors` from post-validation)."""
+    the engine's problems with it (`error`; `structured_errors` from post-validation), and
+    how many final tokens the grammar steered to close it before max_tokens."""
 
     text: str
     finish_reason: str | None
     usage: Usage
     error: str | None = None
     structured_errors: list[str] | None = None
+    num_steered_tokens: int = 0
 
 
 class Backend(Protocol):
@@ -113,4 +115,5 @@ def to_completion(output: RequestOutput) -> Completion:
         usage,
         output.error,
         completion.structured_errors,
+        completion.num_steered_tokens,
     )

@@ -5,6 +5,7 @@ N only computes what turn N-1 added."""
 from __future__ import annotations
 
 import copy
+import logging
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass
@@ -22,16 +23,21 @@ from agentrt.errors import (
 from agentrt.formats import OutputFormat, resolve_format
 from agentrt.partial import completed_members
 
+logger = logging.getLogger("agentrt")
+
 
 @dataclass(slots=True)
 class Result:
     """One finished turn: the parsed `value`, the raw `text`, why it ended, and its usage
-    (with retries, the usage of every attempt)."""
+    (with retries, the usage of every attempt). `num_steered_tokens > 0`: the reply was
+    about to hit max_tokens and the grammar closed it early — valid, but possibly cut short
+    (a string or list ended early); raise max_tokens for the full answer."""
 
     value: Any
     text: str
     finish_reason: str | None
     usage: Usage
+    num_steered_tokens: int = 0
 
 
 class Session:
@@ -136,7 +142,15 @@ class Session:
     def _commit(self, prompt: str, completion: Completion, value: Any, usage: Usage) -> None:
         self.messages.append({"role": "user", "content": prompt})
         self.messages.append({"role": "assistant", "content": completion.text})
-        self.last = Result(value, completion.text, completion.finish_reason, usage)
+        self.last = Result(
+            value, completion.text, completion.finish_reason, usage, completion.num_steered_tokens
+        )
+        if completion.num_steered_tokens:
+            logger.warning(
+                "the reply reached max_tokens; its last %d tokens were steered to close it "
+                "validly, so it may be cut short (raise max_tokens for the full answer).",
+                completion.num_steered_tokens,
+            )
         self.usage = self.usage + usage
 
 

@@ -31,6 +31,9 @@ class CompletionOutput:
     cumulative_logprob: float | None = None
     # Structured outputs: problems with the finished text (empty = valid; None = no grammar).
     structured_errors: list[str] | None = None
+    # Structured outputs: how many final tokens the grammar steered to close the output
+    # before max_tokens. Nonzero means valid but cut short (e.g. a string or list ended early).
+    num_steered_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -164,6 +167,7 @@ class OutputProcessor:
                 completion.finish_reason = finish_reason
                 completion.stop_reason = stop_reason
                 completion.structured_errors = core.structured_errors
+                completion.num_steered_tokens = core.num_steered_tokens
                 out.error = core.error
                 out.finished = True
                 out.metrics.finished_time = time.monotonic()

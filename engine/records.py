@@ -69,6 +69,9 @@ class EngineCoreOutput:
     num_cached_tokens: int = 0
     # Structured outputs: what the finished output violates (empty list = valid).
     structured_errors: list[str] | None = None
+    # Structured outputs: tokens the grammar steered to close the output before max_tokens
+    # (the content was cut short to stay valid; 0 = the model ended on its own).
+    num_steered_tokens: int = 0
     error: str | None = None  # why a request finished with "error"
 
     @property

@@ -233,12 +233,13 @@ class Scheduler:
                 outputs.append(self._fail_grammar_dead_end(request))
                 continue
             request.append_output_token(token.token_id)
-            structured_errors = None
+            structured_errors, num_steered = None, 0
             if request.check_stop(self.max_model_len):
                 self.running.remove(request)
                 self._free(request)
                 if request.structured is not None:
                     structured_errors = request.structured.matcher.validate_final()
+                    num_steered = request.structured.matcher.num_steered
             outputs.append(
                 EngineCoreOutput(
                     req_id=request.req_id,
@@ -248,6 +249,7 @@ class Scheduler:
                     stop_reason=request.stop_reason,
                     num_cached_tokens=request.num_cached_tokens,
                     structured_errors=structured_errors,
+                    num_steered_tokens=num_steered,
                 )
             )
         return outputs

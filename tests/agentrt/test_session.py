@@ -237,3 +237,18 @@ async def test_leaving_a_stream_early_aborts_the_request(rt):
             await anyio.sleep(0.01)
     assert (await rt.stats()).kv_cache_usage == baseline.kv_cache_usage
     assert session.history == []
+
+
+async def test_a_reply_closed_early_by_the_budget_says_so(rt, caplog):
+    class Story(BaseModel):
+        story: str
+
+    session = rt.session()
+    value = await session.generate(
+        "Write a very long story about the sea, as JSON.", Story, max_tokens=40
+    )
+    assert isinstance(value, Story) and value.story
+    assert session.last.finish_reason == "stop" and session.last.num_steered_tokens > 0
+    assert "steered to close it" in caplog.text
+    await session.generate("Is water wet? Answer as JSON with a short story.", Story)
+    assert session.last.num_steered_tokens == 0

@@ -180,3 +180,20 @@ def test_grammar_dead_end_fails_the_request_with_the_reason(smollm2_llm):
     assert "cannot be completed" in outs[0].error
     assert outs[1].outputs[0].finish_reason in ("stop", "length")
     smollm2_llm.kv_manager.check_invariants()
+
+
+def test_steered_finish_is_reported(smollm2_llm):
+    # A long story does not fit in 40 tokens: the last tokens are steered to close the JSON,
+    # and the output says so instead of passing the cut-short text off as a natural end.
+    schema = {"type": "object", "properties": {"story": {"type": "string"}}, "required": ["story"]}
+    story = [{"role": "user", "content": "Write a very long story about the sea, as JSON."}]
+    free = [{"role": "user", "content": "Is water wet? Answer as JSON with a short story."}]
+    steered, natural = smollm2_llm.chat(
+        [story, free], [_params(schema, 0.0, max_tokens=40), _params(schema, 0.0, max_tokens=200)]
+    )
+    completion = steered.outputs[0]
+    assert completion.finish_reason == "stop" and completion.structured_errors == []
+    assert json.loads(completion.text)["story"]
+    assert 0 < completion.num_steered_tokens < len(completion.token_ids)
+    assert natural.outputs[0].finish_reason == "stop"
+    assert natural.outputs[0].num_steered_tokens == 0
