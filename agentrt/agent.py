@@ -19,7 +19,7 @@ import pydantic
 from agentrt.backend import Backend, Usage
 from agentrt.errors import AgentError, SchemaError
 from agentrt.formats import resolve_format, tools_format
-from agentrt.session import _collect, check_completion
+from agentrt.session import check_completion, collect_completion
 from agentrt.tool_calls import ToolCall
 from agentrt.tools import Tool
 
@@ -100,7 +100,7 @@ class Agent:
                 self._tool_choice(first=number == 0),
                 parallel_tool_calls=self.parallel_tool_calls,
             )
-            completion = await _collect(self.backend.stream(messages, fmt, self.sampling))
+            completion = await collect_completion(self.backend.stream(messages, fmt, self.sampling))
             usage = usage + completion.usage
             reply = check_completion(completion, fmt, completion.usage)
             step = Step(completion.text, usage=completion.usage)

@@ -15,6 +15,7 @@ import pydantic
 from agentrt.engine.sampling_params import StructuredOutputsParams
 from agentrt.errors import OutputValidationError, SchemaError
 from agentrt.grammar import GrammarSpec, GrammarSpecError
+from agentrt.grammar.tools import tool_call_spec_text
 from agentrt.tool_calls import ToolCall, hermes_spec, parse_tool_calls
 
 
@@ -131,13 +132,14 @@ class OutputFormat:
             raise OutputValidationError(
                 f"expected tool calls, got {text!r}", text=text, errors=["not a tool call"]
             )
-        known = {t.get("function", t)["name"]: t.get("function", t) for t in self.tools}
+        canonical, _ = tool_call_spec_text(list(self.tools), "auto")  # [{name, parameters}]
+        known = {t["name"]: t for t in canonical}
         errors = []
         for call in calls:
             if call.name not in known:
                 errors.append(f"unknown tool {call.name!r}")
                 continue
-            params = known[call.name].get("parameters") or {"type": "object"}
+            params = known[call.name]["parameters"]
             try:
                 jsonschema.validate(call.arguments, params)
             except jsonschema.ValidationError as exc:

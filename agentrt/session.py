@@ -22,6 +22,7 @@ from agentrt.errors import (
 )
 from agentrt.formats import OutputFormat, resolve_format
 from agentrt.partial import completed_members
+from agentrt.tool_calls import starts_tool_calls
 
 logger = logging.getLogger("agentrt")
 
@@ -89,7 +90,7 @@ class Session:
         turn = [{"role": "user", "content": prompt}]
         usage = Usage()
         for attempt in range(retries + 1):
-            completion = await _collect(
+            completion = await collect_completion(
                 self.backend.stream(self.history + turn, fmt, self._s(sampling))
             )
             usage = usage + completion.usage
@@ -114,6 +115,7 @@ class Session:
         fmt = resolve_format(schema)
         messages = self.history + [{"role": "user", "content": prompt}]
         text, num_members, completion = "", 0, None
+        adapters: dict[str, pydantic.TypeAdapter] = {}  # per field, built once per stream
         # aclosing: a consumer that stops early closes the backend stream, which aborts the
         # request in the engine instead of leaving it to the garbage collector.
         async with aclosing(self.backend.stream(messages, fmt, self._s(sampling))) as items:
@@ -128,7 +130,7 @@ class Session:
                 members = completed_members(text)
                 if members is not None and len(members) > num_members:
                     num_members = len(members)
-                    yield _partial(fmt, members)
+                    yield _partial(fmt, members, adapters)
         if completion is None:
             raise GenerationError("the stream ended without a completion")
         value = check_completion(completion, fmt, completion.usage)
@@ -154,7 +156,7 @@ class Session:
         self.usage = self.usage + usage
 
 
-async def _collect(stream: AsyncIterator[str | Completion]) -> Completion:
+async def collect_completion(stream: AsyncIterator[str | Completion]) -> Completion:
     async with aclosing(stream):
         async for item in stream:
             if isinstance(item, Completion):
@@ -180,9 +182,7 @@ def check_completion(completion: Completion, fmt: OutputFormat, usage: Usage) ->
     if reason == "abort":
         raise GenerationError("the request was aborted")
     # A plain-text answer (tool_choice "auto") may end at max_tokens like any text reply.
-    plain_text = fmt.kind == "text" or (
-        fmt.kind == "tools" and not text.lstrip().startswith(("{", "[", "<tool_call>"))
-    )
+    plain_text = fmt.kind == "text" or (fmt.kind == "tools" and not starts_tool_calls(text))
     if reason == "length" and not plain_text:
         raise TruncatedOutputError(
             f"the output hit max_tokens after {usage.completion_tokens} tokens before the "
@@ -209,9 +209,12 @@ def _retry_message(exc: OutputValidationError) -> str:
     return f"Your reply was invalid: {exc}. Reply again with the corrected output only."
 
 
-def _partial(fmt: OutputFormat, members: dict | list) -> Any:
+def _partial(
+    fmt: OutputFormat, members: dict | list, adapters: dict[str, pydantic.TypeAdapter]
+) -> Any:
     """A partial value: for a Pydantic model, an instance built (unvalidated as a whole)
-    from the completed fields, each validated on its own."""
+    from the completed fields, each validated on its own (`adapters` caches a field's
+    TypeAdapter across the partials of one stream)."""
     model = fmt.python_type
     if not (isinstance(members, dict) and isinstance(model, type)):
         return members
@@ -221,8 +224,10 @@ def _partial(fmt: OutputFormat, members: dict | list) -> Any:
     for name, info in model.model_fields.items():
         key = info.alias or name
         if key in members:
+            if name not in adapters:
+                adapters[name] = pydantic.TypeAdapter(info.annotation)
             try:
-                fields[name] = pydantic.TypeAdapter(info.annotation).validate_python(members[key])
+                fields[name] = adapters[name].validate_python(members[key])
             except pydantic.ValidationError:
                 fields[name] = members[key]
     return model.model_construct(**fields)

@@ -74,6 +74,11 @@ def hermes_spec(tools: list[dict[str, Any]], tool_choice: Any, *, parallel: bool
     return GrammarSpec.from_ebnf("\n".join(lines) + "\n")
 
 
+def starts_tool_calls(text: str) -> bool:
+    """Whether a reply begins like a call payload (either style) rather than plain text."""
+    return text.lstrip().startswith(("{", "[", "<tool_call>"))
+
+
 def parse_tool_calls(text: str) -> list[ToolCall] | None:
     """The calls in a constrained reply (either style), or None when it is plain text."""
     stripped = text.strip()

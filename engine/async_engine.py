@@ -357,8 +357,7 @@ class AsyncEngine:
                 except Exception as exc:
                     future.set_exception(exc)
             elif kind == "stop":
-                unfinished = list(engine.output_processor.states)
-                engine.abort_requests(unfinished)
+                engine.abort_all()
                 return False
 
     # -- event loop side ---------------------------------------------------------------------

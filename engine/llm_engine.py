@@ -123,6 +123,10 @@ class LLMEngine:
         self.engine_core.abort_requests(req_ids)
         return self.output_processor.abort(req_ids)
 
+    def abort_all(self) -> None:
+        """Abort every request the engine still tracks (shutdown)."""
+        self.abort_requests(list(self.output_processor.states))
+
     def has_unfinished_requests(self) -> bool:
         return self.engine_core.has_unfinished_requests()
 

@@ -7,12 +7,12 @@ from typing import Any
 
 import anyio
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from agentrt.engine.errors import InvalidRequestError
 from agentrt.engine.outputs import CompletionOutput, RequestDelta, RequestOutput
 from agentrt.server.errors import bad_request, invalid_request
-from agentrt.server.generation import EventStreamResponse, Generation, structured_failure
+from agentrt.server.generation import Generation, respond, structured_failure
 from agentrt.server.params import ChatConstraint, chat_constraint, choice_params
 from agentrt.server.protocol import ChatCompletionRequest, ChatMessage
 from agentrt.server.responses import chat_logprobs, new_id, now, usage
@@ -52,20 +52,7 @@ async def create_chat_completion(
         priority=request.priority or 0,
     )
     view = _ChatView(state.model_name, constraint, top_n if request.logprobs else None, tool_style)
-    if request.stream:
-        firsts = await generation.first_deltas(raw.receive)
-        failure = structured_failure([d.output for d in firsts if d.output is not None])
-        if failure is not None:
-            raise failure
-        include_usage = bool(request.stream_options and request.stream_options.include_usage)
-        return EventStreamResponse(
-            lambda emit: view.stream(generation, firsts, emit, include_usage), generation.abort
-        )
-    outputs = await generation.collect(raw.receive)
-    failure = structured_failure(outputs)
-    if failure is not None:
-        raise failure
-    return JSONResponse(view.completion(outputs))
+    return await respond(generation, view, request, raw.receive)
 
 
 def chat_prompt(

@@ -7,12 +7,12 @@ from typing import Any
 
 import anyio
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from agentrt.engine.errors import InvalidRequestError
 from agentrt.engine.outputs import RequestDelta, RequestOutput
 from agentrt.server.errors import bad_request, invalid_request
-from agentrt.server.generation import EventStreamResponse, Generation, structured_failure
+from agentrt.server.generation import Generation, respond, structured_failure
 from agentrt.server.params import choice_params, vllm_structured
 from agentrt.server.protocol import CompletionRequest
 from agentrt.server.responses import completion_logprobs, new_id, now, usage
@@ -59,20 +59,7 @@ async def create_completion(
         priority=request.priority or 0,
     )
     view = _CompletionView(state.model_name, n, texts if request.echo else None, request.logprobs)
-    if request.stream:
-        firsts = await generation.first_deltas(raw.receive)
-        failure = structured_failure([d.output for d in firsts if d.output is not None])
-        if failure is not None:
-            raise failure
-        include_usage = bool(request.stream_options and request.stream_options.include_usage)
-        return EventStreamResponse(
-            lambda emit: view.stream(generation, firsts, emit, include_usage), generation.abort
-        )
-    outputs = await generation.collect(raw.receive)
-    failure = structured_failure(outputs)
-    if failure is not None:
-        raise failure
-    return JSONResponse(view.completion(outputs))
+    return await respond(generation, view, request, raw.receive)
 
 
 def _prompts(state: ServerState, prompt) -> tuple[list[str], list[list[int]]]:

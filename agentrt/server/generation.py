@@ -15,7 +15,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import anyio
-from starlette.responses import Response
+from starlette.responses import JSONResponse, Response
 
 from agentrt.engine.async_engine import AsyncEngine, RequestStream
 from agentrt.engine.outputs import RequestDelta, RequestOutput
@@ -121,6 +121,27 @@ def structured_failure(outputs: Sequence[RequestOutput]) -> APIError | None:
                 code="structured_output_failed",
             )
     return None
+
+
+async def respond(generation: Generation, view, request, receive) -> Response:
+    """The response of a chat or completions request: a stream of events (headers go out
+    after the first token, so a schema that fails to compile is still a 400) or one JSON
+    body. `view` renders outputs: `stream(generation, firsts, emit, include_usage)` and
+    `completion(outputs)`."""
+    if request.stream:
+        firsts = await generation.first_deltas(receive)
+        failure = structured_failure([d.output for d in firsts if d.output is not None])
+        if failure is not None:
+            raise failure
+        include_usage = bool(request.stream_options and request.stream_options.include_usage)
+        return EventStreamResponse(
+            lambda emit: view.stream(generation, firsts, emit, include_usage), generation.abort
+        )
+    outputs = await generation.collect(receive)
+    failure = structured_failure(outputs)
+    if failure is not None:
+        raise failure
+    return JSONResponse(view.completion(outputs))
 
 
 async def until_disconnect(receive, fn, *, on_disconnect: Callable[[], None]) -> None:
