@@ -3,21 +3,29 @@
 Cache layout per layer: (num_blocks, 2, block_size, num_kv_heads, head_dim), index 0 = K,
 1 = V; slot s lives at block s // block_size, offset s % block_size.
 
-The `torch` backend is the CPU path: requests with one query token (decodes) are batched
-into one SDPA call over their gathered blocks; prefill chunks run one SDPA call each
-(causal over their own tokens when nothing precedes them, else over the gathered context).
-The `triton` backend calls the kernels package (Triton kernels on CUDA).
+Backends:
+- `torch`: requests with one query token (decodes) of similar length are batched into one
+  SDPA call over their gathered blocks; prefill chunks run one SDPA call each (causal over
+  their own tokens when nothing precedes them, else over the gathered context).
+- `cpu`: as `torch`, but every decode of the step goes to one call of the kernels
+  package's C paged-decode kernel, which reads the blocks in place (built on first use).
+- `triton`: the kernels package's unified paged attention (Triton kernels on CUDA).
+- `auto` (the default): `cpu` on the CPU when its kernel builds, else `torch`.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 import agentrt.kernels as kernels
+from agentrt.engine import envs
 from agentrt.engine.errors import ConfigError
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,6 +35,15 @@ class DecodeGroup:
     token_index: torch.Tensor  # (B,) flat token row of each request's query
     block_tables: torch.Tensor  # (B, num_blocks) int64, trimmed to the group's longest
     mask: torch.Tensor  # (B, 1, 1, num_blocks * block_size) bool: position < seq_len
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeRows:
+    """Every decode request of the step, as the CPU kernel reads them."""
+
+    token_index: torch.Tensor  # (B,) int64 flat token row of each request's query
+    seq_lens: torch.Tensor  # (B,) int32
+    block_tables: torch.Tensor  # (B, num_blocks) int32, contiguous
 
 
 # Decode requests are grouped so that padding each group to its longest context wastes at
@@ -49,12 +66,18 @@ class AttentionMetadata:
     # Derived once per step for the torch backend.
     key_rows: torch.Tensor | None = None  # (T,) row of each new K in the flat cache view
     decode_groups: list[DecodeGroup] | None = None
+    decode_rows: DecodeRows | None = None
     prefill_rows: list[int] | None = None
 
-    def prepare_torch(self) -> None:
+    def prepare_torch(self, *, group_decodes: bool) -> None:
+        """Derive the cache rows of the new K/V and split prefills from decodes: decodes in
+        `decode_groups` of similar length (SDPA), else all in `decode_rows` (CPU kernel)."""
         blocks = torch.div(self.slot_mapping, self.block_size, rounding_mode="floor")
         self.key_rows = blocks * 2 * self.block_size + self.slot_mapping.remainder(self.block_size)
         self.prefill_rows = [i for i, q in enumerate(self.query_lens) if q > 1]
+        if not group_decodes:
+            self.decode_rows = self._decode_rows()
+            return
         seq_lens = [c + q for c, q in zip(self.context_lens, self.query_lens, strict=True)]
         decode = sorted(
             (i for i, q in enumerate(self.query_lens) if q == 1),
@@ -70,6 +93,23 @@ class AttentionMetadata:
             group, decode = decode[:size], decode[size:]
             self.decode_groups.append(self._decode_group(group, longest))
 
+    def _decode_rows(self) -> DecodeRows | None:
+        rows = [i for i, q in enumerate(self.query_lens) if q == 1]
+        if not rows:
+            return None
+        if len(rows) == len(self.query_lens):  # a decode-only step: every row as it is
+            return DecodeRows(
+                token_index=torch.arange(len(rows)),
+                seq_lens=self.seq_lens,
+                block_tables=self.block_tables,
+            )
+        index = torch.tensor(rows, dtype=torch.int64)
+        return DecodeRows(
+            token_index=self.query_start_loc.index_select(0, index).to(torch.int64),
+            seq_lens=self.seq_lens.index_select(0, index),
+            block_tables=self.block_tables.index_select(0, index),
+        )
+
     def _decode_group(self, rows: list[int], longest: int) -> DecodeGroup:
         index = torch.tensor(rows, dtype=torch.int64)
         num_blocks = -(-longest // self.block_size)
@@ -82,6 +122,13 @@ class AttentionMetadata:
         )
 
 
+def _sdpa(q, k, v, **options) -> torch.Tensor:
+    """SDPA of one request, q (H, Tq, D) over k, v (KVH, L, D). Given a batch dim, torch
+    runs its flash kernel on the CPU (about twice as fast here); 3-D inputs take the math path."""
+    gqa = q.shape[0] != k.shape[0]
+    return F.scaled_dot_product_attention(q[None], k[None], v[None], enable_gqa=gqa, **options)[0]
+
+
 class TorchAttentionBackend:
     name = "torch"
 
@@ -89,7 +136,7 @@ class TorchAttentionBackend:
         del device  # runs wherever torch does
 
     def prepare(self, meta: AttentionMetadata) -> None:
-        meta.prepare_torch()
+        meta.prepare_torch(group_decodes=True)
 
     def forward(
         self,
@@ -106,9 +153,7 @@ class TorchAttentionBackend:
         rows.index_copy_(0, meta.key_rows, key)
         rows.index_copy_(0, meta.key_rows + meta.block_size, value)
         out = torch.empty_like(query)
-        num_heads, num_kv_heads = query.shape[1], key.shape[1]
-        for group in meta.decode_groups:
-            out[group.token_index] = self._decode(query, kv_cache, group, scale)
+        self._decode_all(query, kv_cache, meta, scale, out)
         for row in meta.prefill_rows:
             start = int(meta.query_start_loc[row])
             end = start + meta.query_lens[row]
@@ -117,19 +162,19 @@ class TorchAttentionBackend:
             if context_len == 0:
                 k = key[start:end].transpose(0, 1)  # (KVH, Tq, D)
                 v = value[start:end].transpose(0, 1)
-                o = F.scaled_dot_product_attention(
-                    q, k, v, is_causal=True, scale=scale, enable_gqa=num_heads != num_kv_heads
-                )
+                o = _sdpa(q, k, v, is_causal=True, scale=scale)
             else:
                 k, v = self._gather_context(kv_cache, meta, row)  # (KVH, L, D)
                 seq_len = k.shape[1]
                 query_pos = torch.arange(context_len, seq_len)[:, None]
                 mask = torch.arange(seq_len)[None, :] <= query_pos  # (Tq, L)
-                o = F.scaled_dot_product_attention(
-                    q, k, v, attn_mask=mask, scale=scale, enable_gqa=num_heads != num_kv_heads
-                )
+                o = _sdpa(q, k, v, attn_mask=mask, scale=scale)
             out[start:end] = o.transpose(0, 1)
         return out
+
+    def _decode_all(self, query, kv_cache, meta: AttentionMetadata, scale: float, out) -> None:
+        for group in meta.decode_groups:
+            out[group.token_index] = self._decode(query, kv_cache, group, scale)
 
     @staticmethod
     def _gather_context(kv_cache: torch.Tensor, meta: AttentionMetadata, row: int):
@@ -157,6 +202,32 @@ class TorchAttentionBackend:
             q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=group.mask, scale=scale
         )
         return o.reshape(batch, num_heads, head_dim)  # (B, H, D)
+
+
+class CpuAttentionBackend(TorchAttentionBackend):
+    """The torch backend with decodes in the kernels package's C paged-decode kernel."""
+
+    name = "cpu"
+
+    def __init__(self, device: torch.device) -> None:
+        if device.type != "cpu":
+            raise ConfigError(
+                f"attention_backend='cpu' runs on the CPU, not on {device}; use 'auto'."
+            )
+        try:
+            self.kernel = kernels.cpu_attention(envs.cache_dir() / "kernels")
+        except kernels.KernelBuildError as exc:
+            raise ConfigError(f"attention_backend='cpu' is unavailable: {exc}") from exc
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        meta.prepare_torch(group_decodes=False)
+
+    def _decode_all(self, query, kv_cache, meta: AttentionMetadata, scale: float, out) -> None:
+        rows = meta.decode_rows
+        if rows is not None:
+            self.kernel.paged_decode(
+                query, kv_cache, rows.token_index, rows.seq_lens, rows.block_tables, scale, out
+            )
 
 
 class KernelAttentionBackend:
@@ -187,12 +258,24 @@ class KernelAttentionBackend:
         )
 
 
-BACKENDS = {"torch": TorchAttentionBackend, "triton": KernelAttentionBackend}
+BACKENDS = {
+    "torch": TorchAttentionBackend,
+    "cpu": CpuAttentionBackend,
+    "triton": KernelAttentionBackend,
+}
 
 
 def get_attention_backend(name: str, device: torch.device):
+    if name == "auto":
+        if device.type != "cpu":
+            return TorchAttentionBackend(device)
+        try:
+            return CpuAttentionBackend(device)
+        except ConfigError as exc:
+            logger.warning("%s Falling back to the slower 'torch' attention backend.", exc)
+            return TorchAttentionBackend(device)
     if name not in BACKENDS:
         raise ConfigError(
-            f"attention_backend={name!r} is invalid: expected one of {sorted(BACKENDS)}."
+            f"attention_backend={name!r} is invalid: expected 'auto' or one of {sorted(BACKENDS)}."
         )
     return BACKENDS[name](device)

@@ -47,7 +47,7 @@ class LLMEngine:
         scheduling_policy: str = "fcfs",
         enable_prefix_caching: bool = True,
         long_prefill_token_threshold: int = 0,
-        attention_backend: str = "torch",
+        attention_backend: str = "auto",
         grammar_timeout_s: float = 10.0,
         seed: int = 0,
     ) -> None:

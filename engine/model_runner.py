@@ -50,7 +50,7 @@ class ModelRunner:
         block_size: int,
         num_blocks: int,
         max_model_len: int,
-        attention_backend: str = "torch",
+        attention_backend: str = "auto",
     ) -> None:
         self.arch = arch
         self.dtype = dtype

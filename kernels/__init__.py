@@ -4,11 +4,14 @@ Public functions dispatch per call (Triton on CUDA tensors, the reference elsewh
 `reshape_and_cache`, `paged_attention`, `apply_token_bitmask`, `rms_norm`,
 `rotary_embedding`. The `*_ref` references are exported too. Importing this package needs
 neither CUDA nor Triton; the Triton kernels live in the `triton_*` modules, which import
-Triton themselves and are loaded on first use. This package imports nothing local.
+Triton themselves and are loaded on first use. `cpu_attention(build_dir)` builds and loads
+the C paged-decode kernel the engine's CPU attention backend uses. This package imports
+nothing local.
 """
 
 from __future__ import annotations
 
+from .cpu_attention import CpuAttention, cpu_attention
 from .dispatch import (
     apply_token_bitmask,
     paged_attention,
@@ -19,7 +22,7 @@ from .dispatch import (
     triton_available,
     uses_triton,
 )
-from .errors import KernelError, KernelInputError, TritonUnavailableError
+from .errors import KernelBuildError, KernelError, KernelInputError, TritonUnavailableError
 from .reference_attention import (
     merge_attn_states_ref,
     paged_attention_ref,
@@ -33,11 +36,14 @@ from .reference_ops import (
 )
 
 __all__ = [
+    "CpuAttention",
+    "KernelBuildError",
     "KernelError",
     "KernelInputError",
     "TritonUnavailableError",
     "apply_token_bitmask",
     "apply_token_bitmask_ref",
+    "cpu_attention",
     "merge_attn_states_ref",
     "paged_attention",
     "paged_attention_ref",

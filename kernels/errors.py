@@ -20,3 +20,7 @@ class KernelInputError(KernelError, ValueError):
 
 class TritonUnavailableError(KernelError, ImportError):
     """A Triton kernel was requested but Triton cannot be imported."""
+
+
+class KernelBuildError(KernelError, RuntimeError):
+    """A compiled CPU kernel could not be built (no compiler, or the compile failed)."""

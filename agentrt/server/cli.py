@@ -43,7 +43,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--block-size", type=int, default=16)
     engine.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
     engine.add_argument("--no-prefix-caching", action="store_true")
-    engine.add_argument("--attention-backend", default="torch", choices=["torch", "triton"])
+    engine.add_argument(
+        "--attention-backend", default="auto", choices=["auto", "cpu", "torch", "triton"]
+    )
     engine.add_argument("--seed", type=int, default=0)
 
 

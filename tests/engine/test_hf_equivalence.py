@@ -55,6 +55,8 @@ def test_embedded_model_one_at_a_time_equals_hf(smollm2_llm, hf_reference):
         pytest.param({"num_kv_blocks": 12}, id="preemption"),
         pytest.param({"block_size": 32, "max_num_batched_tokens": 50}, id="block32"),
         pytest.param({"enable_prefix_caching": False}, id="no-prefix-cache"),
+        # The default on the CPU is the compiled decode kernel; the pure-torch path too.
+        pytest.param({"attention_backend": "torch"}, id="torch-attention"),
         pytest.param(
             {"long_prefill_token_threshold": 5, "scheduling_policy": "priority"},
             id="prefill-cap-priority",
@@ -74,6 +76,7 @@ TINY_ENGINES = {
     "default": {},
     "preemption": {"num_kv_blocks": 10, "block_size": 8},
     "kernels-backend": {"attention_backend": "triton"},  # kernels' torch references on CPU
+    "torch-attention": {"attention_backend": "torch"},  # SDPA decode instead of the C kernel
     "no-prefix-cache-priority": {"enable_prefix_caching": False, "scheduling_policy": "priority"},
 }
 
