@@ -7,8 +7,9 @@ Backends:
 - `torch`: requests with one query token (decodes) of similar length are batched into one
   SDPA call over their gathered blocks; prefill chunks run one SDPA call each (causal over
   their own tokens when nothing precedes them, else over the gathered context).
-- `cpu`: as `torch`, but every decode of the step goes to one call of the kernels
-  package's C paged-decode kernel, which reads the blocks in place (built on first use).
+- `cpu`: as `torch`, but every decode of the step, and every token of chunks of up to
+  KERNEL_MAX_QUERY_LEN tokens (jump-forward), goes to one call of the kernels package's C
+  paged-decode kernel, which reads the blocks in place (built on first use).
 - `triton`: the kernels package's unified paged attention (Triton kernels on CUDA).
 - `auto` (the default): `cpu` on the CPU when its kernel builds, else `torch`.
 """
@@ -16,7 +17,7 @@ Backends:
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -39,12 +40,37 @@ class DecodeGroup:
 
 @dataclass(frozen=True, slots=True)
 class DecodeRows:
-    """Every decode request of the step, as the CPU kernel reads them."""
+    """Query tokens the CPU kernel attends one by one: every decode of the step, and each
+    token of short chunks (a decode plus the tokens jump-forward appended) with its own
+    causal length."""
 
-    token_index: torch.Tensor  # (B,) int64 flat token row of each request's query
-    seq_lens: torch.Tensor  # (B,) int32
-    block_tables: torch.Tensor  # (B, num_blocks) int32, contiguous
+    token_index: torch.Tensor  # (N,) int64 flat row of each query token
+    seq_lens: torch.Tensor  # (N,) int32 positions each token attends to (itself included)
+    block_tables: torch.Tensor  # (N, num_blocks) int32, contiguous: its request's table
+    # Cascade: prefixes shared by several rows, attended once per prefix; `starts` (N,) int32
+    # is where each row's own part begins (0 outside any prefix).
+    prefixes: list[SharedPrefix] = field(default_factory=list)
+    starts: torch.Tensor | None = None
 
+
+@dataclass(frozen=True, slots=True)
+class SharedPrefix:
+    """Leading blocks that several decode rows share (a common system prompt in the prefix
+    cache): attended once for all of them, as one matrix product per KV head."""
+
+    rows: torch.Tensor  # (n,) int64 indices into DecodeRows
+    blocks: torch.Tensor  # (P,) int64 the shared block ids, in order
+
+
+# A shared prefix is attended once when at least this many rows share at least this many
+# blocks; below that its matrix products cost more than the kernel reading it per row.
+CASCADE_MIN_ROWS = 4
+CASCADE_MIN_BLOCKS = 4
+
+
+# Chunks of at most this many query tokens go to the CPU kernel token by token; longer ones
+# (prefills) to SDPA, whose flash kernel is faster once a chunk has many query rows.
+KERNEL_MAX_QUERY_LEN = 16
 
 # Decode requests are grouped so that padding each group to its longest context wastes at
 # most this factor of the group's shortest context.
@@ -69,14 +95,17 @@ class AttentionMetadata:
     decode_rows: DecodeRows | None = None
     prefill_rows: list[int] | None = None
 
-    def prepare_torch(self, *, group_decodes: bool) -> None:
-        """Derive the cache rows of the new K/V and split prefills from decodes: decodes in
-        `decode_groups` of similar length (SDPA), else all in `decode_rows` (CPU kernel)."""
+    def prepare_torch(self, *, max_kernel_query_len: int = 0) -> None:
+        """Derive the cache rows of the new K/V and split the chunks: with
+        `max_kernel_query_len`, chunks up to that length go to `decode_rows` (the CPU
+        kernel); otherwise decodes go to `decode_groups` of similar length (SDPA). The
+        rest are `prefill_rows`."""
         blocks = torch.div(self.slot_mapping, self.block_size, rounding_mode="floor")
         self.key_rows = blocks * 2 * self.block_size + self.slot_mapping.remainder(self.block_size)
-        self.prefill_rows = [i for i, q in enumerate(self.query_lens) if q > 1]
-        if not group_decodes:
-            self.decode_rows = self._decode_rows()
+        limit = max_kernel_query_len or 1
+        self.prefill_rows = [i for i, q in enumerate(self.query_lens) if q > limit]
+        if max_kernel_query_len:
+            self.decode_rows = self._decode_rows(limit)
             return
         seq_lens = [c + q for c, q in zip(self.context_lens, self.query_lens, strict=True)]
         decode = sorted(
@@ -93,22 +122,51 @@ class AttentionMetadata:
             group, decode = decode[:size], decode[size:]
             self.decode_groups.append(self._decode_group(group, longest))
 
-    def _decode_rows(self) -> DecodeRows | None:
-        rows = [i for i, q in enumerate(self.query_lens) if q == 1]
+    def _decode_rows(self, limit: int) -> DecodeRows | None:
+        rows = [i for i, q in enumerate(self.query_lens) if q <= limit]
         if not rows:
             return None
-        if len(rows) == len(self.query_lens):  # a decode-only step: every row as it is
-            return DecodeRows(
+        if len(rows) == len(self.query_lens) and max(self.query_lens) == 1:
+            return DecodeRows(  # a decode-only step: every row as it is
                 token_index=torch.arange(len(rows)),
                 seq_lens=self.seq_lens,
                 block_tables=self.block_tables,
             )
         index = torch.tensor(rows, dtype=torch.int64)
+        lens = torch.tensor([self.query_lens[i] for i in rows])
+        request = index.repeat_interleave(lens)  # the request row of each query token
+        first = torch.cumsum(lens, 0) - lens
+        offset = torch.arange(int(lens.sum())) - first.repeat_interleave(lens)  # within chunk
+        seq_lens = self.seq_lens.index_select(0, request) - lens.repeat_interleave(lens) + offset
         return DecodeRows(
-            token_index=self.query_start_loc.index_select(0, index).to(torch.int64),
-            seq_lens=self.seq_lens.index_select(0, index),
-            block_tables=self.block_tables.index_select(0, index),
+            token_index=self.query_start_loc.index_select(0, request).to(torch.int64) + offset,
+            seq_lens=(seq_lens + 1).to(torch.int32),
+            block_tables=self.block_tables.index_select(0, request),
         )
+
+    def find_shared_prefixes(self) -> None:
+        """Group the decode rows by their first block and record each group's common
+        leading blocks (full, and within every member's context) as a SharedPrefix."""
+        rows = self.decode_rows
+        if rows is None or rows.token_index.shape[0] < CASCADE_MIN_ROWS:
+            return
+        tables, bs = rows.block_tables, self.block_size
+        firsts, counts = torch.unique(tables[:, 0], return_counts=True)
+        prefixes = []
+        for first in firsts[counts >= CASCADE_MIN_ROWS].tolist():
+            members = torch.nonzero(tables[:, 0] == first).flatten()
+            group = tables.index_select(0, members)
+            same = (group == group[:1]).all(dim=0).to(torch.int32)
+            num_blocks = int(same.cumprod(0).sum())
+            num_blocks = min(num_blocks, int(rows.seq_lens.index_select(0, members).min()) // bs)
+            if num_blocks >= CASCADE_MIN_BLOCKS:
+                blocks = group[0, :num_blocks].to(torch.int64)
+                prefixes.append(SharedPrefix(members, blocks))
+        if prefixes:
+            starts = torch.zeros_like(rows.seq_lens)
+            for prefix in prefixes:
+                starts[prefix.rows] = prefix.blocks.shape[0] * bs
+            self.decode_rows = replace(rows, prefixes=prefixes, starts=starts)
 
     def _decode_group(self, rows: list[int], longest: int) -> DecodeGroup:
         index = torch.tensor(rows, dtype=torch.int64)
@@ -136,7 +194,7 @@ class TorchAttentionBackend:
         del device  # runs wherever torch does
 
     def prepare(self, meta: AttentionMetadata) -> None:
-        meta.prepare_torch(group_decodes=True)
+        meta.prepare_torch()
 
     def forward(
         self,
@@ -215,19 +273,60 @@ class CpuAttentionBackend(TorchAttentionBackend):
                 f"attention_backend='cpu' runs on the CPU, not on {device}; use 'auto'."
             )
         try:
-            self.kernel = kernels.cpu_attention(envs.cache_dir() / "kernels")
+            self.kernel = kernels.load_cpu_attention(envs.cache_dir() / "kernels")
         except kernels.KernelBuildError as exc:
             raise ConfigError(f"attention_backend='cpu' is unavailable: {exc}") from exc
 
     def prepare(self, meta: AttentionMetadata) -> None:
-        meta.prepare_torch(group_decodes=False)
+        meta.prepare_torch(max_kernel_query_len=KERNEL_MAX_QUERY_LEN)
+        meta.find_shared_prefixes()
 
     def _decode_all(self, query, kv_cache, meta: AttentionMetadata, scale: float, out) -> None:
         rows = meta.decode_rows
-        if rows is not None:
-            self.kernel.paged_decode(
-                query, kv_cache, rows.token_index, rows.seq_lens, rows.block_tables, scale, out
-            )
+        if rows is None:
+            return
+        init_out = init_lse = None
+        if rows.prefixes:
+            num, heads, dim = rows.token_index.shape[0], query.shape[1], query.shape[2]
+            init_out = torch.empty(num, heads, dim)
+            init_lse = torch.empty(num, heads)
+            for prefix in rows.prefixes:
+                q = query.index_select(0, rows.token_index.index_select(0, prefix.rows))
+                o, lse = prefix_attention(q, kv_cache, prefix.blocks, scale)
+                init_out[prefix.rows] = o
+                init_lse[prefix.rows] = lse
+        self.kernel.paged_decode(
+            query,
+            kv_cache,
+            rows.token_index,
+            rows.seq_lens,
+            rows.block_tables,
+            scale,
+            out,
+            starts=rows.starts,
+            init_out=init_out,
+            init_lse=init_lse,
+        )
+
+
+def prefix_attention(
+    query: torch.Tensor, kv_cache: torch.Tensor, blocks: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of n query tokens (n, H, D) over the same full blocks, in fp32: (out
+    (n, H, D), log-sum-exp (n, H)). Each KV head's keys are read once for all n * G query
+    heads on it, as two batched matrix products."""
+    num, heads, dim = query.shape
+    kv_heads = kv_cache.shape[3]
+    group = heads // kv_heads
+    kv = kv_cache.index_select(0, blocks).float()  # (P, 2, BS, KVH, D)
+    k = kv[:, 0].reshape(-1, kv_heads, dim).permute(1, 2, 0)  # (KVH, D, L)
+    v = kv[:, 1].reshape(-1, kv_heads, dim).transpose(0, 1)  # (KVH, L, D)
+    q = query.float().view(num, kv_heads, group, dim).transpose(0, 1)  # (KVH, n, G, D)
+    scores = torch.bmm(q.reshape(kv_heads, num * group, dim), k).mul_(scale)  # (KVH, nG, L)
+    lse = torch.logsumexp(scores, dim=-1)  # (KVH, nG)
+    out = torch.bmm(scores.sub_(lse[..., None]).exp_(), v)  # (KVH, nG, D)
+    out = out.view(kv_heads, num, group, dim).transpose(0, 1).reshape(num, heads, dim)
+    return out, lse.view(kv_heads, num, group).transpose(0, 1).reshape(num, heads)
 
 
 class KernelAttentionBackend:

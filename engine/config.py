@@ -107,6 +107,9 @@ class SchedulerConfig:
     policy: str = "fcfs"
     # Cap on one request's prefill tokens per step (0 = only the step budget caps it).
     long_prefill_token_threshold: int = 0
+    # Jump-forward decoding: tokens a grammar forces after a sampled token (a JSON object's
+    # next key, say) are appended at once and computed with the request's next chunk.
+    jump_forward: bool = True
 
     def __post_init__(self) -> None:
         _check(self.max_num_seqs >= 1, "max_num_seqs", self.max_num_seqs, "at least 1")

@@ -47,6 +47,7 @@ class LLMEngine:
         scheduling_policy: str = "fcfs",
         enable_prefix_caching: bool = True,
         long_prefill_token_threshold: int = 0,
+        jump_forward: bool = True,
         attention_backend: str = "auto",
         grammar_timeout_s: float = 10.0,
         seed: int = 0,
@@ -60,7 +61,11 @@ class LLMEngine:
             block_size, kv_cache_memory_gb, num_kv_blocks, enable_prefix_caching
         )
         self.scheduler_config = SchedulerConfig(
-            max_num_seqs, max_num_batched_tokens, scheduling_policy, long_prefill_token_threshold
+            max_num_seqs,
+            max_num_batched_tokens,
+            scheduling_policy,
+            long_prefill_token_threshold,
+            jump_forward,
         )
         path = resolve_model(model)
         self.model_path = path

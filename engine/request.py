@@ -48,7 +48,8 @@ class Request:
 
     Invariant: `num_computed_tokens <= num_tokens`; the KV cache holds exactly the first
     `num_computed_tokens` tokens of `all_token_ids`. The last sampled token is not yet
-    computed, so a decoding request has `num_tokens - num_computed_tokens == 1`.
+    computed, so a decoding request has `num_tokens - num_computed_tokens == 1`, or more
+    when jump-forward appended the tokens its grammar forces after it.
     """
 
     __slots__ = (

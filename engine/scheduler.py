@@ -215,8 +215,9 @@ class Scheduler:
     def update_from_output(
         self, scheduler_output: SchedulerOutput, sampled: dict[str, SampledToken]
     ) -> list[EngineCoreOutput]:
-        """Advance computed counts, append sampled tokens, apply stop conditions and free
-        the blocks of finished requests. Returns one delta per request that sampled."""
+        """Advance computed counts, append sampled tokens (and the tokens their grammars
+        force next), apply stop conditions and free the blocks of finished requests.
+        Returns one delta per request that sampled."""
         outputs = []
         for chunk in scheduler_output.chunks:
             request = self.requests.get(chunk.req_id)
@@ -233,8 +234,11 @@ class Scheduler:
                 outputs.append(self._fail_grammar_dead_end(request))
                 continue
             request.append_output_token(token.token_id)
+            new_token_ids = [token.token_id]
+            if not request.check_stop(self.max_model_len):
+                new_token_ids += self._jump_forward(request)
             structured_errors, num_steered = None, 0
-            if request.check_stop(self.max_model_len):
+            if request.status.finished:
                 self.running.remove(request)
                 self._free(request)
                 if request.structured is not None:
@@ -243,7 +247,7 @@ class Scheduler:
             outputs.append(
                 EngineCoreOutput(
                     req_id=request.req_id,
-                    new_token_ids=[token.token_id],
+                    new_token_ids=new_token_ids,
                     new_logprobs=[token] if token.logprob is not None else None,
                     finish_reason=request.status.finish_reason,
                     stop_reason=request.stop_reason,
@@ -253,6 +257,27 @@ class Scheduler:
                 )
             )
         return outputs
+
+    def _jump_forward(self, request: Request) -> list[int]:
+        """Append the tokens the request's grammar forces next (none when it has no grammar,
+        asked for logprobs, or jump-forward is off), stopping where the request finishes.
+        They need no sampling step: the next chunk computes them with the following token."""
+        if (
+            not self.config.jump_forward
+            or request.structured is None
+            or request.sampling_params.logprobs is not None
+        ):
+            return []
+        matcher = request.structured.matcher
+        appended = []
+        for token_id in matcher.forced_tokens():
+            if not matcher.accept_token(token_id):
+                break
+            request.append_output_token(token_id)
+            appended.append(token_id)
+            if request.check_stop(self.max_model_len):
+                break
+        return appended
 
     def stats(self) -> SchedulerStats:
         return SchedulerStats(

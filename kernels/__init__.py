@@ -4,14 +4,14 @@ Public functions dispatch per call (Triton on CUDA tensors, the reference elsewh
 `reshape_and_cache`, `paged_attention`, `apply_token_bitmask`, `rms_norm`,
 `rotary_embedding`. The `*_ref` references are exported too. Importing this package needs
 neither CUDA nor Triton; the Triton kernels live in the `triton_*` modules, which import
-Triton themselves and are loaded on first use. `cpu_attention(build_dir)` builds and loads
+Triton themselves and are loaded on first use. `load_cpu_attention(build_dir)` builds and loads
 the C paged-decode kernel the engine's CPU attention backend uses. This package imports
 nothing local.
 """
 
 from __future__ import annotations
 
-from .cpu_attention import CpuAttention, cpu_attention
+from .cpu_attention import CpuAttention, load_cpu_attention
 from .dispatch import (
     apply_token_bitmask,
     paged_attention,
@@ -43,7 +43,7 @@ __all__ = [
     "TritonUnavailableError",
     "apply_token_bitmask",
     "apply_token_bitmask_ref",
-    "cpu_attention",
+    "load_cpu_attention",
     "merge_attn_states_ref",
     "paged_attention",
     "paged_attention_ref",

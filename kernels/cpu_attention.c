@@ -7,6 +7,8 @@
 // request's blocks, converts each block's K and V rows to fp32 once for all the query heads that
 // share that KV head (GQA), and keeps an online softmax: a running max, a running sum and an fp32
 // accumulator per head, rescaled when the max grows. Output rows are written in the cache dtype.
+// Cascade: a row may start past a shared prefix that was attended elsewhere, from that
+// prefix's output and log-sum-exp (see decode_one).
 
 #include <stdint.h>
 #include <string.h>
@@ -98,9 +100,14 @@ static inline void attend_block(const float *restrict q, const float *restrict k
     }
 }
 
+// One (query token, KV head): attends positions [start, seq_len). With start > 0, positions
+// before it were attended elsewhere (a shared prefix): `init_out` holds their softmax-weighted
+// values and `init_lse` their log-sum-exp per head, which is exactly the online-softmax state
+// (max = lse, sum = 1, acc = out) after them.
 static void decode_one(const char *query, const char *cache, int dtype, int64_t token,
-                       int64_t seq_len, const int32_t *table, int64_t kv_head, int64_t heads,
-                       int64_t kv_heads, int64_t dim, int64_t block, float scale, char *out) {
+                       int64_t start, int64_t seq_len, const int32_t *table, const float *init_out,
+                       const float *init_lse, int64_t kv_head, int64_t heads, int64_t kv_heads,
+                       int64_t dim, int64_t block, float scale, char *out) {
     const int64_t group = heads / kv_heads, token_stride = kv_heads * dim;
     const int64_t esize = dtype == BF16 ? 2 : 4;
     float q[MAX_GROUP * MAX_HEAD_DIM], acc[MAX_GROUP * MAX_HEAD_DIM];
@@ -116,9 +123,16 @@ static void decode_one(const char *query, const char *cache, int dtype, int64_t 
         max[g] = -1e30f; // finite, so the first rescale is exp(-huge) = 0, never inf - inf
         sum[g] = 0.0f;
     }
-    for (int64_t start = 0; start < seq_len; start += block) {
-        const int64_t n = seq_len - start < block ? seq_len - start : block;
-        const int64_t k_first = (int64_t)table[start / block] * 2 * block * token_stride;
+    if (start > 0) {
+        for (int64_t g = 0; g < group; g++) {
+            max[g] = init_lse[kv_head * group + g];
+            sum[g] = 1.0f;
+        }
+        for (int64_t i = 0; i < group * dim; i++) acc[i] = init_out[kv_head * group * dim + i];
+    }
+    for (int64_t pos = start; pos < seq_len; pos += block) {
+        const int64_t n = seq_len - pos < block ? seq_len - pos : block;
+        const int64_t k_first = (int64_t)table[pos / block] * 2 * block * token_stride;
         const char *k_rows = cache + (k_first + kv_head * dim) * esize;
         load_rows(k_rows, dtype, n, dim, token_stride, k);
         load_rows(k_rows + block * token_stride * esize, dtype, n, dim, token_stride, v);
@@ -135,10 +149,14 @@ static void decode_one(const char *query, const char *cache, int dtype, int64_t 
 }
 
 // query and out: (num_tokens, heads, dim); token_index, seq_lens: (num_decodes,);
-// block_tables: (num_decodes, table_stride). Returns 0, or -1 for shapes beyond the limits.
+// block_tables: (num_decodes, table_stride). starts (or NULL: all 0) holds each decode's first
+// position, a multiple of block; decodes with start > 0 read their shared-prefix state from
+// init_out (num_decodes, heads, dim) and init_lse (num_decodes, heads), both fp32.
+// Returns 0, or -1 for shapes beyond the limits.
 int paged_decode(const void *query, const void *kv_cache, void *out, int dtype,
                  const int64_t *token_index, const int32_t *seq_lens, const int32_t *block_tables,
-                 int64_t table_stride, int64_t num_decodes, int64_t heads, int64_t kv_heads,
+                 int64_t table_stride, const int32_t *starts, const float *init_out,
+                 const float *init_lse, int64_t num_decodes, int64_t heads, int64_t kv_heads,
                  int64_t dim, int64_t block, float scale, int num_threads) {
     if (dim > MAX_HEAD_DIM || block > MAX_BLOCK || heads % kv_heads || heads / kv_heads > MAX_GROUP)
         return -1;
@@ -146,13 +164,16 @@ int paged_decode(const void *query, const void *kv_cache, void *out, int dtype,
     for (int64_t i = 0; i < num_decodes; i++)
         for (int64_t h = 0; h < kv_heads; h++) {
             const int32_t *table = block_tables + i * table_stride;
+            const int64_t start = starts ? starts[i] : 0;
+            const float *o = init_out ? init_out + i * heads * dim : 0;
+            const float *lse = init_lse ? init_lse + i * heads : 0;
             // A constant head_dim lets the compiler unroll the inner loops for the usual size.
             if (dim == 64)
-                decode_one(query, kv_cache, dtype, token_index[i], seq_lens[i], table, h, heads,
-                           kv_heads, 64, block, scale, out);
+                decode_one(query, kv_cache, dtype, token_index[i], start, seq_lens[i], table, o,
+                           lse, h, heads, kv_heads, 64, block, scale, out);
             else
-                decode_one(query, kv_cache, dtype, token_index[i], seq_lens[i], table, h, heads,
-                           kv_heads, dim, block, scale, out);
+                decode_one(query, kv_cache, dtype, token_index[i], start, seq_lens[i], table, o,
+                           lse, h, heads, kv_heads, dim, block, scale, out);
         }
     return 0;
 }

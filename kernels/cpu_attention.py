@@ -72,7 +72,7 @@ def _build(build_dir: Path) -> Path:
 
 
 class CpuAttention:
-    """The loaded kernel library. Get one with `cpu_attention(build_dir)`."""
+    """The loaded kernel library. Get one with `load_cpu_attention(build_dir)`."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -80,8 +80,8 @@ class CpuAttention:
         fn = lib.paged_decode
         fn.restype = ctypes.c_int
         ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-        fn.argtypes = [ptr, ptr, ptr, ctypes.c_int, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64]
-        fn.argtypes += [ctypes.c_float, ctypes.c_int]
+        fn.argtypes = [ptr, ptr, ptr, ctypes.c_int, ptr, ptr, ptr, i64, ptr, ptr, ptr]
+        fn.argtypes += [i64, i64, i64, i64, i64, ctypes.c_float, ctypes.c_int]
         self._decode = fn
 
     def paged_decode(
@@ -93,6 +93,9 @@ class CpuAttention:
         block_tables: torch.Tensor,
         scale: float,
         out: torch.Tensor,
+        starts: torch.Tensor | None = None,
+        init_out: torch.Tensor | None = None,
+        init_lse: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Attention of one query token per request over its paged context.
 
@@ -100,6 +103,11 @@ class CpuAttention:
         token_index[i] (int64) and its output goes to the same row of `out` (other rows are
         left alone). It attends to positions < seq_lens[i] (int32) through block_tables[i]
         (int32, contiguous (num_requests, max_blocks)). Returns `out`.
+
+        Cascade: with `starts` (int32, multiples of block_size), request i attends only
+        positions starts[i] onwards here; where starts[i] > 0, the positions before were
+        attended elsewhere and init_out[i] (fp32 (num_heads, head_dim)) and init_lse[i]
+        (fp32 (num_heads,)) hold that partial output and its log-sum-exp, merged exactly.
         """
         check_kv_cache(kv_cache)
         check_ndim("query", query, 3, "[num_tokens, num_heads, head_dim]")
@@ -161,6 +169,9 @@ class CpuAttention:
             raise KernelInputError(
                 f"token_index holds rows outside [0, {query.shape[0]}).", arg="token_index"
             )
+        cascade = (starts, init_out, init_lse)
+        if any(t is not None for t in cascade):
+            self._check_cascade(starts, init_out, init_lse, seq_lens, query, block_size)
         self._decode(
             query.data_ptr(),
             kv_cache.data_ptr(),
@@ -170,6 +181,7 @@ class CpuAttention:
             seq_lens.data_ptr(),
             block_tables.data_ptr(),
             block_tables.shape[1],
+            *(0 if t is None else t.data_ptr() for t in cascade),
             num_requests,
             num_heads,
             num_kv_heads,
@@ -180,9 +192,33 @@ class CpuAttention:
         )
         return out
 
+    @staticmethod
+    def _check_cascade(starts, init_out, init_lse, seq_lens, query, block_size) -> None:
+        num, heads, dim = seq_lens.shape[0], query.shape[1], query.shape[2]
+        expected = (
+            ("starts", starts, torch.int32, (num,)),
+            ("init_out", init_out, torch.float32, (num, heads, dim)),
+            ("init_lse", init_lse, torch.float32, (num, heads)),
+        )
+        for name, t, dtype, shape in expected:
+            if t is None or t.dtype != dtype or tuple(t.shape) != shape:
+                got = "None" if t is None else f"{t.dtype} {tuple(t.shape)}"
+                raise KernelInputError(
+                    f"{name} is {got}; a cascade needs starts, init_out and init_lse, here "
+                    f"{dtype} {shape}.",
+                    arg=name,
+                )
+            if t.device.type != "cpu" or not t.is_contiguous():
+                raise KernelInputError(f"{name} must be a contiguous CPU tensor.", arg=name)
+        if (starts < 0).any() or (starts > seq_lens).any() or (starts % block_size).any():
+            raise KernelInputError(
+                f"starts must be multiples of block_size ({block_size}) in [0, seq_lens].",
+                arg="starts",
+            )
+
 
 @functools.cache
-def cpu_attention(build_dir: Path) -> CpuAttention:
+def load_cpu_attention(build_dir: Path) -> CpuAttention:
     """Build (once per source, flags and CPU) and load the CPU attention kernel. Raises
     KernelBuildError with the compiler's message when it cannot be built."""
     return CpuAttention(_build(Path(build_dir)))

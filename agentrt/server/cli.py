@@ -44,6 +44,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
     engine.add_argument("--no-prefix-caching", action="store_true")
     engine.add_argument(
+        "--no-jump-forward", action="store_true", help="sample even the tokens a grammar forces"
+    )
+    engine.add_argument(
         "--attention-backend", default="auto", choices=["auto", "cpu", "torch", "triton"]
     )
     engine.add_argument("--seed", type=int, default=0)
@@ -77,6 +80,7 @@ def run_serve(args: argparse.Namespace) -> int:
             "block_size": args.block_size,
             "scheduling_policy": args.scheduling_policy,
             "enable_prefix_caching": not args.no_prefix_caching,
+            "jump_forward": not args.no_jump_forward,
             "attention_backend": args.attention_backend,
             "seed": args.seed,
         },

@@ -9,12 +9,13 @@ import pytest
 import torch
 
 from agentrt.engine.attention import (
+    AttentionMetadata,
     CpuAttentionBackend,
     TorchAttentionBackend,
     get_attention_backend,
 )
 from agentrt.engine.errors import ConfigError
-from agentrt.kernels import cpu_attention
+from agentrt.kernels import load_cpu_attention, paged_attention_ref
 
 CPU = torch.device("cpu")
 
@@ -24,9 +25,9 @@ def no_compiler(tmp_path, monkeypatch):
     """A fresh kernel cache and a C compiler that always fails."""
     monkeypatch.setenv("AGENTRT_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("CC", "false")
-    cpu_attention.cache_clear()
+    load_cpu_attention.cache_clear()
     yield
-    cpu_attention.cache_clear()
+    load_cpu_attention.cache_clear()
 
 
 def test_auto_picks_the_cpu_kernel_on_the_cpu():
@@ -50,3 +51,63 @@ def test_explicit_cpu_backend_raises_when_the_kernel_cannot_build(no_compiler):
 def test_unknown_backend_names_the_choices():
     with pytest.raises(ConfigError, match="expected 'auto' or one of"):
         get_attention_backend("flash", CPU)
+
+
+def _step_metadata(chunks, block_size):
+    """AttentionMetadata for chunks of (block table, context length, query length)."""
+    tables = [t for t, _, _ in chunks]
+    width = max(map(len, tables))
+    slots, starts = [], [0]
+    for table, context, num in chunks:
+        slots += [
+            table[p // block_size] * block_size + p % block_size
+            for p in range(context, context + num)
+        ]
+        starts.append(starts[-1] + num)
+    return AttentionMetadata(
+        slot_mapping=torch.tensor(slots),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32),
+        seq_lens=torch.tensor([c + n for _, c, n in chunks], dtype=torch.int32),
+        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
+        max_seq_len=max(c + n for _, c, n in chunks),
+        query_lens=[n for _, _, n in chunks],
+        context_lens=[c for _, c, _ in chunks],
+        block_size=block_size,
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_backend_cascade_matches_the_reference(dtype):
+    """One step mixing: 5 decodes over a 20-block shared prefix, 4 rows over another
+    (one a 3-token jump-forward chunk), 2 decodes with their own blocks and a 40-token
+    prefill. The shared prefixes are found and attended once; every row matches the
+    kernels package's reference attention."""
+    torch.manual_seed(0)
+    bs, kv_heads, group, dim = 16, 3, 3, 64
+    cache = torch.randn(400, 2, bs, kv_heads, dim).to(dtype)
+    free = iter(range(100, 400))
+
+    def table(prefix, length):
+        return prefix + [next(free) for _ in range(-(-length // bs) - len(prefix))]
+
+    prefix_a, prefix_b = list(range(0, 20)), list(range(40, 46))
+    chunks = [(table(prefix_a, n), n - 1, 1) for n in (330, 400, 345, 500, 321)]
+    chunks += [(table(prefix_b, n), n - q, q) for n, q in ((120, 1), (99, 3), (97, 1), (200, 1))]
+    chunks += [(table([], n), n - 1, 1) for n in (50, 81)]
+    chunks += [(table(prefix_b, 140), 100, 40)]
+    meta = _step_metadata(chunks, bs)
+    num_tokens = int(meta.query_start_loc[-1])
+    q = torch.randn(num_tokens, kv_heads * group, dim).to(dtype)
+    k, v = (torch.randn(num_tokens, kv_heads, dim).to(dtype) for _ in range(2))
+
+    backend = get_attention_backend("cpu", CPU)
+    backend.prepare(meta)
+    prefixes = meta.decode_rows.prefixes
+    assert sorted((len(p.rows), len(p.blocks)) for p in prefixes) == [(5, 20), (6, 6)]
+    out = backend.forward(q, k, v, cache, meta, dim**-0.5)
+
+    expected = paged_attention_ref(
+        q, cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, dim**-0.5
+    )
+    accuracy = {} if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(out, expected, **accuracy)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from agentrt.kernels import KernelBuildError, KernelInputError, cpu_attention
+from agentrt.kernels import KernelBuildError, KernelInputError, load_cpu_attention
 from agentrt.kernels.cpu_attention import CpuAttention
 
 SEQ_LENS = [[1], [37, 5, 70], [200, 16, 17, 33, 1, 96]]
@@ -14,7 +14,7 @@ SEQ_LENS = [[1], [37, 5, 70], [200, 16, 17, 33, 1, 96]]
 
 @pytest.fixture(scope="module")
 def kernel(tmp_path_factory) -> CpuAttention:
-    return cpu_attention(tmp_path_factory.mktemp("kernels"))
+    return load_cpu_attention(tmp_path_factory.mktemp("kernels"))
 
 
 @pytest.fixture
@@ -87,6 +87,30 @@ def test_paged_decode_writes_only_the_decode_rows(kernel, cpu_batch, dense):
     torch.testing.assert_close(out[5:].double(), dense(batch, scale=0.125)[5:], atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cascade_state_continues_the_softmax_exactly(kernel, cpu_batch, dense, tol, dtype):
+    """Rows with starts > 0 take the attention over their first positions from init_out /
+    init_lse (here from dense float64 attention) and attend only the rest; row 1 starts
+    past its whole context, row 2 at 0."""
+    seq_lens = [70, 32, 45]
+    batch = cpu_batch(seq_lens, [1, 1, 1], 6, 2, 64, 16, dtype)
+    starts = torch.tensor([48, 32, 0], dtype=torch.int32)
+    init_out = torch.zeros(3, 6, 64)
+    init_lse = torch.zeros(3, 6)
+    for i, start in enumerate(starts.tolist()):
+        if start:
+            k, v = batch.keys[i][:start].double(), batch.values[i][:start].double()
+            q = batch.query[i].double().view(2, 3, 64)
+            scores = torch.einsum("hgd,thd->hgt", q, k) * 0.125
+            init_lse[i] = torch.logsumexp(scores, -1).reshape(6).float()
+            init_out[i] = torch.einsum("hgt,thd->hgd", scores.softmax(-1), v).reshape(6, 64).float()
+    out = kernel.paged_decode(
+        *decode_args(batch), 0.125, torch.empty_like(batch.query), starts, init_out, init_lse
+    )
+    accuracy = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else tol(dtype)
+    torch.testing.assert_close(out.double(), dense(batch, scale=0.125), **accuracy)
+
+
 def test_paged_decode_rejects_bad_input(kernel, cpu_batch):
     batch = cpu_batch([20, 7], [1, 1], 4, 2, 64, 16, torch.float32)
     query, cache, index, lens, tables = decode_args(batch)
@@ -114,24 +138,32 @@ def test_paged_decode_rejects_bad_input(kernel, cpu_batch):
         call(block_tables=torch.cat([tables, tables], dim=1)[:, ::2])
     with pytest.raises(KernelInputError, match="GQA groups"):
         call(query=torch.randn(2, 3, 64), out=torch.empty(2, 3, 64))
+    starts = torch.tensor([16, 0], dtype=torch.int32)
+    state = dict(init_out=torch.zeros(2, 4, 64), init_lse=torch.zeros(2, 4))
+    with pytest.raises(KernelInputError, match="init_lse is None; a cascade needs"):
+        call(starts=starts, init_out=state["init_out"])
+    with pytest.raises(KernelInputError, match="starts must be multiples of block_size"):
+        call(starts=torch.tensor([8, 0], dtype=torch.int32), **state)
+    with pytest.raises(KernelInputError, match="starts must be multiples of block_size"):
+        call(starts=torch.tensor([32, 0], dtype=torch.int32), **state)  # past seq_lens[0]
 
 
 def test_build_is_cached_per_source_and_cpu(tmp_path):
-    first = cpu_attention(tmp_path)
+    first = load_cpu_attention(tmp_path)
     assert first.path.parent == tmp_path and first.path.suffix == ".so"
     mtime = first.path.stat().st_mtime_ns
-    cpu_attention.cache_clear()
-    again = cpu_attention(tmp_path)
+    load_cpu_attention.cache_clear()
+    again = load_cpu_attention(tmp_path)
     assert again.path == first.path and again.path.stat().st_mtime_ns == mtime  # not rebuilt
     assert [p.name for p in tmp_path.iterdir()] == [first.path.name]  # no temporary left
 
 
 def test_build_errors_name_the_compiler(tmp_path, monkeypatch):
-    cpu_attention.cache_clear()
+    load_cpu_attention.cache_clear()
     monkeypatch.setenv("CC", "no-such-compiler-xyz")
     with pytest.raises(KernelBuildError, match="no C compiler 'no-such-compiler-xyz'"):
-        cpu_attention(tmp_path / "a")
+        load_cpu_attention(tmp_path / "a")
     monkeypatch.setenv("CC", "false")  # a "compiler" that fails
     with pytest.raises(KernelBuildError, match="compiling cpu_attention.c with 'false' failed"):
-        cpu_attention(tmp_path / "b")
+        load_cpu_attention(tmp_path / "b")
     assert not any((tmp_path / "b").iterdir())  # the failed build left nothing behind
