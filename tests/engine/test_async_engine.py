@@ -8,7 +8,12 @@ import anyio
 import pytest
 
 from agentrt.engine.async_engine import AsyncEngine
-from agentrt.engine.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
+from agentrt.engine.errors import (
+    EngineDeadError,
+    EngineOverloadedError,
+    InvalidRequestError,
+    ModelLoadError,
+)
 from agentrt.engine.llm import LLM
 from agentrt.engine.sampling_params import SamplingParams
 
@@ -175,3 +180,32 @@ async def test_a_request_that_fails_inside_the_engine_fails_alone(smollm2_llm: L
             del engine.engine.engine_core.add_request
         assert out.outputs[0].finish_reason == "length" and not engine.is_dead
         await engine.call(lambda e: e.kv_manager.check_invariants())
+
+
+async def test_the_model_is_built_on_the_engine_thread(tiny_checkpoint, monkeypatch):
+    """torch's OpenMP runtime keeps a worker team per thread that ran parallel work; a second
+    team (from building on another thread) throttles spin-waiting and slows every step."""
+    import threading
+
+    from agentrt.engine import async_engine
+
+    built_on = []
+    real = async_engine.LLMEngine
+
+    def recording(*args, **kwargs):
+        built_on.append(threading.current_thread().name)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(async_engine, "LLMEngine", recording)
+    path = str(tiny_checkpoint("llama"))
+    async with AsyncEngine(path, dtype="float32", kv_cache_memory_gb=0.01) as engine:
+        assert await engine.call(lambda _: threading.current_thread().name) == "agentrt-engine"
+    assert built_on == ["agentrt-engine"]
+
+
+async def test_a_model_that_fails_to_load_raises_and_stops_the_thread(tmp_path):
+    engine = AsyncEngine(str(tmp_path / "no-such-model"))
+    with pytest.raises(ModelLoadError, match="no-such-model"):
+        async with engine:
+            pass
+    assert not engine._thread.is_alive()
