@@ -94,6 +94,18 @@ class AttentionMetadata:
     decode_groups: list[DecodeGroup] | None = None
     decode_rows: DecodeRows | None = None
     prefill_rows: list[int] | None = None
+    prefill_masks: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def causal_mask(self, row: int, dtype: torch.dtype) -> torch.Tensor:
+        """The additive mask (Tq, L) of a prefill chunk after cached context: 0 where query
+        i may see key j (j <= context + i), -inf elsewhere. Built once per step, reused by
+        every layer (SDPA would otherwise convert a boolean mask in each call)."""
+        if row not in self.prefill_masks:
+            context, seq_len = self.context_lens[row], self.context_lens[row] + self.query_lens[row]
+            hidden = torch.arange(seq_len)[None, :] > torch.arange(context, seq_len)[:, None]
+            mask = torch.zeros(hidden.shape, dtype=dtype).masked_fill_(hidden, float("-inf"))
+            self.prefill_masks[row] = mask
+        return self.prefill_masks[row]
 
     def prepare_torch(self, *, max_kernel_query_len: int = 0) -> None:
         """Derive the cache rows of the new K/V and split the chunks: with
@@ -223,10 +235,7 @@ class TorchAttentionBackend:
                 o = _sdpa(q, k, v, is_causal=True, scale=scale)
             else:
                 k, v = self._gather_context(kv_cache, meta, row)  # (KVH, L, D)
-                seq_len = k.shape[1]
-                query_pos = torch.arange(context_len, seq_len)[:, None]
-                mask = torch.arange(seq_len)[None, :] <= query_pos  # (Tq, L)
-                o = _sdpa(q, k, v, attn_mask=mask, scale=scale)
+                o = _sdpa(q, k, v, attn_mask=meta.causal_mask(row, query.dtype), scale=scale)
             out[start:end] = o.transpose(0, 1)
         return out
 
