@@ -194,7 +194,8 @@ class AttentionMetadata:
 
 def _sdpa(q, k, v, **options) -> torch.Tensor:
     """SDPA of one request, q (H, Tq, D) over k, v (KVH, L, D). Given a batch dim, torch
-    runs its flash kernel on the CPU (about twice as fast here); 3-D inputs take the math path."""
+    runs its flash kernel on the CPU (about twice as fast here); 3-D inputs take the math
+    path."""
     gqa = q.shape[0] != k.shape[0]
     return F.scaled_dot_product_attention(q[None], k[None], v[None], enable_gqa=gqa, **options)[0]
 

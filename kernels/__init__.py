@@ -4,9 +4,9 @@ Public functions dispatch per call (Triton on CUDA tensors, the reference elsewh
 `reshape_and_cache`, `paged_attention`, `apply_token_bitmask`, `rms_norm`,
 `rotary_embedding`. The `*_ref` references are exported too. Importing this package needs
 neither CUDA nor Triton; the Triton kernels live in the `triton_*` modules, which import
-Triton themselves and are loaded on first use. `load_cpu_attention(build_dir)` builds and loads
-the C paged-decode kernel the engine's CPU attention backend uses. This package imports
-nothing local.
+Triton themselves and are loaded on first use. `load_cpu_attention(build_dir)` builds and
+loads the C paged-decode kernel that the engine's CPU attention backend uses. This package
+imports nothing local.
 """
 
 from __future__ import annotations
