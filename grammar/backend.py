@@ -16,6 +16,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from .bitmask import pack_bits
 from .limits import RunLimits
 
 
@@ -44,7 +45,7 @@ class TokenizerData:
 def digit_tables(token_bytes: tuple[bytes, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per-token digit facts used to cap digit runs (see RunLimits.max_digit_run)."""
     n = len(token_bytes)
-    starts = np.zeros(((n + 31) // 32) * 32, dtype=bool)
+    starts = np.zeros(n, dtype=bool)
     only = np.zeros(n, dtype=bool)
     tail = np.zeros(n, dtype=np.int32)
     for i, data in enumerate(token_bytes):
@@ -53,8 +54,7 @@ def digit_tables(token_bytes: tuple[bytes, ...]) -> tuple[np.ndarray, np.ndarray
         stripped = data.rstrip(b"0123456789")
         tail[i] = len(data) - len(stripped)
         only[i] = bool(data) and not stripped
-    words = np.packbits(starts.reshape(-1, 32)[:, ::-1], axis=1).view(">u4").astype(np.uint32)
-    return words.reshape(-1), only, tail
+    return pack_bits(starts), only, tail
 
 
 class BackendMatcher(Protocol):

@@ -13,6 +13,14 @@ def bitmask_words(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
 
+def pack_bits(flags: np.ndarray) -> np.ndarray:
+    """A bool vector (one flag per token) as uint32 words in this layout."""
+    padded = np.zeros(bitmask_words(flags.size) * 32, dtype=bool)
+    padded[: flags.size] = flags
+    words = np.packbits(padded.reshape(-1, 32)[:, ::-1], axis=1).view(">u4")
+    return words.astype(np.uint32).reshape(-1)
+
+
 def allocate_bitmask(rows: int, vocab_size: int) -> np.ndarray:
     """A C-contiguous int32 `[rows, ceil(vocab_size/32)]` bitmask with every token allowed."""
     if rows < 1 or vocab_size < 1:

@@ -60,14 +60,6 @@ _SHAPE_KEYS = frozenset(
         "contains", "unevaluatedItems",
     }
 )  # fmt: skip
-# Keywords that may need (or name) undeclared keys: an object holding them stays open.
-_OPEN_KEYS = frozenset(
-    {
-        "patternProperties", "propertyNames", "dependentRequired", "dependencies",
-        "dependentSchemas", "unevaluatedProperties", "minProperties", "if", "then", "else",
-        "not", "$ref",
-    }
-)  # fmt: skip
 # Keywords next to which undeclared keys are left alone (they may need or name them).
 _MAP_KEEP = frozenset(
     {
@@ -75,6 +67,8 @@ _MAP_KEEP = frozenset(
         "if", "then", "else", "not", "$ref",
     }
 )  # fmt: skip
+# Keywords that may need (or name) undeclared keys: an object holding them stays open.
+_OPEN_KEYS = _MAP_KEEP | {"patternProperties", "propertyNames", "minProperties"}
 _BRANCH_KEYS = ("anyOf", "oneOf", "allOf")
 
 

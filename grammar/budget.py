@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from .bitmask import pack_bits
+
 if TYPE_CHECKING:
     from .matcher import GrammarMatcher
 
@@ -55,7 +57,7 @@ def finish_tables(
     """
     stops = set(stop_ids)
     closers, others = [], []
-    openers = np.zeros(((len(token_bytes) + 31) // 32) * 32, dtype=bool)
+    openers = np.zeros(len(token_bytes), dtype=bool)
     for i, data in enumerate(token_bytes):
         if not data or i in stops:
             continue
@@ -66,9 +68,7 @@ def finish_tables(
             others.append((len(data), i))
         openers[i] = not _OPENERS.isdisjoint(data)
     order = [key[-1] for key in sorted(closers)] + [i for _, i in sorted(others)]
-    rank = np.array(order, dtype=np.int32)
-    words = np.packbits(openers.reshape(-1, 32)[:, ::-1], axis=1).view(">u4").astype(np.uint32)
-    return rank, words.reshape(-1)
+    return np.array(order, dtype=np.int32), pack_bits(openers)
 
 
 def completion(matcher: GrammarMatcher, limit: int, scratch: np.ndarray) -> list[int] | None:
@@ -160,7 +160,7 @@ class BudgetSteer:
     ) -> None:
         """Narrow `bitmask[row]` (already filled) so the output can end within
         `tokens_left` tokens, the stop token included."""
-        if tokens_left > min(STEER_WINDOW, self._search_at):
+        if tokens_left > self._search_at:  # never above STEER_WINDOW
             if self._refusing:
                 self._refuse_openers(matcher, bitmask, row)
             return

@@ -2,8 +2,8 @@
 
 For JSON schemas: limits check -> normalize -> (generation bounds, when asked for) -> for
 each backend in preference order, relax to what it enforces and try it; the first that
-compiles wins. Other kinds map to a
-regex or grammar text and go to the first backend that reads it.
+compiles wins. Other kinds map to a regex or grammar text and go to the first backend that
+reads it.
 """
 
 from __future__ import annotations
@@ -185,8 +185,9 @@ def _route(
         report = base.copy()
         relaxed = relax_for(name, schema, report, drop)
         # xgrammar and outlines approximate some keywords they claim: always check.
-        gate = bool(report.build(name).post_checked) or name != "llguidance"
-        entries = [list(dataclasses.astuple(e)) for e in report.build(name).entries]
+        built = report.build(name)
+        gate = bool(built.post_checked) or name != "llguidance"
+        entries = [list(dataclasses.astuple(e)) for e in built.entries]
         source = RoutedSource(name, "json", json.dumps(relaxed), entries, gate)
         try:
             return source, build(source, get_backend, runs)
