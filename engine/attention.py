@@ -59,6 +59,7 @@ class SharedPrefix:
     cache): attended once for all of them, as one matrix product per KV head."""
 
     rows: torch.Tensor  # (n,) int64 indices into DecodeRows
+    token_index: torch.Tensor  # (n,) int64 their flat query rows
     blocks: torch.Tensor  # (P,) int64 the shared block ids, in order
 
 
@@ -138,7 +139,7 @@ class AttentionMetadata:
         rows = [i for i, q in enumerate(self.query_lens) if q <= limit]
         if not rows:
             return None
-        if len(rows) == len(self.query_lens) and max(self.query_lens) == 1:
+        if max(self.query_lens) == 1:
             return DecodeRows(  # a decode-only step: every row as it is
                 token_index=torch.arange(len(rows)),
                 seq_lens=self.seq_lens,
@@ -173,7 +174,9 @@ class AttentionMetadata:
             num_blocks = min(num_blocks, int(rows.seq_lens.index_select(0, members).min()) // bs)
             if num_blocks >= CASCADE_MIN_BLOCKS:
                 blocks = group[0, :num_blocks].to(torch.int64)
-                prefixes.append(SharedPrefix(members, blocks))
+                prefixes.append(
+                    SharedPrefix(members, rows.token_index.index_select(0, members), blocks)
+                )
         if prefixes:
             starts = torch.zeros_like(rows.seq_lens)
             for prefix in prefixes:
@@ -301,7 +304,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
             init_out = torch.empty(num, heads, dim)
             init_lse = torch.empty(num, heads)
             for prefix in rows.prefixes:
-                q = query.index_select(0, rows.token_index.index_select(0, prefix.rows))
+                q = query.index_select(0, prefix.token_index)
                 o, lse = prefix_attention(q, kv_cache, prefix.blocks, scale)
                 init_out[prefix.rows] = o
                 init_lse[prefix.rows] = lse

@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import math
 import mmap
+from collections.abc import Sequence
 
 import torch
 
@@ -13,7 +14,7 @@ from agentrt.engine.attention import AttentionMetadata, get_attention_backend
 from agentrt.engine.config import CacheConfig
 from agentrt.engine.model.arch import ModelArchConfig
 from agentrt.engine.model.llama import LlamaForCausalLM
-from agentrt.engine.records import ModelInput, SchedulerOutput
+from agentrt.engine.records import ModelInput, ScheduledChunk, SchedulerOutput
 
 
 def kv_block_bytes(arch: ModelArchConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -76,55 +77,61 @@ class ModelRunner:
         shape = (num_blocks, 2, block_size, arch.num_kv_heads, arch.head_dim)
         self.kv_caches = [allocate_zeros(shape, dtype, device) for _ in range(arch.num_layers)]
 
-    def prepare_input(self, scheduler_output: SchedulerOutput) -> ModelInput:
-        bs = self.block_size
-        chunks = scheduler_output.chunks
-        input_ids = list(itertools.chain.from_iterable(c.token_ids for c in chunks))
-        positions: list[int] = []
-        slot_mapping: list[int] = []
-        query_lens, context_lens, seq_lens, logits_indices = [], [], [], []
-        cu = [0]
-        for chunk in chunks:
-            n = len(chunk.token_ids)
-            span = range(chunk.start_pos, chunk.start_pos + n)
-            positions.extend(span)
-            slot_mapping.extend(chunk.block_ids[p // bs] * bs + p % bs for p in span)
-            query_lens.append(n)
-            context_lens.append(chunk.start_pos)
-            seq_lens.append(chunk.start_pos + n)
-            cu.append(cu[-1] + n)
-            if chunk.sample:
-                logits_indices.append(cu[-1] - 1)
-        max_blocks = max(len(c.block_ids) for c in chunks)
-        block_tables = [c.block_ids + [0] * (max_blocks - len(c.block_ids)) for c in chunks]
-        dev = self.device
-        return ModelInput(
-            input_ids=torch.tensor(input_ids, dtype=torch.int64, device=dev),
-            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
-            slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=dev),
-            query_start_loc=torch.tensor(cu, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=torch.tensor(block_tables, dtype=torch.int32, device=dev),
-            logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=dev),
-            query_lens=query_lens,
-            context_lens=context_lens,
-            max_seq_len=max(seq_lens),
-        )
-
     def execute(self, scheduler_output: SchedulerOutput) -> torch.Tensor:
         """Run one step. Returns fp32 logits (S, vocab), one row per chunk with
         `sample=True`, in chunk order."""
-        inp = self.prepare_input(scheduler_output)
-        meta = AttentionMetadata(
-            slot_mapping=inp.slot_mapping,
-            query_start_loc=inp.query_start_loc,
-            seq_lens=inp.seq_lens,
-            block_tables=inp.block_tables,
-            max_seq_len=inp.max_seq_len,
-            query_lens=inp.query_lens,
-            context_lens=inp.context_lens,
-            block_size=self.block_size,
-        )
+        inp = prepare_input(scheduler_output.chunks, self.block_size, self.device)
+        meta = attention_metadata(inp, self.block_size)
         self.attention.prepare(meta)
         hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, meta, self.attention)
         return self.model.compute_logits(hidden.index_select(0, inp.logits_indices))
+
+
+def prepare_input(
+    chunks: Sequence[ScheduledChunk], block_size: int, device: torch.device
+) -> ModelInput:
+    """One step's chunks as a flat varlen batch."""
+    bs = block_size
+    input_ids = list(itertools.chain.from_iterable(c.token_ids for c in chunks))
+    positions: list[int] = []
+    slot_mapping: list[int] = []
+    query_lens, context_lens, seq_lens, logits_indices = [], [], [], []
+    cu = [0]
+    for chunk in chunks:
+        n = len(chunk.token_ids)
+        span = range(chunk.start_pos, chunk.start_pos + n)
+        positions.extend(span)
+        slot_mapping.extend(chunk.block_ids[p // bs] * bs + p % bs for p in span)
+        query_lens.append(n)
+        context_lens.append(chunk.start_pos)
+        seq_lens.append(chunk.start_pos + n)
+        cu.append(cu[-1] + n)
+        if chunk.sample:
+            logits_indices.append(cu[-1] - 1)
+    max_blocks = max(len(c.block_ids) for c in chunks)
+    block_tables = [c.block_ids + [0] * (max_blocks - len(c.block_ids)) for c in chunks]
+    return ModelInput(
+        input_ids=torch.tensor(input_ids, dtype=torch.int64, device=device),
+        positions=torch.tensor(positions, dtype=torch.int64, device=device),
+        slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=device),
+        query_start_loc=torch.tensor(cu, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        block_tables=torch.tensor(block_tables, dtype=torch.int32, device=device),
+        logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=device),
+        query_lens=query_lens,
+        context_lens=context_lens,
+        max_seq_len=max(seq_lens),
+    )
+
+
+def attention_metadata(inp: ModelInput, block_size: int) -> AttentionMetadata:
+    return AttentionMetadata(
+        slot_mapping=inp.slot_mapping,
+        query_start_loc=inp.query_start_loc,
+        seq_lens=inp.seq_lens,
+        block_tables=inp.block_tables,
+        max_seq_len=inp.max_seq_len,
+        query_lens=inp.query_lens,
+        context_lens=inp.context_lens,
+        block_size=block_size,
+    )

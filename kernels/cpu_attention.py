@@ -53,22 +53,27 @@ def _build(build_dir: Path) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=build_dir)
     os.close(fd)
     try:
-        done = subprocess.run(
-            [compiler, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True
-        )
-        if done.returncode != 0:
-            raise KernelBuildError(
-                f"compiling {SOURCE.name} with {compiler!r} failed:\n{done.stderr.strip()[-2000:]}"
-            )
+        _compile(compiler, tmp)
         os.replace(tmp, target)
-    except FileNotFoundError as exc:
-        raise KernelBuildError(
-            f"no C compiler {compiler!r} to build {SOURCE.name} (set $CC or install gcc)."
-        ) from exc
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return target
+
+
+def _compile(compiler: str, output: str) -> None:
+    try:
+        done = subprocess.run(
+            [compiler, *FLAGS, str(SOURCE), "-o", output], capture_output=True, text=True
+        )
+    except FileNotFoundError as exc:
+        raise KernelBuildError(
+            f"no C compiler {compiler!r} to build {SOURCE.name} (set $CC or install gcc)."
+        ) from exc
+    if done.returncode != 0:
+        raise KernelBuildError(
+            f"compiling {SOURCE.name} with {compiler!r} failed:\n{done.stderr.strip()[-2000:]}"
+        )
 
 
 class CpuAttention:

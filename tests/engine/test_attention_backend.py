@@ -9,12 +9,13 @@ import pytest
 import torch
 
 from agentrt.engine.attention import (
-    AttentionMetadata,
     CpuAttentionBackend,
     TorchAttentionBackend,
     get_attention_backend,
 )
 from agentrt.engine.errors import ConfigError
+from agentrt.engine.model_runner import attention_metadata, prepare_input
+from agentrt.engine.records import ScheduledChunk
 from agentrt.kernels import load_cpu_attention, paged_attention_ref
 
 CPU = torch.device("cpu")
@@ -54,26 +55,13 @@ def test_unknown_backend_names_the_choices():
 
 
 def _step_metadata(chunks, block_size):
-    """AttentionMetadata for chunks of (block table, context length, query length)."""
-    tables = [t for t, _, _ in chunks]
-    width = max(map(len, tables))
-    slots, starts = [], [0]
-    for table, context, num in chunks:
-        slots += [
-            table[p // block_size] * block_size + p % block_size
-            for p in range(context, context + num)
-        ]
-        starts.append(starts[-1] + num)
-    return AttentionMetadata(
-        slot_mapping=torch.tensor(slots),
-        query_start_loc=torch.tensor(starts, dtype=torch.int32),
-        seq_lens=torch.tensor([c + n for _, c, n in chunks], dtype=torch.int32),
-        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
-        max_seq_len=max(c + n for _, c, n in chunks),
-        query_lens=[n for _, _, n in chunks],
-        context_lens=[c for _, c, _ in chunks],
-        block_size=block_size,
-    )
+    """The engine's AttentionMetadata for chunks of (block table, context length, query
+    length), as ModelRunner.execute builds it."""
+    scheduled = [
+        ScheduledChunk(str(i), [0] * num, context, table, True)
+        for i, (table, context, num) in enumerate(chunks)
+    ]
+    return attention_metadata(prepare_input(scheduled, block_size, CPU), block_size)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
