@@ -34,8 +34,8 @@ def allocate_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.dev
     """Zeroed KV memory. On the CPU an anonymous mapping: pages are zero-filled lazily, so a
     large pool costs nothing until blocks are used (torch.zeros would write every byte up
     front), and where the OS supports it they are transparent huge pages, which makes both
-    the first write of a block and attention's scattered block reads cheaper (~20% for the
-    decode kernel: fewer page faults and TLB misses).
+    the first write of a block and attention's scattered block reads cheaper (measured ~20%
+    faster decode attention: fewer page faults and TLB misses).
     Zeros matter: attention multiplies masked-out slots by probability 0, and 0 * NaN from
     uninitialised memory would poison the output."""
     if device.type != "cpu":
@@ -73,7 +73,7 @@ class ModelRunner:
         self.model = model.to(dtype).eval()
         self.model.rotary.cos = self.model.rotary.cos.to(device)
         self.model.rotary.sin = self.model.rotary.sin.to(device)
-        self.attention = get_attention_backend(attention_backend, device)
+        self.attention = get_attention_backend(attention_backend, device, arch, block_size)
         shape = (num_blocks, 2, block_size, arch.num_kv_heads, arch.head_dim)
         self.kv_caches = [allocate_zeros(shape, dtype, device) for _ in range(arch.num_layers)]
 

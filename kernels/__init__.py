@@ -5,13 +5,13 @@ Public functions dispatch per call (Triton on CUDA tensors, the reference elsewh
 `rotary_embedding`. The `*_ref` references are exported too. Importing this package needs
 neither CUDA nor Triton; the Triton kernels live in the `triton_*` modules, which import
 Triton themselves and are loaded on first use. `load_cpu_attention(build_dir)` builds and
-loads the C paged-decode kernel that the engine's CPU attention backend uses. This package
+loads the C paged-attention kernel that the engine's CPU attention backend uses. This package
 imports nothing local.
 """
 
 from __future__ import annotations
 
-from .cpu_attention import CpuAttention, load_cpu_attention
+from .cpu_attention import CpuAttention, load_cpu_attention, unsupported_shape
 from .dispatch import (
     apply_token_bitmask,
     paged_attention,
@@ -56,5 +56,6 @@ __all__ = [
     "rotary_embedding_ref",
     "triton_available",
     "unpack_bitmask",
+    "unsupported_shape",
     "uses_triton",
 ]

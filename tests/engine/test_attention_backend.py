@@ -14,6 +14,7 @@ from agentrt.engine.attention import (
     get_attention_backend,
 )
 from agentrt.engine.errors import ConfigError
+from agentrt.engine.model.arch import ModelArchConfig
 from agentrt.engine.model_runner import attention_metadata, prepare_input
 from agentrt.engine.records import ScheduledChunk
 from agentrt.kernels import load_cpu_attention, paged_attention_ref
@@ -44,6 +45,27 @@ def test_auto_falls_back_to_torch_when_the_kernel_cannot_build(no_compiler, capl
     assert "Falling back to the slower 'torch' attention backend" in caplog.text
 
 
+def test_auto_falls_back_to_torch_for_shapes_the_kernel_does_not_take(caplog):
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": 100,
+        "hidden_size": 288,
+        "intermediate_size": 64,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 4,
+        "head_dim": 72,  # not a multiple of 16
+        "rms_norm_eps": 1e-5,
+        "max_position_embeddings": 64,
+    }
+    arch = ModelArchConfig.from_hf_dict(config)
+    with caplog.at_level(logging.WARNING, logger="agentrt.engine.attention"):
+        backend = get_attention_backend("auto", CPU, arch, block_size=16)
+    assert type(backend) is TorchAttentionBackend
+    assert "head_dim 72" in caplog.text
+    with pytest.raises(ConfigError, match="head_dim a multiple of 16"):
+        get_attention_backend("cpu", CPU, arch, block_size=16)
+
+
 def test_explicit_cpu_backend_raises_when_the_kernel_cannot_build(no_compiler):
     with pytest.raises(ConfigError, match="attention_backend='cpu' is unavailable"):
         get_attention_backend("cpu", CPU)
@@ -65,11 +87,11 @@ def _step_metadata(chunks, block_size):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cpu_backend_cascade_matches_the_reference(dtype):
-    """One step mixing: 5 decodes over a 20-block shared prefix, 4 rows over another
-    (one a 3-token jump-forward chunk), 2 decodes with their own blocks and a 40-token
-    prefill. The shared prefixes are found and attended once; every row matches the
-    kernels package's reference attention."""
+def test_cpu_backend_step_matches_the_reference(dtype):
+    """One step as the engine builds it, mixing: 5 decodes over a 20-block shared prefix, 4
+    requests (6 query tokens: one is a 3-token jump-forward chunk) over another, 2 decodes
+    with their own blocks and a 40-token prefill after the second prefix. The new K/V are
+    written to the cache and every row matches the kernels package's reference attention."""
     torch.manual_seed(0)
     bs, kv_heads, group, dim = 16, 3, 3, 64
     cache = torch.randn(400, 2, bs, kv_heads, dim).to(dtype)
@@ -90,10 +112,11 @@ def test_cpu_backend_cascade_matches_the_reference(dtype):
 
     backend = get_attention_backend("cpu", CPU)
     backend.prepare(meta)
-    prefixes = meta.decode_rows.prefixes
-    assert sorted((len(p.rows), len(p.blocks)) for p in prefixes) == [(5, 20), (6, 6)]
     out = backend.forward(q, k, v, cache, meta, dim**-0.5)
 
+    slots = meta.slot_mapping
+    assert torch.equal(cache[slots // bs, 0, slots % bs], k)
+    assert torch.equal(cache[slots // bs, 1, slots % bs], v)
     expected = paged_attention_ref(
         q, cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, dim**-0.5
     )

@@ -55,7 +55,7 @@ def test_embedded_model_one_at_a_time_equals_hf(smollm2_llm, hf_reference):
         pytest.param({"num_kv_blocks": 12}, id="preemption"),
         pytest.param({"block_size": 32, "max_num_batched_tokens": 50}, id="block32"),
         pytest.param({"enable_prefix_caching": False}, id="no-prefix-cache"),
-        # The default on the CPU is the compiled decode kernel; the pure-torch path too.
+        # The default on the CPU is the compiled attention kernel; the pure-torch path too.
         pytest.param({"attention_backend": "torch"}, id="torch-attention"),
         pytest.param(
             {"long_prefill_token_threshold": 5, "scheduling_policy": "priority"},

@@ -1,7 +1,9 @@
-"""The C paged-decode kernel (kernels/cpu_attention.c) against naive dense attention, its
+"""The C paged-attention kernel (kernels/cpu_attention.c) against naive dense attention, its
 input checks, and its build (cache, compiler errors)."""
 
 from __future__ import annotations
+
+import platform
 
 import pytest
 import torch
@@ -9,7 +11,14 @@ import torch
 from agentrt.kernels import KernelBuildError, KernelInputError, load_cpu_attention
 from agentrt.kernels.cpu_attention import CpuAttention
 
-SEQ_LENS = [[1], [37, 5, 70], [200, 16, 17, 33, 1, 96]]
+# (seq_lens, query_lens): decodes; decodes and short chunks (jump-forward); prefills with and
+# without cached context, longer than a work item's tile of query tokens.
+BATCHES = [
+    ([1], [1]),
+    ([37, 5, 70], [1, 1, 1]),
+    ([200, 16, 17, 33, 1, 96], [1, 4, 1, 16, 1, 7]),
+    ([130, 61, 9], [130, 40, 2]),
+]
 
 
 @pytest.fixture(scope="module")
@@ -30,122 +39,93 @@ def cpu_batch(make_paged_batch):
     return build
 
 
-def decode_args(batch):
-    """The kernel's arguments for a decode-only batch (one query row per request)."""
-    num = batch.seq_lens.shape[0]
-    return (
-        batch.query,
-        batch.kv_cache,
-        torch.arange(num),
-        batch.seq_lens,
-        batch.block_tables.contiguous(),
-    )
+def attend(kernel, batch, scale, out=None):
+    out = torch.empty_like(batch.query) if out is None else out
+    args = (batch.query, batch.kv_cache, batch.query_start_loc, batch.seq_lens)
+    return kernel.paged_attention(*args, batch.block_tables, scale, out)
 
 
-@pytest.mark.parametrize("seq_lens", SEQ_LENS)
+@pytest.mark.parametrize("seq_lens,query_lens", BATCHES)
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (9, 3), (8, 1)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_paged_decode_matches_dense(
-    kernel, cpu_batch, dense, tol, seq_lens, num_heads, num_kv_heads, dtype
+def test_paged_attention_matches_dense(
+    kernel, cpu_batch, dense, tol, seq_lens, query_lens, num_heads, num_kv_heads, dtype
 ):
     # make_paged_batch fills unwritten slots and spare blocks with NaN: any read past a
     # context would show in the output.
-    batch = cpu_batch(seq_lens, [1] * len(seq_lens), num_heads, num_kv_heads, 64, 16, dtype)
+    batch = cpu_batch(seq_lens, query_lens, num_heads, num_kv_heads, 64, 16, dtype)
     out = torch.empty_like(batch.query)
-    returned = kernel.paged_decode(*decode_args(batch), 0.125, out)
-    assert returned is out
+    assert attend(kernel, batch, 0.125, out) is out
     assert not out.isnan().any()
-    expected = dense(batch, scale=0.125)
-    accuracy = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else tol(dtype)
-    torch.testing.assert_close(out.double(), expected, **accuracy)
-
-
-@pytest.mark.parametrize("head_dim,block_size", [(32, 8), (128, 32), (80, 16), (64, 128)])
-def test_paged_decode_other_head_dims_and_block_sizes(
-    kernel, cpu_batch, dense, head_dim, block_size
-):
-    batch = cpu_batch([150, 3, 64], [1, 1, 1], 6, 2, head_dim, block_size, torch.float32)
-    out = kernel.paged_decode(*decode_args(batch), head_dim**-0.5, torch.empty_like(batch.query))
-    torch.testing.assert_close(out.double(), dense(batch), atol=1e-5, rtol=1e-5)
-
-
-def test_paged_decode_writes_only_the_decode_rows(kernel, cpu_batch, dense):
-    """In a mixed step the prefill rows of `out` belong to another path: left untouched."""
-    batch = cpu_batch([40, 21, 9], [5, 1, 1], 4, 2, 64, 16, torch.float32)
-    out = torch.full_like(batch.query, 7.0)
-    rows = torch.tensor([1, 2])
-    kernel.paged_decode(
-        batch.query,
-        batch.kv_cache,
-        torch.tensor([5, 6]),  # the flat rows of requests 1 and 2
-        batch.seq_lens[rows].contiguous(),
-        batch.block_tables[rows].contiguous(),
-        0.125,
-        out,
-    )
-    assert (out[:5] == 7.0).all()
-    torch.testing.assert_close(out[5:].double(), dense(batch, scale=0.125)[5:], atol=1e-5, rtol=0)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cascade_state_continues_the_softmax_exactly(kernel, cpu_batch, dense, tol, dtype):
-    """Rows with starts > 0 take the attention over their first positions from init_out /
-    init_lse (here from dense float64 attention) and attend only the rest; row 1 starts
-    past its whole context, row 2 at 0."""
-    seq_lens = [70, 32, 45]
-    batch = cpu_batch(seq_lens, [1, 1, 1], 6, 2, 64, 16, dtype)
-    starts = torch.tensor([48, 32, 0], dtype=torch.int32)
-    init_out = torch.zeros(3, 6, 64)
-    init_lse = torch.zeros(3, 6)
-    for i, start in enumerate(starts.tolist()):
-        if start:
-            k, v = batch.keys[i][:start].double(), batch.values[i][:start].double()
-            q = batch.query[i].double().view(2, 3, 64)
-            scores = torch.einsum("hgd,thd->hgt", q, k) * 0.125
-            init_lse[i] = torch.logsumexp(scores, -1).reshape(6).float()
-            init_out[i] = torch.einsum("hgt,thd->hgd", scores.softmax(-1), v).reshape(6, 64).float()
-    out = kernel.paged_decode(
-        *decode_args(batch), 0.125, torch.empty_like(batch.query), starts, init_out, init_lse
-    )
     accuracy = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else tol(dtype)
     torch.testing.assert_close(out.double(), dense(batch, scale=0.125), **accuracy)
 
 
-def test_paged_decode_rejects_bad_input(kernel, cpu_batch):
-    batch = cpu_batch([20, 7], [1, 1], 4, 2, 64, 16, torch.float32)
-    query, cache, index, lens, tables = decode_args(batch)
+@pytest.mark.parametrize("head_dim,block_size", [(32, 8), (128, 32), (80, 16), (64, 128)])
+def test_paged_attention_other_head_dims_and_block_sizes(
+    kernel, cpu_batch, dense, head_dim, block_size
+):
+    batch = cpu_batch([150, 3, 64], [20, 1, 3], 6, 2, head_dim, block_size, torch.float32)
+    out = attend(kernel, batch, head_dim**-0.5)
+    torch.testing.assert_close(out.double(), dense(batch), atol=1e-5, rtol=1e-5)
+
+
+def test_paged_attention_writes_only_the_requests_rows(kernel, cpu_batch, dense):
+    """Rows of `out` that belong to no request (here 2 before and 3 after) are untouched."""
+    batch = cpu_batch([40, 21, 9], [5, 1, 1], 4, 2, 64, 16, torch.float32)
+    expected = dense(batch, scale=0.125)
+    batch.query = torch.cat([torch.zeros(2, 4, 64), batch.query, torch.zeros(3, 4, 64)])
+    batch.query_start_loc += 2
+    out = attend(kernel, batch, 0.125, torch.full_like(batch.query, 7.0))
+    assert (out[:2] == 7.0).all() and (out[-3:] == 7.0).all()
+    torch.testing.assert_close(out[2:-3].double(), expected, atol=1e-5, rtol=0)
+
+
+def test_paged_attention_rejects_bad_input(kernel, cpu_batch):
+    batch = cpu_batch([20, 7], [3, 1], 4, 2, 64, 16, torch.float32)
+    names = ("query", "kv_cache", "query_start_loc", "seq_lens", "block_tables")
+    args = {name: getattr(batch, name) for name in names}
+    query, tables = batch.query, batch.block_tables
     out = torch.empty_like(query)
 
     def call(**changes):
-        args = dict(
-            query=query, kv_cache=cache, token_index=index, seq_lens=lens, block_tables=tables
-        )
-        return kernel.paged_decode(**(args | {"scale": 0.125, "out": out} | changes))
+        return kernel.paged_attention(**(args | {"scale": 0.125, "out": out} | changes))
 
-    with pytest.raises(KernelInputError, match="query has dtype torch.float16"):
-        call(query=query.half(), out=out.half())
-    with pytest.raises(KernelInputError, match="dtype and head_dim must match"):
+    with pytest.raises(KernelInputError, match="float32 or bfloat16"):
+        call(query=query.half(), kv_cache=batch.kv_cache.half(), out=out.half())
+    with pytest.raises(KernelInputError, match="query is torch.bfloat16 but kv_cache is"):
         call(query=query.bfloat16(), out=out.bfloat16())
-    with pytest.raises(KernelInputError, match="seq_lens must lie in"):
+    with pytest.raises(KernelInputError, match="seq_lens must hold"):
         call(seq_lens=torch.tensor([20, 10_000], dtype=torch.int32))
+    with pytest.raises(KernelInputError, match="seq_lens must hold"):
+        call(seq_lens=torch.tensor([2, 7], dtype=torch.int32))  # fewer than 3 query tokens
     with pytest.raises(KernelInputError, match="block_tables holds ids outside"):
         call(block_tables=tables + 1_000)
-    with pytest.raises(KernelInputError, match="token_index holds rows outside"):
-        call(token_index=torch.tensor([0, 2]))
+    with pytest.raises(KernelInputError, match="past query's 4 rows"):
+        call(query_start_loc=torch.tensor([0, 3, 5], dtype=torch.int32))
+    with pytest.raises(KernelInputError, match="non-decreasing"):
+        call(query_start_loc=torch.tensor([0, 3, 2], dtype=torch.int32))
     with pytest.raises(KernelInputError, match="seq_lens has dtype"):
-        call(seq_lens=lens.long())
-    with pytest.raises(KernelInputError, match="block_tables must be a contiguous"):
+        call(seq_lens=batch.seq_lens.long())
+    with pytest.raises(KernelInputError, match="block_tables has stride 2 in its last dim"):
         call(block_tables=torch.cat([tables, tables], dim=1)[:, ::2])
+    with pytest.raises(KernelInputError, match="block_tables must be a contiguous"):
+        call(block_tables=torch.cat([tables, tables], dim=1)[:, : tables.shape[1]])
     with pytest.raises(KernelInputError, match="GQA groups"):
-        call(query=torch.randn(2, 3, 64), out=torch.empty(2, 3, 64))
-    starts = torch.tensor([16, 0], dtype=torch.int32)
-    state = dict(init_out=torch.zeros(2, 4, 64), init_lse=torch.zeros(2, 4))
-    with pytest.raises(KernelInputError, match="init_lse is None; a cascade needs"):
-        call(starts=starts, init_out=state["init_out"])
-    with pytest.raises(KernelInputError, match="starts must be multiples of block_size"):
-        call(starts=torch.tensor([8, 0], dtype=torch.int32), **state)
-    with pytest.raises(KernelInputError, match="starts must be multiples of block_size"):
-        call(starts=torch.tensor([32, 0], dtype=torch.int32), **state)  # past seq_lens[0]
+        call(query=torch.randn(4, 34, 64), out=torch.empty(4, 34, 64))
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 compiler flags")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_portable_path_without_avx512(tmp_path, monkeypatch, cpu_batch, dense, tol, dtype):
+    """Built for a CPU without AVX-512 (so also without its bf16 dot products), the kernel's
+    portable vector code gives the same results."""
+    monkeypatch.setenv("AGENTRT_CPU_KERNEL_CFLAGS", "-mno-avx512f")
+    portable = load_cpu_attention(tmp_path)
+    batch = cpu_batch(*BATCHES[2], 9, 3, 64, 16, dtype)
+    accuracy = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else tol(dtype)
+    out = attend(portable, batch, 0.125)
+    torch.testing.assert_close(out.double(), dense(batch, scale=0.125), **accuracy)
 
 
 def test_build_is_cached_per_source_and_cpu(tmp_path):
