@@ -21,7 +21,7 @@ schema (`Record.model_validate_json`), and how often both sides extracted the sa
 where the HF model picks its own split, '{' then '"', and then conditions on it).
 Last line: a JSON object with every figure.
 
-    python benchmarks/extraction.py            # 128 documents: ~17 minutes on 2 busy cores
+    python benchmarks/extraction.py            # 128 documents: ~5 minutes on 2 cores
     python benchmarks/extraction.py --docs 8 --batch-size 4   # smoke test
 
 On a shared machine, compare with `--threads 1` too: when other processes hold the cores,
