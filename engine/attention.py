@@ -59,8 +59,9 @@ class AttentionMetadata:
     query_lens: list[int]
     context_lens: list[int]
     block_size: int
-    # Derived once per step for the torch backend.
+    # Derived once per step: by the torch and cpu backends (key_cache_rows, for write_kv)...
     key_rows: torch.Tensor | None = None  # (T,) row of each new K in the flat cache view
+    # ... and by the torch backend alone (prepare_torch).
     decode_groups: list[DecodeGroup] | None = None
     prefill_rows: list[int] | None = None
     prefill_masks: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -114,7 +115,9 @@ class AttentionMetadata:
         )
 
 
-def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, meta) -> None:
+def write_kv(
+    kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, meta: AttentionMetadata
+) -> None:
     """The step's new K/V into the cache, viewed as rows (NB * 2 * BS, KVH, D): K of slot s
     at block * 2 * BS + offset (meta.key_rows), its V one block_size further."""
     rows = kv_cache.view(-1, key.shape[1], key.shape[2])

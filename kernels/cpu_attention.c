@@ -173,6 +173,31 @@ static inline vf ld(const float *p) {
 
 static inline void st(float *p, vf v) { memcpy(p, &v, sizeof v); }
 
+// The query/out head of a work item's row r: token first + r / group, head
+// kv_head * group + r % group.
+static inline int64_t row_head(const Step *s, int64_t first, int64_t r, int64_t kv_head) {
+    const int64_t group = s->heads / s->kv_heads;
+    return (first + r / group) * s->heads + kv_head * group + r % group;
+}
+
+// Online softmax over one key group for one row: the first `visible` scores count, the rest
+// are masked. Updates the row's running max and sum, returns the group's weights and sets
+// *rescale to the factor the row's accumulator must be scaled by first (1 when the max did
+// not grow).
+static inline vf online_softmax(vf scores, int64_t visible, float *max, float *sum,
+                                float *rescale) {
+    const vi lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    const vi seen = lane < (vi){0} + (int32_t)visible;
+    scores = (vf)(((vi)scores & seen) | ((vi)splat(-1e30f) & ~seen));
+    const float block_max = hmax(scores);
+    const float new_max = block_max > *max ? block_max : *max;
+    const vf p = (vf)((vi)exp_neg(scores - new_max) & seen);
+    *rescale = new_max > *max ? exp_neg1(*max - new_max) : 1.0f;
+    *max = new_max;
+    *sum = *sum * *rescale + hadd(p);
+    return p;
+}
+
 // One work item: query tokens [first, first + tokens) (flat rows) of a request at positions
 // [pos0, pos0 + tokens), for the `group` query heads of KV head `kv_head`. Row r = token
 // (r / group), head (r % group) attends positions [0, its own position]. nv = head_dim / 16.
@@ -186,8 +211,7 @@ attend_tile(const Step *s, int64_t first, int64_t tokens, int64_t pos0, int64_t 
     float k[KEYS * MAX_HEAD_DIM], v[KEYS * MAX_HEAD_DIM];
     float max[MAX_ROWS], sum[MAX_ROWS];
     for (int64_t r = 0; r < rows; r++) {
-        // Row r's query/out head: token (first + r / group), head kv_head * group + r % group.
-        const int64_t head = (first + r / group) * s->heads + kv_head * group + r % group;
+        const int64_t head = row_head(s, first, r, kv_head);
         for (int c = 0; c < nv; c++) {
             const vf qc = load16(s->query + (head * dim + c * KEYS) * esize, s->dtype);
             st(q + r * dim + c * KEYS, qc * s->scale);
@@ -197,7 +221,6 @@ attend_tile(const Step *s, int64_t first, int64_t tokens, int64_t pos0, int64_t 
         sum[r] = 0.0f;
     }
     const int64_t end = pos0 + tokens; // keys [0, end) are visible to some row
-    const vi lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
     for (int64_t pos = 0, n; pos < end; pos += n) {
         const char *kp = key_group(s, pos, end, kv_head, dim, &n);
         const char *vp = kp + s->block * token_stride * esize;
@@ -220,30 +243,18 @@ attend_tile(const Step *s, int64_t first, int64_t tokens, int64_t pos0, int64_t 
                 for (int c = 1; c < nv; c++) d += ld(qr + c * KEYS) * ld(k + t * dim + c * KEYS);
                 dots[t] = d;
             }
-            vf scores = hsum16(dots);
-            const vi seen = lane < (vi){0} + (int32_t)visible;
-            scores = (vf)(((vi)scores & seen) | ((vi)splat(-1e30f) & ~seen));
-            const float block_max = hmax(scores);
-            const float new_max = block_max > max[r] ? block_max : max[r];
-            float p[KEYS];
-            st(p, (vf)((vi)exp_neg(scores - new_max) & seen));
+            float rescale, p[KEYS];
+            st(p, online_softmax(hsum16(dots), visible, &max[r], &sum[r], &rescale));
             float *ar = acc + r * dim;
-            if (new_max > max[r]) {
-                const float rescale = exp_neg1(max[r] - new_max);
-                sum[r] *= rescale;
-                for (int c = 0; c < nv; c++) st(ar + c * KEYS, ld(ar + c * KEYS) * rescale);
-                max[r] = new_max;
-            }
-            sum[r] += hadd(ld(p));
             for (int c = 0; c < nv; c++) {
-                vf a = ld(ar + c * KEYS);
+                vf a = ld(ar + c * KEYS) * rescale;
                 for (int64_t t = 0; t < visible; t++) a += p[t] * ld(v + t * dim + c * KEYS);
                 st(ar + c * KEYS, a);
             }
         }
     }
     for (int64_t r = 0; r < rows; r++) {
-        const int64_t head = (first + r / group) * s->heads + kv_head * group + r % group;
+        const int64_t head = row_head(s, first, r, kv_head);
         const float inv = 1.0f / sum[r];
         for (int64_t d = 0; d < dim; d++) {
             const float o = acc[r * dim + d] * inv;
@@ -314,14 +325,13 @@ attend_tile_bf16(const Step *s, int64_t first, int64_t tokens, int64_t pos0, int
     __m512i kt[MAX_HEAD_DIM / 2], vpair[KEYS / 2][MAX_HEAD_DIM / KEYS];
     float max[MAX_ROWS], sum[MAX_ROWS];
     for (int64_t r = 0; r < rows; r++) {
-        const int64_t head = (first + r / group) * s->heads + kv_head * group + r % group;
+        const int64_t head = row_head(s, first, r, kv_head);
         memcpy(q[r], (const uint16_t *)s->query + head * dim, dim * 2);
         max[r] = -1e30f;
         sum[r] = 0.0f;
         for (int64_t c = 0; c < nv; c++) acc[r][c] = _mm512_setzero_ps();
     }
     const int64_t end = pos0 + tokens;
-    const vi lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
     for (int64_t pos = 0, n; pos < end; pos += n) {
         const uint16_t *kp = (const uint16_t *)key_group(s, pos, end, kv_head, dim, &n);
         const uint16_t *vp = kp + s->block * token_stride;
@@ -353,31 +363,21 @@ attend_tile_bf16(const Step *s, int64_t first, int64_t tokens, int64_t pos0, int
                               _mm512_setzero_ps()};
             for (int64_t i = 0; i < dim / 2; i += 4)
                 for (int j = 0; j < 4; j++) part[j] = dot_pairs(part[j], kt[i + j], q[r][i + j]);
-            vf scores = (vf)((part[0] + part[1]) + (part[2] + part[3])) * s->scale;
-            const vi seen = lane < (vi){0} + (int32_t)visible;
-            scores = (vf)(((vi)scores & seen) | ((vi)splat(-1e30f) & ~seen));
-            const float block_max = hmax(scores);
-            const float new_max = block_max > max[r] ? block_max : max[r];
-            const vf p = (vf)((vi)exp_neg(scores - new_max) & seen);
-            if (new_max > max[r]) {
-                const float rescale = exp_neg1(max[r] - new_max);
-                sum[r] *= rescale;
-                for (int64_t c = 0; c < nv; c++) acc[r][c] *= rescale;
-                max[r] = new_max;
-            }
-            sum[r] += hadd(p);
+            const vf scores = (vf)((part[0] + part[1]) + (part[2] + part[3])) * s->scale;
+            float rescale;
+            const vf p = online_softmax(scores, visible, &max[r], &sum[r], &rescale);
             uint32_t pairs[KEYS / 2]; // p as bf16 pairs (p[2u], p[2u + 1])
             const __m256bh p16 = _mm512_cvtneps_pbh((__m512)p);
             memcpy(pairs, &p16, sizeof pairs);
             for (int64_t c = 0; c < nv; c++) {
-                __m512 a = acc[r][c];
+                __m512 a = acc[r][c] * rescale;
                 for (int64_t u = 0; 2 * u < visible; u++) a = dot_pairs(a, vpair[u][c], pairs[u]);
                 acc[r][c] = a;
             }
         }
     }
     for (int64_t r = 0; r < rows; r++) {
-        const int64_t head = (first + r / group) * s->heads + kv_head * group + r % group;
+        const int64_t head = row_head(s, first, r, kv_head);
         const float inv = 1.0f / sum[r];
         for (int64_t c = 0; c < nv; c++)
             for (int l = 0; l < KEYS; l++)

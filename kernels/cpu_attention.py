@@ -8,8 +8,8 @@ which for decodes and short chunks is several times slower.
 
 The source is compiled with the system C compiler (`$CC`, else `cc`) for this CPU
 (-march=native, then any flags in `$AGENTRT_CPU_KERNEL_CFLAGS`, e.g. `-mno-avx512bf16`) into
-`build_dir`, keyed by a hash of the source, the flags and the CPU's feature flags, so a rebuilt or moved checkout never loads a stale or foreign library. The
-build is atomic (compile to a temporary name, then rename), so concurrent processes are safe.
+`build_dir`, keyed by a hash of the source, the flags and the CPU's feature flags, so a
+rebuilt or moved checkout never loads a stale or foreign library. The build is atomic (compile to a temporary name, then rename), so concurrent processes are safe.
 It links against the libgomp torch already loaded, so `torch.set_num_threads` governs both.
 """
 
@@ -145,8 +145,8 @@ class CpuAttention:
         for name, t in zip(names, tensors, strict=True):
             if t.device.type != "cpu" or not t.is_contiguous():
                 raise KernelInputError(f"{name} must be a contiguous CPU tensor.", arg=name)
-            if name in names[3:]:
-                check_dtype(name, t, (torch.int32,))
+        for name, t in zip(names[3:], tensors[3:], strict=True):
+            check_dtype(name, t, (torch.int32,))
         num_requests = seq_lens.shape[0]
         if num_requests == 0:
             return out
@@ -193,6 +193,8 @@ class CpuAttention:
         )
         if status == -2:
             raise MemoryError("the CPU attention kernel could not allocate its work list.")
+        if status != 0:  # the checks above exclude the shapes it rejects
+            raise KernelInputError(f"the CPU attention kernel rejected its input ({status}).")
         return out
 
 
