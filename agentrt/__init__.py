@@ -36,6 +36,7 @@ _EXPORTS = {
     "TruncatedOutputError": "agentrt.errors",
     # the offline engine API
     "LLM": "agentrt.engine",
+    "EngineArgs": "agentrt.engine",
     "CompletionOutput": "agentrt.engine",
     "Logprob": "agentrt.engine",
     "RequestOutput": "agentrt.engine",

@@ -4,35 +4,38 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 
+from agentrt.engine.args import EngineArgs
+
 
 def _add_engine_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--model",
-        default=None,
-        help="local HF checkpoint dir or .gguf file (default: the embedded SmolLM2-135M-Instruct)",
-    )
-    parser.add_argument("--dtype", default="auto", help="auto, float32 or bfloat16")
-    parser.add_argument("--max-tokens", type=int, default=256)
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--seed", type=int, default=None)
+    """The engine's flags (from `EngineArgs`) and the sampling flags of one reply."""
+    EngineArgs.add_cli_args(parser.add_argument_group("engine"))
+    sampling = parser.add_argument_group("sampling")
+    sampling.add_argument("--max-tokens", type=int, default=256)
+    sampling.add_argument("--temperature", type=float, default=0.0)
+    sampling.add_argument("--top-p", type=float, default=1.0)
+
+
+def _engine_options(args) -> dict:
+    return dataclasses.asdict(EngineArgs.from_cli_args(args))
 
 
 def _params(args):
     from agentrt.engine.sampling_params import SamplingParams
 
     return SamplingParams(
-        temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens, seed=args.seed
+        temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens
     )
 
 
 def _generate(args) -> int:
     from agentrt.engine.llm import LLM
 
-    llm = LLM(args.model, dtype=args.dtype)
+    llm = LLM(**_engine_options(args))
     start = time.perf_counter()
     (output,) = llm.generate(args.prompt, _params(args))
     elapsed = time.perf_counter() - start
@@ -50,7 +53,7 @@ def _generate(args) -> int:
 def _chat(args) -> int:
     from agentrt.engine.llm import LLM
 
-    llm = LLM(args.model, dtype=args.dtype)
+    llm = LLM(**_engine_options(args))
     messages = [{"role": "system", "content": args.system}] if args.system else []
     print("agentrt chat — empty line or Ctrl-D to quit.", file=sys.stderr)
     while True:
@@ -84,7 +87,7 @@ def _extract(args) -> int:
     )
 
     async def run():
-        async with Runtime(args.model, dtype=args.dtype) as rt:
+        async with Runtime(**_engine_options(args)) as rt:
             return await rt.extract_many(
                 texts,
                 schema,
@@ -114,7 +117,7 @@ def _serve(args) -> int:
     return run_serve(args)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="agentrt", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     gen = commands.add_parser("generate", help="complete one prompt and print the text")
@@ -137,13 +140,17 @@ def main(argv: list[str] | None = None) -> int:
     from agentrt.server.cli import add_serve_args
 
     add_serve_args(commands.add_parser("serve", help="an OpenAI-compatible HTTP server"))
-    args = parser.parse_args(argv)
-    if args.command == "serve":
-        return _serve(args)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     from agentrt.engine.errors import EngineError
     from agentrt.errors import AgentrtError
 
-    run = {"generate": _generate, "chat": _chat, "extract": _extract}[args.command]
+    run = {"generate": _generate, "chat": _chat, "extract": _extract, "serve": _serve}[
+        args.command
+    ]
     try:
         return run(args)
     except (EngineError, AgentrtError, OSError) as exc:

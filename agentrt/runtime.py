@@ -9,6 +9,7 @@ from typing import Any
 
 from agentrt.backend import Backend, LocalBackend
 from agentrt.engine.async_engine import AsyncEngine
+from agentrt.engine.errors import ConfigError
 from agentrt.engine.llm_engine import LLMEngine
 from agentrt.extract import ExtractResult, extract_many
 from agentrt.session import Session
@@ -16,10 +17,10 @@ from agentrt.session import Session
 
 class Runtime:
     """`async with agentrt.Runtime() as rt:` — options are the engine's (`dtype`,
-    `max_num_seqs`, `kv_cache_memory_gb`, ...; see `agentrt.engine.LLMEngine`) plus
-    `max_waiting_requests`. `engine=` reuses an already loaded `LLMEngine`. With `base_url`
-    (and `api_key`), the same API runs against a remote OpenAI-compatible server, `model`
-    naming the served model."""
+    `max_num_seqs`, `kv_cache_memory_gb`, ...: the fields of `agentrt.engine.EngineArgs`),
+    checked here. `engine=` reuses an already loaded `LLMEngine`. With `base_url` (and
+    `api_key`), the same API runs against a remote OpenAI-compatible server, `model` naming
+    the served model."""
 
     def __init__(
         self,
@@ -33,10 +34,16 @@ class Runtime:
         self.model = model
         self.base_url = base_url
         self._api_key = api_key
-        self._llm_engine = engine
-        self._engine_options = engine_options
-        self.engine: AsyncEngine | None = None
         self._backend: Backend | None = None
+        self.engine: AsyncEngine | None = None  # while running locally
+        self._local: AsyncEngine | None = None
+        if base_url is None:  # built (and its options checked) now; started on enter
+            self._local = AsyncEngine(model, engine=engine, **engine_options)
+        elif engine is not None or engine_options:
+            raise ConfigError(
+                f"engine options ({sorted(engine_options) or 'engine='}) apply to a local "
+                "engine, not to a remote server (base_url): drop them or drop base_url."
+            )
 
     async def __aenter__(self) -> Runtime:
         if self.base_url is not None:
@@ -46,7 +53,7 @@ class Runtime:
                 base_url=self.base_url, api_key=self._api_key, model=self.model
             )
             return self
-        self.engine = AsyncEngine(self.model, engine=self._llm_engine, **self._engine_options)
+        self.engine = self._local
         await self.engine.__aenter__()
         self._backend = LocalBackend(self.engine)
         return self

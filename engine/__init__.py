@@ -9,6 +9,7 @@ import importlib
 
 _EXPORTS = {
     "LLM": "agentrt.engine.llm",
+    "EngineArgs": "agentrt.engine.args",
     "CompletionOutput": "agentrt.engine.outputs",
     "Logprob": "agentrt.engine.outputs",
     "RequestOutput": "agentrt.engine.outputs",

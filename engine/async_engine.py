@@ -15,17 +15,21 @@ Threads and ownership:
 from __future__ import annotations
 
 import copy
+import dataclasses
 import itertools
 import queue
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
 
+from agentrt.engine.args import EngineArgs
 from agentrt.engine.errors import (
+    ConfigError,
     EngineDeadError,
     EngineError,
     EngineOverloadedError,
@@ -33,26 +37,61 @@ from agentrt.engine.errors import (
 )
 from agentrt.engine.llm_engine import LLMEngine
 from agentrt.engine.outputs import RequestDelta, RequestOutput
+from agentrt.engine.request import Request
 from agentrt.engine.sampling_params import SamplingParams
 from agentrt.engine.scheduler import SchedulerStats
 from agentrt.engine.structured_output import to_grammar_spec
+from agentrt.grammar import GrammarSpec
 
 _MAX_QUEUED_STEPS = 64  # engine steps waiting for the pump before the engine thread blocks
 
 
-class _Stopped:
-    """Sentinel from the engine thread: the loop ended; `error` is the fault, if any."""
-
-    def __init__(self, error: BaseException | None) -> None:
-        self.error = error
+# Commands from the event loop to the engine thread.
 
 
-class _Failed:
-    """From the engine thread: one request could not be added; the engine goes on."""
+@dataclass(frozen=True, slots=True)
+class AddRequest:
+    request: Request
+    prompt: str | None  # the prompt's text, when it had one
+    spec: GrammarSpec | None
 
-    def __init__(self, request_id: str, error: Exception) -> None:
-        self.request_id = request_id
-        self.error = error
+
+@dataclass(frozen=True, slots=True)
+class AbortRequests:
+    req_ids: list[str]
+
+
+@dataclass(frozen=True, slots=True)
+class CallEngine:
+    """Run `fn(llm_engine)` between steps; its result or error goes to `future`."""
+
+    fn: Callable[[LLMEngine], Any]
+    future: Future
+
+
+@dataclass(frozen=True, slots=True)
+class StopEngine:
+    """Abort every request and end the loop."""
+
+
+EngineCommand = AddRequest | AbortRequests | CallEngine | StopEngine
+
+# What the engine thread hands the pump besides each step's deltas.
+
+
+@dataclass(frozen=True, slots=True)
+class RequestFailed:
+    """One request could not be added; the engine goes on."""
+
+    request_id: str
+    error: Exception
+
+
+@dataclass(frozen=True, slots=True)
+class LoopStopped:
+    """The loop ended; `error` is the fault that ended it, if any."""
+
+    error: BaseException | None
 
 
 class RequestStream:
@@ -121,7 +160,7 @@ class RequestStream:
 
 
 class AsyncEngine:
-    """`async with AsyncEngine(model=None, **engine_options) as engine:` starts the engine
+    """`async with AsyncEngine(model=None, **options) as engine:` starts the engine
     thread, which loads the model (or takes a built `LLMEngine` via `engine=`) and runs the
     loop; leaving the block (in the same task) aborts what still runs and stops it.
 
@@ -129,29 +168,28 @@ class AsyncEngine:
     worker threads per thread that ran parallel work, and with more of them alive than cores
     it stops spin-waiting between parallel regions, which made every step ~15% slower.
 
-    `max_waiting_requests` bounds the requests that may wait beyond the `max_num_seqs` that
-    run at once; past it `add_request` raises `EngineOverloadedError`.
+    `options` are the fields of `EngineArgs`. `max_waiting_requests` bounds the requests that
+    may wait beyond the `max_num_seqs` that run at once; past it `add_request` raises
+    `EngineOverloadedError`. With a built `engine=`, it is the one option that applies.
     """
 
     def __init__(
-        self,
-        model: str | None = None,
-        *,
-        engine: LLMEngine | None = None,
-        max_waiting_requests: int = 1024,
-        **engine_options,
+        self, model: str | None = None, *, engine: LLMEngine | None = None, **options: Any
     ) -> None:
-        if max_waiting_requests < 0:
-            raise InvalidRequestError(
-                f"max_waiting_requests={max_waiting_requests} is invalid: expected >= 0.",
-                field="max_waiting_requests",
-                value=max_waiting_requests,
+        self.args = EngineArgs.from_options(model, **options)
+        ignored = sorted(set(options) - {"max_waiting_requests"})
+        if engine is not None and (model is not None or ignored):
+            raise ConfigError(
+                "engine= runs an engine that is already built: of the engine options only "
+                f"max_waiting_requests applies (got model={model!r} and {ignored})."
             )
-        self._model = model
-        self._engine_options = engine_options
         self.engine = engine
-        self.max_waiting_requests = max_waiting_requests
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self.max_waiting_requests = (
+            engine.args.max_waiting_requests
+            if engine is not None and "max_waiting_requests" not in options
+            else self.args.max_waiting_requests
+        )
+        self._commands: queue.SimpleQueue[EngineCommand] = queue.SimpleQueue()
         self._outputs: queue.Queue = queue.Queue(maxsize=_MAX_QUEUED_STEPS)
         self._streams: dict[str, RequestStream] = {}
         self._req_counter = itertools.count()
@@ -177,7 +215,7 @@ class AsyncEngine:
         try:
             await anyio.to_thread.run_sync(built.result)  # the build error, if any
         except BaseException:
-            self._commands.put(("stop",))  # cancelled while building: end the thread
+            self._commands.put(StopEngine())  # cancelled while building: end the thread
             raise
         self.tokenizer = copy.deepcopy(self.engine.tokenizer)
         self.processor = self.engine.make_processor(self.tokenizer)
@@ -195,9 +233,9 @@ class AsyncEngine:
         if self._task_group is None:
             return
         self._accepting = False
-        self._commands.put(("stop",))
+        self._commands.put(StopEngine())
         task_group, self._task_group = self._task_group, None
-        await task_group.__aexit__(None, None, None)  # the pump returns on _Stopped
+        await task_group.__aexit__(None, None, None)  # the pump returns on LoopStopped
         await anyio.to_thread.run_sync(self._thread.join)
 
     async def drain(self, timeout_s: float) -> int:
@@ -257,7 +295,7 @@ class AsyncEngine:
         spec = to_grammar_spec(params.structured_outputs) if params.structured_outputs else None
         stream = RequestStream(self, request_id)
         self._streams[request_id] = stream
-        self._commands.put(("add", request, text, spec))
+        self._commands.put(AddRequest(request, text, spec))
         return stream
 
     async def generate(
@@ -271,7 +309,7 @@ class AsyncEngine:
         """Abort a request in any state; unknown or finished ids are ignored."""
         stream = self._streams.pop(request_id, None)
         if stream is not None and self._dead is None:
-            self._commands.put(("abort", [request_id]))
+            self._commands.put(AbortRequests([request_id]))
 
     async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
         """Run `fn(llm_engine)` on the engine thread, between steps, and return its result
@@ -281,7 +319,7 @@ class AsyncEngine:
         with self._call_lock:
             if self._loop_exited:
                 raise self._dead or EngineDeadError("the engine loop has stopped.")
-            self._commands.put(("call", fn, future))
+            self._commands.put(CallEngine(fn, future))
         return await anyio.to_thread.run_sync(future.result, abandon_on_cancel=True)
 
     async def stats(self) -> SchedulerStats:
@@ -314,7 +352,7 @@ class AsyncEngine:
     def _run_loop(self, built: Future) -> None:
         try:
             if self.engine is None:
-                self.engine = LLMEngine(self._model, **self._engine_options)
+                self.engine = LLMEngine(**dataclasses.asdict(self.args))
         except BaseException as exc:
             built.set_exception(exc)
             return
@@ -333,7 +371,7 @@ class AsyncEngine:
             with self._call_lock:
                 self._loop_exited = True
                 self._fail_queued_calls()
-            self._outputs.put(_Stopped(error))
+            self._outputs.put(LoopStopped(error))
 
     def _fail_queued_calls(self) -> None:
         while True:
@@ -341,8 +379,8 @@ class AsyncEngine:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 return
-            if command[0] == "call":
-                command[2].set_exception(EngineDeadError("the engine loop has stopped."))
+            if isinstance(command, CallEngine):
+                command.future.set_exception(EngineDeadError("the engine loop has stopped."))
 
     def _handle_commands(self, block: bool) -> bool:
         """Apply queued commands (waiting for one when the engine is idle); False on stop."""
@@ -353,37 +391,35 @@ class AsyncEngine:
             except queue.Empty:
                 return True
             block = False
-            kind = command[0]
-            if kind == "add":
-                request = command[1]
-                try:
-                    engine.add_request(*command[1:])
-                except Exception as exc:  # this request is bad, not the engine
-                    engine.abort_requests([request.req_id])
-                    self._outputs.put(_Failed(request.req_id, exc))
-            elif kind == "abort":
-                deltas = engine.abort_requests(command[1])
-                if deltas:
-                    self._outputs.put(deltas)
-            elif kind == "call":
-                fn, future = command[1:]
-                try:
-                    future.set_result(fn(engine))
-                except Exception as exc:
-                    future.set_exception(exc)
-            elif kind == "stop":
-                engine.abort_all()
-                return False
+            match command:
+                case AddRequest(request, prompt, spec):
+                    try:
+                        engine.add_request(request, prompt, spec)
+                    except Exception as exc:  # this request is bad, not the engine
+                        engine.abort_requests([request.req_id])
+                        self._outputs.put(RequestFailed(request.req_id, exc))
+                case AbortRequests(req_ids):
+                    deltas = engine.abort_requests(req_ids)
+                    if deltas:
+                        self._outputs.put(deltas)
+                case CallEngine(fn, future):
+                    try:
+                        future.set_result(fn(engine))
+                    except Exception as exc:
+                        future.set_exception(exc)
+                case StopEngine():
+                    engine.abort_all()
+                    return False
 
     # -- event loop side ---------------------------------------------------------------------
 
     async def _pump(self) -> None:
         while True:
             item = await anyio.to_thread.run_sync(self._outputs.get, abandon_on_cancel=True)
-            if isinstance(item, _Stopped):
+            if isinstance(item, LoopStopped):
                 self._on_stopped(item.error)
                 return
-            if isinstance(item, _Failed):
+            if isinstance(item, RequestFailed):
                 stream = self._streams.pop(item.request_id, None)
                 if stream is not None:
                     error = EngineError(f"request {item.request_id} failed: {item.error!r}")

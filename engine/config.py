@@ -12,7 +12,7 @@ import torch
 
 from agentrt.engine.errors import ConfigError
 
-_DTYPES = {
+DTYPES = {
     "float32": torch.float32,
     "fp32": torch.float32,
     "bfloat16": torch.bfloat16,
@@ -20,6 +20,10 @@ _DTYPES = {
     "float16": torch.float16,
     "fp16": torch.float16,
 }
+
+
+ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")
+SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
 def _check(ok: bool, name: str, value: object, expected: str) -> None:
@@ -30,12 +34,12 @@ def _check(ok: bool, name: str, value: object, expected: str) -> None:
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     """`"auto"` picks fp32 on the CPU (exact, deterministic) and bf16 on CUDA."""
     if isinstance(dtype, torch.dtype):
-        _check(dtype in _DTYPES.values(), "dtype", dtype, "float32, bfloat16 or float16")
+        _check(dtype in DTYPES.values(), "dtype", dtype, "float32, bfloat16 or float16")
         return dtype
     if dtype == "auto":
         return torch.bfloat16 if torch.cuda.is_available() else torch.float32
-    _check(dtype in _DTYPES, "dtype", dtype, f"'auto' or one of {sorted(_DTYPES)}")
-    return _DTYPES[dtype]
+    _check(dtype in DTYPES, "dtype", dtype, f"'auto' or one of {sorted(DTYPES)}")
+    return DTYPES[dtype]
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,8 +51,15 @@ class ModelConfig:
     device: str = "cpu"
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     seed: int = 0
+    attention_backend: str = "auto"
 
     def __post_init__(self) -> None:
+        _check(
+            self.attention_backend in ATTENTION_BACKENDS,
+            "attention_backend",
+            self.attention_backend,
+            f"one of {ATTENTION_BACKENDS}",
+        )
         _check(
             self.device in ("cpu", "cuda") or self.device.startswith("cuda:"),
             "device",
@@ -110,6 +121,9 @@ class SchedulerConfig:
     # Jump-forward decoding: tokens a grammar forces after a sampled token (a JSON object's
     # next key, say) are appended at once and computed with the request's next chunk.
     jump_forward: bool = True
+    # Requests that may wait beyond the `max_num_seqs` that run; past it the front end
+    # refuses new ones (EngineOverloadedError).
+    max_waiting_requests: int = 256
 
     def __post_init__(self) -> None:
         _check(self.max_num_seqs >= 1, "max_num_seqs", self.max_num_seqs, "at least 1")
@@ -119,10 +133,41 @@ class SchedulerConfig:
             self.max_num_batched_tokens,
             "at least 1",
         )
-        _check(self.policy in ("fcfs", "priority"), "policy", self.policy, "'fcfs' or 'priority'")
+        _check(self.policy in SCHEDULING_POLICIES, "policy", self.policy, "'fcfs' or 'priority'")
         _check(
             self.long_prefill_token_threshold >= 0,
             "long_prefill_token_threshold",
             self.long_prefill_token_threshold,
             ">= 0 (0 disables the cap)",
         )
+        _check(
+            self.max_waiting_requests >= 0,
+            "max_waiting_requests",
+            self.max_waiting_requests,
+            ">= 0",
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredOutputsConfig:
+    """Grammar compilation: each grammar compiles off the engine thread within a time budget."""
+
+    grammar_timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        _check(
+            self.grammar_timeout_s > 0,
+            "grammar_timeout_s",
+            self.grammar_timeout_s,
+            "a positive number of seconds",
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """Every config record of one engine (built by `EngineArgs.create_configs`)."""
+
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    structured_outputs: StructuredOutputsConfig

@@ -2,13 +2,35 @@
 
 from __future__ import annotations
 
+from enum import StrEnum
+
+
+class ErrorCode(StrEnum):
+    """What went wrong, as one code shared by the engine, the SDK, the server (the OpenAI
+    error object's `code`) and the remote client, which maps it back to the same exception
+    type. A request that finishes with finish_reason "error" carries one too, so no layer
+    ever tells errors apart by their message."""
+
+    INVALID_REQUEST = "invalid_request"  # bad input: a field and its limit (400)
+    INVALID_SCHEMA = "invalid_schema"  # the output constraint cannot be compiled (400)
+    # The output cannot be completed into a valid instance (the grammar reached a dead end),
+    # or a finished output fails a check the grammar does not enforce.
+    STRUCTURED_OUTPUT_FAILED = "structured_output_failed"
+    OVERLOADED = "rate_limit_exceeded"  # too many waiting requests: retry later (429)
+    ENGINE_DEAD = "engine_unavailable"  # the engine stopped: start a new one (503)
+    INTERNAL = "internal_error"  # a bug: the request failed for no reason of its own (500)
+
 
 class EngineError(Exception):
     """Base class of every error the engine raises on purpose."""
 
+    code: ErrorCode = ErrorCode.INTERNAL
+
 
 class InvalidRequestError(EngineError, ValueError):
     """A request (prompt or sampling parameters) is invalid. Names the field and the limit."""
+
+    code = ErrorCode.INVALID_REQUEST
 
     def __init__(self, message: str, *, field: str | None = None, value: object = None):
         super().__init__(message)
@@ -16,8 +38,15 @@ class InvalidRequestError(EngineError, ValueError):
         self.value = value
 
 
+class ContextLengthError(InvalidRequestError):
+    """The prompt, or the prompt plus max_tokens, does not fit in one request (the context
+    length, or the KV cache if it holds less). `field` is "prompt" or "max_tokens"."""
+
+
 class ConfigError(EngineError, ValueError):
     """An engine configuration value is invalid."""
+
+    code = ErrorCode.INVALID_REQUEST
 
 
 class ModelLoadError(EngineError):
@@ -28,6 +57,10 @@ class EngineDeadError(EngineError):
     """The engine loop stopped (a fault, or shutdown): every pending request fails with this,
     and new requests are refused. Start a new engine."""
 
+    code = ErrorCode.ENGINE_DEAD
+
 
 class EngineOverloadedError(EngineError):
     """Too many requests are already waiting; retry later (the server answers 429)."""
+
+    code = ErrorCode.OVERLOADED

@@ -6,10 +6,12 @@ drive one of these. It is not thread-safe: exactly one thread calls its methods.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from agentrt.engine import envs
-from agentrt.engine.config import CacheConfig, ModelConfig, SchedulerConfig, resolve_dtype
+from agentrt.engine.args import EngineArgs
 from agentrt.engine.engine_core import EngineCore
 from agentrt.engine.kv_cache_manager import KVCacheManager
 from agentrt.engine.model.arch import ModelArchConfig
@@ -30,64 +32,42 @@ from agentrt.grammar import GrammarSpec
 
 class LLMEngine:
     """`model=None` runs the embedded SmolLM2-135M-Instruct; otherwise a local HF checkpoint
-    directory or a .gguf file. Every option is validated on creation (`ConfigError`)."""
+    directory or a .gguf file. Every option is validated on creation (`ConfigError`); `args`
+    holds them all, defaults included."""
 
-    def __init__(
-        self,
-        model: str | None = None,
-        *,
-        dtype: str | torch.dtype = "auto",
-        device: str = "cpu",
-        block_size: int = 16,
-        max_num_seqs: int = 128,
-        max_num_batched_tokens: int = 2048,
-        max_model_len: int | None = None,
-        kv_cache_memory_gb: float = 2.0,
-        num_kv_blocks: int | None = None,
-        scheduling_policy: str = "fcfs",
-        enable_prefix_caching: bool = True,
-        long_prefill_token_threshold: int = 0,
-        jump_forward: bool = True,
-        attention_backend: str = "auto",
-        grammar_timeout_s: float = 10.0,
-        seed: int = 0,
-    ) -> None:
+    def __init__(self, model: str | None = None, **options: Any) -> None:
+        """`options` are the fields of `EngineArgs` (`dtype`, `max_num_seqs`, ...)."""
+        self.args = EngineArgs.from_options(model, **options)
+        config = self.args.create_configs()
+        self.model_config = config.model
+        self.cache_config = config.cache
+        self.scheduler_config = config.scheduler
         threads = envs.num_threads()
         if threads:
             torch.set_num_threads(threads)
-        torch.manual_seed(seed)
-        self.model_config = ModelConfig(model, resolve_dtype(dtype), device, max_model_len, seed)
-        self.cache_config = CacheConfig(
-            block_size, kv_cache_memory_gb, num_kv_blocks, enable_prefix_caching
-        )
-        self.scheduler_config = SchedulerConfig(
-            max_num_seqs,
-            max_num_batched_tokens,
-            scheduling_policy,
-            long_prefill_token_threshold,
-            jump_forward,
-        )
+        torch.manual_seed(config.model.seed)
         path = resolve_model(model)
         self.model_path = path
         self.arch = ModelArchConfig.from_hf_dict(load_hf_config(path))
         self.tokenizer = load_tokenizer(path)
         self.max_model_len = min(
-            max_model_len or self.arch.max_position_embeddings, self.arch.max_position_embeddings
+            config.model.max_model_len or self.arch.max_position_embeddings,
+            self.arch.max_position_embeddings,
         )
-        dtype_ = self.model_config.dtype
-        num_blocks = kv_pool_blocks(self.arch, self.cache_config, dtype_)
+        block_size = config.cache.block_size
+        num_blocks = kv_pool_blocks(self.arch, config.cache, config.model.dtype)
         self.runner = ModelRunner(
             self.arch,
             load_state_dict(path),
-            dtype=dtype_,
-            device=torch.device(device),
+            dtype=config.model.dtype,
+            device=torch.device(config.model.device),
             block_size=block_size,
             num_blocks=num_blocks,
             max_model_len=self.max_model_len,
-            attention_backend=attention_backend,
+            attention_backend=config.model.attention_backend,
         )
         self.kv_manager = KVCacheManager(
-            num_blocks, block_size, enable_prefix_caching=enable_prefix_caching
+            num_blocks, block_size, enable_prefix_caching=config.cache.enable_prefix_caching
         )
         self.scheduler = Scheduler(self.scheduler_config, self.kv_manager, self.max_model_len)
         eos = set(self.arch.eos_token_ids)
@@ -95,7 +75,10 @@ class LLMEngine:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
         structured = StructuredOutputManager(
-            self.tokenizer, self.arch.vocab_size, sorted(eos), grammar_timeout_s
+            self.tokenizer,
+            self.arch.vocab_size,
+            sorted(eos),
+            config.structured_outputs.grammar_timeout_s,
         )
         self.engine_core = EngineCore(self.scheduler, self.runner, self.arch.vocab_size, structured)
         self.processor = self.make_processor(self.tokenizer)

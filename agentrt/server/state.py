@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
+from agentrt.engine.args import EngineArgs
 from agentrt.engine.async_engine import AsyncEngine
 from agentrt.server.errors import APIError
 from agentrt.server.metrics import ServerMetrics
@@ -18,25 +18,25 @@ EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 @dataclass(frozen=True, slots=True)
 class ServerConfig:
-    """`model=None` serves the embedded model. `engine_options` go to `LLMEngine`."""
+    """`engine_args` configure the engine (`EngineArgs(model=None)` serves the embedded
+    model); the rest is the HTTP server's own."""
 
-    model: str | None = None
+    engine_args: EngineArgs = field(default_factory=EngineArgs)
     served_model_name: str | None = None
     api_key: str | None = None
-    max_waiting_requests: int = 256
     max_request_bytes: int = 8 * 2**20
     drain_timeout_s: float = 30.0
     # How long a dead engine keeps answering (503) before the process exits non-zero.
     dead_engine_grace_s: float = 1.0
-    engine_options: dict[str, Any] = field(default_factory=dict)
 
     @property
     def model_name(self) -> str:
         if self.served_model_name:
             return self.served_model_name
-        if self.model is None:
+        model = self.engine_args.model
+        if model is None:
             return EMBEDDED_MODEL_NAME
-        path = Path(self.model)
+        path = Path(model)
         return path.stem if path.suffix == ".gguf" else path.name
 
 

@@ -13,6 +13,7 @@ import httpx
 import openai
 import pytest
 
+from agentrt.engine.args import EngineArgs
 from agentrt.engine.llm import LLM
 from agentrt.server.state import ServerConfig
 from tests.agentrt.server.helpers import ServerProcess, in_process_server, metrics, wait_idle
@@ -43,7 +44,7 @@ def test_disconnect_mid_stream_frees_the_kv_blocks(http: httpx.Client):
     after = wait_idle(http, timeout_s=10)
     assert time.monotonic() - started < 10
     assert after["agentrt:kv_cache_usage_perc"] == baseline
-    aborted = f'agentrt:request_success_total{{model_name="{MODEL}",finished_reason="abort"}}'
+    aborted = f'agentrt:request_success_total{{finished_reason="abort",model_name="{MODEL}"}}'
     assert after[aborted] >= 1
 
 
@@ -135,7 +136,7 @@ async def test_dead_engine_makes_health_503_and_exits_1(tiny_model: str):
         return original_step()
 
     llm.engine.engine_core.step = failing_step
-    config = ServerConfig(model=tiny_model, dead_engine_grace_s=3.0)
+    config = ServerConfig(engine_args=EngineArgs(model=tiny_model), dead_engine_grace_s=3.0)
     async with in_process_server(config, llm.engine) as server:
         async with httpx.AsyncClient(base_url=server.url) as http:
             body = {"model": "llama", "prompt": "x", "max_tokens": 50, "ignore_eos": True}

@@ -1,0 +1,171 @@
+"""EngineArgs: every engine option, defined once (vLLM's `EngineArgs`).
+
+`LLM`, `LLMEngine`, `AsyncEngine`, `Runtime` and `agentrt serve` take these options by name,
+and every `agentrt` command derives its engine flags from the fields below (flag name, type,
+default, choices and help), so an option, its flag and its default cannot drift apart.
+`EngineArgs` itself only collects the values: each is validated by the config record that
+owns it (`ModelConfig`, `CacheConfig`, `SchedulerConfig`, ...), built by `create_configs()`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import torch
+
+from agentrt.engine.config import (
+    ATTENTION_BACKENDS,
+    DTYPES,
+    SCHEDULING_POLICIES,
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+    StructuredOutputsConfig,
+    resolve_dtype,
+)
+from agentrt.engine.errors import ConfigError
+
+
+def _option(default: Any, help: str, *, choices: tuple[str, ...] | None = None) -> Any:
+    metadata: dict[str, Any] = {"help": help}
+    if choices is not None:
+        metadata["choices"] = choices
+    return field(default=default, metadata=metadata)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineArgs:
+    """Every option of the engine, with its default and its help text."""
+
+    # -- model -------------------------------------------------------------------------------
+    model: str | None = _option(
+        None,
+        "local HF checkpoint dir or .gguf file (default: the embedded SmolLM2-135M-Instruct)",
+    )
+    dtype: str | torch.dtype = _option(
+        "auto",
+        "weights and activations: 'auto' is float32 on the CPU, bfloat16 on CUDA",
+        choices=("auto", *DTYPES),
+    )
+    device: str = _option("cpu", "'cpu' or 'cuda[:N]'")
+    max_model_len: int | None = _option(
+        None, "context length in tokens (default: the model's max_position_embeddings)"
+    )
+    seed: int = _option(0, "seed of torch's generator (requests without their own seed use it)")
+    # -- KV cache ----------------------------------------------------------------------------
+    block_size: int = _option(16, "tokens per KV cache block")
+    kv_cache_memory_gb: float = _option(2.0, "GiB of KV cache (unless --num-kv-blocks is set)")
+    num_kv_blocks: int | None = _option(None, "KV cache blocks (overrides kv_cache_memory_gb)")
+    enable_prefix_caching: bool = _option(True, "reuse the KV cache of shared prompt prefixes")
+    # -- scheduler ---------------------------------------------------------------------------
+    max_num_seqs: int = _option(128, "requests that run at once")
+    max_num_batched_tokens: int = _option(2048, "tokens computed per engine step")
+    scheduling_policy: str = _option(
+        "fcfs", "order of admission (priority: lower value first)", choices=SCHEDULING_POLICIES
+    )
+    long_prefill_token_threshold: int = _option(
+        0, "cap on one request's prefill tokens per step (0: only the step budget caps it)"
+    )
+    jump_forward: bool = _option(
+        True, "append the tokens a grammar forces at once instead of sampling them"
+    )
+    max_waiting_requests: int = _option(
+        256,
+        "requests that may wait beyond max_num_seqs; past it new ones are refused "
+        "(EngineOverloadedError; the server answers 429)",
+    )
+    # -- execution ---------------------------------------------------------------------------
+    attention_backend: str = _option(
+        "auto",
+        "'auto' is the C kernel on the CPU and Triton on CUDA; 'torch' is the reference",
+        choices=ATTENTION_BACKENDS,
+    )
+    grammar_timeout_s: float = _option(10.0, "seconds one grammar may take to compile")
+
+    def __post_init__(self) -> None:
+        self.create_configs()  # every value is checked by the record that owns it
+
+    # -- construction ------------------------------------------------------------------------
+
+    @classmethod
+    def from_options(cls, model: str | None = None, **options: Any) -> EngineArgs:
+        """`EngineArgs(model=model, **options)`, with an error that names the closest option
+        when one is misspelt (instead of Python's bare "unexpected keyword argument")."""
+        known = {f.name for f in fields(cls)}
+        for name in options:
+            if name not in known:
+                close = difflib.get_close_matches(name, known, n=1)
+                hint = f" Did you mean {close[0]!r}?" if close else ""
+                raise ConfigError(
+                    f"{name!r} is not an engine option.{hint} The options are the fields of "
+                    "agentrt.engine.EngineArgs."
+                )
+        return cls(model=model, **options)
+
+    def create_configs(self) -> EngineConfig:
+        """The validated config records (each raises `ConfigError` naming a bad value)."""
+        return EngineConfig(
+            model=ModelConfig(
+                model=self.model,
+                dtype=resolve_dtype(self.dtype),
+                device=self.device,
+                max_model_len=self.max_model_len,
+                seed=self.seed,
+                attention_backend=self.attention_backend,
+            ),
+            cache=CacheConfig(
+                block_size=self.block_size,
+                kv_cache_memory_gb=self.kv_cache_memory_gb,
+                num_blocks=self.num_kv_blocks,
+                enable_prefix_caching=self.enable_prefix_caching,
+            ),
+            scheduler=SchedulerConfig(
+                max_num_seqs=self.max_num_seqs,
+                max_num_batched_tokens=self.max_num_batched_tokens,
+                policy=self.scheduling_policy,
+                long_prefill_token_threshold=self.long_prefill_token_threshold,
+                jump_forward=self.jump_forward,
+                max_waiting_requests=self.max_waiting_requests,
+            ),
+            structured_outputs=StructuredOutputsConfig(grammar_timeout_s=self.grammar_timeout_s),
+        )
+
+    # -- command line ------------------------------------------------------------------------
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser | Any) -> None:
+        """One flag per field: `--max-num-seqs` for `max_num_seqs`; booleans take
+        `--jump-forward` / `--no-jump-forward`."""
+        for f in fields(cls):
+            flag = "--" + f.name.replace("_", "-")
+            help = f.metadata["help"]
+            if f.default is not None and "default" not in help:
+                help += f" (default: {f.default})"
+            kwargs: dict[str, Any] = {"default": f.default, "help": help}
+            kind = _cli_type(f.name)
+            if kind is bool:
+                kwargs["action"] = argparse.BooleanOptionalAction
+            else:
+                kwargs["type"] = kind
+                if "choices" in f.metadata:
+                    kwargs["choices"] = f.metadata["choices"]
+            parser.add_argument(flag, **kwargs)
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
+
+
+def _cli_type(name: str) -> type:
+    """The command-line type of a field: its annotation without `None` (a `str | torch.dtype`
+    field is given as a string)."""
+    hint = typing.get_type_hints(EngineArgs)[name]
+    if isinstance(hint, types.UnionType):
+        hint = next(a for a in typing.get_args(hint) if a is not type(None))
+    return hint

@@ -1,0 +1,154 @@
+"""EngineArgs is the one definition of the engine's options: every entry point and every CLI
+command takes the same names with the same defaults, and a bad or misspelt option fails the
+same way everywhere."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import anyio
+import pytest
+
+from agentrt.cli import build_parser
+from agentrt.engine.args import EngineArgs
+from agentrt.engine.async_engine import AsyncEngine
+from agentrt.engine.errors import ConfigError
+from agentrt.engine.llm import LLM
+from agentrt.runtime import Runtime
+from agentrt.server.state import ServerConfig
+
+COMMANDS = {
+    "generate": ["generate", "hello"],
+    "chat": ["chat"],
+    "extract": ["extract", "--schema", "s.json", "--input", "in.jsonl", "--output", "o.jsonl"],
+    "serve": ["serve"],
+}
+# A value other than the default for every field, as (python value, command-line words).
+NON_DEFAULTS = {
+    "model": ("/models/m.gguf", ["--model", "/models/m.gguf"]),
+    "dtype": ("bfloat16", ["--dtype", "bfloat16"]),
+    "device": ("cuda:1", ["--device", "cuda:1"]),
+    "max_model_len": (512, ["--max-model-len", "512"]),
+    "seed": (7, ["--seed", "7"]),
+    "block_size": (32, ["--block-size", "32"]),
+    "kv_cache_memory_gb": (0.5, ["--kv-cache-memory-gb", "0.5"]),
+    "num_kv_blocks": (100, ["--num-kv-blocks", "100"]),
+    "enable_prefix_caching": (False, ["--no-enable-prefix-caching"]),
+    "max_num_seqs": (4, ["--max-num-seqs", "4"]),
+    "max_num_batched_tokens": (256, ["--max-num-batched-tokens", "256"]),
+    "scheduling_policy": ("priority", ["--scheduling-policy", "priority"]),
+    "long_prefill_token_threshold": (64, ["--long-prefill-token-threshold", "64"]),
+    "jump_forward": (False, ["--no-jump-forward"]),
+    "max_waiting_requests": (3, ["--max-waiting-requests", "3"]),
+    "attention_backend": ("torch", ["--attention-backend", "torch"]),
+    "grammar_timeout_s": (2.5, ["--grammar-timeout-s", "2.5"]),
+}
+
+
+def test_every_field_has_a_test_value():
+    assert set(NON_DEFAULTS) == {f.name for f in dataclasses.fields(EngineArgs)}
+    for name, (value, _) in NON_DEFAULTS.items():
+        assert value != getattr(EngineArgs(), name), name
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_cli_defaults_are_the_dataclass_defaults(command):
+    args = build_parser().parse_args(COMMANDS[command])
+    assert EngineArgs.from_cli_args(args) == EngineArgs()
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_every_flag_sets_its_field(command):
+    words = [w for _, flag in NON_DEFAULTS.values() for w in flag]
+    args = build_parser().parse_args(COMMANDS[command] + words)
+    expected = EngineArgs(**{name: value for name, (value, _) in NON_DEFAULTS.items()})
+    assert EngineArgs.from_cli_args(args) == expected
+
+
+def test_flags_carry_help_and_default():
+    parser = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(parser)
+    text = parser.format_help()
+    assert "(default: 256)" in text  # max_waiting_requests: one default, here and everywhere
+    assert "{fcfs,priority}" in text
+
+
+def test_server_flags_match_server_config_defaults():
+    from agentrt.server.cli import run_serve  # noqa: F401 - the module the flags come from
+
+    args = build_parser().parse_args(["serve"])
+    config = ServerConfig()
+    assert args.max_request_bytes == config.max_request_bytes
+    assert args.drain_timeout == config.drain_timeout_s
+    assert config.engine_args == EngineArgs()
+
+
+def test_misspelt_option_names_the_closest_one_everywhere():
+    for make in (
+        lambda: EngineArgs.from_options(None, max_num_seq=4),
+        lambda: LLM(None, max_num_seq=4),
+        lambda: AsyncEngine(max_num_seq=4),
+        lambda: Runtime(max_num_seq=4),
+    ):
+        with pytest.raises(ConfigError, match="'max_num_seq'.*'max_num_seqs'"):
+            make()
+
+
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [
+        ("max_waiting_requests", -1),
+        ("max_num_seqs", 0),
+        ("block_size", 12),
+        ("dtype", "int3"),
+        ("attention_backend", "flash"),
+        ("grammar_timeout_s", 0),
+    ],
+)
+def test_bad_values_fail_before_anything_loads(option, value):
+    """The same ConfigError, naming the option, from every entry point (no model is loaded:
+    the check runs first)."""
+    for make in (
+        lambda: EngineArgs.from_options(None, **{option: value}),
+        lambda: LLM(None, **{option: value}),
+        lambda: AsyncEngine(**{option: value}),
+        lambda: Runtime(**{option: value}),
+    ):
+        with pytest.raises(ConfigError, match=option.split("_s")[0]):
+            make()
+
+
+def test_cli_reports_a_bad_value_as_an_error(capsys):
+    from agentrt.cli import main
+
+    assert main(["generate", "hi", "--max-num-seqs", "0"]) == 2
+    assert "max_num_seqs=0 is invalid" in capsys.readouterr().err
+
+
+def test_built_engine_takes_only_the_front_end_limit(smollm2_llm):
+    with pytest.raises(ConfigError, match="already built"):
+        AsyncEngine(engine=smollm2_llm.engine, dtype="bfloat16")
+    engine = AsyncEngine(engine=smollm2_llm.engine, max_waiting_requests=5)
+    assert engine.max_waiting_requests == 5
+    # Without the option, the built engine's own setting applies.
+    assert AsyncEngine(engine=smollm2_llm.engine).max_waiting_requests == (
+        smollm2_llm.engine.args.max_waiting_requests
+    )
+
+
+def test_remote_runtime_refuses_engine_options():
+    with pytest.raises(ConfigError, match="remote server"):
+        Runtime(base_url="http://127.0.0.1:9/v1", dtype="bfloat16")
+
+
+def test_runtime_passes_options_to_its_engine(tiny_checkpoint):
+    async def main():
+        path = str(tiny_checkpoint("llama"))
+        async with Runtime(path, dtype="float32", max_num_seqs=3, kv_cache_memory_gb=0.01) as rt:
+            engine = rt.engine.engine
+            return engine.scheduler_config.max_num_seqs, engine.model_config.dtype
+
+    max_num_seqs, dtype = anyio.run(main)
+    assert max_num_seqs == 3
+    assert str(dtype) == "torch.float32"
