@@ -23,6 +23,8 @@ REPLACEMENT_CHAR = "\ufffd"
 # that decodes cleanly (vLLM's choice), looking back at most `_MAX_PRIMER_TOKENS`.
 _MIN_PRIMER_TOKENS = 4
 _MAX_PRIMER_TOKENS = 24
+# tokenizers' DecodeStream raises a bare `Exception` when earlier text changed: its message is
+# the only thing that tells this case from a real failure (vLLM matches it the same way).
 _INVALID_PREFIX = "Invalid prefix encountered"
 
 

@@ -6,7 +6,12 @@ import time
 
 import torch
 
-from agentrt.engine.records import EngineCoreOutput, SampledToken, SchedulerOutput
+from agentrt.engine.records import (
+    EngineCoreOutput,
+    SampledToken,
+    SamplerStepOutput,
+    SchedulerOutput,
+)
 from agentrt.engine.request import Request, RequestStatus
 from agentrt.engine.sampler import Sampler, SamplerOutput, SamplingMetadata
 from agentrt.engine.scheduler import Scheduler
@@ -54,16 +59,16 @@ class EngineCore:
         sampled = self._sample(scheduler_output, logits)
         return errored + self.scheduler.update_from_output(scheduler_output, sampled)
 
-    def _sample(self, so: SchedulerOutput, logits: torch.Tensor) -> dict[str, SampledToken]:
+    def _sample(self, so: SchedulerOutput, logits: torch.Tensor) -> SamplerStepOutput:
         requests = [self.scheduler.requests[c.req_id] for c in so.chunks if c.sample]
         if not requests:
-            return {}
+            return SamplerStepOutput({})
         grammar = self.structured.bitmask(requests)
-        dead: set[str] = set()
+        dead: frozenset[str] = frozenset()
         if grammar is not None:
-            mask, rows, dead = grammar
-            if len(rows):
-                apply_token_bitmask(logits, mask, rows)
+            dead = grammar.dead_end_req_ids
+            if len(grammar.rows):
+                apply_token_bitmask(logits, grammar.bitmask, grammar.rows)
         metadata = SamplingMetadata.build(
             params=[r.sampling_params for r in requests],
             prompt_token_ids=[r.prompt_token_ids for r in requests],
@@ -73,10 +78,10 @@ class EngineCore:
             vocab_size=self.vocab_size,
             device=logits.device,
         )
-        sampled = _to_tokens(requests, self.sampler(logits, metadata))
+        tokens = _to_tokens(requests, self.sampler(logits, metadata))
         for req_id in dead:  # no token is allowed: the scheduler fails these requests
-            del sampled[req_id]
-        return sampled
+            del tokens[req_id]
+        return SamplerStepOutput(tokens, dead)
 
 
 def _to_tokens(requests: list[Request], out: SamplerOutput) -> dict[str, SampledToken]:

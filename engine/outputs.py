@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass, field
 
 from agentrt.engine.detokenizer import IncrementalDetokenizer
+from agentrt.engine.errors import ErrorCode
 from agentrt.engine.records import EngineCoreOutput
 from agentrt.engine.sampling_params import SamplingParams
 
@@ -71,7 +72,9 @@ class RequestOutput:
     finished: bool = False
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
-    error: str | None = None  # set when finish_reason is "error"
+    # Set when finish_reason is "error": the kind of failure and its message.
+    error_code: ErrorCode | None = None
+    error: str | None = None
 
 
 @dataclass(slots=True)
@@ -168,6 +171,7 @@ class OutputProcessor:
                 completion.stop_reason = stop_reason
                 completion.structured_errors = core.structured_errors
                 completion.num_steered_tokens = core.num_steered_tokens
+                out.error_code = core.error_code
                 out.error = core.error
                 out.finished = True
                 out.metrics.finished_time = time.monotonic()

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from agentrt.engine.errors import ErrorCode
+
 
 @dataclass(frozen=True, slots=True)
 class ScheduledChunk:
@@ -48,6 +50,18 @@ class ModelInput:
 
 
 @dataclass(frozen=True, slots=True)
+class GrammarBitmask:
+    """The grammar's part of one step: what the sampler may pick for each sampled request.
+    Rows follow the order of the step's sampled requests; S = sampled requests, V = vocab."""
+
+    bitmask: torch.Tensor  # (S, ceil(V / 32)) int32: bit i % 32 of word i // 32 = token i
+    rows: torch.Tensor  # (L,) int64: the rows to apply (constrained, with an allowed token)
+    # Constrained requests whose grammar allows no token at all (their rows are not applied:
+    # an all -inf row must not reach the sampler). Nothing may follow; these requests fail.
+    dead_end_req_ids: frozenset[str]
+
+
+@dataclass(frozen=True, slots=True)
 class SampledToken:
     """One sampled token and, when requested, its logprob and the top alternatives."""
 
@@ -55,6 +69,16 @@ class SampledToken:
     logprob: float | None = None
     rank: int | None = None
     top_logprobs: dict[int, float] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SamplerStepOutput:
+    """What sampling produced for the requests of one step whose chunk samples."""
+
+    tokens: dict[str, SampledToken]  # req_id -> its token, for each request that continues
+    # Requests whose grammar allowed no token (`GrammarBitmask.dead_end_req_ids`): they have
+    # no entry in `tokens` and finish with an error.
+    grammar_dead_end_req_ids: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,7 +96,9 @@ class EngineCoreOutput:
     # Structured outputs: tokens the grammar steered to close the output before max_tokens
     # (the content was cut short to stay valid; 0 = the model ended on its own).
     num_steered_tokens: int = 0
-    error: str | None = None  # why a request finished with "error"
+    # Why a request finished with "error": what kind of failure, and the message.
+    error_code: ErrorCode | None = None
+    error: str | None = None
 
     @property
     def finished(self) -> bool:

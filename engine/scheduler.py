@@ -15,8 +15,14 @@ from collections import deque
 from dataclasses import dataclass
 
 from agentrt.engine.config import SchedulerConfig
+from agentrt.engine.errors import ErrorCode
 from agentrt.engine.kv_cache_manager import KVCacheManager
-from agentrt.engine.records import EngineCoreOutput, SampledToken, ScheduledChunk, SchedulerOutput
+from agentrt.engine.records import (
+    EngineCoreOutput,
+    SamplerStepOutput,
+    ScheduledChunk,
+    SchedulerOutput,
+)
 from agentrt.engine.request import Request, RequestStatus
 
 
@@ -167,7 +173,14 @@ class Scheduler:
             request.status = RequestStatus.FINISHED_ERROR
             self._free(request)
             self.errored.append(
-                EngineCoreOutput(request.req_id, [], None, "error", error=request.structured.error)
+                EngineCoreOutput(
+                    request.req_id,
+                    [],
+                    None,
+                    "error",
+                    error_code=ErrorCode.INVALID_SCHEMA,
+                    error=request.structured.error,
+                )
             )
             return False
         request.status = RequestStatus.WAITING
@@ -185,6 +198,7 @@ class Scheduler:
             None,
             "error",
             structured_errors=problems,
+            error_code=ErrorCode.STRUCTURED_OUTPUT_FAILED,
             error="the output cannot be completed into a valid instance: " + "; ".join(problems),
         )
 
@@ -213,7 +227,7 @@ class Scheduler:
         )
 
     def update_from_output(
-        self, scheduler_output: SchedulerOutput, sampled: dict[str, SampledToken]
+        self, scheduler_output: SchedulerOutput, sampled: SamplerStepOutput
     ) -> list[EngineCoreOutput]:
         """Advance computed counts, append sampled tokens (and the tokens their grammars
         force next), apply stop conditions and free the blocks of finished requests.
@@ -226,11 +240,13 @@ class Scheduler:
             request.num_computed_tokens += len(chunk.token_ids)
             if not chunk.sample:
                 continue
-            token = sampled.get(chunk.req_id)
-            if token is None or (
-                request.structured is not None
-                and not request.structured.matcher.accept_token(token.token_id)
-            ):
+            if chunk.req_id in sampled.grammar_dead_end_req_ids:
+                outputs.append(self._fail_grammar_dead_end(request))
+                continue
+            token = sampled.tokens[chunk.req_id]
+            if request.structured is not None and not request.structured.matcher.accept_token(
+                token.token_id
+            ):  # cannot happen with the bitmask applied; fail rather than go on unchecked
                 outputs.append(self._fail_grammar_dead_end(request))
                 continue
             request.append_output_token(token.token_id)

@@ -10,6 +10,7 @@ from concurrent.futures import Future
 import torch
 
 from agentrt.engine.errors import InvalidRequestError
+from agentrt.engine.records import GrammarBitmask
 from agentrt.engine.request import Request
 from agentrt.engine.sampling_params import StructuredOutputsParams
 from agentrt.grammar import (
@@ -70,8 +71,8 @@ class StructuredRequest:
             return False
         try:
             self.matcher = self.future.result().matcher()
-        except GrammarError as exc:
-            self.error = f"grammar compilation failed: {exc}"
+        except GrammarError as exc:  # the request fails with ErrorCode.INVALID_SCHEMA
+            self.error = str(exc)
         return True
 
 
@@ -118,14 +119,11 @@ class StructuredOutputManager:
     def start(self, request: Request, spec: GrammarSpec) -> None:
         request.structured = StructuredRequest(self.compiler.compile_async(spec))
 
-    def bitmask(
-        self, requests: list[Request]
-    ) -> tuple[torch.Tensor, torch.Tensor, set[str]] | None:
-        """For one step's sampled requests: (bitmask (B, ceil(V / 32)) int32, indices of the
-        rows to mask, ids of requests whose grammar allows no token at all), or None
-        when no row is constrained. A dead end happens when the token grammar accepted an
-        output that the final check rejects (a keyword it does not enforce): nothing may
-        follow, and the request must fail rather than sample an arbitrary token."""
+    def bitmask(self, requests: list[Request]) -> GrammarBitmask | None:
+        """The bitmask of one step's sampled requests (row i is `requests[i]`), or None when
+        none is constrained. A dead end happens when the token grammar accepted an output
+        that the final check rejects (a keyword it does not enforce): nothing may follow,
+        and the request must fail rather than sample an arbitrary token."""
         rows = [i for i, r in enumerate(requests) if r.structured is not None]
         if not rows:
             return None
@@ -136,9 +134,11 @@ class StructuredOutputManager:
             requests[row].structured.matcher.fill_bitmask(mask, row, tokens_left=left)
             if mask[row].any():
                 live.append(row)
-            else:  # left unmasked: an all -inf row must not reach the sampler
+            else:
                 dead.add(requests[row].req_id)
-        return torch.from_numpy(mask), torch.tensor(live, dtype=torch.int64), dead
+        return GrammarBitmask(
+            torch.from_numpy(mask), torch.tensor(live, dtype=torch.int64), frozenset(dead)
+        )
 
 
 def _tokens_left(request: Request) -> int | None:

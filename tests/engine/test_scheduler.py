@@ -9,7 +9,7 @@ import pytest
 
 from agentrt.engine.config import SchedulerConfig
 from agentrt.engine.kv_cache_manager import KVCacheManager
-from agentrt.engine.records import SampledToken
+from agentrt.engine.records import SampledToken, SamplerStepOutput
 from agentrt.engine.request import Request, RequestStatus
 from agentrt.engine.sampling_params import SamplingParams
 from agentrt.engine.scheduler import Scheduler
@@ -41,7 +41,7 @@ def run_step(scheduler: Scheduler, token: int = 7):
         end = chunk.start_pos + len(chunk.token_ids)
         assert len(chunk.block_ids) * scheduler.kv.block_size >= end
     sampled = {c.req_id: SampledToken(token) for c in out.chunks if c.sample}
-    results = scheduler.update_from_output(out, sampled)
+    results = scheduler.update_from_output(out, SamplerStepOutput(sampled))
     scheduler.kv.check_invariants()
     return out, results
 

@@ -14,7 +14,7 @@ import jsonschema
 import pytest
 from pydantic import BaseModel, Field
 
-from agentrt.engine.errors import InvalidRequestError
+from agentrt.engine.errors import ErrorCode, InvalidRequestError
 from agentrt.engine.sampling_params import SamplingParams, StructuredOutputsParams
 
 MASKBENCH = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "maskbench"
@@ -156,7 +156,10 @@ def test_grammar_that_fails_to_compile_fails_alone(smollm2_llm):
         ["Hello", "Hi"], [SamplingParams(max_tokens=8, structured_outputs=bad), good]
     )
     assert outs[0].outputs[0].finish_reason == "error" and outs[0].error
+    assert outs[0].error_code is ErrorCode.INVALID_SCHEMA
+    assert "missing" in outs[0].error  # the compiler's own message, no prefix added
     assert outs[1].outputs[0].finish_reason in ("stop", "length")
+    assert outs[1].error_code is None
     assert not smollm2_llm.engine_core.has_unfinished_requests()
     smollm2_llm.kv_manager.check_invariants()
 
@@ -178,6 +181,7 @@ def test_grammar_dead_end_fails_the_request_with_the_reason(smollm2_llm):
     assert completion.text == "[1, 1]"
     assert completion.structured_errors and "unique" in " ".join(completion.structured_errors)
     assert "cannot be completed" in outs[0].error
+    assert outs[0].error_code is ErrorCode.STRUCTURED_OUTPUT_FAILED
     assert outs[1].outputs[0].finish_reason in ("stop", "length")
     smollm2_llm.kv_manager.check_invariants()
 
