@@ -37,13 +37,6 @@ GREEDY_TEMPERATURE_EPS = 1e-5
 TOP_P_CANDIDATES = 256
 
 
-def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
-    """A per-request generator for `SamplingParams.seed` (create once, reuse every step)."""
-    generator = torch.Generator(device=device)
-    generator.manual_seed(seed)
-    return generator
-
-
 @dataclass(slots=True)
 class LogprobsTensors:
     """Logprobs of the raw (unprocessed) logits for every row of the step.
@@ -113,7 +106,7 @@ class SamplingMetadata:
     ) -> SamplingMetadata:
         """Build the step's metadata; every sequence has one entry per row, in batch order.
 
-        `generators[i]` is the row's own generator (see `make_generator`) when its request
+        `generators[i]` is the row's own generator (`Request.generator`) when its request
         has a seed, else None (the row then uses torch's default generator). Prompt ids are
         read only for rows with a repetition penalty, output ids only for penalised rows.
         Raises `InvalidRequestError` for a token id outside `[0, vocab_size)`.
@@ -304,13 +297,14 @@ def sample_random(
         threshold = select(metadata.min_p).unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
         probs.masked_fill_(probs < threshold, 0.0)
 
-    # One uniform per row; seeded rows draw theirs from their own generator.
+    # One uniform per row; seeded rows draw theirs from their own generator (a CPU one: the
+    # draw is the same whatever device the logits are on, and is copied there).
     uniform = torch.rand(probs.shape[0], 1, device=probs.device)  # [R, 1]
     if metadata.generators:
         local = {r: j for j, r in enumerate(rows.tolist())} if rows is not None else None
         for row, generator in metadata.generators.items():
             j = row if local is None else local[row]
-            uniform[j] = torch.rand(1, generator=generator, device=probs.device)
+            uniform[j] = torch.rand(1, generator=generator, device=generator.device)
     return draw_inverse_cdf(probs, uniform)
 
 

@@ -135,9 +135,5 @@ class SamplingParams:
                     raise bad("logit_bias", bias, "biases in [-100, 100]")
 
     @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
-
-    @property
     def top_k_enabled(self) -> bool:
         return self.top_k > 0

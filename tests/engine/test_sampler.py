@@ -15,7 +15,6 @@ from agentrt.engine.sampler import (
     apply_penalties,
     apply_top_p,
     draw_inverse_cdf,
-    make_generator,
 )
 from agentrt.engine.sampling_params import SamplingParams
 
@@ -33,7 +32,7 @@ def build(
         params,
         prompts or [[] for _ in range(num_rows)],
         outputs or [[] for _ in range(num_rows)],
-        [make_generator(p.seed) if p.seed is not None else None for p in params],
+        [torch.Generator().manual_seed(p.seed) if p.seed is not None else None for p in params],
         blocked or [() for _ in range(num_rows)],
         vocab_size,
         "cpu",
@@ -72,7 +71,9 @@ def test_seeded_row_is_reproducible_and_independent_of_batch_neighbours() -> Non
     seeded = SamplingParams(temperature=0.9, top_p=0.95, seed=1234)
 
     def run(batch: list[SamplingParams], position: int, steps: int = 12) -> list[int]:
-        generators = [make_generator(p.seed) if p.seed is not None else None for p in batch]
+        generators = [
+            torch.Generator().manual_seed(p.seed) if p.seed is not None else None for p in batch
+        ]
         tokens = []
         for step in range(steps):
             torch.manual_seed(step + 100 * len(batch))  # unseeded rows differ run to run
