@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from agentrt.engine.async_engine import AsyncEngine
-from agentrt.engine.errors import InvalidRequestError
+from agentrt.engine.errors import ErrorCode, InvalidRequestError
 from agentrt.engine.outputs import RequestOutput
 from agentrt.engine.sampling_params import SamplingParams
 from agentrt.formats import OutputFormat
@@ -44,14 +44,16 @@ class Usage:
 
 @dataclass(slots=True)
 class Completion:
-    """A finished reply: text, why it ended ("stop", "length", "error", "abort"), usage, and
-    the engine's problems with it (`error`; `structured_errors` from post-validation), and
+    """A finished reply: text, why it ended ("stop", "length", "error", "abort"), usage, the
+    engine's problems with it (`error` and `error_code` when it ended with "error";
+    `structured_errors` from the final check of a constrained output, empty = valid), and
     how many final tokens the grammar steered to close it before max_tokens."""
 
     text: str
     finish_reason: str | None
     usage: Usage
     error: str | None = None
+    error_code: ErrorCode | None = None
     structured_errors: list[str] | None = None
     num_steered_tokens: int = 0
 
@@ -113,7 +115,8 @@ def to_completion(output: RequestOutput) -> Completion:
         completion.text,
         completion.finish_reason,
         usage,
-        output.error,
-        completion.structured_errors,
-        completion.num_steered_tokens,
+        error=output.error,
+        error_code=output.error_code,
+        structured_errors=completion.structured_errors,
+        num_steered_tokens=completion.num_steered_tokens,
     )

@@ -14,7 +14,7 @@ from typing import Any
 import anyio
 
 from agentrt.backend import Backend, Usage
-from agentrt.errors import AgentrtError, InvalidRequestError, SchemaError
+from agentrt.errors import AgentrtError, InvalidRequestError, SchemaError, code_of
 from agentrt.formats import TEXT, resolve_format
 from agentrt.session import Session
 
@@ -136,7 +136,8 @@ def read_documents(path: str, text_field: str) -> list[str]:
 
 
 def write_results(path: str, results: list[ExtractResult]) -> None:
-    """One JSON line per result, in input order: {"index", "value", "error"}."""
+    """One JSON line per result, in input order: {"index", "value", "error"}; an error is
+    {"type", "code", "message"} (`code`: the ErrorCode, null for an error without one)."""
     with open(path, "w") as out:
         for result in results:
             value = result.value
@@ -144,6 +145,10 @@ def write_results(path: str, results: list[ExtractResult]) -> None:
                 value = value.model_dump(mode="json")
             error = None
             if result.error is not None:
-                error = {"type": type(result.error).__name__, "message": str(result.error)}
+                error = {
+                    "type": type(result.error).__name__,
+                    "code": code_of(result.error),
+                    "message": str(result.error),
+                }
             line = {"index": result.index, "value": value, "error": error}
             out.write(json.dumps(line, default=str) + "\n")

@@ -1,6 +1,22 @@
 """What a reply must look like: `schema=` of `Session.generate` resolved into an `OutputFormat`
-that both constrains decoding (the engine's `StructuredOutputsParams`, or a remote
-`response_format`) and parses + validates the finished text."""
+that constrains decoding (the engine's `StructuredOutputsParams`, or a remote
+`response_format`) and turns the finished text into its value.
+
+Which check lives where (each is done once):
+1. `resolve_format`: the schema itself (a JSON schema is checked against its metaschema, a
+   regex compiles, a Python type has a JSON schema) -> `SchemaError` before any request.
+2. The grammar (engine): every token, so the output can only be valid; a dead end finishes
+   the request with `error_code` STRUCTURED_OUTPUT_FAILED.
+3. The final check (`agentrt.grammar`'s FinalValidator, on the finished text): the keywords
+   the grammar does not enforce, against the original schema (formats included). The engine
+   runs it for every constrained request and reports `structured_errors`; a remote backend,
+   whose server does not send them, runs the same validator on the text it got
+   (`OutputFormat.final_errors`). Session raises `OutputValidationError` for any problem.
+4. `OutputFormat.parse`: conversion only - JSON text to a dict/list, tool-call payloads to
+   `ToolCall`s - with no second schema check that could disagree with 2 and 3. The one
+   exception is a Python type: building its value is Pydantic's validation, which also runs
+   what no JSON schema can say (validators, custom types); its errors are the SDK's own.
+"""
 
 from __future__ import annotations
 
@@ -13,9 +29,11 @@ import jsonschema
 import pydantic
 
 from agentrt.engine.sampling_params import StructuredOutputsParams
+from agentrt.engine.structured_output import to_grammar_spec
 from agentrt.errors import OutputValidationError, SchemaError
 from agentrt.grammar import GrammarSpec, GrammarSpecError
 from agentrt.grammar.tools import tool_call_spec_text
+from agentrt.grammar.validate import FinalValidator
 from agentrt.tool_calls import ToolCall, hermes_spec, parse_tool_calls
 
 
@@ -68,41 +86,42 @@ class OutputFormat:
         if self.kind == "choice":
             return StructuredOutputsParams(choice=self.choices)
         if self.kind == "tools":
-            try:
-                if self.tool_style == "hermes":
-                    spec = hermes_spec(
-                        list(self.tools), self.tool_choice, parallel=self.parallel_tool_calls
-                    )
-                else:
-                    spec = GrammarSpec.from_tools(
-                        list(self.tools),
-                        self.tool_choice,
-                        parallel_tool_calls=self.parallel_tool_calls,
-                    )
-            except GrammarSpecError as exc:
-                raise SchemaError(f"the tools are invalid: {exc}") from None
-            return None if spec.kind == "text" else StructuredOutputsParams(spec=spec)
+            return self._tools_constraint()
         return None
 
+    def _tools_constraint(self) -> StructuredOutputsParams | None:
+        tools = list(self.tools)
+        try:  # the tools alone first, so the error names the field at fault
+            tool_call_spec_text(tools, "auto")
+        except GrammarSpecError as exc:
+            raise SchemaError(f"the tools are invalid: {exc}", field="tools") from None
+        try:
+            if self.tool_style == "hermes":
+                spec = hermes_spec(tools, self.tool_choice, parallel=self.parallel_tool_calls)
+            else:
+                spec = GrammarSpec.from_tools(
+                    tools, self.tool_choice, parallel_tool_calls=self.parallel_tool_calls
+                )
+        except GrammarSpecError as exc:
+            raise SchemaError(f"tool_choice is invalid: {exc}", field="tool_choice") from None
+        return None if spec.kind == "text" else StructuredOutputsParams(spec=spec)
+
+    def final_errors(self, text: str) -> list[str] | None:
+        """The engine's final check of a finished output (problems; empty = valid), for a
+        backend whose engine does not report it; None for plain text."""
+        structured = self.structured_outputs()
+        if structured is None:
+            return None
+        return FinalValidator(to_grammar_spec(structured)).errors(text)
+
     def parse(self, text: str) -> Any:
-        """The value of a finished reply; raises `OutputValidationError` when it does not
-        satisfy the format (a keyword only post-validation checks)."""
-        if self.kind == "text":
+        """The value of a finished reply that passed the final check; raises
+        `OutputValidationError` when the text cannot be converted (or a Python type's
+        validation rejects it)."""
+        if self.kind in ("text", "regex", "choice"):
             return text
         if self.kind == "tools":
             return self._parse_tool_calls(text)
-        if self.kind == "regex":
-            if re.fullmatch(self.regex, text) is None:
-                raise OutputValidationError(
-                    f"output {text!r} does not match {self.regex!r}", text=text, errors=[]
-                )
-            return text
-        if self.kind == "choice":
-            if text not in self.choices:
-                raise OutputValidationError(
-                    f"output {text!r} is not one of {list(self.choices)}", text=text, errors=[]
-                )
-            return text
         if self.adapter is not None:
             try:
                 return self.adapter.validate_json(text)
@@ -113,42 +132,21 @@ class OutputFormat:
                     errors=exc.errors(include_url=False),
                 ) from None
         try:
-            value = json.loads(text)
-            jsonschema.validate(value, self.json_schema)
-        except (json.JSONDecodeError, jsonschema.ValidationError) as exc:
-            message = getattr(exc, "message", str(exc))
+            return json.loads(text)
+        except json.JSONDecodeError as exc:
             raise OutputValidationError(
-                f"output does not validate against the schema: {message}",
-                text=text,
-                errors=[message],
+                f"output is not JSON: {exc}", text=text, errors=[str(exc)]
             ) from None
-        return value
 
     def _parse_tool_calls(self, text: str) -> list[ToolCall] | str:
         calls = parse_tool_calls(text)
-        if calls is None:
-            if self.tool_choice == "auto" or self.tool_choice == "none":
-                return text
-            raise OutputValidationError(
-                f"expected tool calls, got {text!r}", text=text, errors=["not a tool call"]
-            )
-        canonical, _ = tool_call_spec_text(list(self.tools), "auto")  # [{name, parameters}]
-        known = {t["name"]: t for t in canonical}
-        errors = []
-        for call in calls:
-            if call.name not in known:
-                errors.append(f"unknown tool {call.name!r}")
-                continue
-            params = known[call.name]["parameters"]
-            try:
-                jsonschema.validate(call.arguments, params)
-            except jsonschema.ValidationError as exc:
-                errors.append(f"{call.name}: {exc.message}")
-        if errors:
-            raise OutputValidationError(
-                f"tool call arguments are invalid: {'; '.join(errors)}", text=text, errors=errors
-            )
-        return calls
+        if calls is not None:
+            return calls
+        if self.tool_choice == "auto" or self.tool_choice == "none":
+            return text
+        raise OutputValidationError(
+            f"expected tool calls, got {text!r}", text=text, errors=["not a tool call"]
+        )
 
 
 TEXT = OutputFormat("text")

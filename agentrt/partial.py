@@ -9,6 +9,7 @@ from typing import Any
 
 _DECODER = json.JSONDecoder()
 _WS = " \t\n\r"
+_NUMBER_CHARS = "0123456789.eE+-"
 
 
 def completed_members(text: str) -> dict[str, Any] | list[Any] | None:
@@ -60,13 +61,15 @@ def _array_elements(text: str, i: int) -> list[Any]:
 
 def _complete_value(text: str, i: int) -> tuple[Any, int]:
     """(value, end) when the value at `i` is complete, else (None, -1). A number is complete
-    only when something follows it (more digits could still come)."""
+    only when something that cannot continue it follows: the decoder reads "3" from "3." or
+    "3e", whose number may still become 3.25 or 3e5."""
     try:
         value, end = _DECODER.raw_decode(text, i)
     except json.JSONDecodeError:
         return None, -1
-    if isinstance(value, int | float) and not isinstance(value, bool) and end >= len(text):
-        return None, -1
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        if end >= len(text) or text[end] in _NUMBER_CHARS:
+            return None, -1
     return value, end
 
 

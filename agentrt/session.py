@@ -15,10 +15,11 @@ import pydantic
 
 from agentrt.backend import Backend, Completion, Usage
 from agentrt.errors import (
+    ErrorCode,
     GenerationError,
     OutputValidationError,
-    SchemaError,
     TruncatedOutputError,
+    error_for,
 )
 from agentrt.formats import OutputFormat, resolve_format
 from agentrt.partial import completed_members
@@ -165,20 +166,19 @@ async def collect_completion(stream: AsyncIterator[str | Completion]) -> Complet
 
 
 def check_completion(completion: Completion, fmt: OutputFormat, usage: Usage) -> Any:
-    """The parsed value of a finished reply, or the typed error that says why there is none."""
+    """The parsed value of a finished reply, or the typed error that says why there is none.
+    A reply that ended with "error" raises the exception of its `error_code` (ERROR_KINDS);
+    a finished one fails when the final check (`structured_errors`) found problems, else
+    `fmt.parse` converts it (see agentrt.formats for which check lives where)."""
     reason, text = completion.finish_reason, completion.text
     if reason == "error":
-        error = completion.error or "unknown error"
-        if "grammar compilation failed" in error:
-            raise SchemaError(error.removeprefix("grammar compilation failed: "))
-        if completion.structured_errors:
+        code = completion.error_code or ErrorCode.INTERNAL
+        message = completion.error or "the request failed in the engine"
+        if code == ErrorCode.STRUCTURED_OUTPUT_FAILED:
             raise OutputValidationError(
-                f"the output cannot be completed validly: {error}",
-                text=text,
-                errors=completion.structured_errors,
-                usage=usage,
+                message, text=text, errors=completion.structured_errors or [message], usage=usage
             )
-        raise GenerationError(error)
+        raise error_for(code, message)
     if reason == "abort":
         raise GenerationError("the request was aborted")
     # A plain-text answer (tool_choice "auto") may end at max_tokens like any text reply.

@@ -12,6 +12,7 @@ import pytest
 from pydantic import BaseModel, Field
 
 from agentrt import SchemaError, TruncatedOutputError
+from agentrt.extract import ExtractResult, write_results
 
 pytestmark = pytest.mark.anyio
 ROOT = Path(__file__).resolve().parents[2]
@@ -104,3 +105,21 @@ def test_extract_command(tmp_path: Path, smollm2_dir):
         cwd=ROOT,
     )
     assert bad.returncode == 2 and "cannot load the schema" in bad.stderr
+
+
+def test_results_file_carries_the_error_code(tmp_path: Path):
+    path = tmp_path / "out.jsonl"
+    write_results(
+        str(path),
+        [
+            ExtractResult(0, value=Contact(name="Ann", email="a@b.c", age=30)),
+            ExtractResult(1, error=TruncatedOutputError("cut short", text="{")),
+        ],
+    )
+    first, second = (json.loads(line) for line in path.read_text().splitlines())
+    assert first["error"] is None and first["value"]["name"] == "Ann"
+    assert second["error"] == {
+        "type": "TruncatedOutputError",
+        "code": "structured_output_failed",
+        "message": "cut short",
+    }
