@@ -1,13 +1,16 @@
-"""EngineCore: schedule -> run the model -> sample -> update, one step at a time."""
+"""EngineCore: schedule -> run the model (and fill the grammar bitmask) -> sample -> update,
+one step at a time."""
 
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from agentrt.engine.records import (
     EngineCoreOutput,
+    GrammarBitmask,
     SampledToken,
     SamplerStepOutput,
     SchedulerOutput,
@@ -27,12 +30,20 @@ class EngineCore:
         runner,
         vocab_size: int,
         structured: StructuredOutputManager,
+        *,
+        overlap_grammar: bool = False,
     ) -> None:
+        """`overlap_grammar`: fill the grammar bitmask on a worker thread while the model
+        runs. Worth it when the model runs on a GPU (the CPU is otherwise idle while the GPU
+        computes); on the CPU both would compete for the same cores."""
         self.scheduler = scheduler
         self.runner = runner
         self.sampler = Sampler()
         self.vocab_size = vocab_size
         self.structured = structured
+        self._grammar_thread = (
+            ThreadPoolExecutor(1, thread_name_prefix="agentrt-bitmask") if overlap_grammar else None
+        )
 
     def add_request(self, request: Request, spec: GrammarSpec | None = None) -> None:
         """Queue a validated request; with a grammar spec it first waits for compilation."""
@@ -55,15 +66,28 @@ class EngineCore:
             if not errored and self.scheduler.has_unfinished_requests():
                 time.sleep(0.001)  # only grammars compiling: let them run
             return errored
-        logits = self.runner.execute(scheduler_output)
-        sampled = self._sample(scheduler_output, logits)
+        requests = [self.scheduler.requests[c.req_id] for c in scheduler_output.chunks if c.sample]
+        logits, grammar = self._execute(scheduler_output, requests)
+        sampled = self._sample(requests, logits, grammar)
         return errored + self.scheduler.update_from_output(scheduler_output, sampled)
 
-    def _sample(self, so: SchedulerOutput, logits: torch.Tensor) -> SamplerStepOutput:
-        requests = [self.scheduler.requests[c.req_id] for c in so.chunks if c.sample]
+    def _execute(
+        self, so: SchedulerOutput, requests: list[Request]
+    ) -> tuple[torch.Tensor, GrammarBitmask | None]:
+        """The logits of the sampled rows and their grammar bitmask. The bitmask depends only
+        on tokens accepted in earlier steps, so it can be filled while the model runs: on the
+        worker thread, nothing else touches the matchers until `result()` returns."""
+        if self._grammar_thread is None or all(r.structured is None for r in requests):
+            return self.runner.execute(so), self.structured.bitmask(requests)
+        pending = self._grammar_thread.submit(self.structured.bitmask, requests)
+        logits = self.runner.execute(so)  # on a GPU: returns once the kernels are queued
+        return logits, pending.result()
+
+    def _sample(
+        self, requests: list[Request], logits: torch.Tensor, grammar: GrammarBitmask | None
+    ) -> SamplerStepOutput:
         if not requests:
             return SamplerStepOutput({})
-        grammar = self.structured.bitmask(requests)
         dead: frozenset[str] = frozenset()
         if grammar is not None:
             dead = grammar.dead_end_req_ids

@@ -80,7 +80,13 @@ class LLMEngine:
             sorted(eos),
             config.structured_outputs.grammar_timeout_s,
         )
-        self.engine_core = EngineCore(self.scheduler, self.runner, self.arch.vocab_size, structured)
+        self.engine_core = EngineCore(
+            self.scheduler,
+            self.runner,
+            self.arch.vocab_size,
+            structured,
+            overlap_grammar=self.runner.device.type == "cuda",
+        )
         self.processor = self.make_processor(self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
 

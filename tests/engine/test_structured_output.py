@@ -8,6 +8,7 @@ from __future__ import annotations
 import enum
 import json
 import random
+import threading
 from pathlib import Path
 
 import jsonschema
@@ -201,3 +202,27 @@ def test_steered_finish_is_reported(smollm2_llm):
     assert 0 < completion.num_steered_tokens < len(completion.token_ids)
     assert natural.outputs[0].finish_reason == "stop"
     assert natural.outputs[0].num_steered_tokens == 0
+
+
+def test_bitmask_filled_while_the_model_runs_gives_the_same_outputs(smollm2_llm, monkeypatch):
+    """The GPU path fills the bitmask on a worker thread during the forward pass; forced on
+    here, greedy outputs are token for token those of the sequential path."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    core = smollm2_llm.engine.engine_core
+    params = [_params(Person, 0.0, max_tokens=60), _params(Address, 0.0, max_tokens=60)]
+    prompts = [PROMPT, [{"role": "user", "content": "Give an address as JSON."}]]
+    sequential = [o.outputs[0].token_ids for o in smollm2_llm.chat(prompts, params)]
+
+    threads = set()
+    fill = core.structured.bitmask
+
+    def recording_fill(requests):
+        threads.add(threading.current_thread().name)
+        return fill(requests)
+
+    monkeypatch.setattr(core.structured, "bitmask", recording_fill)
+    monkeypatch.setattr(core, "_grammar_thread", ThreadPoolExecutor(1, "agentrt-bitmask"))
+    overlapped = [o.outputs[0].token_ids for o in smollm2_llm.chat(prompts, params)]
+    assert overlapped == sequential
+    assert threads and all(name.startswith("agentrt-bitmask") for name in threads)
