@@ -11,7 +11,7 @@ Imports nothing from other agentrt packages.
 
 from __future__ import annotations
 
-from .bitmask import allocate_bitmask, allowed_token_ids, apply_bitmask, bitmask_words
+from .bitmask import allocate_bitmask, allowed_token_ids, bitmask_words
 from .compiler import GrammarCompiler
 from .errors import (
     BackendUnavailableError,
@@ -46,6 +46,5 @@ __all__ = [
     "SchemaLimits",
     "allocate_bitmask",
     "allowed_token_ids",
-    "apply_bitmask",
     "bitmask_words",
 ]

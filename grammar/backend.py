@@ -67,15 +67,10 @@ class BackendMatcher(Protocol):
     def is_accepting(self) -> bool:
         """The text so far is a complete output (a stop token would be allowed)."""
 
-    def is_terminated(self) -> bool:
-        """A stop token was accepted (or nothing at all can follow)."""
-
     def rollback(self, num_tokens: int) -> None: ...
 
     def forced_tokens(self) -> list[int]:
         """Tokens the grammar forces next (jump-forward); state is unchanged."""
-
-    def reset(self) -> None: ...
 
 
 class BackendGrammar(Protocol):

@@ -129,9 +129,6 @@ class LLGuidanceMatcher:
     def is_accepting(self) -> bool:
         return not self._terminated and bool(self._m.is_accepting())
 
-    def is_terminated(self) -> bool:
-        return self._terminated
-
     def rollback(self, num_tokens: int) -> None:
         if num_tokens and self._terminated:
             self._terminated = False
@@ -143,7 +140,3 @@ class LLGuidanceMatcher:
         if self._terminated:
             return []
         return [t for t in self._m.compute_ff_tokens() if t not in self._stop]
-
-    def reset(self) -> None:
-        self._terminated = False
-        self._m.reset()

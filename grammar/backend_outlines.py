@@ -109,9 +109,6 @@ class OutlinesMatcher:
     def is_accepting(self) -> bool:
         return not self._terminated and bool(self._g.is_finished())
 
-    def is_terminated(self) -> bool:
-        return self._terminated
-
     def rollback(self, num_tokens: int) -> None:
         if num_tokens and self._terminated:
             self._terminated = False
@@ -122,7 +119,3 @@ class OutlinesMatcher:
     def forced_tokens(self) -> list[int]:
         allowed = [] if self._terminated else self._g.get_tokens()
         return allowed if len(allowed) == 1 and allowed[0] not in self._stop else []
-
-    def reset(self) -> None:
-        self._terminated = False
-        self._g.reset()

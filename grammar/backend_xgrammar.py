@@ -94,9 +94,6 @@ class XGrammarMatcher:
     def is_accepting(self) -> bool:
         return not self._m.is_terminated() and bool(self._m.is_completed())
 
-    def is_terminated(self) -> bool:
-        return bool(self._m.is_terminated())
-
     def rollback(self, num_tokens: int) -> None:
         self._m.rollback(num_tokens)
 
@@ -104,6 +101,3 @@ class XGrammarMatcher:
         if self._m.is_terminated():
             return []
         return [t for t in self._m.find_jump_forward_tokens() if t not in self._stop]
-
-    def reset(self) -> None:
-        self._m.reset()

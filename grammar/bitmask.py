@@ -1,4 +1,4 @@
-"""Token bitmasks in the xgrammar layout, plus a pure-numpy reference for applying them.
+"""Token bitmasks in the xgrammar layout.
 
 Layout (a spec, not an implementation detail): `np.int32[rows, ceil(vocab_size / 32)]`;
 bit `i % 32` of word `i // 32` set means token `i` is allowed. Matchers fill one row each.
@@ -28,22 +28,8 @@ def allocate_bitmask(rows: int, vocab_size: int) -> np.ndarray:
     return np.full((rows, bitmask_words(vocab_size)), -1, dtype=np.int32)
 
 
-def unpack_row(bitmask: np.ndarray, row: int, vocab_size: int) -> np.ndarray:
-    """Row `row` as a bool vector of length vocab_size (True = allowed)."""
+def allowed_token_ids(bitmask: np.ndarray, row: int, vocab_size: int) -> list[int]:
+    """The ids below vocab_size that row `row` allows, ascending."""
     words = bitmask[row].view(np.uint32)  # (W,)
     bits = (words[:, None] >> np.arange(32, dtype=np.uint32)) & 1  # (W, 32)
-    flat = bits.reshape(-1)[:vocab_size].astype(bool)
-    if flat.size < vocab_size:  # logits wider than the mask: extra columns are disallowed
-        flat = np.concatenate([flat, np.zeros(vocab_size - flat.size, dtype=bool)])
-    return flat
-
-
-def allowed_token_ids(bitmask: np.ndarray, row: int, vocab_size: int) -> list[int]:
-    return np.flatnonzero(unpack_row(bitmask, row, vocab_size)).tolist()
-
-
-def apply_bitmask(logits: np.ndarray, bitmask: np.ndarray) -> None:
-    """Reference: set disallowed logits to -inf in place. logits: (rows, V) float."""
-    rows, vocab = logits.shape
-    allowed = np.stack([unpack_row(bitmask, r, vocab) for r in range(rows)])  # (rows, V)
-    logits[~allowed] = -np.inf
+    return np.flatnonzero(bits.reshape(-1)[:vocab_size]).tolist()

@@ -137,7 +137,7 @@ class BudgetSteer:
         self._refusing = False  # opening tokens are refused until the next search
 
     def forget(self) -> None:
-        """The state moved other than by accepting one token (rollback, reset)."""
+        """The state moved other than by accepting one token (a rollback)."""
         self._cached = None
         self._search_at = STEER_WINDOW
         self._refusing = False

@@ -10,7 +10,6 @@ bounds.py), so that a small model looping inside one cannot run to max_tokens.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -149,7 +148,3 @@ class GenerationBounds:
             return None
         length, items, depth, close = (int(x) for x in text.split(","))
         return cls(length, items, depth, bool(close))
-
-
-def schema_text(schema: Any) -> str:
-    return json.dumps(schema, separators=(",", ":"), ensure_ascii=False)

@@ -69,10 +69,6 @@ class GrammarMatcher:
         return len(self._token_ids)
 
     @property
-    def token_ids(self) -> list[int]:
-        return list(self._token_ids)
-
-    @property
     def last_token_id(self) -> int | None:
         return self._token_ids[-1] if self._token_ids else None
 
@@ -111,23 +107,6 @@ class GrammarMatcher:
                 self._steer = BudgetSteer(bitmask.shape[1])
             self._steer.steer_row(self, bitmask, row, tokens_left)
 
-    def fill_draft_bitmasks(self, draft_ids: list[int], bitmask: np.ndarray, row: int) -> int:
-        """Rows for speculative decoding: `row` for the next token, `row + i + 1` for the
-        position after draft token i. Drafts are accepted temporarily and rolled back, so
-        the state is unchanged. Stops at the first draft the grammar refuses (its later rows
-        are zeroed); returns how many drafts were grammatical.
-        """
-        self.fill_bitmask(bitmask, row)
-        num_ok = 0
-        for i, t in enumerate(draft_ids):
-            if not self.accept_token(t):
-                bitmask[row + i + 1 : row + len(draft_ids) + 1] = 0
-                break
-            num_ok += 1
-            self.fill_bitmask(bitmask, row + i + 1)
-        self.rollback(num_ok)
-        return num_ok
-
     def accept_token(self, token_id: int) -> bool:
         """Advance by one token. False (state unchanged) if the grammar forbids it."""
         if token_id in self._stop_ids and self.grammar.gate_eos and not self._final_ok():
@@ -149,21 +128,11 @@ class GrammarMatcher:
             return run + len(self._tok.token_bytes[token_id])
         return int(self._tok.digit_tail[token_id])
 
-    def accept_tokens(self, token_ids: list[int]) -> int:
-        """Accept tokens in order until one is refused; returns how many were accepted."""
-        for i, t in enumerate(token_ids):
-            if not self.accept_token(t):
-                return i
-        return len(token_ids)
-
     def can_terminate(self) -> bool:
         """A stop token is allowed now (the output so far is complete and valid)."""
         if not self._m.is_accepting():
             return False
         return not self.grammar.gate_eos or self._final_ok()
-
-    def is_terminated(self) -> bool:
-        return self._m.is_terminated()
 
     def rollback(self, num_tokens: int) -> None:
         """Undo the last `num_tokens` accepted tokens (e.g. rejected speculative drafts)."""
@@ -184,13 +153,6 @@ class GrammarMatcher:
     def forced_tokens(self) -> list[int]:
         """Tokens the grammar forces next (free drafts for jump-forward); state unchanged."""
         return self._m.forced_tokens()
-
-    def reset(self) -> None:
-        self._m.reset()
-        self._steer = None
-        self._token_ids.clear()
-        self._gate_cache = None
-        self._digit_run = 0
 
     def text(self) -> str:
         """The accepted output so far, decoded (stop tokens excluded)."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from agentrt.grammar import allocate_bitmask
+from agentrt.grammar import allocate_bitmask, allowed_token_ids
 
 SYNTH_VOCAB = 320  # logits width for the synthetic tokenizer (padded past its 266 tokens)
 
@@ -27,6 +27,22 @@ def make_synthetic_tokenizer() -> Any:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
     return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
+
+
+def accept_all(matcher: Any, token_ids: list[int]) -> int:
+    """Accept tokens in order until one is refused; returns how many were accepted."""
+    for i, t in enumerate(token_ids):
+        if not matcher.accept_token(t):
+            return i
+    return len(token_ids)
+
+
+def allowed_now(matcher: Any) -> list[int]:
+    """The token ids the matcher allows next (one fresh mask row)."""
+    vocab = matcher.grammar.tok.vocab_size
+    bitmask = allocate_bitmask(1, vocab)
+    matcher.fill_bitmask(bitmask, 0)
+    return allowed_token_ids(bitmask, 0, vocab)
 
 
 def drive(matcher: Any, tok: Any, text: str) -> tuple[bool, bool]:

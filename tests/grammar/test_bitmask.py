@@ -1,12 +1,9 @@
 from __future__ import annotations
 
-import ast
-from pathlib import Path
-
 import numpy as np
 import pytest
 
-from agentrt.grammar import allocate_bitmask, allowed_token_ids, apply_bitmask, bitmask_words
+from agentrt.grammar import allocate_bitmask, allowed_token_ids, bitmask_words
 
 
 def test_layout_is_xgrammar_compatible() -> None:
@@ -27,18 +24,4 @@ def test_bit_i_of_word_i_div_32_means_token_i() -> None:
         bm[1, t // 32] |= np.int32(np.uint32(1 << (t % 32)).view(np.int32))
     assert allowed_token_ids(bm, 1, 70) == [0, 31, 32, 65]
     assert allowed_token_ids(bm, 0, 70) == []
-    logits = np.zeros((2, 80), dtype=np.float32)  # wider than the mask: extra ids masked
-    apply_bitmask(logits, bm)
-    assert np.isneginf(logits[0]).all()
-    assert np.flatnonzero(np.isfinite(logits[1])).tolist() == [0, 31, 32, 65]
-
-
-def test_grammar_package_imports_nothing_local() -> None:
-    root = Path(__file__).resolve().parents[2] / "grammar"
-    for path in root.glob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                assert not node.module.startswith(("agentrt", "engine", "kernels")), path
-            if isinstance(node, ast.Import):
-                for alias in node.names:
-                    assert not alias.name.startswith(("agentrt", "engine", "kernels")), path
+    assert allowed_token_ids(bm, 1, 40) == [0, 31, 32]  # ids past vocab_size are not read

@@ -10,7 +10,7 @@ import numpy as np
 from agentrt.grammar import GrammarSpec, allocate_bitmask, allowed_token_ids
 from agentrt.grammar.budget import FORCE_SLACK, completion
 
-from .helpers import SYNTH_VOCAB
+from .helpers import SYNTH_VOCAB, accept_all
 
 SCHEMA = {
     "type": "object",
@@ -49,7 +49,7 @@ def test_a_looping_model_still_ends_valid_within_the_budget(synth_compiler, synt
 def test_without_a_budget_nothing_is_steered(auto_compiler, synth_tok) -> None:
     matcher = auto_compiler.compile(GrammarSpec.from_json_schema(SCHEMA)).matcher()
     prefix = synth_tok.encode('{"s": "aaa', add_special_tokens=False)
-    assert matcher.accept_tokens(prefix) == len(prefix)
+    assert accept_all(matcher, prefix) == len(prefix)
     plain, budgeted = allocate_bitmask(1, SYNTH_VOCAB), allocate_bitmask(1, SYNTH_VOCAB)
     matcher.fill_bitmask(plain, 0)
     matcher.fill_bitmask(budgeted, 0, tokens_left=1000)  # far from the end: same row
@@ -65,7 +65,7 @@ def test_without_a_budget_nothing_is_steered(auto_compiler, synth_tok) -> None:
 
 def test_tokens_that_open_something_are_refused_before_the_end(auto_compiler, synth_tok) -> None:
     matcher = auto_compiler.compile(GrammarSpec.from_json_schema(SCHEMA)).matcher()
-    matcher.accept_tokens(synth_tok.encode('{"s": "a b', add_special_tokens=False))
+    accept_all(matcher, synth_tok.encode('{"s": "a b', add_special_tokens=False))
     bitmask = allocate_bitmask(1, SYNTH_VOCAB)
     matcher.fill_bitmask(bitmask, 0, tokens_left=30)  # completion ~17 tokens: no forcing yet
     allowed = {synth_tok.decode([t]) for t in allowed_token_ids(bitmask, 0, SYNTH_VOCAB)}

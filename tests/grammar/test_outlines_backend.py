@@ -12,7 +12,7 @@ from agentrt.grammar import (
     allowed_token_ids,
 )
 
-from .helpers import SYNTH_VOCAB, drive
+from .helpers import SYNTH_VOCAB, accept_all, allowed_now, drive
 
 pytest.importorskip("outlines_core")
 
@@ -44,11 +44,11 @@ def test_json_rollback_and_forced(compiler, synth_tok) -> None:
     # Two tokens ("{" and the merge '{"') can start the output: nothing is forced yet.
     assert m.forced_tokens() == []
     ids = synth_tok.encode('{"ok": true}', add_special_tokens=False)
-    assert m.accept_tokens(ids) == len(ids) and m.can_terminate()
+    assert accept_all(m, ids) == len(ids) and m.can_terminate()
     m.rollback(2)
     assert not m.can_terminate()
-    assert m.accept_tokens(ids[-2:]) == 2 and m.can_terminate()
-    assert m.accept_token(0) and m.is_terminated()
+    assert accept_all(m, ids[-2:]) == 2 and m.can_terminate()
+    assert m.accept_token(0) and allowed_now(m) == []  # nothing follows the stop token
 
 
 def test_grammars_are_refused_with_a_hint(compiler) -> None:
