@@ -1,6 +1,7 @@
 """Engine configuration: small frozen dataclasses, validated on creation.
 
-Each error names the field, the value and what was expected. Values that depend on the
+Each error names the field, the value and what was expected. The records have no defaults:
+`EngineArgs` (args.py) holds every default once and builds them. Values that depend on the
 model (context length, vocabulary) are resolved when the engine loads it.
 """
 
@@ -46,12 +47,12 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
 class ModelConfig:
     """Which weights to run and how. `model=None` is the embedded SmolLM2-135M-Instruct."""
 
-    model: str | None = None
-    dtype: torch.dtype = torch.float32
-    device: str = "cpu"
-    max_model_len: int | None = None  # None: the model's max_position_embeddings
-    seed: int = 0
-    attention_backend: str = "auto"
+    model: str | None
+    dtype: torch.dtype
+    device: str
+    max_model_len: int | None  # None: the model's max_position_embeddings
+    seed: int
+    attention_backend: str
 
     def __post_init__(self) -> None:
         _check(
@@ -76,12 +77,12 @@ class ModelConfig:
 
 @dataclass(frozen=True, slots=True)
 class CacheConfig:
-    """The paged KV cache. `num_gpu_blocks=None` sizes the pool from `kv_cache_memory_gb`."""
+    """The paged KV cache. `num_blocks=None` sizes the pool from `kv_cache_memory_gb`."""
 
-    block_size: int = 16
-    kv_cache_memory_gb: float = 2.0
-    num_blocks: int | None = None
-    enable_prefix_caching: bool = True
+    block_size: int
+    kv_cache_memory_gb: float
+    num_blocks: int | None
+    enable_prefix_caching: bool
 
     def __post_init__(self) -> None:
         _check(
@@ -113,17 +114,17 @@ class SchedulerConfig:
     prefilled in chunks.
     """
 
-    max_num_seqs: int = 128
-    max_num_batched_tokens: int = 2048
-    policy: str = "fcfs"
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    policy: str
     # Cap on one request's prefill tokens per step (0 = only the step budget caps it).
-    long_prefill_token_threshold: int = 0
+    long_prefill_token_threshold: int
     # Jump-forward decoding: tokens a grammar forces after a sampled token (a JSON object's
     # next key, say) are appended at once and computed with the request's next chunk.
-    jump_forward: bool = True
+    jump_forward: bool
     # Requests that may wait beyond the `max_num_seqs` that run; past it the front end
     # refuses new ones (EngineOverloadedError).
-    max_waiting_requests: int = 256
+    max_waiting_requests: int
 
     def __post_init__(self) -> None:
         _check(self.max_num_seqs >= 1, "max_num_seqs", self.max_num_seqs, "at least 1")
@@ -152,7 +153,7 @@ class SchedulerConfig:
 class StructuredOutputsConfig:
     """Grammar compilation: each grammar compiles off the engine thread within a time budget."""
 
-    grammar_timeout_s: float = 10.0
+    grammar_timeout_s: float
 
     def __post_init__(self) -> None:
         _check(

@@ -20,11 +20,11 @@ Messages = list[dict]
 class LLM:
     """Generate from a model on this machine, synchronously. `model=None` runs the embedded
     SmolLM2-135M-Instruct; otherwise a local HF checkpoint directory or a .gguf file. The
-    options are `LLMEngine`'s; its components (`tokenizer`, `scheduler`, `kv_manager`, ...)
+    options are the fields of `EngineArgs`; the engine's components (`tokenizer`, `scheduler`, `kv_manager`, ...)
     are reachable as attributes of the LLM."""
 
-    def __init__(self, model: str | None = None, **engine_options) -> None:
-        self.engine = LLMEngine(model, **engine_options)
+    def __init__(self, model: str | None = None, **options) -> None:
+        self.engine = LLMEngine(model, **options)
         self._req_counter = itertools.count()
 
     def __getattr__(self, name: str):

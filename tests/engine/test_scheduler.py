@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from agentrt.engine.config import SchedulerConfig
+from agentrt.engine.args import EngineArgs
 from agentrt.engine.kv_cache_manager import KVCacheManager
 from agentrt.engine.records import SampledToken, SamplerStepOutput
 from agentrt.engine.request import Request, RequestStatus
@@ -27,9 +27,9 @@ def make_request(req_id: str, num_prompt: int, max_tokens: int, **kw) -> Request
 
 def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, budget=32, policy="fcfs"):
     kv = KVCacheManager(num_blocks, block_size)
-    config = SchedulerConfig(
-        max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, policy=policy
-    )
+    config = EngineArgs(
+        max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, scheduling_policy=policy
+    ).create_configs().scheduler
     return Scheduler(config, kv, max_model_len=1024)
 
 
