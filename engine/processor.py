@@ -4,10 +4,10 @@ reaches the scheduler."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import operator
+from collections.abc import Iterable, Sequence
 
-from agentrt.engine.errors import InvalidRequestError
-from agentrt.engine.kv_cache_manager import cdiv
+from agentrt.engine.errors import ContextLengthError, InvalidRequestError
 from agentrt.engine.request import Request
 from agentrt.engine.sampling_params import SamplingParams
 
@@ -32,14 +32,27 @@ class Processor:
         self.num_kv_blocks = num_kv_blocks
         self.eos_token_ids = eos_token_ids
 
+    @property
+    def max_request_tokens(self) -> int:
+        """Prompt plus output tokens one request may hold: the context length, or what the
+        KV cache can hold if that is less (more could never be scheduled)."""
+        return min(self.max_model_len, self.num_kv_blocks * self.block_size)
+
     def tokenize(self, prompt: Prompt) -> list[int]:
+        """Text -> token ids (with the tokenizer's special tokens); token ids are checked."""
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError(
                     "prompt is empty: pass at least one character.", field="prompt", value=prompt
                 )
             return self.tokenizer.encode(prompt)
-        token_ids = [int(t) for t in prompt]
+        if isinstance(prompt, bytes | dict) or not isinstance(prompt, Iterable):
+            raise InvalidRequestError(
+                f"prompt is a {type(prompt).__name__}: pass a string or a list of token ids.",
+                field="prompt",
+                value=type(prompt).__name__,
+            )
+        token_ids = [_token_id(t) for t in prompt]
         bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise InvalidRequestError(
@@ -74,37 +87,9 @@ class Processor:
         token_ids = self.tokenize(prompt)
         if not token_ids:
             raise InvalidRequestError("prompt has no tokens.", field="prompt", value=prompt)
-        num_prompt = len(token_ids)
-        if num_prompt >= self.max_model_len:
-            raise InvalidRequestError(
-                f"prompt is {num_prompt} tokens; the context length (max_model_len) is "
-                f"{self.max_model_len}, and at least one token must be generated. "
-                "Shorten the prompt.",
-                field="prompt",
-                value=num_prompt,
-            )
-        room = self.max_model_len - num_prompt
-        if params.max_tokens is not None and params.max_tokens > room:
-            raise InvalidRequestError(
-                f"max_tokens={params.max_tokens} is past the context: the prompt has "
-                f"{num_prompt} tokens and max_model_len is {self.max_model_len}, so at most "
-                f"{room} tokens can be generated.",
-                field="max_tokens",
-                value=params.max_tokens,
-            )
-        max_tokens = room if params.max_tokens is None else params.max_tokens
+        max_tokens = self._check_length(len(token_ids), params.max_tokens)
         self._check_token_ids("stop_token_ids", params.stop_token_ids)
         self._check_token_ids("logit_bias", tuple(params.logit_bias or ()))
-        num_blocks = cdiv(num_prompt + max_tokens, self.block_size)
-        if num_blocks > self.num_kv_blocks:
-            raise InvalidRequestError(
-                f"the request needs up to {num_prompt + max_tokens} tokens ({num_blocks} KV "
-                f"blocks) but the KV cache holds {self.num_kv_blocks} blocks of "
-                f"{self.block_size}; it could never be scheduled. Lower max_tokens or "
-                "raise kv_cache_memory_gb.",
-                field="max_tokens",
-                value=max_tokens,
-            )
         return Request(
             req_id,
             token_ids,
@@ -114,6 +99,34 @@ class Processor:
             priority=priority,
         )
 
+    def _check_length(self, num_prompt: int, max_tokens: int | None) -> int:
+        """The request's max_tokens (by default, all the room the prompt leaves); raises
+        `ContextLengthError` when the prompt, or the prompt plus max_tokens, cannot fit."""
+        limit = self.max_request_tokens
+        limits = (
+            f"max_model_len is {self.max_model_len} and the KV cache holds {self.num_kv_blocks} "
+            f"blocks of {self.block_size} tokens"
+        )
+        fix = "raise kv_cache_memory_gb" if limit < self.max_model_len else "use a longer context"
+        if num_prompt >= limit:
+            raise ContextLengthError(
+                f"prompt is {num_prompt} tokens; one request holds at most {limit} ({limits}), "
+                "and at least one token must be generated. Shorten the prompt.",
+                field="prompt",
+                value=num_prompt,
+            )
+        room = limit - num_prompt
+        if max_tokens is not None and max_tokens > room:
+            raise ContextLengthError(
+                f"max_tokens={max_tokens} is past the context: the prompt has {num_prompt} "
+                f"tokens and one request holds at most {limit} ({limits}), so at most {room} "
+                f"tokens can be generated; more could never be scheduled. Lower max_tokens or "
+                f"{fix}.",
+                field="max_tokens",
+                value=max_tokens,
+            )
+        return room if max_tokens is None else max_tokens
+
     def _check_token_ids(self, field: str, token_ids: tuple[int, ...]) -> None:
         bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
         if bad:
@@ -122,3 +135,22 @@ class Processor:
                 field=field,
                 value=bad[:5],
             )
+
+
+def _token_id(token) -> int:
+    """An integer token id (a Python or numpy integer); anything else is a typed error."""
+    if isinstance(token, bool):
+        raise InvalidRequestError(
+            f"prompt holds {token!r}: a token-id prompt holds integers only.",
+            field="prompt",
+            value=token,
+        )
+    try:
+        return operator.index(token)
+    except TypeError:
+        raise InvalidRequestError(
+            f"prompt holds {token!r} ({type(token).__name__}): a token-id prompt holds "
+            "integers only; pass text as one string.",
+            field="prompt",
+            value=repr(token)[:40],
+        ) from None
