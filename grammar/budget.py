@@ -16,18 +16,19 @@ Nothing is narrowed while the output may end where it is (free text, a finished 
 being cut there leaves it valid. The grammar and the EOS gate still apply to every token:
 the output is valid, only shorter than the model would have made it. The matcher counts
 the rows it narrowed (`num_steered`).
+
+Dependencies run one way: `GrammarMatcher` owns a `BudgetSteer` and calls it with its
+`GrammarState`; the search walks that state (accept, fill, roll back), which has no way
+back to the steering, so its rollbacks cannot reset the steering mid-search.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 
-from .bitmask import pack_bits
-
-if TYPE_CHECKING:
-    from .matcher import GrammarMatcher
+from .backend import TokenizerData
+from .bitmask import allocate_bitmask, pack_bits
+from .state import GrammarState
 
 # Completions are searched only this close to the budget's end (the search costs one mask
 # per token of the completion).
@@ -71,19 +72,19 @@ def finish_tables(
     return np.array(order, dtype=np.int32), pack_bits(openers)
 
 
-def completion(matcher: GrammarMatcher, limit: int, scratch: np.ndarray) -> list[int] | None:
-    """A short way to finish from the matcher's state: token ids ending with a stop token,
-    or None when the greedy search finds none within `limit` tokens. State is unchanged;
-    `scratch` is a one-row bitmask to work in."""
-    tok = matcher.grammar.tok
+def completion(state: GrammarState, limit: int, scratch: np.ndarray) -> list[int] | None:
+    """A short way to finish from `state`: token ids ending with a stop token, or None when
+    the greedy search finds none within `limit` tokens. `state` is walked and rolled back to
+    where it was; `scratch` is a one-row bitmask to work in."""
+    tok = state.tok
     path: list[int] = []
     previous: list[int] = []  # the candidates of the step before
     last_use: dict[int, int] = {}  # since the candidates last changed
     try:
         while len(path) < limit:
-            if matcher.can_terminate():
+            if state.can_terminate():
                 return [*path, tok.stop_token_ids[0]]
-            matcher.fill_bitmask(scratch, 0)
+            state.fill_row(scratch, 0)
             candidates = _allowed_in_rank(tok.finish_rank, scratch[0].view(np.uint32))
             if not candidates:
                 return None
@@ -94,14 +95,14 @@ def completion(matcher: GrammarMatcher, limit: int, scratch: np.ndarray) -> list
                 # The same choices again and nothing to close (a `[a-z0-9.]+` run, say):
                 # the least recently used one, so the run reaches the `@` that ends it.
                 pick = min(candidates, key=lambda t: last_use.get(t, -1))
-            if not matcher.accept_token(pick):
+            if not state.accept_token(pick):
                 return None
             last_use[pick] = len(path)
             previous = candidates
             path.append(pick)
         return None
     finally:
-        matcher.rollback(len(path))
+        state.rollback(len(path))
 
 
 def _allowed_in_rank(rank: np.ndarray, words: np.ndarray) -> list[int]:
@@ -129,42 +130,44 @@ class BudgetSteer:
     model follows the completion.
     """
 
-    def __init__(self, words: int) -> None:
-        self.scratch = np.zeros((1, words), dtype=np.int32)
+    def __init__(self, tok: TokenizerData) -> None:
+        self.scratch = allocate_bitmask(1, tok.vocab_size)
         self.num_steered = 0
+        self._openers = tok.opener_words
         self._cached: tuple[int, list[int] | None] | None = None  # (num_tokens, completion)
         self._search_at = STEER_WINDOW  # search when at most this many tokens are left
         self._refusing = False  # opening tokens are refused until the next search
 
     def forget(self) -> None:
-        """The state moved other than by accepting one token (a rollback)."""
+        """The state moved other than by accepting one token (the matcher's rollback)."""
         self._cached = None
         self._search_at = STEER_WINDOW
         self._refusing = False
 
-    def completion(self, matcher: GrammarMatcher, limit: int) -> list[int] | None:
-        n = matcher.num_tokens
+    def completion(self, state: GrammarState, limit: int) -> list[int] | None:
+        n = state.num_tokens
         if self._cached is not None:
             at, path = self._cached
             if at == n and (path is None or len(path) <= limit):
                 return path
-            if at == n - 1 and path and matcher.last_token_id == path[0]:
+            if at == n - 1 and path and state.last_token_id == path[0]:
                 self._cached = (n, path[1:])
                 return path[1:]
-        path = completion(matcher, limit, self.scratch)
+        path = completion(state, limit, self.scratch)
         self._cached = (n, path)
         return path
 
     def steer_row(
-        self, matcher: GrammarMatcher, bitmask: np.ndarray, row: int, tokens_left: int
+        self, state: GrammarState, bitmask: np.ndarray, row: int, tokens_left: int
     ) -> None:
-        """Narrow `bitmask[row]` (already filled) so the output can end within
-        `tokens_left` tokens, the stop token included."""
+        """Narrow `bitmask[row]` (already filled from `state`) so the output can end within
+        `tokens_left` tokens, the stop token included. Changes this steering's state (the
+        cached completion, the next search, openers refused, num_steered), never `state`'s."""
         if tokens_left > self._search_at:  # never above STEER_WINDOW
             if self._refusing:
-                self._refuse_openers(matcher, bitmask, row)
+                self._refuse_openers(bitmask, row)
             return
-        path = self.completion(matcher, tokens_left)
+        path = self.completion(state, tokens_left)
         self._refusing = False
         self._search_at = tokens_left - RECHECK_STEPS
         if path is None or len(path) == 1:
@@ -180,13 +183,13 @@ class BudgetSteer:
         elif 2 * len(path) + OPEN_SLACK >= tokens_left:
             self._refusing = True
             self._search_at = tokens_left - max(1, (tokens_left - len(path) - FORCE_SLACK) // 3)
-            self._refuse_openers(matcher, bitmask, row)
+            self._refuse_openers(bitmask, row)
         else:  # halve the distance to where openers are refused, at least RECHECK_STEPS
             zone = 2 * len(path) + OPEN_SLACK
             self._search_at = max(zone, tokens_left - max(RECHECK_STEPS, (tokens_left - zone) // 2))
 
-    def _refuse_openers(self, matcher: GrammarMatcher, bitmask: np.ndarray, row: int) -> None:
-        openers = matcher.grammar.tok.opener_words
+    def _refuse_openers(self, bitmask: np.ndarray, row: int) -> None:
+        openers = self._openers
         words = bitmask[row].view(np.uint32)
         narrowed = words[: openers.size] & ~openers
         if narrowed.any():

@@ -1,11 +1,10 @@
 """`Grammar` (compiled, shared, immutable) and `GrammarMatcher` (one per request).
 
-The matcher wraps a backend matcher and adds what the engine relies on regardless of
-backend: token bookkeeping for rollback, masking of padded ids, the EOS gate, and steering
-to a valid end when a token budget runs out (budget.py). When the grammar's report has
-post-checked keywords (or the backend is approximate), a stop token is allowed only if
-the text so far passes `validate_final`: the model can never end on an output the token
-grammar let through but the schema rejects.
+The matcher is what the engine holds per request. It owns two parts and calls them, never
+the reverse: a `GrammarState` (state.py: the backend matcher, token bookkeeping for
+rollback, the digit-run cap and the EOS gate) and, once a token budget is given, a
+`BudgetSteer` (budget.py: steering to a valid end when the budget runs out). It adds the
+bitmask layout check.
 """
 
 from __future__ import annotations
@@ -14,11 +13,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .backend import BackendGrammar, BackendMatcher, TokenizerData
+from .backend import BackendGrammar, TokenizerData
 from .budget import STEER_WINDOW, BudgetSteer
-from .errors import MatcherStateError
 from .report import GrammarReport
 from .spec import GrammarSpec
+from .state import GrammarState
 from .validate import FinalValidator
 
 
@@ -44,7 +43,17 @@ class Grammar:
         return self.backend_grammar.memory_bytes + len(self.spec.text) * 4
 
     def matcher(self) -> GrammarMatcher:
-        return GrammarMatcher(self, self.backend_grammar.new_matcher())
+        return GrammarMatcher(self)
+
+    def new_state(self) -> GrammarState:
+        """A fresh grammar state (no steering): what each matcher holds."""
+        return GrammarState(
+            self.backend_grammar.new_matcher(),
+            self.tok,
+            self.validator,
+            gate_eos=self.gate_eos,
+            max_digit_run=self.max_digit_run,
+        )
 
 
 class GrammarMatcher:
@@ -53,24 +62,15 @@ class GrammarMatcher:
     Invariant: `num_tokens` is the number of tokens accepted and not rolled back.
     """
 
-    def __init__(self, grammar: Grammar, backend: BackendMatcher) -> None:
+    def __init__(self, grammar: Grammar) -> None:
         self.grammar = grammar
-        self._m = backend
-        self._tok = grammar.tok
-        self._stop_ids = grammar.tok.stop_token_ids
-        self._token_ids: list[int] = []
-        self._gate_cache: tuple[int, bool] | None = None  # (num_tokens, text passes)
+        self._state = grammar.new_state()
         self._checked: np.ndarray | None = None  # last bitmask whose layout was checked
-        self._digit_run = 0  # consecutive digits at the end of the accepted text
         self._steer: BudgetSteer | None = None  # made on the first fill with a budget
 
     @property
     def num_tokens(self) -> int:
-        return len(self._token_ids)
-
-    @property
-    def last_token_id(self) -> int | None:
-        return self._token_ids[-1] if self._token_ids else None
+        return self._state.num_tokens
 
     @property
     def num_steered(self) -> int:
@@ -81,99 +81,59 @@ class GrammarMatcher:
     def fill_bitmask(
         self, bitmask: np.ndarray, row: int = 0, *, tokens_left: int | None = None
     ) -> None:
-        """Write the allowed tokens into `bitmask[row]`; does not change the state.
+        """Write the allowed tokens into `bitmask[row]`.
+
+        Writes every word of `bitmask[row]` and no other row. Leaves the grammar state as
+        it was: the accepted tokens, `num_tokens`, the backend matcher and the digit run
+        (a steering search accepts tokens and rolls them back). What it does change:
+        - with `tokens_left`, the steering state: the cached completion, when to search
+          next, whether opening tokens are refused, and `num_steered` (+1 per narrowed row);
+        - caches only: the last bitmask whose layout was checked, the EOS gate's verdict
+          on the current text, and a backend's pointer to the bitmask.
 
         tokens_left: how many more tokens the output may have (the stop token included),
         e.g. max_tokens minus the tokens generated. Near that budget's end the row steers
-        the output to a valid end instead of letting it be cut (budget.py); each steered
-        row counts in `num_steered`. None: no budget.
+        the output to a valid end instead of letting it be cut (budget.py). None: no budget.
         Raises ValueError when the bitmask is not int32 `[rows, >= ceil(vocab/32)]`.
         """
         if bitmask is not self._checked:
-            _check_bitmask(bitmask, self._tok.vocab_size)
+            _check_bitmask(bitmask, self.grammar.tok.vocab_size)
             self._checked = bitmask
-        self._m.fill_row(bitmask, row)
-        cap = self.grammar.max_digit_run
-        if cap and self._digit_run >= cap:
-            words = bitmask[row].view(np.uint32)
-            n = self._tok.digit_start_words.size
-            words[:n] &= ~self._tok.digit_start_words
-        if self.grammar.gate_eos and not self._final_ok():
-            words = bitmask[row].view(np.uint32)
-            for stop in self._stop_ids:
-                words[stop >> 5] &= np.uint32(~(1 << (stop & 31)) & 0xFFFFFFFF)
+        self._state.fill_row(bitmask, row)
         if tokens_left is not None and tokens_left <= STEER_WINDOW:
             if self._steer is None:
-                self._steer = BudgetSteer(bitmask.shape[1])
-            self._steer.steer_row(self, bitmask, row, tokens_left)
+                self._steer = BudgetSteer(self.grammar.tok)
+            self._steer.steer_row(self._state, bitmask, row, tokens_left)
 
     def accept_token(self, token_id: int) -> bool:
         """Advance by one token. False (state unchanged) if the grammar forbids it."""
-        if token_id in self._stop_ids and self.grammar.gate_eos and not self._final_ok():
-            return False
-        cap = self.grammar.max_digit_run
-        if cap and self._digit_run >= cap and self._starts_with_digit(token_id):
-            return False
-        if not self._m.accept(token_id):
-            return False
-        self._token_ids.append(token_id)
-        self._digit_run = self._run_after(self._digit_run, token_id)
-        return True
-
-    def _starts_with_digit(self, token_id: int) -> bool:
-        return self._tok.token_bytes[token_id][:1].isdigit()
-
-    def _run_after(self, run: int, token_id: int) -> int:
-        if self._tok.digit_only[token_id]:
-            return run + len(self._tok.token_bytes[token_id])
-        return int(self._tok.digit_tail[token_id])
+        return self._state.accept_token(token_id)
 
     def can_terminate(self) -> bool:
         """A stop token is allowed now (the output so far is complete and valid)."""
-        if not self._m.is_accepting():
-            return False
-        return not self.grammar.gate_eos or self._final_ok()
+        return self._state.can_terminate()
 
     def rollback(self, num_tokens: int) -> None:
-        """Undo the last `num_tokens` accepted tokens (e.g. rejected speculative drafts)."""
-        if not 0 <= num_tokens <= len(self._token_ids):
-            raise MatcherStateError(
-                f"cannot roll back {num_tokens} tokens: only {len(self._token_ids)} accepted"
-            )
-        if num_tokens:
-            self._m.rollback(num_tokens)
-            self._gate_cache = None
-            if self._steer is not None:
-                self._steer.forget()
-            del self._token_ids[len(self._token_ids) - num_tokens :]
-            self._digit_run = 0
-            for t in self._token_ids[-64:]:  # enough history unless runs exceed 64 tokens
-                self._digit_run = self._run_after(self._digit_run, t)
+        """Undo the last `num_tokens` accepted tokens (e.g. rejected speculative drafts);
+        the steering starts over from the state rolled back to."""
+        self._state.rollback(num_tokens)
+        if num_tokens and self._steer is not None:
+            self._steer.forget()
 
     def forced_tokens(self) -> list[int]:
         """Tokens the grammar forces next (free drafts for jump-forward); state unchanged."""
-        return self._m.forced_tokens()
+        return self._state.forced_tokens()
 
     def text(self) -> str:
         """The accepted output so far, decoded (stop tokens excluded)."""
-        data = b"".join(
-            self._tok.token_bytes[t] for t in self._token_ids if t not in self._stop_ids
-        )
-        return data.decode("utf-8", errors="replace")
+        return self._state.text()
 
     def validate_final(self, text: str | None = None) -> list[str]:
         """Problems with the finished output (`text`, default: the accepted tokens).
 
         Empty list = valid. Covers every keyword the report lists as post-checked.
         """
-        return self.grammar.validator.errors(self.text() if text is None else text)
-
-    def _final_ok(self) -> bool:
-        n = len(self._token_ids)
-        if self._gate_cache is None or self._gate_cache[0] != n:
-            ok = self._m.is_accepting() and not self.validate_final()
-            self._gate_cache = (n, ok)
-        return self._gate_cache[1]
+        return self._state.validate_final(text)
 
 
 def _check_bitmask(bitmask: np.ndarray, vocab_size: int) -> None:

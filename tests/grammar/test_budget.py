@@ -8,7 +8,7 @@ import jsonschema
 import numpy as np
 
 from agentrt.grammar import GrammarSpec, allocate_bitmask, allowed_token_ids
-from agentrt.grammar.budget import FORCE_SLACK, completion
+from agentrt.grammar.budget import FORCE_SLACK, BudgetSteer, completion
 
 from .helpers import SYNTH_VOCAB, accept_all
 
@@ -47,16 +47,17 @@ def test_a_looping_model_still_ends_valid_within_the_budget(synth_compiler, synt
 
 
 def test_without_a_budget_nothing_is_steered(auto_compiler, synth_tok) -> None:
-    matcher = auto_compiler.compile(GrammarSpec.from_json_schema(SCHEMA)).matcher()
+    grammar = auto_compiler.compile(GrammarSpec.from_json_schema(SCHEMA))
+    matcher, state = grammar.matcher(), grammar.new_state()
     prefix = synth_tok.encode('{"s": "aaa', add_special_tokens=False)
-    assert accept_all(matcher, prefix) == len(prefix)
+    assert accept_all(matcher, prefix) == len(prefix) == accept_all(state, prefix)
     plain, budgeted = allocate_bitmask(1, SYNTH_VOCAB), allocate_bitmask(1, SYNTH_VOCAB)
     matcher.fill_bitmask(plain, 0)
     matcher.fill_bitmask(budgeted, 0, tokens_left=1000)  # far from the end: same row
     assert np.array_equal(plain, budgeted) and matcher.num_steered == 0
-    path = completion(matcher, 100, allocate_bitmask(1, SYNTH_VOCAB))
+    path = completion(state, 100, allocate_bitmask(1, SYNTH_VOCAB))
     assert synth_tok.decode(path) == '", "n": [], "t": "a/0"}<eos>'
-    assert matcher.num_tokens == len(prefix)  # the search left the state as it was
+    assert state.num_tokens == len(prefix)  # the search left the state as it was
     matcher.fill_bitmask(budgeted, 0, tokens_left=len(path) + FORCE_SLACK)
     assert allowed_token_ids(budgeted, 0, SYNTH_VOCAB) == [path[0]] and matcher.num_steered == 1
     matcher.fill_bitmask(budgeted, 0)
@@ -78,3 +79,37 @@ def test_free_text_is_never_steered(auto_compiler) -> None:
     matcher.fill_bitmask(plain, 0)
     matcher.fill_bitmask(budgeted, 0, tokens_left=1)
     assert np.array_equal(plain, budgeted) and matcher.num_steered == 0
+
+
+def test_the_search_never_resets_the_steering(auto_compiler, synth_tok, monkeypatch) -> None:
+    # Regression: the completion search accepted and rolled back tokens on the matcher
+    # itself, whose rollback reset the steering (its cached completion, next search and
+    # refused openers) in the middle of the search. The search now walks the matcher's
+    # GrammarState, which cannot reach the steering: only the caller's rollback resets it.
+    resets: list[BudgetSteer] = []
+    forget = BudgetSteer.forget
+    monkeypatch.setattr(BudgetSteer, "forget", lambda self: (resets.append(self), forget(self)))
+    matcher = auto_compiler.compile(GrammarSpec.from_json_schema(SCHEMA)).matcher()
+    text, ended = looping_model(synth_tok, matcher, 60)
+    assert ended and matcher.num_steered > 0, text
+    assert resets == []  # dozens of searches, each rolled back, and no reset
+    matcher.rollback(2)
+    assert len(resets) == 1  # the state moved back: the steering starts over
+
+
+def test_the_steering_schedule_survives_a_search(auto_compiler, synth_tok, monkeypatch) -> None:
+    # The same, seen from the steering: after a search on the matcher's own state (as the
+    # steering runs one) openers stay refused and no search is run before the one scheduled.
+    matcher = auto_compiler.compile(GrammarSpec.from_json_schema(SCHEMA)).matcher()
+    accept_all(matcher, synth_tok.encode('{"s": "a b', add_special_tokens=False))
+    searches: list[int] = []
+    search = "agentrt.grammar.budget.completion"
+    monkeypatch.setattr(search, lambda st, *a: searches.append(1) or completion(st, *a))
+    bitmask = allocate_bitmask(1, SYNTH_VOCAB)
+    matcher.fill_bitmask(bitmask, 0, tokens_left=30)  # a search: refuse openers from now on
+    assert len(searches) == 1 and matcher.num_steered == 1
+    path = completion(matcher._state, 100, allocate_bitmask(1, SYNTH_VOCAB))  # walks, rolls back
+    assert len(path) > 10
+    matcher.fill_bitmask(bitmask, 0, tokens_left=29)  # the next search is scheduled later
+    allowed = {synth_tok.decode([t]) for t in allowed_token_ids(bitmask, 0, SYNTH_VOCAB)}
+    assert len(searches) == 1 and matcher.num_steered == 2 and not {",", "[", "{"} & allowed
