@@ -41,7 +41,7 @@ def test_a_job_past_its_budget_fails_with_the_typed_error() -> None:
     )  # fmt: skip
     with pytest.raises(GrammarCompileTimeout, match="within 0.2 s"):
         stuck.result(timeout=5)
-    assert time.monotonic() - start < 2  # the budget, not the job's own length
+    assert time.monotonic() - start < 5  # the budget, not the job (up to 10 s)
     # Meanwhile another job runs on a second worker instead of queueing behind the stuck one.
     assert _submit(workers, lambda: 42, budget_s=10).result(timeout=5) == 42
     release.set()
