@@ -6,7 +6,15 @@ spell them: a JSON schema as `response_format` json_schema (strict), tools as `t
 `tool_choice` / `parallel_tool_calls`, a regex or a choice as vLLM's `structured_outputs`
 extension. Returned tool calls are turned back into the text payload the local engine
 produces (`[{"name": ..., "arguments": {...}}]`), so `OutputFormat.parse` and everything
-above it work unchanged. HTTP errors become the SDK's typed errors.
+above it work unchanged. The final check of a constrained output, which the server does
+not send, runs here on the received text (`OutputFormat.final_errors`, the engine's own
+validator), so Session sees the same `structured_errors` as with the local backend.
+
+HTTP errors come back through `agentrt.errors.ERROR_KINDS` read backwards: the error
+object's `code` gives the exception class the local backend raises (by HTTP status when the
+server sent no code of ours), and a code the engine ends requests with (a schema that does
+not compile, an output that cannot be valid, a failure in the engine) comes back as a failed
+`Completion` carrying it, as the local backend reports it.
 """
 
 from __future__ import annotations
@@ -19,9 +27,9 @@ from typing import Any
 import anyio
 
 from agentrt.backend import Completion, Usage, check_sampling
-from agentrt.engine.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
+from agentrt.engine.errors import EngineDeadError, ErrorCode, InvalidRequestError
 from agentrt.engine.scheduler import SchedulerStats
-from agentrt.errors import SchemaError
+from agentrt.errors import ERROR_KINDS, code_for_status, error_for
 from agentrt.formats import OutputFormat
 
 # SamplingParams options OpenAI itself has; the others go in `extra_body` (vLLM's names),
@@ -37,8 +45,6 @@ _EXTRA_DEFAULTS: dict[str, Any] = {
     "skip_special_tokens": True,
     "include_stop_str_in_output": False,
 }
-# The server's prefix before the engine's error text (agentrt.server.generation).
-_CONSTRAINT_FAILED = "the output constraint failed: "
 
 
 def _openai():
@@ -86,15 +92,13 @@ class RemoteBackend:
         try:
             stream = await self.client.chat.completions.create(**request)
         except openai.APIStatusError as exc:
-            failed = _constraint_failure(exc)
-            if failed is not None:
-                yield failed
-                return
-            raise _typed_error(exc) from None
+            yield _failed("", Usage(), exc)
+            return
         except openai.APIConnectionError as exc:
             raise EngineDeadError(f"cannot reach {self.base_url}: {exc}") from None
         text, calls = "", {}
         finish_reason, usage = None, Usage()
+        failed = None
         try:
             async for chunk in stream:
                 if chunk.usage is not None:
@@ -109,16 +113,22 @@ class RemoteBackend:
                     if choice.finish_reason is not None:
                         finish_reason = choice.finish_reason
         except openai.APIError as exc:  # an error event in the stream
-            raise _typed_error(exc) from None
+            failed = _failed(text, usage, exc)
         finally:  # closing the connection makes the server abort the request
             with anyio.CancelScope(shield=True):
                 await stream.close()
+        if failed is not None:
+            yield failed
+            return
         if calls:
             text = _tool_payload(calls, fmt)
             yield text
         if finish_reason == "tool_calls":
             finish_reason = "stop"
-        yield Completion(text, finish_reason, usage)
+        structured_errors = None
+        if finish_reason in ("stop", "length"):
+            structured_errors = fmt.final_errors(text)
+        yield Completion(text, finish_reason, usage, structured_errors=structured_errors)
 
     def request(
         self, messages: list[dict], fmt: OutputFormat, sampling: dict[str, Any]
@@ -172,7 +182,7 @@ class RemoteBackend:
             try:
                 models = await self.client.models.list()
             except openai.APIStatusError as exc:
-                raise _typed_error(exc) from None
+                raise _error(exc) from None
             except openai.APIConnectionError as exc:
                 raise EngineDeadError(f"cannot reach {self.base_url}: {exc}") from None
             if not models.data:
@@ -182,8 +192,10 @@ class RemoteBackend:
 
     async def stats(self) -> SchedulerStats:
         """The server's scheduler gauges and counters, read from its Prometheus `/metrics`
-        (agentrt and vLLM servers)."""
+        (agentrt and vLLM servers). Counts add up over a metric's series (several engines
+        or models); the KV-cache usage fraction is their mean."""
         import httpx  # the openai client's own HTTP library
+        from prometheus_client.parser import text_string_to_metric_families
 
         root = re.sub(r"/v1$", "", self.base_url)
         headers = {"Authorization": f"Bearer {self.client.api_key}"}
@@ -198,18 +210,27 @@ class RemoteBackend:
                 "Prometheus metrics.",
                 field="base_url",
             )
-        values: dict[str, float] = {}
-        for line in response.text.splitlines():
-            if line and not line.startswith("#"):
-                key, _, value = line.rpartition(" ")
-                values.setdefault(key.split("{", 1)[0].split(":", 1)[-1], float(value))
+        series: dict[str, list[float]] = {}  # sample name without its "agentrt:" prefix
+        try:
+            for family in text_string_to_metric_families(response.text):
+                for sample in family.samples:
+                    series.setdefault(sample.name.split(":", 1)[-1], []).append(sample.value)
+        except ValueError as exc:
+            raise InvalidRequestError(
+                f"{root}/metrics is not in the Prometheus text format: {exc}", field="base_url"
+            ) from None
+
+        def total(name: str) -> int:
+            return int(sum(series.get(name, ())))
+
+        usage = series.get("kv_cache_usage_perc") or [0.0]
         return SchedulerStats(
-            num_running=int(values.get("num_requests_running", 0)),
-            num_waiting=int(values.get("num_requests_waiting", 0)),
-            kv_cache_usage=values.get("kv_cache_usage_perc", 0.0),
-            num_preemptions=int(values.get("num_preemptions_total", 0)),
-            prefix_cache_queried_tokens=int(values.get("prefix_cache_queries_total", 0)),
-            prefix_cache_hit_tokens=int(values.get("prefix_cache_hits_total", 0)),
+            num_running=total("num_requests_running"),
+            num_waiting=total("num_requests_waiting"),
+            kv_cache_usage=sum(usage) / len(usage),
+            num_preemptions=total("num_preemptions_total"),
+            prefix_cache_queried_tokens=total("prefix_cache_queries_total"),
+            prefix_cache_hit_tokens=total("prefix_cache_hits_total"),
         )
 
 
@@ -260,25 +281,29 @@ def _error_body(exc) -> dict[str, Any]:
     return body if isinstance(body, dict) else {}
 
 
-def _constraint_failure(exc) -> Completion | None:
-    """A 400 for an output constraint that failed in the engine (a grammar that does not
-    compile, an output that cannot be valid) is a finished turn with finish_reason "error",
-    as the local backend reports it; Session raises SchemaError / OutputValidationError."""
-    error = _error_body(exc)
-    if error.get("code") != "structured_output_failed":
-        return None
-    message = str(error.get("message", ""))
-    return Completion("", "error", Usage(), error=message.removeprefix(_CONSTRAINT_FAILED))
+def _code(exc) -> ErrorCode:
+    """The error's code: ours from the error object, else from the HTTP status (another
+    server's code, e.g. "model_not_found", or none)."""
+    try:
+        return ErrorCode(_error_body(exc).get("code"))
+    except ValueError:
+        pass
+    status = getattr(exc, "status_code", None)
+    return code_for_status(status) if status is not None else ErrorCode.INTERNAL
 
 
-def _typed_error(exc) -> Exception:
-    openai = _openai()
+def _error(exc) -> Exception:
+    """The exception the local backend raises for the same failure."""
     error = _error_body(exc)
     message = str(error.get("message") or exc)
-    if isinstance(exc, openai.RateLimitError):
-        return EngineOverloadedError(message)
-    if isinstance(exc, openai.APIStatusError) and exc.status_code < 500:
-        if error.get("code") in ("invalid_schema", "invalid_tools"):
-            return SchemaError(message)
-        return InvalidRequestError(message, field=error.get("param"))
-    return EngineDeadError(f"the server failed: {message}")
+    return error_for(_code(exc), message, field=error.get("param"))
+
+
+def _failed(text: str, usage: Usage, exc) -> Completion:
+    """A failed turn as the local backend reports it: a code the engine ends requests with
+    is a Completion with finish_reason "error"; any other error is raised."""
+    code = _code(exc)
+    if not ERROR_KINDS[code].finishes:
+        raise _error(exc) from None
+    message = str(_error_body(exc).get("message") or exc)
+    return Completion(text, "error", usage, error=message, error_code=code)

@@ -7,21 +7,22 @@ drain request (SIGTERM) or a dead engine into a server exit.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from contextlib import asynccontextmanager
 
 import anyio
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.responses import JSONResponse, Response
 
 from agentrt.engine.async_engine import AsyncEngine
 from agentrt.engine.errors import InvalidRequestError
 from agentrt.engine.llm_engine import LLMEngine
 from agentrt.server.chat import chat_prompt, create_chat_completion
 from agentrt.server.completions import create_completion
-from agentrt.server.errors import APIError, bad_request, install_error_handlers, invalid_request
+from agentrt.server.errors import APIError, bad_request, from_exception, install_error_handlers
 from agentrt.server.generation import ClientDisconnected
-from agentrt.server.metrics import CONTENT_TYPE
+from agentrt.server.metrics import CONTENT_TYPE, ServerMetrics
 from agentrt.server.middleware import GuardMiddleware
 from agentrt.server.params import ChatConstraint
 from agentrt.server.protocol import (
@@ -43,14 +44,14 @@ def create_app(config: ServerConfig, *, llm_engine: LLMEngine | None = None) -> 
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        engine = AsyncEngine(
-            config.model,
-            engine=llm_engine,
-            max_waiting_requests=config.max_waiting_requests,
-            **config.engine_options,
-        )
+        args = config.engine_args
+        if llm_engine is None:
+            engine = AsyncEngine(**dataclasses.asdict(args))
+        else:  # already built: only the front end's own limit applies
+            engine = AsyncEngine(engine=llm_engine, max_waiting_requests=args.max_waiting_requests)
         async with engine:
             state = ServerState(config, engine)
+            state.metrics = ServerMetrics(state.model_name)  # its series carry the model name
             state.created = now()
             app.state.server = state
             holder["state"] = state
@@ -70,7 +71,7 @@ def create_app(config: ServerConfig, *, llm_engine: LLMEngine | None = None) -> 
 
     def count_status(status: int) -> None:
         if "state" in holder:
-            holder["state"].metrics.responses[status] += 1
+            holder["state"].metrics.count_response(status)
 
     app.add_middleware(
         GuardMiddleware,
@@ -125,9 +126,7 @@ def _add_routes(app: FastAPI) -> None:
     async def metrics(request: Request) -> Response:
         state = _state(request)
         stats = None if state.engine.is_dead else await state.engine.stats()
-        return PlainTextResponse(
-            state.metrics.render(stats, state.model_name), media_type=CONTENT_TYPE
-        )
+        return Response(state.metrics.render(stats), media_type=CONTENT_TYPE)
 
     @app.get("/v1/models")
     async def list_models(request: Request) -> dict:
@@ -173,7 +172,7 @@ def _add_routes(app: FastAPI) -> None:
         try:
             token_ids = state.engine.processor.tokenize(body.tokens) if body.tokens else []
         except InvalidRequestError as exc:
-            raise invalid_request(exc, {"prompt_token_ids": "tokens"}) from None
+            raise from_exception(exc, {"prompt_token_ids": "tokens"}) from None
         return {"prompt": state.engine.tokenizer.decode(token_ids)}
 
 

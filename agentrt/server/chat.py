@@ -11,8 +11,8 @@ from fastapi.responses import Response
 
 from agentrt.engine.errors import InvalidRequestError
 from agentrt.engine.outputs import CompletionOutput, RequestDelta, RequestOutput
-from agentrt.server.errors import bad_request, invalid_request
-from agentrt.server.generation import Generation, respond, structured_failure
+from agentrt.server.errors import bad_request, failed_output
+from agentrt.server.generation import Generation, respond
 from agentrt.server.params import ChatConstraint, chat_constraint, choice_params
 from agentrt.server.protocol import ChatCompletionRequest, ChatMessage
 from agentrt.server.responses import chat_logprobs, new_id, now, usage
@@ -37,8 +37,6 @@ async def create_chat_completion(
         max_tokens, max_field = request.max_tokens, "max_tokens"
     params = choice_params(
         request,
-        num_prompt_tokens=len(prompt_ids),
-        limits=state.limits,
         max_tokens=max_tokens,
         max_tokens_field=max_field,
         logprobs=top_n if request.logprobs else None,
@@ -50,6 +48,7 @@ async def create_chat_completion(
         [prompt_ids] * len(params),
         params,
         priority=request.priority or 0,
+        param_names={"prompt": "messages", "max_tokens": max_field},
     )
     view = _ChatView(state.model_name, constraint, top_n if request.logprobs else None, tool_style)
     return await respond(generation, view, request, raw.receive)
@@ -72,8 +71,8 @@ def chat_prompt(
             tools=template_tools,
             add_generation_prompt=request.add_generation_prompt is not False,
         )
-    except InvalidRequestError as exc:
-        raise invalid_request(exc) from None
+    except InvalidRequestError:  # it names its field; the error handler reports it
+        raise
     except Exception as exc:  # jinja2 errors and the like: the messages do not fit the template
         raise bad_request(
             f"the chat template cannot render these messages: {exc}", param="messages"
@@ -201,7 +200,7 @@ class _ChatView:
                     break
                 delta = await generation.next_delta(index)
             outputs[index] = delta.output
-            failure = structured_failure([delta.output])
+            failure = failed_output([delta.output])
             if failure is not None:
                 await emit(failure.body())
                 return

@@ -11,14 +11,15 @@ from fastapi.responses import Response
 
 from agentrt.engine.errors import InvalidRequestError
 from agentrt.engine.outputs import RequestDelta, RequestOutput
-from agentrt.server.errors import bad_request, invalid_request
-from agentrt.server.generation import Generation, respond, structured_failure
+from agentrt.server.errors import bad_request, failed_output, from_exception
+from agentrt.server.generation import Generation, respond
 from agentrt.server.params import choice_params, vllm_structured
 from agentrt.server.protocol import CompletionRequest
 from agentrt.server.responses import completion_logprobs, new_id, now, usage
 from agentrt.server.state import ServerState
 
 MAX_PROMPTS = 64
+_PARAM_NAMES = {"prompt_token_ids": "prompt"}  # the engine's field -> the request's
 
 
 async def create_completion(
@@ -40,23 +41,20 @@ async def create_completion(
         )
     texts, prompts = _prompts(state, request.prompt)
     structured = vllm_structured(request.structured_outputs) if request.structured_outputs else None
-    all_params = []
-    for prompt_ids in prompts:
-        all_params += choice_params(
-            request,
-            num_prompt_tokens=len(prompt_ids),
-            limits=state.limits,
-            max_tokens=request.max_tokens if request.max_tokens is not None else 16,
-            max_tokens_field="max_tokens",
-            logprobs=request.logprobs,
-            structured=structured,
-        )
+    params = choice_params(
+        request,
+        max_tokens=request.max_tokens if request.max_tokens is not None else 16,
+        max_tokens_field="max_tokens",
+        logprobs=request.logprobs,
+        structured=structured,
+    )
     generation = Generation(
         state.engine,
         state.metrics,
         [p for p in prompts for _ in range(n)],
-        all_params,
+        params * len(prompts),
         priority=request.priority or 0,
+        param_names=_PARAM_NAMES,
     )
     view = _CompletionView(state.model_name, n, texts if request.echo else None, request.logprobs)
     return await respond(generation, view, request, raw.receive)
@@ -79,9 +77,7 @@ def _prompts(state: ServerState, prompt) -> tuple[list[str], list[list[int]]]:
         try:
             ids = processor.tokenize(item)
         except InvalidRequestError as exc:
-            raise invalid_request(exc, {"prompt_token_ids": "prompt"}) from None
-        if not ids:
-            raise bad_request("the prompt has no tokens.", param="prompt")
+            raise from_exception(exc, _PARAM_NAMES) from None
         token_ids.append(ids)
         texts.append(item if isinstance(item, str) else tokenizer.decode(ids))
     return texts, token_ids
@@ -156,7 +152,7 @@ class _CompletionView:
                     break
                 delta = await generation.next_delta(index)
             outputs[index] = delta.output
-            failure = structured_failure([delta.output])
+            failure = failed_output([delta.output])
             if failure is not None:
                 await emit(failure.body())
 

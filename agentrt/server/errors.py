@@ -2,13 +2,17 @@
 says who is at fault. Client input gets 4xx; 500/503 are kept for real engine faults.
 
 `APIError` is what the server's own code raises; the handlers installed by
-`install_error_handlers` turn it, the engine's typed errors and FastAPI's validation errors
-into that object, so no route formats an error by hand.
+`install_error_handlers` turn it, every error with an `ErrorCode` (engine and SDK) and
+FastAPI's validation errors into that object, so no route formats an error by hand. Status
+and type come from one table, `agentrt.errors.ERROR_KINDS`, which the remote client reads
+backwards.
 """
 
 from __future__ import annotations
 
 import logging
+import re
+from collections.abc import Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -16,8 +20,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from agentrt.engine.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
-from agentrt.errors import SchemaError
+from agentrt.engine.errors import ContextLengthError, EngineError, ErrorCode
+from agentrt.engine.outputs import RequestOutput
+from agentrt.errors import ERROR_KINDS, AgentrtError, code_of
 
 logger = logging.getLogger("agentrt.server")
 
@@ -61,38 +66,48 @@ class APIError(Exception):
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
-    return APIError(400, message, param=param, code=code)
+    """A 400 for a request the server's own checks refuse (`code`: a finer OpenAI code)."""
+    return coded_error(ErrorCode.INVALID_REQUEST, message, param=param, detail=code)
 
 
-def invalid_request(exc: InvalidRequestError, param_names: dict[str, str] | None = None):
-    """An engine `InvalidRequestError` as a 400; `param_names` maps engine field names to the
-    request's (the engine says `max_tokens` where the client sent `max_completion_tokens`)."""
-    param = exc.field
-    if param is not None and param_names:
-        param = param_names.get(param, param)
-    return bad_request(str(exc), param=param)
+def coded_error(
+    code: ErrorCode, message: str, *, param: str | None = None, detail: str | None = None
+) -> APIError:
+    """The API error for an `ErrorCode` (ERROR_KINDS: status, type); the object's `code` is
+    ours, or `detail`, OpenAI's finer code (e.g. "context_length_exceeded")."""
+    kind = ERROR_KINDS[code]
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if kind.status == 429 else None
+    return APIError(
+        kind.status, message, type=kind.type, param=param, code=detail or code, headers=headers
+    )
 
 
-def from_exception(exc: BaseException) -> APIError:
-    """The API error for an exception raised while serving a request."""
+def from_exception(exc: BaseException, param_names: dict[str, str] | None = None) -> APIError:
+    """The API error for an exception raised while serving a request. `param_names` maps the
+    engine's field names to the request's (the engine says `max_tokens` where the client sent
+    `max_completion_tokens`)."""
     if isinstance(exc, APIError):
         return exc
-    if isinstance(exc, InvalidRequestError):
-        return invalid_request(exc)
-    if isinstance(exc, SchemaError):
-        return bad_request(str(exc), code="invalid_schema")
-    if isinstance(exc, EngineOverloadedError):
-        return APIError(
-            429,
-            str(exc),
-            type="requests",
-            code="rate_limit_exceeded",
-            headers={"Retry-After": str(RETRY_AFTER_S)},
-        )
-    if isinstance(exc, EngineDeadError):
-        return APIError(503, str(exc), type="server_error", code="engine_unavailable")
-    logger.error("internal error while serving a request", exc_info=exc)
-    return APIError(500, f"internal error: {exc!r}", type="server_error", code="internal_error")
+    code = code_of(exc)
+    if code is None:
+        logger.error("internal error while serving a request", exc_info=exc)
+        return coded_error(ErrorCode.INTERNAL, f"internal error: {exc!r}")
+    param = getattr(exc, "field", None)
+    if param is not None and param_names:
+        param = param_names.get(param, param)
+    detail = "context_length_exceeded" if isinstance(exc, ContextLengthError) else None
+    return coded_error(code, str(exc), param=param, detail=detail)
+
+
+def failed_output(outputs: Sequence[RequestOutput]) -> APIError | None:
+    """The API error for the first request the engine ended with finish_reason "error" (a
+    grammar that does not compile, an output that cannot be valid, a failure in the engine),
+    by its `error_code`; None when every request finished."""
+    for output in outputs:
+        if output.outputs[0].finish_reason == "error":
+            code = output.error_code or ErrorCode.INTERNAL
+            return coded_error(code, output.error or "the request failed in the engine")
+    return None
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -105,10 +120,29 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         return f"the request body is not valid JSON: {first.get('msg')}", None
     if first.get("type") == "extra_forbidden":
         return f"Unrecognized request argument supplied: {'.'.join(loc)}", ".".join(loc) or None
-    param = ".".join(loc) or None
+    # A field of several accepted forms (a union) fails once per form, each error under the
+    # form's tag ("list[int]", "constrained-str"): the field is the path before the tag.
+    field = _field_path(loc)
+    param = ".".join(field) or None
     where = f"{param}: " if param else ""
+    if len(field) < len(loc):
+        prefix = len(field) + 1  # "body" + the field
+        forms = [e for e in errors if [str(p) for p in e.get("loc", ())][1:prefix] == field]
+        messages = "; ".join(sorted({str(e.get("msg", "")) for e in forms}))
+        return f"{where}matches none of the accepted forms ({messages})", param
     more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
     return f"{where}{first.get('msg')}{more}", param
+
+
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*|[0-9]+")
+
+
+def _field_path(loc: list[str]) -> list[str]:
+    """`loc` up to its first part that is neither a field name nor an index (a union tag)."""
+    for i, part in enumerate(loc):
+        if not _NAME.fullmatch(part):
+            return loc[:i]
+    return loc
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -126,14 +160,8 @@ def install_error_handlers(app: FastAPI) -> None:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
         return APIError(exc.status_code, str(exc.detail), code=code).response()
 
-    # Exception covers the rest: a bug still answers with an error object (500), not text.
-    for cls in (
-        InvalidRequestError,
-        SchemaError,
-        EngineOverloadedError,
-        EngineDeadError,
-        Exception,
-    ):
+    # Errors with a code, and the rest: a bug still answers with an error object (500).
+    for cls in (EngineError, AgentrtError, Exception):
 
         @app.exception_handler(cls)
         async def _engine(request: Request, exc: Exception) -> JSONResponse:

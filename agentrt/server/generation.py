@@ -3,8 +3,9 @@
 A `Generation` is the n choices of a chat request (or prompts x n for completions), one
 engine request each. It is always consumed under a disconnect watcher: when the client goes
 away, streaming or not, the consuming tasks are cancelled, which aborts the engine requests
-and frees their KV blocks at once. `EventStreamResponse` sends server-sent events from
-tasks that live inside the response itself (structured concurrency: nothing outlives it).
+and frees their KV blocks at once. `event_stream` sends server-sent events (sse-starlette)
+from tasks that live inside the response itself (structured concurrency: nothing outlives
+it).
 """
 
 from __future__ import annotations
@@ -15,12 +16,14 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import anyio
+from sse_starlette import EventSourceResponse
 from starlette.responses import JSONResponse, Response
 
 from agentrt.engine.async_engine import AsyncEngine, RequestStream
+from agentrt.engine.errors import InvalidRequestError
 from agentrt.engine.outputs import RequestDelta, RequestOutput
 from agentrt.engine.sampling_params import SamplingParams
-from agentrt.server.errors import APIError, from_exception
+from agentrt.server.errors import failed_output, from_exception
 from agentrt.server.metrics import RequestTimer, ServerMetrics
 
 Emit = Callable[[Any], Awaitable[None]]
@@ -41,9 +44,11 @@ class Generation:
         params: Sequence[SamplingParams],
         *,
         priority: int = 0,
+        param_names: dict[str, str] | None = None,
     ) -> None:
         """Queue one engine request per (prompt, params) pair: `prompts[i]` goes with
-        `params[i]`. If one is refused (bad input, queue full) the others are aborted."""
+        `params[i]`. If one is refused (bad input, queue full) the others are aborted, and
+        the error names the request's field (`param_names`: engine field -> request's)."""
         arrival = time.monotonic()
         self.engine = engine
         self.prompt_lens = [len(p) for p in prompts]
@@ -54,6 +59,9 @@ class Generation:
                 stream = engine.add_request(prompt_ids, choice_params, priority=priority)
                 self.streams.append(stream)
                 self.timers.append(metrics.timer(arrival))
+        except InvalidRequestError as exc:
+            self.abort()
+            raise from_exception(exc, param_names) from None
         except BaseException:
             self.abort()
             raise
@@ -110,19 +118,6 @@ class Generation:
         return firsts
 
 
-def structured_failure(outputs: Sequence[RequestOutput]) -> APIError | None:
-    """A 400 for requests the engine ended with an error (a grammar that failed to compile,
-    or an output that cannot satisfy the schema): both come from the request's schema."""
-    for output in outputs:
-        if output.outputs[0].finish_reason == "error":
-            return APIError(
-                400,
-                f"the output constraint failed: {output.error}",
-                code="structured_output_failed",
-            )
-    return None
-
-
 async def respond(generation: Generation, view, request, receive) -> Response:
     """The response of a chat or completions request: a stream of events (headers go out
     after the first token, so a schema that fails to compile is still a 400) or one JSON
@@ -130,15 +125,15 @@ async def respond(generation: Generation, view, request, receive) -> Response:
     `completion(outputs)`."""
     if request.stream:
         firsts = await generation.first_deltas(receive)
-        failure = structured_failure([d.output for d in firsts if d.output is not None])
+        failure = failed_output([d.output for d in firsts if d.output is not None])
         if failure is not None:
             raise failure
         include_usage = bool(request.stream_options and request.stream_options.include_usage)
-        return EventStreamResponse(
+        return event_stream(
             lambda emit: view.stream(generation, firsts, emit, include_usage), generation.abort
         )
     outputs = await generation.collect(receive)
-    failure = structured_failure(outputs)
+    failure = failed_output(outputs)
     if failure is not None:
         raise failure
     return JSONResponse(view.completion(outputs))
@@ -180,47 +175,31 @@ def _unwrap(error: BaseException) -> BaseException:
     return error
 
 
-class EventStreamResponse(Response):
+def event_stream(
+    produce: Callable[[Emit], Awaitable[None]], on_end: Callable[[], None]
+) -> EventSourceResponse:
     """`text/event-stream` written by `produce(emit)`: each `await emit(obj)` sends one
-    `data: <json>` event (a `str` is sent as is), then `data: [DONE]` ends the stream. A
-    client disconnect cancels `produce`, and `on_disconnect` runs (it aborts the engine
-    requests that `produce` was reading)."""
+    `data: <json>` event (a `str` is sent as is), then `data: [DONE]` ends the stream. An
+    error of `produce` is sent as an error event (the status line is already out). `produce`
+    runs in the response's task group, so a client disconnect cancels it; `on_end` runs
+    however it ends (it aborts the engine requests `produce` was reading, if still running).
+    """
+    send, receive = anyio.create_memory_object_stream[str]()  # unbuffered: backpressure
 
-    def __init__(
-        self, produce: Callable[[Emit], Awaitable[None]], on_disconnect: Callable[[], None]
-    ) -> None:
-        # No Response.__init__: it would add `content-length: 0` for the empty body.
-        self.status_code = 200
-        self.background = None
-        self.raw_headers = [
-            (b"content-type", b"text/event-stream; charset=utf-8"),
-            (b"cache-control", b"no-cache"),
-        ]
-        self.produce = produce
-        self.on_disconnect = on_disconnect
+    async def emit(event: Any) -> None:
+        await send.send(event if isinstance(event, str) else json.dumps(event, ensure_ascii=False))
 
-    async def __call__(self, scope, receive, send) -> None:
-        await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
-        lock = anyio.Lock()
+    async def run() -> None:
+        async with send:
+            error = None
+            try:
+                await produce(emit)
+            except Exception as exc:
+                error = from_exception(exc).body()
+            finally:
+                on_end()
+            if error is not None:
+                await emit(error)
+            await emit("[DONE]")
 
-        async def emit(event: Any) -> None:
-            data = event if isinstance(event, str) else json.dumps(event, ensure_ascii=False)
-            async with lock:
-                await send(
-                    {
-                        "type": "http.response.body",
-                        "body": f"data: {data}\n\n".encode(),
-                        "more_body": True,
-                    }
-                )
-
-        try:
-            await until_disconnect(
-                receive, lambda: self.produce(emit), on_disconnect=self.on_disconnect
-            )
-        except ClientDisconnected:
-            return
-        except Exception as exc:  # the status line is sent: report it as an event
-            self.on_disconnect()
-            await emit(from_exception(exc).body())
-        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+    return EventSourceResponse(receive, data_sender_callable=run, sep="\n")

@@ -1,21 +1,29 @@
-"""Prometheus metrics in the text exposition format (version 0.0.4), written by hand: a few
-counters and histograms need no client library and no process-global registry.
+"""Prometheus metrics through `prometheus_client`, in a registry of the server's own (no
+process-global state: two servers in one process do not share counts).
 
-Names follow vLLM's (`agentrt:` prefix). Gauges (running / waiting requests, KV usage) and
-the engine's own counters (preemptions, prefix-cache queries and hits) are read from the
-scheduler at scrape time; latencies and token counts are observed by the serving code as
-requests stream.
+Names follow vLLM's (`agentrt:` prefix), every series labelled with `model_name`. Gauges
+(running / waiting requests, KV usage) and the engine's own counters (preemptions,
+prefix-cache queries and hits) are read from the scheduler at scrape time; latencies and
+token counts are observed by the serving code as requests stream.
 """
 
 from __future__ import annotations
 
-import bisect
 import time
-from collections import Counter
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    generate_latest,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from agentrt.engine.scheduler import SchedulerStats
 
+# generate_latest writes the classic text format (our names need no UTF-8 escaping).
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 LATENCY_BUCKETS = (
@@ -24,31 +32,6 @@ LATENCY_BUCKETS = (
 TOKEN_LATENCY_BUCKETS = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5,
 )  # fmt: skip
-
-
-class Histogram:
-    """Cumulative buckets, a sum and a count (Prometheus semantics)."""
-
-    def __init__(self, buckets: tuple[float, ...]) -> None:
-        self.buckets = buckets
-        self.counts = [0] * (len(buckets) + 1)  # the last slot is +Inf
-        self.sum = 0.0
-        self.count = 0
-
-    def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.buckets, value)] += 1
-        self.sum += value
-        self.count += 1
-
-    def render(self, name: str, help_text: str) -> list[str]:
-        lines = [f"# HELP {name} {help_text}", f"# TYPE {name} histogram"]
-        cumulative = 0
-        for bound, count in zip((*self.buckets, float("inf")), self.counts, strict=True):
-            cumulative += count
-            le = "+Inf" if bound == float("inf") else repr(bound)
-            lines.append(f'{name}_bucket{{le="{le}"}} {cumulative}')
-        lines += [f"{name}_sum {self.sum!r}", f"{name}_count {self.count}"]
-        return lines
 
 
 @dataclass(slots=True)
@@ -82,99 +65,108 @@ class RequestTimer:
             return
         self.finished = True
         self.metrics.e2e.observe(time.monotonic() - self.arrival)
-        self.metrics.finished[finish_reason or "unknown"] += 1
-        self.metrics.prompt_tokens += num_prompt_tokens
-        self.metrics.generation_tokens += self.num_tokens
+        self.metrics.finished.labels(self.metrics.model_name, finish_reason or "unknown").inc()
+        self.metrics.prompt_tokens.inc(num_prompt_tokens)
+        self.metrics.generation_tokens.inc(self.num_tokens)
 
 
-@dataclass(slots=True)
 class ServerMetrics:
-    ttft: Histogram = field(default_factory=lambda: Histogram(LATENCY_BUCKETS))
-    inter_token: Histogram = field(default_factory=lambda: Histogram(TOKEN_LATENCY_BUCKETS))
-    e2e: Histogram = field(default_factory=lambda: Histogram(LATENCY_BUCKETS))
-    prompt_tokens: int = 0
-    generation_tokens: int = 0
-    finished: Counter = field(default_factory=Counter)  # finish_reason -> requests
-    responses: Counter = field(default_factory=Counter)  # HTTP status -> responses
+    """The server's metrics. `render(stats)` is the /metrics body for the scheduler's
+    `stats` (None when the engine is dead: its series are left out)."""
+
+    def __init__(self, model_name: str = "") -> None:
+        self.model_name = model_name
+        self.registry = CollectorRegistry()
+        self._engine = _EngineStats(model_name)
+        self.registry.register(self._engine)
+        label, registry = ("model_name",), self.registry
+
+        def histogram(name: str, help_text: str, buckets: tuple[float, ...]):
+            metric = Histogram(name, help_text, label, buckets=buckets, registry=registry)
+            return metric.labels(model_name)
+
+        def counter(name: str, help_text: str):
+            return Counter(name, help_text, label, registry=registry).labels(model_name)
+
+        self.prompt_tokens = counter("agentrt:prompt_tokens", "Prompt tokens processed.")
+        self.generation_tokens = counter("agentrt:generation_tokens", "Tokens generated.")
+        self.finished = Counter(
+            "agentrt:request_success",
+            "Finished requests by finish reason.",
+            ("model_name", "finished_reason"),
+            registry=registry,
+        )
+        self.responses = Counter(
+            "agentrt:http_responses",
+            "API responses by status code.",
+            ("model_name", "status"),
+            registry=registry,
+        )
+        self.ttft = histogram(
+            "agentrt:time_to_first_token_seconds", "Time to first token.", LATENCY_BUCKETS
+        )
+        self.inter_token = histogram(
+            "agentrt:inter_token_latency_seconds", "Time between tokens.", TOKEN_LATENCY_BUCKETS
+        )
+        self.e2e = histogram(
+            "agentrt:e2e_request_latency_seconds", "End-to-end request latency.", LATENCY_BUCKETS
+        )
 
     def timer(self, arrival: float) -> RequestTimer:
         return RequestTimer(self, arrival)
 
-    def render(self, stats: SchedulerStats | None, model_name: str) -> str:
-        lines: list[str] = []
-        label = f'model_name="{_escape(model_name)}"'
+    def count_response(self, status: int) -> None:
+        self.responses.labels(self.model_name, str(status)).inc()
 
-        def scalar(name: str, kind: str, help_text: str, value: float) -> None:
-            lines.extend(
-                (
-                    f"# HELP {name} {help_text}",
-                    f"# TYPE {name} {kind}",
-                    f"{name}{{{label}}} {value}",
-                )
-            )
+    def render(self, stats: SchedulerStats | None) -> bytes:
+        self._engine.stats = stats
+        return generate_latest(self.registry)
 
-        if stats is not None:
-            queried, hits = stats.prefix_cache_queried_tokens, stats.prefix_cache_hit_tokens
-            scalar("agentrt:num_requests_running", "gauge", "Requests running.", stats.num_running)
-            scalar("agentrt:num_requests_waiting", "gauge", "Requests waiting.", stats.num_waiting)
-            scalar(
-                "agentrt:kv_cache_usage_perc",
-                "gauge",
+
+class _EngineStats:
+    """The scheduler's gauges and counters, as of the last `stats` set before a scrape."""
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self.stats: SchedulerStats | None = None
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self.stats
+        if stats is None:
+            return
+        queried, hits = stats.prefix_cache_queried_tokens, stats.prefix_cache_hit_tokens
+        for family, name, help_text, value in (
+            (GaugeMetricFamily, "num_requests_running", "Requests running.", stats.num_running),
+            (GaugeMetricFamily, "num_requests_waiting", "Requests waiting.", stats.num_waiting),
+            (
+                GaugeMetricFamily,
+                "kv_cache_usage_perc",
                 "Fraction of KV-cache blocks in use (1 = full).",
                 stats.kv_cache_usage,
-            )
-            scalar(
-                "agentrt:num_preemptions_total",
-                "counter",
-                "Requests preempted.",
-                stats.num_preemptions,
-            )
-            scalar(
-                "agentrt:prefix_cache_queries_total",
-                "counter",
+            ),
+            (CounterMetricFamily, "num_preemptions", "Requests preempted.", stats.num_preemptions),
+            (
+                CounterMetricFamily,
+                "prefix_cache_queries",
                 "Prompt tokens looked up in the prefix cache.",
                 queried,
-            )
-            scalar(
-                "agentrt:prefix_cache_hits_total",
-                "counter",
+            ),
+            (
+                CounterMetricFamily,
+                "prefix_cache_hits",
                 "Prompt tokens found in the prefix cache.",
                 hits,
-            )
-            scalar(
-                "agentrt:prefix_cache_hit_rate",
-                "gauge",
+            ),
+            (
+                GaugeMetricFamily,
+                "prefix_cache_hit_rate",
                 "Prefix-cache hits / queries since start.",
                 hits / queried if queried else 0.0,
-            )
-        scalar(
-            "agentrt:prompt_tokens_total", "counter", "Prompt tokens processed.", self.prompt_tokens
-        )
-        scalar(
-            "agentrt:generation_tokens_total",
-            "counter",
-            "Tokens generated.",
-            self.generation_tokens,
-        )
-        lines += ["# HELP agentrt:request_success_total Finished requests by finish reason."]
-        lines += ["# TYPE agentrt:request_success_total counter"]
-        for reason, count in sorted(self.finished.items()):
-            lines.append(
-                f'agentrt:request_success_total{{{label},finished_reason="{_escape(reason)}"}} '
-                f"{count}"
-            )
-        lines += ["# HELP agentrt:http_responses_total API responses by status code."]
-        lines += ["# TYPE agentrt:http_responses_total counter"]
-        for status, count in sorted(self.responses.items()):
-            lines.append(f'agentrt:http_responses_total{{{label},status="{status}"}} {count}')
-        for name, histogram, help_text in (
-            ("agentrt:time_to_first_token_seconds", self.ttft, "Time to first token."),
-            ("agentrt:inter_token_latency_seconds", self.inter_token, "Time between tokens."),
-            ("agentrt:e2e_request_latency_seconds", self.e2e, "End-to-end request latency."),
+            ),
         ):
-            lines += histogram.render(name, help_text)
-        return "\n".join(lines) + "\n"
+            metric = family(f"agentrt:{name}", help_text, labels=["model_name"])
+            metric.add_metric([self.model_name], value)
+            yield metric
 
-
-def _escape(value: str) -> str:
-    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+    def describe(self) -> Iterator[Metric]:
+        return iter(())

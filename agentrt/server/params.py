@@ -1,8 +1,10 @@
 """From an API request to engine inputs: `SamplingParams` for each choice and the structured
 output constraint (`response_format`, tools, or vLLM's `structured_outputs`).
 
-Every problem is a 400 naming the request field (`APIError`); nothing here touches the
-engine thread, so a bad request fails before it is queued.
+Every problem is a 400 naming the request field (`APIError`, or a typed error whose `field`
+the error handler reports); nothing here touches the engine thread, so a bad request fails
+before it is queued. Limits that depend on the model (context length, KV cache, vocabulary)
+are the engine Processor's to check, when the request is queued.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from agentrt.engine.errors import InvalidRequestError
 from agentrt.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from agentrt.errors import SchemaError
 from agentrt.formats import OutputFormat, resolve_format, tools_format
-from agentrt.server.errors import bad_request, invalid_request
+from agentrt.server.errors import bad_request, from_exception
 from agentrt.server.protocol import (
     MAX_SEED,
     MIN_SEED,
@@ -29,47 +31,26 @@ _SEED_SPAN = MAX_SEED - MIN_SEED + 1
 
 @dataclass(frozen=True, slots=True)
 class Limits:
-    """How many tokens one request may hold: the context, and what the KV pool can hold."""
+    """The context length and what the KV pool holds, as /tokenize and the model card report
+    them. Requests are checked against them in one place, the engine's Processor."""
 
     max_model_len: int
     max_kv_tokens: int
-
-    def room(self, num_prompt_tokens: int) -> int:
-        return min(self.max_model_len, self.max_kv_tokens) - num_prompt_tokens
 
 
 def choice_params(
     request: ChatCompletionRequest | CompletionRequest,
     *,
-    num_prompt_tokens: int,
-    limits: Limits,
     max_tokens: int | None,
     max_tokens_field: str,
     logprobs: int | None,
     structured: StructuredOutputsParams | None,
 ) -> list[SamplingParams]:
     """One `SamplingParams` per choice (`n` engine requests). Choice i of a seeded request
-    gets seed + i, so the choices differ and the response is reproducible."""
-    room = limits.room(num_prompt_tokens)
-    if room < 1:
-        raise bad_request(
-            f"the prompt is {num_prompt_tokens} tokens, which leaves no room to generate: the "
-            f"context holds {min(limits.max_model_len, limits.max_kv_tokens)} tokens. "
-            "Shorten the prompt.",
-            param="messages" if isinstance(request, ChatCompletionRequest) else "prompt",
-            code="context_length_exceeded",
-        )
-    if max_tokens is not None and max_tokens > room:
-        raise bad_request(
-            f"{max_tokens_field}={max_tokens} is past the context: the prompt has "
-            f"{num_prompt_tokens} tokens and at most {room} more fit (max_model_len "
-            f"{limits.max_model_len}, KV cache {limits.max_kv_tokens} tokens). Lower "
-            f"{max_tokens_field}.",
-            param=max_tokens_field,
-            code="context_length_exceeded",
-        )
+    gets seed + i, so the choices differ and the response is reproducible. max_tokens=None
+    leaves the engine to allow all the room the prompt leaves."""
     options: dict[str, Any] = {
-        "max_tokens": max_tokens if max_tokens is not None else room,
+        "max_tokens": max_tokens,
         "logprobs": logprobs,
         "structured_outputs": structured,
     }
@@ -104,7 +85,7 @@ def choice_params(
         try:
             params.append(SamplingParams(**options, seed=seed))
         except InvalidRequestError as exc:
-            raise invalid_request(exc, names) from None
+            raise from_exception(exc, names) from None
     return params
 
 
@@ -126,10 +107,7 @@ def vllm_structured(request: StructuredOutputsRequest) -> StructuredOutputsParam
     given = request.model_dump(by_alias=True, exclude_none=True)
     if given.get("json_object") is False:
         del given["json_object"]
-    try:
-        return StructuredOutputsParams(**given)
-    except InvalidRequestError as exc:
-        raise invalid_request(exc) from None
+    return StructuredOutputsParams(**given)  # InvalidRequestError names the field
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,12 +137,8 @@ def chat_constraint(request: ChatCompletionRequest, tool_style: str = "json") ->
             tools, tool_choice, parallel_tool_calls=request.parallel_tool_calls is not False
         )
         fmt = dataclasses.replace(fmt, tool_style=tool_style)
-        try:
-            structured = fmt.structured_outputs()
-        except SchemaError as exc:
-            param = "tool_choice" if "tool_choice" in str(exc) else "tools"
-            raise bad_request(str(exc), param=param, code="invalid_tools") from None
-        constraints.append(("tools", structured))
+        # SchemaError names the field at fault: tools or tool_choice.
+        constraints.append(("tools", fmt.structured_outputs()))
     if request.response_format is not None and request.response_format.type != "text":
         constraints.append(("response_format", _response_format(request)))
     if request.structured_outputs is not None:
@@ -181,9 +155,19 @@ def chat_constraint(request: ChatCompletionRequest, tool_style: str = "json") ->
 
 
 def _response_format(request: ChatCompletionRequest) -> StructuredOutputsParams:
+    """OpenAI's json_object (any JSON object) and json_schema; and llama.cpp's json_object
+    with a `schema`, which is enforced as json_schema is."""
     response_format = request.response_format
     if response_format.type == "json_object":
-        return StructuredOutputsParams(json_object=True)
+        if response_format.schema_ is None:
+            return StructuredOutputsParams(json_object=True)
+        return _json_schema(response_format.schema_, "response_format.schema")
+    if response_format.schema_ is not None:
+        raise bad_request(
+            "response_format type 'json_schema' takes its schema in `json_schema.schema`; "
+            "a top-level `schema` goes with type 'json_object'.",
+            param="response_format.schema",
+        )
     spec = response_format.json_schema
     if spec is None:
         raise bad_request(
@@ -192,13 +176,15 @@ def _response_format(request: ChatCompletionRequest) -> StructuredOutputsParams:
             param="response_format.json_schema",
         )
     schema = spec.schema_ if spec.schema_ is not None else {"type": "object"}
+    return _json_schema(schema, "response_format.json_schema.schema")
+
+
+def _json_schema(schema: dict[str, Any], param: str) -> StructuredOutputsParams:
     try:
         resolve_format(schema)  # the schema must itself be a valid JSON schema
-        return StructuredOutputsParams(json=schema)
-    except (SchemaError, InvalidRequestError) as exc:
-        raise bad_request(
-            str(exc), param="response_format.json_schema.schema", code="invalid_schema"
-        ) from None
+    except SchemaError as exc:
+        raise SchemaError(str(exc), field=param) from None
+    return StructuredOutputsParams(json=schema)
 
 
 def _choice_text(choice: Any) -> str:

@@ -110,6 +110,9 @@ class FunctionDefinition(_Closed):
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
+    # agentrt's extension (agentrt.grammar.tools): argument objects the grammar must not
+    # produce (an agent's calls already answered); the model never sees them.
+    excluded_arguments: list[dict[str, Any]] | None = None
 
 
 class ToolDefinition(_Closed):
@@ -136,6 +139,8 @@ class JsonSchemaFormat(_Closed):
 class ResponseFormat(_Closed):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
+    # llama.cpp's extension (older Instructor sends it): json_object constrained to a schema.
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
 
 
 class ChatCompletionRequest(_SamplingFields):

@@ -70,16 +70,18 @@ class ServerProcess:
 
 
 def metrics(http: httpx.Client) -> dict[str, float]:
-    """Unlabelled view of /metrics: `name` (first sample) and `name{labels}` -> value."""
+    """/metrics as `name{labels}` -> value (labels sorted by name) and `name` -> the sum of
+    its series, read with prometheus_client's parser."""
+    from prometheus_client.parser import text_string_to_metric_families
+
     response = http.get("/metrics")
     assert response.status_code == 200, response.text
     values: dict[str, float] = {}
-    for line in response.text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        key, value = line.rsplit(" ", 1)
-        values[key] = float(value)
-        values.setdefault(key.split("{", 1)[0], float(value))
+    for family in text_string_to_metric_families(response.text):
+        for sample in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
+            values[f"{sample.name}{{{labels}}}"] = sample.value
+            values[sample.name] = values.get(sample.name, 0.0) + sample.value
     return values
 
 

@@ -4,6 +4,9 @@ Runtime: the tests are imported from tests/agentrt and run here with a remote `r
 
 from __future__ import annotations
 
+import http.server
+import threading
+
 import pytest
 from pydantic import BaseModel
 
@@ -101,3 +104,70 @@ async def test_remote_errors_are_typed(server):
             await rt.generate("hi", schema={"type": "object", "properties": {"a": {"$ref": "#/x"}}})
         stats = await rt.stats()
         assert stats.num_waiting == 0 and 0.0 <= stats.kv_cache_usage <= 1.0
+
+
+METRICS_TEXT = """\
+# HELP vllm:num_requests_running Requests running.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="m"} 2.0
+vllm:num_requests_running{engine="1",model_name="m"} 3.0
+# HELP vllm:num_requests_waiting Requests waiting.
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="m"} 1.0
+vllm:num_requests_waiting{engine="1",model_name="m"} 4.0
+# HELP vllm:kv_cache_usage_perc KV usage.
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25
+vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.75
+# HELP vllm:num_preemptions Preemptions.
+# TYPE vllm:num_preemptions counter
+vllm:num_preemptions_total{engine="0",model_name="m"} 5.0
+vllm:num_preemptions_created{engine="0",model_name="m"} 1.7e9
+vllm:num_preemptions_total{engine="1",model_name="m"} 6.0
+# HELP vllm:prefix_cache_queries Queried tokens.
+# TYPE vllm:prefix_cache_queries counter
+vllm:prefix_cache_queries_total{engine="0",model_name="m"} 100.0
+vllm:prefix_cache_queries_total{engine="1",model_name="m"} 50.0
+# HELP vllm:prefix_cache_hits Hit tokens.
+# TYPE vllm:prefix_cache_hits counter
+vllm:prefix_cache_hits_total{engine="0",model_name="m"} 40.0
+vllm:prefix_cache_hits_total{engine="1",model_name="m"} 10.0
+# HELP vllm:e2e_request_latency_seconds Latency.
+# TYPE vllm:e2e_request_latency_seconds histogram
+vllm:e2e_request_latency_seconds_bucket{le="1.0",model_name="m"} 3.0
+vllm:e2e_request_latency_seconds_bucket{le="+Inf",model_name="m"} 4.0
+vllm:e2e_request_latency_seconds_sum{model_name="m"} 2.5
+vllm:e2e_request_latency_seconds_count{model_name="m"} 4.0
+"""
+
+
+async def test_stats_add_up_every_series_of_a_metric():
+    """A server with several engines (vLLM data parallel) exports one series per engine:
+    counts add up, the KV usage fraction is their mean."""
+
+    class Metrics(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 (the stdlib's name)
+            body = METRICS_TEXT.encode()
+            self.send_response(200 if self.path == "/metrics" else 404)
+            self.send_header("Content-Type", "text/plain; version=0.0.4")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Metrics)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        backend = RemoteBackend(base_url=f"http://127.0.0.1:{httpd.server_port}/v1", model="m")
+        stats = await backend.stats()
+        await backend.aclose()
+    finally:
+        httpd.shutdown()
+        thread.join()
+    assert stats.num_running == 5 and stats.num_waiting == 5
+    assert stats.kv_cache_usage == 0.5
+    assert stats.num_preemptions == 11
+    assert stats.prefix_cache_queried_tokens == 150 and stats.prefix_cache_hit_tokens == 50
