@@ -17,6 +17,7 @@ tool's parameters schema by `exclude_arguments`; a tool with no call left is not
 
 from __future__ import annotations
 
+import decimal
 import itertools
 import json
 import re
@@ -175,19 +176,20 @@ def tool_calls_lark(schema: dict[str, Any]) -> str:
 # itself. JSON Schema's `not` would say it in one line, but no backend compiles `not`: it
 # would only be post-checked, after the model has written the call.
 #
-# Objects: a trie over the properties in schema order. A branch either fixes the first k
-# properties to the values some excluded objects share and makes property k+1 differ from
-# all of them, so the result has one branch per trie edge (linear in the excluded calls,
-# where negating each call separately would multiply branches). Values compare as JSON
+# Objects: a trie over the properties in schema order. Each branch fixes the first k
+# properties to values some excluded objects share and makes property k+1 differ from all
+# of theirs: one branch per trie node (linear in the excluded calls, where negating each
+# call on its own and intersecting would multiply branches). Values compare as JSON
 # (1 == 1.0, true != 1); an omitted property counts as its default.
 #
-# Exact for enums, consts, booleans, null, integers, numbers and strings without a pattern
-# or format. Where "differs from v" has no exact schema, it is narrowed further, never
-# widened: an excluded object is never produced, but a few others may not be either —
-# strings with a pattern or format and arrays may not keep the excluded ones' lengths,
-# strings may not differ from an excluded one by a control character at the first
-# position where they differ, or past its first _MAX_PREFIX characters, and a property
-# the excluded objects omit (with no default) is not omitted in the branches that fix it.
+# Exact for enums, consts, booleans, null, integers and strings without a pattern or format.
+# Where "differs from v" has no exact schema, it is narrowed further, never widened: an
+# excluded object is never produced, but a few others may not be either - numbers within
+# about 1e-14 (relative) of an excluded one, strings with a pattern or format and arrays of
+# an excluded one's length, strings that differ from an excluded one first by a control
+# character or only past its first _MAX_PREFIX characters, and, in the branches that fix a
+# property's value, other spellings of it (7.0 for 7) or its omission where the excluded
+# objects omit it and it has no default.
 
 _MISSING = object()
 _END, _CUT = 0, 1  # trie markers (not strings, so never a character)
@@ -315,36 +317,43 @@ def _object_branches(schema: dict, objects: list[dict], refs: _Refs) -> list[dic
 
 
 def _number_ranges(schema: dict, numbers: list[Any], *, integer: bool) -> list[dict]:
-    """`schema` split around `numbers`: integers by closed bounds (v - 1, v + 1), numbers by
-    exclusive ones. Ranges outside the schema's own bounds are left out."""
+    """`schema` split around `numbers` by closed bounds: v - 1 and v + 1 for integers, for
+    numbers the nearest decimals of 15 significant digits beyond v's neighbouring floats.
+    Not exclusive bounds at v: the grammar compares decimals exactly, so it would take
+    7.00000000000000005, which parses to the excluded 7.0. Not the neighbouring floats
+    themselves: llguidance reads a 16-digit bound inexactly (0.9999999999999999 as 1); 15
+    digits round-trip. Ranges outside the schema's own bounds are left out."""
     if integer:
-        numbers = sorted({int(v) for v in numbers if float(v).is_integer()})
+        values: list[Any] = sorted({int(v) for v in numbers if float(v).is_integer()})
+    else:
+        values = sorted({float(v) for v in numbers})
     floor = _bound(schema, ("minimum", "exclusiveMinimum"), max)
     ceiling = _bound(schema, ("maximum", "exclusiveMaximum"), min)
-    low_key, high_key = (
-        ("minimum", "maximum") if integer else ("exclusiveMinimum", "exclusiveMaximum")
-    )
-    step = 1 if integer else 0
-    edges = [None, *numbers, None]
     out = []
-    for below, above in itertools.pairwise(edges):
-        low = None if below is None else below + step
-        high = None if above is None else above - step
-        if low is not None and high is not None and (low > high or (not integer and low == high)):
+    for left, right in itertools.pairwise([None, *values, None]):
+        low = None if left is None else left + 1 if integer else _beyond(left, 1)
+        high = None if right is None else right - 1 if integer else _beyond(right, -1)
+        if low is not None and high is not None and low > high:
             continue
         if (low is not None and ceiling is not None and low > ceiling) or (
             high is not None and floor is not None and high < floor
         ):
             continue
         branch = dict(schema)
-        if low is not None:
-            branch[low_key] = max(low, branch[low_key]) if _is_number(branch.get(low_key)) else low
-        if high is not None:
-            branch[high_key] = (
-                min(high, branch[high_key]) if _is_number(branch.get(high_key)) else high
-            )
+        for key, value, tighter in (("minimum", low, max), ("maximum", high, min)):
+            if value is not None:
+                branch[key] = tighter(value, branch[key]) if _is_number(branch.get(key)) else value
         out.append(branch)
     return out
+
+
+def _beyond(value: float, side: int) -> float:
+    """A decimal of 15 significant digits past `value`'s neighbouring float on `side` (+1
+    above, -1 below): every decimal beyond it parses to a float other than `value`."""
+    exact = decimal.Decimal(repr(value))
+    unit = decimal.Decimal(1).scaleb(exact.adjusted() - 14)
+    rounding = decimal.ROUND_CEILING if side > 0 else decimal.ROUND_FLOOR
+    return float(exact.quantize(unit, rounding=rounding) + side * unit)
 
 
 def _length_ranges(schema: dict, lengths: list[int], min_key: str, max_key: str) -> list[dict]:

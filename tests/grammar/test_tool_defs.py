@@ -103,13 +103,13 @@ def _tool(parameters: dict, excluded: list[dict], name: str = "f") -> dict:
 
 
 def _accepted(compiler: GrammarCompiler, tok: Any, tools: list[dict], calls: list[dict]):
-    """Which of `calls` the grammar accepts, checked against the final validator too (the
-    post-check must agree with the grammar on the narrowed schema)."""
+    """Which of `calls` (arguments, or a call's raw text) the grammar accepts, checked
+    against the final validator too: the post-check must agree on the narrowed schema."""
     spec = GrammarSpec.from_tools(tools, "required", parallel_tool_calls=False)
     grammar, validator = compiler.compile(spec), FinalValidator(spec)
     verdicts = []
     for call in calls:
-        text = json.dumps({"name": call.get("name", "f"), "arguments": call["arguments"]})
+        text = call if isinstance(call, str) else json.dumps({"name": "f", "arguments": call})
         ok = drive(grammar.matcher(), tok, text) == (True, True)
         assert ok == (validator.errors(text) == []), text
         verdicts.append(ok)
@@ -133,10 +133,11 @@ def test_an_excluded_call_is_unreachable_and_every_other_call_is_not(
         {"a": 249, "op": "*", "b": 4, "scale": 2},
         {"a": 1, "op": 'say "hi"\\', "b": 0},
         {"a": 1, "op": "line\nbreak", "b": 0},
+        # Parses to the float 249.0: exclusive bounds at 249 would let this through.
+        '{"name": "f", "arguments": {"a": 249.00000000000000005, "op": "*", "b": 3}}',
+        '{"name": "f", "arguments": {"a": 249, "op": "*", "b": 3, "scale": 0.99999999999999995}}',
     ]
-    assert _accepted(real_compiler, smollm2_tok, tools, [{"arguments": a} for a in excluded]) == [
-        False
-    ] * len(excluded)
+    assert _accepted(real_compiler, smollm2_tok, tools, excluded) == [False] * len(excluded)
     others = [
         {"a": 249, "op": "*", "b": 5},
         {"a": 249.5, "op": "*", "b": 3},
@@ -151,9 +152,7 @@ def test_an_excluded_call_is_unreachable_and_every_other_call_is_not(
         {"a": 1, "op": "line\nbreaks", "b": 0},
         {"a": 1, "op": "line break", "b": 0},
     ]
-    assert _accepted(real_compiler, smollm2_tok, tools, [{"arguments": a} for a in others]) == [
-        True
-    ] * len(others)
+    assert _accepted(real_compiler, smollm2_tok, tools, others) == [True] * len(others)
 
 
 def test_nested_models_and_enums_are_excluded_exactly(
@@ -166,11 +165,10 @@ def test_nested_models_and_enums_are_excluded_exactly(
     }
     done = [{"a": {"x": 1}, "rest": [], "kind": "x"}, {"a": {"x": 2}, "rest": [], "kind": "y"}]
     calls = [
-        {"arguments": done[0]},
-        {"arguments": done[1]},
-        {"arguments": {"a": {"x": 1}, "rest": [], "kind": "y"}},
-        {"arguments": {"a": {"x": 3}, "rest": [], "kind": "x"}},
-        {"arguments": {"a": {"x": 1}, "rest": [{"x": 1}], "kind": "x"}},
+        *done,
+        {"a": {"x": 1}, "rest": [], "kind": "y"},
+        {"a": {"x": 3}, "rest": [], "kind": "x"},
+        {"a": {"x": 1}, "rest": [{"x": 1}], "kind": "x"},
     ]
     assert _accepted(real_compiler, smollm2_tok, [_tool(params, done)], calls) == [
         False,
