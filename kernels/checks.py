@@ -37,10 +37,11 @@ def check_dim(name: str, t: torch.Tensor, dim: int, size: int, meaning: str) -> 
         )
 
 
-def check_same_device(names: tuple[str, ...], *tensors: torch.Tensor) -> None:
-    devices = {t.device for t in tensors}
-    if len(devices) > 1:
-        got = ", ".join(f"{n}={t.device}" for n, t in zip(names, tensors, strict=True))
+def check_same_device(**tensors: torch.Tensor | None) -> None:
+    """The named tensors, None ones (absent optional arguments) skipped, share one device."""
+    given = {name: t for name, t in tensors.items() if t is not None}
+    if len({t.device for t in given.values()}) > 1:
+        got = ", ".join(f"{name}={t.device}" for name, t in given.items())
         raise KernelInputError(f"tensors are on different devices ({got}); move them to one.")
 
 
@@ -49,14 +50,6 @@ def check_last_dim_contiguous(name: str, t: torch.Tensor) -> None:
         raise KernelInputError(
             f"{name} has stride {t.stride(-1)} in its last dim; the kernel needs stride 1. "
             "Call .contiguous() first.",
-            arg=name,
-        )
-
-
-def check_contiguous(name: str, t: torch.Tensor) -> None:
-    if not t.is_contiguous():
-        raise KernelInputError(
-            f"{name} with strides {t.stride()} is not contiguous; call .contiguous() first.",
             arg=name,
         )
 
@@ -85,9 +78,7 @@ def check_reshape_and_cache(
     num_tokens = slot_mapping.shape[0]
     check_dim("key", key, 0, num_tokens, "num_tokens = len(slot_mapping)")
     check_dim("value", value, 0, num_tokens, "num_tokens = len(slot_mapping)")
-    check_same_device(
-        ("key", "value", "kv_cache", "slot_mapping"), key, value, kv_cache, slot_mapping
-    )
+    check_same_device(key=key, value=value, kv_cache=kv_cache, slot_mapping=slot_mapping)
 
 
 def check_like(name: str, t: torch.Tensor, ref_name: str, ref: torch.Tensor) -> None:
@@ -139,13 +130,16 @@ def check_paged_attention(
     ):
         check_dtype(name, t, INDEX_DTYPES)
     check_last_dim_contiguous("block_tables", block_tables)
-    tensors = [query, kv_cache, query_start_loc, seq_lens, block_tables]
-    names = ["query", "kv_cache", "query_start_loc", "seq_lens", "block_tables"]
     if out is not None:
         check_like("out", out, "query", query)
-        tensors.append(out)
-        names.append("out")
-    check_same_device(tuple(names), *tensors)
+    check_same_device(
+        query=query,
+        kv_cache=kv_cache,
+        query_start_loc=query_start_loc,
+        seq_lens=seq_lens,
+        block_tables=block_tables,
+        out=out,
+    )
 
 
 def check_bitmask(
@@ -157,15 +151,12 @@ def check_bitmask(
     check_ndim("bitmask", bitmask, 2, "[batch, ceil(vocab / 32)]")
     check_dtype("bitmask", bitmask, (torch.int32,))
     check_last_dim_contiguous("bitmask", bitmask)
-    tensors, names = [logits, bitmask], ["logits", "bitmask"]
     if indices is None:
         check_dim("bitmask", bitmask, 0, logits.shape[0], "one mask row per logits row")
     else:
         check_ndim("indices", indices, 1, "[num_rows]")
         check_dtype("indices", indices, INDEX_DTYPES)
-        tensors.append(indices)
-        names.append("indices")
-    check_same_device(tuple(names), *tensors)
+    check_same_device(logits=logits, bitmask=bitmask, indices=indices)
 
 
 def check_rms_norm(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None) -> None:
@@ -176,12 +167,9 @@ def check_rms_norm(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor
     check_ndim("weight", weight, 1, "[hidden_size]")
     check_dim("weight", weight, 0, x.shape[-1], "hidden_size = x.shape[-1]")
     check_dtype("weight", weight, FLOAT_DTYPES)
-    tensors, names = [x, weight], ["x", "weight"]
     if residual is not None:
         check_like("residual", residual, "x", x)
-        tensors.append(residual)
-        names.append("residual")
-    check_same_device(tuple(names), *tensors)
+    check_same_device(x=x, weight=weight, residual=residual)
 
 
 def check_rotary(
@@ -204,7 +192,6 @@ def check_rotary(
             f"{head_size} (cos in the first half, sin in the second).",
             arg="cos_sin_cache",
         )
-    tensors, names = [positions, cos_sin_cache], ["positions", "cos_sin_cache"]
     for name, t in (("query", query), ("key", key)):
         if t is None:
             continue
@@ -220,6 +207,4 @@ def check_rotary(
             raise KernelInputError(
                 f"{name}.shape[2] is {t.shape[2]}; expected head_size {head_size}.", arg=name
             )
-        tensors.append(t)
-        names.append(name)
-    check_same_device(tuple(names), *tensors)
+    check_same_device(positions=positions, query=query, key=key, cos_sin_cache=cos_sin_cache)

@@ -53,7 +53,8 @@ def paged_attention_ref(
     seq_lens[i]-token context (their K/V are already in the cache). Query j of request i sits
     at position seq_lens[i] - query_len_i + j and attends to positions <= that.
     Returns out [num_tokens, num_heads, head_dim] (written into `out` when given).
-    max_query_len / max_seq_len are accepted for signature parity with the kernel.
+    max_query_len / max_seq_len (the longest query run and context): given, they spare the
+    Triton kernel a device sync; this reference ignores them.
     """
     del max_query_len, max_seq_len
     check_paged_attention(query, kv_cache, query_start_loc, seq_lens, block_tables, out)

@@ -1,13 +1,17 @@
-"""Package boundary: dispatch routes CPU tensors to the references, the package imports
-without Triton, and it imports nothing from other agentrt packages."""
+"""Package boundary: dispatch routes CUDA tensors to the Triton kernels and CPU tensors to
+the references, the package imports without Triton, and it imports nothing from other
+agentrt packages."""
 
 from __future__ import annotations
 
 import ast
+import functools
+import inspect
 import pathlib
 import subprocess
 import sys
 import textwrap
+import types
 
 import pytest
 import torch
@@ -17,17 +21,49 @@ from agentrt.kernels import dispatch
 
 KERNELS_DIR = pathlib.Path(kernels.__file__).parent
 
+DISPATCHED = {
+    "reshape_and_cache": "triton_reshape_and_cache",
+    "paged_attention": "triton_paged_attention",
+    "apply_token_bitmask": "triton_bitmask",
+    "rms_norm": "triton_rms_norm",
+    "rotary_embedding": "triton_rotary",
+}
 
-def test_cpu_tensors_use_the_references(monkeypatch):
+
+@pytest.mark.parametrize("name", sorted(DISPATCHED))
+def test_dispatch_takes_the_reference_signature_and_docs(name):
+    fn, ref = getattr(kernels, name), getattr(kernels, f"{name}_ref")
+    assert fn.__name__ == name
+    assert fn.__doc__ == ref.__doc__
+    assert inspect.signature(fn) == inspect.signature(ref)
+
+
+@pytest.fixture
+def fake_triton(monkeypatch):
+    """Fake `triton_*` modules whose kernels record their calls, and a dispatch that takes
+    meta tensors for CUDA ones: the routing is tested without Triton or CUDA."""
     calls = []
-    monkeypatch.setattr(dispatch, "paged_attention_ref", lambda *a, **k: calls.append("ref"))
-    q = torch.zeros(1, 2, 8)
-    kernels.paged_attention(q, torch.zeros(1, 2, 16, 2, 8), None, None, None)
-    assert calls == ["ref"]
-    assert not kernels.uses_triton(q)
+    for name, module in DISPATCHED.items():
+        fake = types.ModuleType(module)
+        kernel = functools.partial(lambda n, *a, **k: calls.append((n, a, k)) or "triton", name)
+        setattr(fake, f"{name}_triton", kernel)
+        monkeypatch.setitem(sys.modules, f"agentrt.kernels.{module}", fake)
+    monkeypatch.setattr(dispatch, "uses_triton", lambda t: t.device.type == "meta")
+    return calls
 
 
-def test_dispatch_results_equal_references():
+@pytest.mark.parametrize("name", sorted(DISPATCHED))
+def test_cuda_tensors_go_to_the_triton_kernel(fake_triton, name):
+    fn = getattr(kernels, name)
+    first = torch.zeros(1, device="meta")
+    assert fn(first, 1, 2, extra=3) == "triton"
+    first_param = next(iter(inspect.signature(fn).parameters))
+    assert fn(**{first_param: first}) == "triton"  # all by keyword
+    assert fake_triton == [(name, (first, 1, 2), {"extra": 3}), (name, (), {first_param: first})]
+
+
+def test_cpu_tensors_go_to_the_references(fake_triton):
+    assert not kernels.uses_triton(torch.zeros(1))
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(3, 16, generator=gen)
     w = torch.randn(16, generator=gen)
@@ -38,6 +74,7 @@ def test_dispatch_results_equal_references():
     # Row 0 allows tokens 0 and 2; row 1 allows 0..31 and 32.
     assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == [0, 2]
     assert torch.isfinite(logits[1]).nonzero().flatten().tolist() == list(range(33))
+    assert fake_triton == []
 
 
 def test_require_triton_names_the_extra(monkeypatch):

@@ -58,6 +58,15 @@ def test_bitmask_ref_rejects_wrong_dtype():
     assert err.value.arg == "bitmask"
 
 
+def test_tensors_on_two_devices_are_rejected_by_name():
+    # A mask built on the CPU for logits on the GPU (meta stands in for it) names both.
+    logits = torch.zeros(2, 64, device="meta")
+    with pytest.raises(KernelInputError, match=r"\(logits=meta, bitmask=cpu\)"):
+        apply_token_bitmask_ref(logits, torch.zeros(2, 2, dtype=torch.int32))
+    with pytest.raises(KernelInputError, match=r"\(x=cpu, weight=cpu, residual=meta\)"):
+        rms_norm_ref(torch.ones(1, 8), torch.ones(8), 1e-6, torch.ones(1, 8, device="meta"))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rms_norm_ref_matches_hf_llama(dtype):
     gen = torch.Generator().manual_seed(2)

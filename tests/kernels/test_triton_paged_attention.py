@@ -1,4 +1,5 @@
-"""Triton paged attention and KV-cache writes against their torch references.
+"""Triton paged attention, its split-KV merge and KV-cache writes against their torch
+references.
 
 CPU-only machines run these under Triton's interpreter (see conftest); CUDA machines run
 the compiled kernels on the GPU.
@@ -9,7 +10,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from agentrt.kernels import KernelInputError, paged_attention_ref, reshape_and_cache_ref
+from agentrt.kernels import (
+    KernelInputError,
+    merge_attn_states_ref,
+    paged_attention_ref,
+    reshape_and_cache_ref,
+)
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -109,3 +115,20 @@ def test_paged_attention_wrapper_rejects_bad_inputs(tk, make_paged_batch):
     with pytest.raises(KernelInputError) as err:
         tk.paged_attention_triton(q, cache, cu, lens, tables, num_splits=0)
     assert err.value.arg == "num_splits"
+
+
+@pytest.mark.parametrize("num_splits", [1, 3, 8])
+def test_merge_attn_states_matches_ref(tk, device, num_splits):
+    gen = torch.Generator().manual_seed(num_splits)
+    partial_out = torch.randn(5, 4, num_splits, 48, generator=gen)  # head_dim 48: masked tail
+    partial_lse = torch.randn(5, 4, num_splits, generator=gen) * 4
+    partial_lse[0, 0] = float("-inf")  # no split saw a key: the result is 0
+    partial_lse[1, :, 0] = float("-inf")  # one empty split among others...
+    partial_out[1, :, 0] = float("nan")  # ...whose output must not leak in
+    expect = merge_attn_states_ref(partial_out, partial_lse)
+    assert torch.isfinite(expect).all() and not expect[0, 0].any()
+    got = tk.merge_attn_states_triton(partial_out.to(device), partial_lse.to(device))
+    torch.testing.assert_close(got.cpu(), expect, atol=1e-5, rtol=1e-5)
+    into = torch.empty(5, 4, 48, dtype=torch.bfloat16, device=device)
+    tk.merge_attn_states_triton(partial_out.to(device), partial_lse.to(device), into)
+    torch.testing.assert_close(into.cpu(), expect.to(torch.bfloat16), atol=2e-2, rtol=2e-2)
