@@ -14,6 +14,7 @@ from agentrt.engine.attention import AttentionMetadata, get_attention_backend
 from agentrt.engine.config import CacheConfig
 from agentrt.engine.model.arch import ModelArchConfig
 from agentrt.engine.model.llama import LlamaForCausalLM
+from agentrt.engine.model.rope import RotaryEmbedding
 from agentrt.engine.records import ModelInput, ScheduledChunk, SchedulerOutput
 
 
@@ -63,17 +64,23 @@ class ModelRunner:
         self.dtype = dtype
         self.device = device
         self.block_size = block_size
+        self.attention = get_attention_backend(attention_backend, device, arch, block_size)
+        # The 'triton' backend is the CUDA path: the model's RMSNorm and RoPE then run the
+        # kernels package's fused kernels too (their references on the CPU, as tested there).
+        kernel_ops = self.attention.name == "triton"
         with torch.device("meta"):
-            model = LlamaForCausalLM(arch, max_positions=1)
+            model = LlamaForCausalLM(arch, max_positions=1, kernel_ops=kernel_ops)
         model = model.to_empty(device=device)
-        model.rotary = type(model.rotary)(
-            arch.head_dim, max_model_len, arch.rope_theta, arch.rope_scaling
+        model.rotary = RotaryEmbedding(
+            arch.head_dim,
+            max_model_len,
+            arch.rope_theta,
+            arch.rope_scaling,
+            kernel_ops=kernel_ops,
+            device=device,
         )
         model.load_hf_state_dict(state_dict)
         self.model = model.to(dtype).eval()
-        self.model.rotary.cos = self.model.rotary.cos.to(device)
-        self.model.rotary.sin = self.model.rotary.sin.to(device)
-        self.attention = get_attention_backend(attention_backend, device, arch, block_size)
         shape = (num_blocks, 2, block_size, arch.num_kv_heads, arch.head_dim)
         self.kv_caches = [allocate_zeros(shape, dtype, device) for _ in range(arch.num_layers)]
 

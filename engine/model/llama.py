@@ -2,8 +2,9 @@
 
 Runs a flat varlen batch: `input_ids` and `positions` are (T,) for all requests of the
 step back to back; attention reads and writes the paged KV cache through the metadata.
-q/k/v and gate/up projections are fused into one matmul each; the math otherwise follows
-transformers' implementation step for step so greedy decoding matches it token for token.
+q/k/v and gate/up projections are fused into one matmul each, and each residual add into
+the norm that follows it (vLLM's layout); the math otherwise follows transformers'
+implementation step for step so greedy decoding matches it token for token.
 """
 
 from __future__ import annotations
@@ -12,28 +13,40 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import agentrt.kernels as kernels
 from agentrt.engine.attention import AttentionMetadata
 from agentrt.engine.errors import ModelLoadError
 from agentrt.engine.model.arch import ModelArchConfig
-from agentrt.engine.model.rope import RotaryEmbedding, apply_rotary
+from agentrt.engine.model.rope import RotaryEmbedding, Rotate
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float) -> None:
+    """RMSNorm, HF Llama numerics: normalise in fp32, cast, times the weight. With
+    `residual`, vLLM's fused add: returns (norm(x + residual), x + residual).
+
+    With `kernel_ops` it runs the kernels package's rms_norm (one fused Triton kernel on
+    CUDA); else these torch ops, which are the same arithmetic without the per-call input
+    checks (~10 us per call, 61 calls per step on the embedded model: the CPU path)."""
+
+    def __init__(self, size: int, eps: float, kernel_ops: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
+        self.kernel_ops = kernel_ops
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalize in fp32, scale in the model dtype (as HF Llama does).
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if self.kernel_ops:
+            return kernels.rms_norm(x, self.weight, self.eps, residual)
+        if residual is not None:
+            x = residual = x + residual
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        out = self.weight * h.to(x.dtype)
+        return out if residual is None else (out, residual)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelArchConfig) -> None:
+    def __init__(self, cfg: ModelArchConfig, kernel_ops: bool) -> None:
         super().__init__()
         self.num_heads = cfg.num_heads
         self.num_kv_heads = cfg.num_kv_heads
@@ -42,46 +55,68 @@ class DecoderLayer(nn.Module):
         q_size = cfg.num_heads * cfg.head_dim
         kv_size = cfg.num_kv_heads * cfg.head_dim
         self.qkv_split = (q_size, kv_size, kv_size)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+        def norm(size: int) -> RMSNorm:
+            return RMSNorm(size, cfg.rms_norm_eps, kernel_ops)
+
+        self.input_layernorm = norm(cfg.hidden_size)
         self.qkv_proj = nn.Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=False)
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.q_norm = norm(cfg.head_dim) if cfg.qk_norm else None
+        self.k_norm = norm(cfg.head_dim) if cfg.qk_norm else None
+        self.post_attention_layernorm = norm(cfg.hidden_size)
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, hidden, cos, sin, kv_cache, meta: AttentionMetadata, attention):
+    def forward(
+        self,
+        hidden: torch.Tensor,  # (T, hidden)
+        residual: torch.Tensor | None,  # (T, hidden); None before the first layer
+        rotate: Rotate,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        attention,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (output, residual) unsummed: the next norm adds them, fused with it (HF
+        adds first, then normalises: the same two operations)."""
         num_tokens = hidden.shape[0]
-        residual = hidden
-        hidden = self.input_layernorm(hidden)
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
         q, k, v = self.qkv_proj(hidden).split(self.qkv_split, dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # (T, H, D)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # (T, KVH, D)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # (T, KVH, D)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k = rotate(q, k)
         attn = attention.forward(q, k, v, kv_cache, meta, self.scale)  # (T, H, D)
-        hidden = residual + self.o_proj(attn.reshape(num_tokens, -1))
-        residual = hidden
-        gate, up = self.gate_up_proj(self.post_attention_layernorm(hidden)).chunk(2, dim=-1)
-        return residual + self.down_proj(F.silu(gate) * up)
+        hidden = self.o_proj(attn.reshape(num_tokens, -1))
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        gate, up = self.gate_up_proj(hidden).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up), residual
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelArchConfig, max_positions: int) -> None:
+    """`kernel_ops`: RMSNorm and RoPE through the kernels package (its fused Triton kernels
+    on CUDA, its references elsewhere) instead of inline torch ops. The model runner turns it
+    on with the 'triton' attention backend: that is the CUDA path."""
+
+    def __init__(self, cfg: ModelArchConfig, max_positions: int, kernel_ops: bool = False) -> None:
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, kernel_ops) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernel_ops)
         self.lm_head = (
             None
             if cfg.tie_word_embeddings
             else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         )
-        self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
+        self.rotary = RotaryEmbedding(
+            cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, kernel_ops=kernel_ops
+        )
 
     @torch.inference_mode()
     def forward(
@@ -93,10 +128,11 @@ class LlamaForCausalLM(nn.Module):
         attention,
     ) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)  # (T, hidden)
-        cos, sin = self.rotary.tables(positions, hidden.dtype)
+        rotate = self.rotary.for_step(positions, hidden.dtype)
+        residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden = layer(hidden, cos, sin, kv_cache, meta, attention)
-        return hidden
+            hidden, residual = layer(hidden, residual, rotate, kv_cache, meta, attention)
+        return hidden + residual  # the final norm runs on the sampled rows only
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -106,7 +142,9 @@ class LlamaForCausalLM(nn.Module):
 
     def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Copy HF-named weights in, fusing q/k/v and gate/up. Every parameter must be
-        filled and every checkpoint tensor used (rotary buffers excepted)."""
+        filled and every checkpoint tensor used (rotary buffers excepted). The state may
+        live on another device than the model (CPU tensors into a CUDA model): every
+        parameter is filled with copy_, which moves across devices."""
         used: set[str] = set()
 
         def take(name: str) -> torch.Tensor:
@@ -123,15 +161,15 @@ class LlamaForCausalLM(nn.Module):
             for i, layer in enumerate(self.layers):
                 p = f"model.layers.{i}."
                 attn = [f"{p}self_attn.{n}_proj" for n in "qkv"]
-                torch.cat([take(f"{n}.weight") for n in attn], out=layer.qkv_proj.weight)
+                layer.qkv_proj.weight.copy_(torch.cat([take(f"{n}.weight") for n in attn]))
                 if layer.qkv_proj.bias is not None:
-                    torch.cat([take(f"{n}.bias") for n in attn], out=layer.qkv_proj.bias)
+                    layer.qkv_proj.bias.copy_(torch.cat([take(f"{n}.bias") for n in attn]))
                 layer.o_proj.weight.copy_(take(f"{p}self_attn.o_proj.weight"))
                 if layer.q_norm is not None:
                     layer.q_norm.weight.copy_(take(f"{p}self_attn.q_norm.weight"))
                     layer.k_norm.weight.copy_(take(f"{p}self_attn.k_norm.weight"))
                 gate_up = [take(f"{p}mlp.gate_proj.weight"), take(f"{p}mlp.up_proj.weight")]
-                torch.cat(gate_up, out=layer.gate_up_proj.weight)
+                layer.gate_up_proj.weight.copy_(torch.cat(gate_up))
                 layer.down_proj.weight.copy_(take(f"{p}mlp.down_proj.weight"))
                 layer.input_layernorm.weight.copy_(take(f"{p}input_layernorm.weight"))
                 layer.post_attention_layernorm.weight.copy_(

@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
+import agentrt.kernels as kernels
 from agentrt.engine.errors import ModelLoadError
+
+# One step's rotation: (q, k) -> (rotated q, rotated k).
+Rotate = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
 def inverse_frequencies(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
@@ -39,21 +44,43 @@ def _llama3(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
 
 
 class RotaryEmbedding:
-    """Precomputed cos/sin tables indexed by absolute position."""
+    """cos and sin of every position, in the kernels package's `cos_sin_cache` layout: (P, D),
+    cos of the D / 2 frequencies in the first half, sin in the second. With `kernel_ops` the
+    kernels package rotates q and k (one fused Triton kernel on CUDA); else torch ops follow
+    HF step for step (HF's rounding in bf16, no per-call input checks: the CPU path)."""
 
-    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None):
+    def __init__(
+        self,
+        head_dim: int,
+        max_positions: int,
+        theta: float,
+        scaling: dict | None,
+        *,
+        kernel_ops: bool = False,
+        device: torch.device | None = None,
+    ):
         inv_freq = inverse_frequencies(head_dim, theta, scaling)
         positions = torch.arange(max_positions, dtype=torch.float32)
         freqs = positions[:, None] * inv_freq[None, :]  # (P, D/2)
-        emb = torch.cat((freqs, freqs), dim=-1)  # (P, D)
-        self.cos = emb.cos()
-        self.sin = emb.sin()
+        self.cos_sin_cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(device)  # (P, D)
+        self.head_dim = head_dim
+        self.kernel_ops = kernel_ops
 
-    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-        """cos, sin for `positions` (T,), shaped (T, 1, D) to broadcast over heads."""
-        cos = self.cos.index_select(0, positions).to(dtype)[:, None, :]
-        sin = self.sin.index_select(0, positions).to(dtype)[:, None, :]
-        return cos, sin
+    def for_step(self, positions: torch.Tensor, dtype: torch.dtype) -> Rotate:
+        """The rotation of one step's q (T, H, D) and k (T, KVH, D) at `positions` (T,),
+        shared by every layer: it returns the rotated q and k (rotated in place on the
+        kernels path)."""
+        if self.kernel_ops:
+
+            def rotate_in_place(q: torch.Tensor, k: torch.Tensor):
+                kernels.rotary_embedding(positions, q, k, self.cos_sin_cache, self.head_dim)
+                return q, k
+
+            return rotate_in_place
+        cos, sin = self.cos_sin_cache.index_select(0, positions).to(dtype).chunk(2, dim=-1)
+        # Both halves of a head turn by the same angles: (T, D/2) -> (T, 1, D).
+        cos, sin = cos.repeat(1, 2)[:, None, :], sin.repeat(1, 2)[:, None, :]
+        return lambda q, k: (apply_rotary(q, cos, sin), apply_rotary(k, cos, sin))
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
