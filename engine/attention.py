@@ -10,8 +10,12 @@ Backends:
 - `cpu`: every request of the step (decodes, jump-forward chunks, prefills) in one call of
   the kernels package's C paged-attention kernel, which reads the blocks in place (built on
   first use).
-- `triton`: the kernels package's unified paged attention (Triton kernels on CUDA).
-- `auto` (the default): `cpu` on the CPU when its kernel builds, else `torch`.
+- `triton`: the kernels package's unified paged attention (Triton kernels on CUDA, their
+  torch references elsewhere). With it the model also runs its RMSNorm and RoPE through the
+  kernels package: it is the CUDA path.
+- `auto` (the default): `preferred_backend` for the device (`cpu` on the CPU, `triton` on
+  CUDA), falling back to `torch` with a warning when that one is unavailable (no compiler,
+  shapes the C kernel does not take, triton not installed).
 """
 
 from __future__ import annotations
@@ -72,8 +76,14 @@ class AttentionMetadata:
         every layer (SDPA would otherwise convert a boolean mask in each call)."""
         if row not in self.prefill_masks:
             context, seq_len = self.context_lens[row], self.context_lens[row] + self.query_lens[row]
-            hidden = torch.arange(seq_len)[None, :] > torch.arange(context, seq_len)[:, None]
-            mask = torch.zeros(hidden.shape, dtype=dtype).masked_fill_(hidden, float("-inf"))
+            device = self.seq_lens.device
+            keys, queries = (
+                torch.arange(seq_len, device=device),
+                torch.arange(context, seq_len, device=device),
+            )
+            hidden = keys[None, :] > queries[:, None]
+            mask = torch.zeros(hidden.shape, dtype=dtype, device=device)
+            mask.masked_fill_(hidden, float("-inf"))
             self.prefill_masks[row] = mask
         return self.prefill_masks[row]
 
@@ -104,10 +114,11 @@ class AttentionMetadata:
             self.decode_groups.append(self._decode_group(group, longest))
 
     def _decode_group(self, rows: list[int], longest: int) -> DecodeGroup:
-        index = torch.tensor(rows, dtype=torch.int64)
+        device = self.seq_lens.device
+        index = torch.tensor(rows, dtype=torch.int64, device=device)
         num_blocks = -(-longest // self.block_size)
         lens = self.seq_lens.index_select(0, index).to(torch.int64)
-        positions = torch.arange(num_blocks * self.block_size)
+        positions = torch.arange(num_blocks * self.block_size, device=device)
         return DecodeGroup(
             token_index=self.query_start_loc.index_select(0, index).to(torch.int64),
             block_tables=self.block_tables.index_select(0, index)[:, :num_blocks].long(),
@@ -248,7 +259,10 @@ class KernelAttentionBackend:
     def __init__(self, device: torch.device, arch=None, block_size: int = 16) -> None:
         del arch, block_size  # any shapes
         if device.type == "cuda":
-            kernels.require_triton()
+            try:
+                kernels.require_triton()
+            except kernels.TritonUnavailableError as exc:
+                raise ConfigError(f"attention_backend='triton' is unavailable: {exc}") from exc
 
     def prepare(self, meta: AttentionMetadata) -> None:
         """Nothing to derive: the kernels read the metadata as it is."""
@@ -274,21 +288,27 @@ BACKENDS = {
 }
 
 
+def preferred_backend(device: torch.device) -> str:
+    """What `auto` tries first on `device`: the C kernel on the CPU, the Triton kernels on
+    CUDA, torch anywhere else."""
+    return {"cpu": "cpu", "cuda": "triton"}.get(device.type, "torch")
+
+
 def get_attention_backend(
     name: str, device: torch.device, arch: ModelArchConfig | None = None, block_size: int = 16
 ):
     """The backend `name` for `device`; with the model's `arch` (ModelArchConfig) and
-    `block_size`, the cpu backend also checks that its kernel takes those shapes."""
-    if name == "auto":
-        if device.type != "cpu":
-            return TorchAttentionBackend(device)
-        try:
-            return CpuAttentionBackend(device, arch, block_size)
-        except ConfigError as exc:
-            logger.warning("%s Falling back to the slower 'torch' attention backend.", exc)
-            return TorchAttentionBackend(device)
-    if name not in BACKENDS:
+    `block_size`, the cpu backend also checks that its kernel takes those shapes. Raises
+    ConfigError for an unknown name or a backend that cannot run here, except under `auto`,
+    which then warns and falls back to `torch`."""
+    if name != "auto" and name not in BACKENDS:
         raise ConfigError(
             f"attention_backend={name!r} is invalid: expected 'auto' or one of {sorted(BACKENDS)}."
         )
-    return BACKENDS[name](device, arch, block_size)
+    if name != "auto":
+        return BACKENDS[name](device, arch, block_size)
+    try:
+        return BACKENDS[preferred_backend(device)](device, arch, block_size)
+    except ConfigError as exc:
+        logger.warning("%s Falling back to the slower 'torch' attention backend.", exc)
+        return TorchAttentionBackend(device)

@@ -1,5 +1,7 @@
-"""Choosing the attention backend: `auto` takes the compiled CPU kernel when it builds and
-falls back to the torch path, with a warning, when it cannot."""
+"""Choosing the attention backend: `auto` takes the compiled CPU kernel on the CPU and the
+Triton kernels on CUDA, and falls back to the torch path, with a warning, when that one
+cannot run (no compiler, shapes, no triton). CUDA choices are made without a GPU: choosing
+constructs nothing on the device."""
 
 from __future__ import annotations
 
@@ -10,16 +12,19 @@ import torch
 
 from agentrt.engine.attention import (
     CpuAttentionBackend,
+    KernelAttentionBackend,
     TorchAttentionBackend,
     get_attention_backend,
+    preferred_backend,
 )
 from agentrt.engine.errors import ConfigError
 from agentrt.engine.model.arch import ModelArchConfig
 from agentrt.engine.model_runner import attention_metadata, prepare_input
 from agentrt.engine.records import ScheduledChunk
-from agentrt.kernels import load_cpu_attention, paged_attention_ref
+from agentrt.kernels import dispatch, load_cpu_attention, paged_attention_ref
 
 CPU = torch.device("cpu")
+CUDA = torch.device("cuda")
 
 
 @pytest.fixture
@@ -35,6 +40,31 @@ def no_compiler(tmp_path, monkeypatch):
 def test_auto_picks_the_cpu_kernel_on_the_cpu():
     backend = get_attention_backend("auto", CPU)
     assert isinstance(backend, CpuAttentionBackend) and backend.name == "cpu"
+
+
+def test_preferred_backend_per_device():
+    assert preferred_backend(CPU) == "cpu"
+    assert preferred_backend(CUDA) == "triton"
+    assert preferred_backend(torch.device("cuda:1")) == "triton"
+    assert preferred_backend(torch.device("meta")) == "torch"
+
+
+def test_auto_picks_triton_on_cuda_when_triton_imports(monkeypatch):
+    monkeypatch.setattr(dispatch, "triton_available", lambda: True)
+    backend = get_attention_backend("auto", CUDA)
+    assert type(backend) is KernelAttentionBackend and backend.name == "triton"
+
+
+def test_auto_falls_back_to_torch_on_cuda_without_triton(monkeypatch, caplog):
+    monkeypatch.setattr(dispatch, "triton_available", lambda: False)
+    with caplog.at_level(logging.WARNING, logger="agentrt.engine.attention"):
+        backend = get_attention_backend("auto", CUDA)
+    assert type(backend) is TorchAttentionBackend
+    assert "attention_backend='triton' is unavailable" in caplog.text
+    assert "pip install 'agentrt[triton]'" in caplog.text
+    assert "Falling back to the slower 'torch' attention backend" in caplog.text
+    with pytest.raises(ConfigError, match=r"'triton' is unavailable: .*agentrt\[triton\]"):
+        get_attention_backend("triton", CUDA)
 
 
 def test_auto_falls_back_to_torch_when_the_kernel_cannot_build(no_compiler, caplog):
