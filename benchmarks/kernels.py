@@ -1,16 +1,19 @@
 """Kernel benchmark: Triton kernels side by side with their torch references, same device.
 
-    python benchmarks/kernels.py            # full sweep on a GPU
-    python benchmarks/kernels.py --quick    # a few shapes
+    python benchmarks/kernels.py                       # full sweep on a GPU
+    python benchmarks/kernels.py --quick --json k.json # a few shapes; the result to a file
 
 Measures (Llama-3-8B attention shapes: 32 query heads, 8 KV heads, head_dim 128, bf16):
 - paged decode attention, batch 1-256 x context 512-32k: achieved HBM bandwidth (bytes of
   K/V read / time) as a fraction of the device's peak;
 - prefill attention: TFLOP/s (4 * heads * head_dim per visible query-key pair);
-- grammar bitmask application at batch 1 and 512 over a 128k vocabulary: microseconds.
+- grammar bitmask application at batch 1 and 512 over a 128k vocabulary: microseconds;
+- the model's fused add + RMSNorm (hidden 4096) and in-place RoPE (32 + 8 heads of 128) at
+  1, 64 and 2048 tokens: microseconds, each against its torch reference.
 Targets on an H200: decode >= 70% of peak HBM bandwidth at 8k+ context and batch >= 32;
 bitmask <= 10 us at batch 1. Without CUDA only the torch references run (on the CPU, small
-shapes) and the Triton columns are null. The last line printed is one JSON object.
+shapes) and the Triton columns are null. The last line printed is one JSON object (also
+written to `--json PATH`).
 """
 
 from __future__ import annotations
@@ -22,7 +25,13 @@ import time
 
 import torch
 
-from agentrt.kernels import apply_token_bitmask_ref, paged_attention_ref, triton_available
+from agentrt.kernels import (
+    apply_token_bitmask_ref,
+    paged_attention_ref,
+    rms_norm_ref,
+    rotary_embedding_ref,
+    triton_available,
+)
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 VOCAB = 128_256
@@ -152,6 +161,50 @@ def bench_bitmask(device, batches):
     return rows
 
 
+def norm_rope_row(device: torch.device, tokens: int) -> dict:
+    """Fused add + RMSNorm and in-place RoPE at `tokens` tokens: Triton and reference us."""
+    hidden = NUM_HEADS * HEAD_DIM
+    x = torch.randn(tokens, hidden, dtype=torch.bfloat16, device=device)
+    res, w = torch.randn_like(x), torch.rand(hidden, dtype=torch.bfloat16, device=device)
+    positions = torch.randint(0, 8192, (tokens,), device=device)
+    angles = torch.rand(8192, HEAD_DIM // 2, device=device) * 100
+    cache = torch.cat([angles.cos(), angles.sin()], dim=-1)  # (max_pos, head_dim)
+    q = torch.randn(tokens, NUM_HEADS * HEAD_DIM, dtype=torch.bfloat16, device=device)
+    k = torch.randn(tokens, NUM_KV_HEADS * HEAD_DIM, dtype=torch.bfloat16, device=device)
+    row = dict(tokens=tokens, rms_norm_triton_us=None, rotary_triton_us=None)
+    if device.type == "cuda" and triton_available():
+        from agentrt.kernels.triton_rms_norm import rms_norm_triton
+        from agentrt.kernels.triton_rotary import rotary_embedding_triton
+
+        row["rms_norm_triton_us"] = bench_us(lambda: rms_norm_triton(x, w, 1e-5, res), device)
+        row["rotary_triton_us"] = bench_us(
+            lambda: rotary_embedding_triton(positions, q, k, cache, HEAD_DIM), device
+        )
+    row["rms_norm_ref_us"] = bench_us(lambda: rms_norm_ref(x, w, 1e-5, res), device)
+    row["rotary_ref_us"] = bench_us(
+        lambda: rotary_embedding_ref(positions, q, k, cache, HEAD_DIM), device
+    )
+    return row
+
+
+def bench_norm_rope(device, token_counts):
+    rows = []
+    print(f"\n# fused add + RMSNorm (hidden {NUM_HEADS * HEAD_DIM}) and RoPE, bf16")
+    print(
+        f"{'tokens':>6} {'norm_us':>8} {'ref_us':>8} {'x':>6} {'rope_us':>8} {'ref_us':>8} {'x':>6}"
+    )
+    for tokens in token_counts:
+        r = norm_rope_row(device, tokens)
+        rows.append(r)
+        norm, norm_ref = r["rms_norm_triton_us"], r["rms_norm_ref_us"]
+        rope, rope_ref = r["rotary_triton_us"], r["rotary_ref_us"]
+        print(
+            f"{tokens:>6} {fmt(norm):>8} {fmt(norm_ref):>8} {fmt(ratio(norm, norm_ref)):>6} "
+            f"{fmt(rope):>8} {fmt(rope_ref):>8} {fmt(ratio(rope, rope_ref)):>6}"
+        )
+    return rows
+
+
 def fmt(value: float | None, digits: int = 1) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
@@ -159,6 +212,7 @@ def fmt(value: float | None, digits: int = 1) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="a few shapes only")
+    parser.add_argument("--json", metavar="PATH", help="also write the result object here")
     opts = parser.parse_args(argv)
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
@@ -185,6 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     result["decode"] = bench_decode(device, batches, contexts, peak, ref_budget)
     result["prefill"] = bench_prefill(device, prefill, ref_budget)
     result["bitmask"] = bench_bitmask(device, [1, 512])
+    result["norm_rope"] = bench_norm_rope(device, [1, 64, 2048] if cuda else [1, 64])
     long_rows = [
         r["frac_peak"]
         for r in result["decode"]
@@ -200,6 +255,9 @@ def main(argv: list[str] | None = None) -> int:
         "bitmask_met": None if bitmask_1 is None else bitmask_1 <= TARGET_BITMASK_US,
     }
     print(json.dumps(result))
+    if opts.json:
+        with open(opts.json, "w") as f:
+            json.dump(result, f, indent=1)
     return 0
 
 

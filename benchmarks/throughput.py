@@ -10,6 +10,7 @@ Also agentrt's single-request decode speed. Last line: a JSON object with every 
     python benchmarks/throughput.py            # both workloads (several minutes on 2 cores)
     python benchmarks/throughput.py --quick    # smaller workloads, for a smoke test
     python benchmarks/throughput.py --only fixed
+    python benchmarks/throughput.py --device cuda --quick --json out.json   # on a GPU
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ def run_agentrt(llm: LLM, prompts: list[list[int]], max_tokens: list[int]) -> tu
 
 def run_hf(model, prompts: list[list[int]], max_tokens: list[int], batch_size: int):
     """Padded static batches (left padding), each generating its longest max_tokens."""
+    device = model.device
     start = time.perf_counter()
     for i in range(0, len(prompts), batch_size):
         batch = prompts[i : i + batch_size]
@@ -68,8 +70,8 @@ def run_hf(model, prompts: list[list[int]], max_tokens: list[int], batch_size: i
             mask[row, width - len(ids) :] = 1
         with torch.inference_mode():
             model.generate(
-                input_ids,
-                attention_mask=mask,
+                input_ids.to(device),
+                attention_mask=mask.to(device),
                 max_new_tokens=max(max_tokens[i : i + batch_size]),
                 do_sample=False,
                 eos_token_id=None,
@@ -91,17 +93,21 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="small workloads (smoke test)")
     parser.add_argument("--skip-hf", action="store_true", help="agentrt only")
     parser.add_argument("--only", choices=("fixed", "mixed"), help="run one workload")
+    parser.add_argument("--device", default="cpu", help="'cpu' or 'cuda[:N]' (both sides)")
+    parser.add_argument("--json", metavar="PATH", help="also write the result object here")
     args = parser.parse_args()
     scale = 4 if args.quick else 1
 
-    llm = LLM(None, dtype="bfloat16", max_num_seqs=256, max_num_batched_tokens=2048)
+    llm = LLM(
+        None, dtype="bfloat16", device=args.device, max_num_seqs=256, max_num_batched_tokens=2048
+    )
     tokenizer = llm.tokenizer
     hf = None
     if not args.skip_hf:
         from transformers import AutoModelForCausalLM
 
         hf = AutoModelForCausalLM.from_pretrained(str(llm.model_path), dtype=torch.bfloat16)
-        hf.eval()
+        hf.to(args.device).eval()
 
     rng = random.Random(0)
     n_fixed = 64 // scale
@@ -116,7 +122,11 @@ def main() -> None:
     )
 
     llm.generate("warm up", SamplingParams(max_tokens=8))
-    result: dict[str, float | None] = {"threads": torch.get_num_threads()}
+    result: dict[str, str | float | None] = {
+        "device": args.device,
+        "attention_backend": llm.runner.attention.name,
+        "threads": torch.get_num_threads(),
+    }
     for name, (prompts, max_tokens) in (("fixed", fixed), ("mixed", mixed)):
         if args.only and name != args.only:
             continue
@@ -135,6 +145,9 @@ def main() -> None:
     print(f"single request decode: agentrt {single:.1f} tok/s (bf16)")
     result["single_decode_tok_s"] = round(single, 1)
     print(json.dumps(result))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
 
 
 if __name__ == "__main__":
