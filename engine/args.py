@@ -113,7 +113,7 @@ class EngineArgs:
         return EngineConfig(
             model=ModelConfig(
                 model=self.model,
-                dtype=resolve_dtype(self.dtype),
+                dtype=resolve_dtype(self.dtype, self.device),
                 device=self.device,
                 max_model_len=self.max_model_len,
                 seed=self.seed,

@@ -32,13 +32,14 @@ def _check(ok: bool, name: str, value: object, expected: str) -> None:
         raise ConfigError(f"{name}={value!r} is invalid: expected {expected}.")
 
 
-def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    """`"auto"` picks fp32 on the CPU (exact, deterministic) and bf16 on CUDA."""
+def resolve_dtype(dtype: str | torch.dtype, device: str) -> torch.dtype:
+    """`"auto"` picks fp32 on the CPU (exact, deterministic) and bf16 on CUDA: by the device
+    the model runs on, not by whether this machine has a GPU."""
     if isinstance(dtype, torch.dtype):
         _check(dtype in DTYPES.values(), "dtype", dtype, "float32, bfloat16 or float16")
         return dtype
     if dtype == "auto":
-        return torch.bfloat16 if torch.cuda.is_available() else torch.float32
+        return torch.bfloat16 if device.startswith("cuda") else torch.float32
     _check(dtype in DTYPES, "dtype", dtype, f"'auto' or one of {sorted(DTYPES)}")
     return DTYPES[dtype]
 

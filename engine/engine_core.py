@@ -92,7 +92,12 @@ class EngineCore:
         if grammar is not None:
             dead = grammar.dead_end_req_ids
             if len(grammar.rows):
-                apply_token_bitmask(logits, grammar.bitmask, grammar.rows)
+                device = logits.device  # the bitmask is filled on the CPU
+                apply_token_bitmask(
+                    logits,
+                    grammar.bitmask.to(device, non_blocking=True),
+                    grammar.rows.to(device, non_blocking=True),
+                )
         metadata = SamplingMetadata.build(
             params=[r.sampling_params for r in requests],
             prompt_token_ids=[r.prompt_token_ids for r in requests],

@@ -152,3 +152,9 @@ def test_runtime_passes_options_to_its_engine(tiny_checkpoint):
     max_num_seqs, dtype = anyio.run(main)
     assert max_num_seqs == 3
     assert str(dtype) == "torch.float32"
+
+
+def test_auto_dtype_follows_the_configured_device():
+    """fp32 for a CPU model even on a machine with a GPU; bf16 for a CUDA one."""
+    assert str(EngineArgs(device="cpu").create_configs().model.dtype) == "torch.float32"
+    assert str(EngineArgs(device="cuda:0").create_configs().model.dtype) == "torch.bfloat16"
