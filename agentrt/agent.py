@@ -4,7 +4,11 @@ their results and exceptions go back as tool messages, until a final answer or `
 
 With `output=Model` the final answer is a call of the `final_answer` tool whose arguments are
 the model, so the reply is always constrained; without it the model may answer in plain
-text (tool_choice "auto")."""
+text (tool_choice "auto").
+
+Two rules keep a small model from looping, both enforced by the grammar, not by asking:
+a call whose result is already in the history (same tool, same arguments) cannot be made
+again, and the last step (`max_steps`) can only be the final answer."""
 
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ import pydantic
 from agentrt.backend import Backend, Usage
 from agentrt.errors import AgentError, SchemaError
 from agentrt.formats import resolve_format, tools_format
+from agentrt.grammar.tools import EXCLUDED_ARGUMENTS
 from agentrt.session import check_completion, collect_completion
 from agentrt.tool_calls import ToolCall
 from agentrt.tools import Tool
@@ -56,7 +61,9 @@ class Agent:
     `await agent.run(task)`. `tool_choice` ("auto", "required" or a tool name) applies to the
     first step only, then resets so the agent cannot loop on a forced call.
     `parallel_tool_calls=True` lets one reply call several tools (run concurrently); it is
-    off by default because small models tend to repeat calls in an open-ended list."""
+    off by default because small models tend to repeat calls in an open-ended list.
+    A call already answered is not offered again, and step `max_steps` must answer (with
+    `max_steps=1` the first step answers: `tool_choice` is overridden)."""
 
     def __init__(
         self,
@@ -85,19 +92,21 @@ class Agent:
         self.parallel_tool_calls = parallel_tool_calls
         self.sampling = sampling
         self._output_format = resolve_format(output) if output is not None else None
-        self._definitions = [t.definition() for t in tools]
-        if self._output_format is not None:
-            self._definitions.append(self._final_answer_definition())
+        self._final_definition = (
+            self._final_answer_definition() if self._output_format is not None else None
+        )
 
     async def run(self, task: str) -> AgentResult:
         messages = [{"role": "system", "content": self.system}] if self.system else []
         messages.append({"role": "user", "content": task})
         steps: list[Step] = []
         usage = Usage()
-        for number in range(self.max_steps):
+        answered: dict[str, list[dict]] = {}  # tool name -> arguments whose result was sent
+        for number in range(1, self.max_steps + 1):
+            choice = self._tool_choice(number)
             fmt = tools_format(
-                self._definitions,
-                self._tool_choice(first=number == 0),
+                self._definitions(answered),
+                choice,
                 parallel_tool_calls=self.parallel_tool_calls,
             )
             completion = await collect_completion(self.backend.stream(messages, fmt, self.sampling))
@@ -105,9 +114,9 @@ class Agent:
             reply = check_completion(completion, fmt, completion.usage)
             step = Step(completion.text, usage=completion.usage)
             steps.append(step)
-            if isinstance(reply, str):  # a plain-text final answer
-                messages.append({"role": "assistant", "content": reply})
-                return AgentResult(reply, steps, messages, usage)
+            if isinstance(reply, str) or choice == "none":  # a plain-text final answer
+                messages.append({"role": "assistant", "content": completion.text})
+                return AgentResult(completion.text, steps, messages, usage)
             step.calls = reply
             final = next((c for c in reply if c.name == FINAL_ANSWER), None)
             if final is not None:
@@ -116,21 +125,44 @@ class Agent:
             messages.append(_assistant_calls(reply))
             step.results = await self._run_tools(reply)
             messages.extend(_tool_message(r) for r in step.results)
+            for call in reply:
+                answered.setdefault(call.name, []).append(call.arguments)
         raise AgentError(
             f"no final answer after max_steps={self.max_steps} steps.",
             trace=AgentResult(None, steps, messages, usage),
         )
 
-    def _tool_choice(self, *, first: bool) -> str:
-        if first and self.tool_choice != "auto":
+    def _tool_choice(self, number: int) -> str:
+        """Step `number` (from 1): the last one answers (no tool call possible), the first
+        follows `tool_choice`, the others may call a tool or answer."""
+        if number == self.max_steps:
+            return FINAL_ANSWER if self._output_format is not None else "none"
+        if number == 1 and self.tool_choice != "auto":
             return self.tool_choice
         return "required" if self._output_format is not None else "auto"
+
+    def _definitions(self, answered: dict[str, list[dict]]) -> list[dict[str, Any]]:
+        """The tools offered to the next step. Each carries the arguments already answered
+        as `excluded_arguments`: the grammar compiles them out of its parameters (and drops
+        a tool with no call left), while the prompt keeps showing the tool as it is."""
+        definitions = []
+        for name, tool in self.tools.items():
+            definition = tool.definition()
+            if answered.get(name):
+                definition["function"][EXCLUDED_ARGUMENTS] = list(answered[name])
+            definitions.append(definition)
+        if self._final_definition is not None:
+            definitions.append(self._final_definition)
+        return definitions
 
     async def _run_tools(self, calls: list[ToolCall]) -> list[ToolResult]:
         results = [ToolResult(call) for call in calls]
 
         async def run(result: ToolResult) -> None:
-            tool = self.tools[result.call.name]
+            tool = self.tools.get(result.call.name)
+            if tool is None:  # only an unconstrained (remote) reply can name one
+                result.error = f"unknown tool {result.call.name!r}: use one of {list(self.tools)}"
+                return
             try:
                 result.output = await tool.call(result.call.arguments)
             except Exception as exc:  # the model sees the failure and may recover

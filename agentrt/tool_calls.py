@@ -19,7 +19,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from agentrt.grammar import GrammarSpec
-from agentrt.grammar.tools import compact, tool_call_spec_text, tool_calls_schema
+from agentrt.grammar.tools import (
+    EXCLUDED_ARGUMENTS,
+    allows_many,
+    compact,
+    tool_call_spec_text,
+    tool_calls_schema,
+)
 
 _HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 
@@ -61,7 +67,7 @@ def hermes_spec(tools: list[dict[str, Any]], tool_choice: Any, *, parallel: bool
     if choice == "none":
         return GrammarSpec.any_text()
     call_schema = compact(tool_calls_schema(canonical, choice, parallel=False))
-    calls = "call+" if parallel else "call"
+    calls = "call+" if allows_many(choice, parallel) else "call"
     lines = [
         f"calls: {calls}",
         f'call: "<tool_call>\\n" %json {json.dumps(call_schema)} "\\n</tool_call>" "\\n"?',
@@ -134,6 +140,16 @@ def tools_instructions(tools: list[dict[str, Any]], *, parallel: bool) -> str:
     )
 
 
+def shown_tools(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The definitions as the model sees them, without grammar-only `excluded_arguments`."""
+    return [
+        {**t, "function": {k: v for k, v in t["function"].items() if k != EXCLUDED_ARGUMENTS}}
+        if EXCLUDED_ARGUMENTS in t.get("function", {})
+        else t
+        for t in tools
+    ]
+
+
 def render_messages(
     messages: list[dict[str, Any]],
     tools: list[dict[str, Any]] | None,
@@ -143,7 +159,9 @@ def render_messages(
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
     """Messages (OpenAI format, tool calls included) and the tools to hand the chat template.
     Templates that take `tools` get everything as is; for others the tools are described in
-    the system message and tool turns are rewritten as text."""
+    the system message and tool turns are rewritten as text. Either way the model sees
+    each tool as defined: `excluded_arguments` only narrow the grammar."""
+    tools = shown_tools(tools) if tools else tools
     if template_supports_tools(tokenizer):
         return messages, tools
     rendered = []

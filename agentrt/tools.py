@@ -1,6 +1,12 @@
 """`@agentrt.tool`: a typed Python function (sync or async) as a tool — its name, its
 docstring as the description, and a JSON schema of its parameters derived by Pydantic from
-the signature. Calls validate their arguments against that schema before running."""
+the signature.
+
+A call's arguments are checked once for the schema, by the grammar and the final check of
+the reply (agentrt.formats lists which check lives where); `Tool.call` then builds the typed
+values the function receives with the same Pydantic model. That is the conversion, not a
+second schema check: it only fails on what no JSON schema says (validators, custom types),
+or for arguments that did not come from a constrained reply."""
 
 from __future__ import annotations
 
@@ -36,7 +42,7 @@ class Tool:
         }
 
     async def call(self, arguments: dict[str, Any]) -> Any:
-        """Validate `arguments` and run the function (a sync one in a worker thread).
+        """Build the typed arguments and run the function (a sync one in a worker thread).
         Raises pydantic's ValidationError for bad arguments, or what the function raises."""
         values = self.arguments_model.model_validate(arguments)
         kwargs = {name: getattr(values, name) for name in type(values).model_fields}

@@ -1,16 +1,22 @@
 """The agent loop on the embedded model: replies are constrained to valid tool calls, tools
-run, their results and exceptions go back as tool messages, and the run ends with a final
-answer of the declared type or an AgentError carrying the trace."""
+run, their results and exceptions go back as tool messages, a call already answered cannot
+be made again, the last step answers, and the run ends with a final answer of the declared
+type (or an AgentError carrying the trace)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import sys
+from pathlib import Path
 
 import pytest
 from pydantic import BaseModel
 
 import agentrt
 from agentrt import AgentError
+from agentrt.formats import tools_format
+from agentrt.grammar.tools import EXCLUDED_ARGUMENTS
 
 pytestmark = pytest.mark.anyio
 
@@ -45,19 +51,82 @@ async def test_forced_tool_call_runs_and_the_run_ends_typed(rt):
         max_steps=3,
         tool_choice="multiply",
     )
-    try:
-        result = await agent.run("What is 6 times 7?")
-        steps, output = result.steps, result.output
-        assert isinstance(output, Answer)
-    except AgentError as exc:  # a 135M model may keep calling tools: the trace says so
-        steps = exc.trace.steps
-    first = steps[0]
+    result = await agent.run("What is 6 times 7?")  # the last step answers: no AgentError
+    assert isinstance(result.output, Answer)
+    first = result.steps[0]
     assert [c.name for c in first.calls] == ["multiply"]
     assert CALLS[0] == ("multiply", first.calls[0].arguments)
     assert first.results[0].output == first.calls[0].arguments["a"] * first.calls[0].arguments["b"]
-    for step in steps:  # every reply was a valid call (the grammar allowed nothing else)
+    for step in result.steps:  # every reply was a valid call (the grammar allowed nothing else)
         for call in step.calls:
             assert call.name in ("multiply", "final_answer")
+    assert result.steps[-1].calls[-1].name == "final_answer"
+
+
+def _same(a: dict, b: dict) -> bool:
+    return {k: float(v) for k, v in a.items()} == {k: float(v) for k, v in b.items()}
+
+
+async def test_an_answered_call_cannot_be_produced_again(rt):
+    """Greedy decoding makes the same call every time for the same history; with that call's
+    arguments excluded, the grammar makes the model write a different one."""
+    session = rt.session(system="You are a calculator. Use the tools.", max_tokens=64)
+    definition = multiply.definition()
+    fmt = tools_format([definition], "multiply", parallel_tool_calls=False)
+    (first,) = await session.fork().generate("What is 6 times 7?", schema=fmt)
+    (repeat,) = await session.fork().generate("What is 6 times 7?", schema=fmt)
+    assert _same(repeat.arguments, first.arguments)  # what the model wants to write
+    definition["function"][EXCLUDED_ARGUMENTS] = [first.arguments]
+    fmt = tools_format([definition], "multiply", parallel_tool_calls=False)
+    (second,) = await session.fork().generate("What is 6 times 7?", schema=fmt)
+    assert second.name == "multiply" and not _same(second.arguments, first.arguments)
+
+
+async def test_the_agent_never_repeats_a_call_and_its_last_step_answers(rt):
+    """Left to itself the 135M model calls multiply again and again; every call it makes is
+    new, and step max_steps is the final answer."""
+    CALLS.clear()
+    agent = agentrt.Agent(
+        rt, tools=[multiply], output=Answer, max_steps=4, tool_choice="multiply", max_tokens=64
+    )
+    result = await agent.run("What is 6 times 7?")
+    made = [(c.name, c.arguments) for step in result.steps for c in step.calls]
+    tool_calls = [arguments for name, arguments in made if name == "multiply"]
+    for i, arguments in enumerate(tool_calls):
+        assert not any(_same(arguments, earlier) for earlier in tool_calls[:i]), made
+    assert made[-1][0] == "final_answer" and isinstance(result.output, Answer)
+    assert len(CALLS) == len(tool_calls)
+
+
+async def test_the_last_step_is_the_answer(rt):
+    # max_steps=1: the first step is the last, so it answers (the forced tool_choice yields).
+    typed = agentrt.Agent(
+        rt, tools=[multiply], output=Answer, max_steps=1, tool_choice="multiply", max_tokens=64
+    )
+    result = await typed.run("What is 6 times 7?")
+    assert [c.name for c in result.steps[0].calls] == ["final_answer"]
+    assert isinstance(result.output, Answer)
+    # Without an output type the last step is plain text: no tool call can be written.
+    plain = agentrt.Agent(rt, tools=[multiply], max_steps=1, tool_choice="required", max_tokens=32)
+    result = await plain.run("What is 6 times 7?")
+    assert isinstance(result.output, str) and result.steps[0].calls == []
+
+
+def _example(name: str):
+    path = Path(__file__).resolve().parents[2] / "examples" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"example_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # Pydantic resolves the module's annotations through it
+    spec.loader.exec_module(module)
+    return module
+
+
+async def test_the_demo_agent_answers_correctly(rt):
+    """`make demo`'s agent part (examples/agent.py) on the embedded model: one lookup, then
+    the right quote (3 x 249.00 EUR), computed by the tool and copied by the model."""
+    example = _example("agent")
+    answer = await example.run(rt)
+    assert answer == example.Quote(product="espresso machine", quantity=3, total_eur=747.0)
 
 
 async def test_failing_tool_goes_back_as_a_tool_message(rt):
@@ -94,11 +163,10 @@ async def test_parallel_calls_run_concurrently(rt):
         running -= 1
         return word
 
-    agent = agentrt.Agent(rt, tools=[slow_echo], max_steps=1, parallel_tool_calls=True)
+    agent = agentrt.Agent(rt, tools=[slow_echo], max_steps=2, parallel_tool_calls=True)
     agent.tool_choice = "required"
-    with pytest.raises(AgentError) as info:  # max_steps=1: one step of calls, no answer
-        await agent.run("Echo the words 'red' and 'blue', both at once.")
-    (step,) = info.value.trace.steps
+    result = await agent.run("Echo the words 'red' and 'blue', both at once.")
+    step = result.steps[0]  # the calls; step 2 (the last) answers in text
     assert all(
         r.output == c.arguments["word"] for r, c in zip(step.results, step.calls, strict=True)
     )

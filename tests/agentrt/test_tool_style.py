@@ -11,7 +11,9 @@ from pydantic import Field
 
 import agentrt
 from agentrt.engine.llm import LLM
-from agentrt.tool_calls import parse_tool_calls, render_messages, tool_call_style
+from agentrt.grammar import GrammarCompiler
+from agentrt.grammar.tools import EXCLUDED_ARGUMENTS
+from agentrt.tool_calls import hermes_spec, parse_tool_calls, render_messages, tool_call_style
 
 pytestmark = pytest.mark.anyio
 
@@ -92,9 +94,31 @@ async def test_agent_uses_the_templates_own_format(hermes_llm):
     assert first.text.startswith("<tool_call>\n{") and first.text.rstrip().endswith("</tool_call>")
     assert [c.name for c in first.calls] == ["record"] and CALLS == [first.calls[0].arguments]
     assert first.results[0].output == "recorded"
-    # Templates with tools render the definitions and the tool turns themselves.
-    rendered, tools = render_messages(messages, [record.definition()], tokenizer)
+    # Templates with tools render the definitions and the tool turns themselves; the
+    # grammar-only excluded_arguments never reach the prompt.
+    definition = record.definition()
+    definition["function"][EXCLUDED_ARGUMENTS] = [first.calls[0].arguments]
+    rendered, tools = render_messages(messages, [definition], tokenizer)
     assert rendered is messages and tools == [record.definition()]
     prompt = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False)
     assert "<tool_response>\nrecorded\n</tool_response>" in prompt
     assert json.dumps(record.definition()) in prompt.replace("\n", "")
+
+
+def test_a_named_choice_is_one_tool_call_block(hermes_llm):
+    """As in the JSON style, a named tool_choice allows exactly one call, parallel or not."""
+    tokenizer = hermes_llm.engine.tokenizer
+    compiler = GrammarCompiler(tokenizer)
+    block = (
+        '<tool_call>\n{"name": "record", "arguments": {"city": "Oslo", "days": 2}}\n</tool_call>'
+    )
+
+    def accepts(tool_choice, text: str) -> bool:
+        spec = hermes_spec([record.definition()], tool_choice, parallel=True)
+        matcher = compiler.compile(spec).matcher()
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        return all(matcher.accept_token(t) for t in ids) and matcher.can_terminate()
+
+    named = {"type": "function", "function": {"name": "record"}}
+    assert accepts(named, block) and not accepts(named, block + "\n" + block)
+    assert accepts("required", block + "\n" + block)
