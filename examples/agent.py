@@ -1,15 +1,18 @@
-"""An agent with two real tools: arithmetic, and a lookup in a local JSON file. Every model
-reply is grammar-constrained to a valid call of one of the tools (or the final answer), the
-tools run, and their results go back to the model until it answers.
+"""An agent with a real tool: a price lookup in a local JSON catalog. Every model reply is
+grammar-constrained to a valid call of the tool or to the final answer (a `Quote`), the tool
+runs, and its result goes back to the model until it answers.
 
-The embedded 135M model is small: it calls the tools correctly-shaped every time (the grammar
-sees to that), but its choices are not always wise — the trace shows exactly what happened."""
+The embedded 135M model is small: it calls the tool correctly-shaped every time (the grammar
+sees to that), but left to itself it calls tools again and again. Two rules of `Agent` keep
+it on track, both enforced by the grammar: a call already answered cannot be made again, and
+the last step (`max_steps`) can only be the final answer. The task needs one lookup, so
+`max_steps=2`: the lookup, then the answer. The trace shows exactly what happened."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import anyio
 from pydantic import BaseModel, Field
@@ -23,24 +26,21 @@ ProductName = Literal[tuple(json.loads(CATALOG.read_text()))]
 
 
 @agentrt.tool
-def lookup_product(name: ProductName) -> dict:
-    """Look up a product in the catalog: price in EUR, units in stock, warehouse."""
-    return json.loads(CATALOG.read_text())[name]
-
-
-@agentrt.tool
-def calculate(a: float, op: str, b: float) -> float:
-    """Compute `a op b` where op is one of + - * /."""
-    ops = {"+": a + b, "-": a - b, "*": a * b, "/": a / b if b else float("nan")}
-    if op not in ops:
-        raise ValueError(f"unknown operator {op!r}; use + - * /")
-    return ops[op]
+def lookup_product(name: ProductName, quantity: Annotated[int, Field(ge=1, le=1000)]) -> dict:
+    """Look up a product in the catalog: the total price in EUR of `quantity` units, the
+    unit price, units in stock and warehouse."""
+    item = json.loads(CATALOG.read_text())[name]
+    total = round(item["price_eur"] * quantity, 2)
+    return {"product": name, "quantity": quantity, "total_eur": total, **item}
 
 
 class Quote(BaseModel):
-    product: str = Field(max_length=40)
+    product: ProductName
     quantity: int = Field(ge=1, le=1000)
     total_eur: float = Field(ge=0)
+
+
+TASK = "A customer wants 3 espresso machines. What is the total price?"
 
 
 async def main() -> None:
@@ -48,24 +48,25 @@ async def main() -> None:
         await run(rt)
 
 
-async def run(rt: agentrt.Runtime) -> None:
+async def run(rt: agentrt.Runtime) -> Quote | None:
+    """Run the task, print the trace and return the answer (None if there is none)."""
     agent = agentrt.Agent(
         rt,
-        tools=[lookup_product, calculate],
-        system="You are a sales assistant. Look products up, compute totals with the "
-        "calculator, then give the final answer.",
+        tools=[lookup_product],
+        system="You are a sales assistant. Look the product up for the quantity asked, then "
+        "give the final answer.",
         output=Quote,
-        max_steps=4,
+        max_steps=2,
         tool_choice="lookup_product",  # first step: look the product up
         max_tokens=120,
     )
-    task = "A customer wants 3 espresso machines. What is the total price?"
-    print(f"task: {task}")
+    print(f"task: {TASK}")
     try:
-        result = await agent.run(task)
+        result = await agent.run(TASK)
         steps, answer = result.steps, result.output
     except agentrt.AgentError as exc:
-        steps, answer = exc.trace.steps, f"(no final answer: {exc})"
+        steps, answer = exc.trace.steps, None
+        print(f"(no final answer: {exc})")
     for number, step in enumerate(steps, 1):
         for call, res in zip(step.calls, step.results or [None] * len(step.calls), strict=True):
             outcome = "" if res is None else f" -> {res.error or res.output}"
@@ -73,6 +74,7 @@ async def run(rt: agentrt.Runtime) -> None:
         if not step.calls:
             print(f"step {number}: {step.text.strip()}")
     print(f"answer: {answer!r}")
+    return answer
 
 
 if __name__ == "__main__":
