@@ -34,7 +34,9 @@ def tool_call_spec_text(
 ) -> tuple[list[dict[str, Any]], str]:
     """Validate tools and tool_choice; return canonical [{name, parameters}] and the choice.
 
-    The returned choice is "auto", "required", "none" or "name:<tool>".
+    The returned choice is "auto", "required", "none" or "name:<tool>". Parameters have
+    their `excluded_arguments` compiled in; a tool with no call left is dropped, and with
+    none left "auto" becomes "none" (a choice that needs a call raises GrammarSpecError).
     """
     if not isinstance(tools, (list, tuple)) or not tools:
         raise GrammarSpecError("tools must be a non-empty list of tool definitions")

@@ -97,8 +97,8 @@ CALC = {
 }
 
 
-def _tool(parameters: dict, excluded: list[dict], name: str = "f") -> dict:
-    function = {"name": name, "parameters": parameters, EXCLUDED_ARGUMENTS: excluded}
+def _tool(parameters: dict, excluded: list[dict]) -> dict:
+    function = {"name": "f", "parameters": parameters, EXCLUDED_ARGUMENTS: excluded}
     return {"type": "function", "function": function}
 
 
