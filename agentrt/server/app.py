@@ -22,7 +22,7 @@ from agentrt.server.chat import chat_prompt, create_chat_completion
 from agentrt.server.completions import create_completion
 from agentrt.server.errors import APIError, bad_request, from_exception, install_error_handlers
 from agentrt.server.generation import ClientDisconnected
-from agentrt.server.metrics import CONTENT_TYPE, ServerMetrics
+from agentrt.server.metrics import CONTENT_TYPE
 from agentrt.server.middleware import GuardMiddleware
 from agentrt.server.params import ChatConstraint
 from agentrt.server.protocol import (
@@ -51,7 +51,6 @@ def create_app(config: ServerConfig, *, llm_engine: LLMEngine | None = None) -> 
             engine = AsyncEngine(engine=llm_engine, max_waiting_requests=args.max_waiting_requests)
         async with engine:
             state = ServerState(config, engine)
-            state.metrics = ServerMetrics(state.model_name)  # its series carry the model name
             state.created = now()
             app.state.server = state
             holder["state"] = state
@@ -163,7 +162,7 @@ def _add_routes(app: FastAPI) -> None:
             tokens = state.engine.tokenizer.encode(
                 body.prompt, add_special_tokens=body.add_special_tokens
             )
-        return {"count": len(tokens), "max_model_len": state.limits.max_model_len, "tokens": tokens}
+        return {"count": len(tokens), "max_model_len": state.max_model_len, "tokens": tokens}
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest, request: Request) -> dict:
@@ -183,5 +182,5 @@ def _model_card(state: ServerState) -> dict:
         "created": state.created,
         "owned_by": "agentrt",
         "root": str(state.engine.engine.model_path),
-        "max_model_len": state.limits.max_model_len,
+        "max_model_len": state.max_model_len,
     }

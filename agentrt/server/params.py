@@ -29,15 +29,6 @@ from agentrt.server.protocol import (
 _SEED_SPAN = MAX_SEED - MIN_SEED + 1
 
 
-@dataclass(frozen=True, slots=True)
-class Limits:
-    """The context length and what the KV pool holds, as /tokenize and the model card report
-    them. Requests are checked against them in one place, the engine's Processor."""
-
-    max_model_len: int
-    max_kv_tokens: int
-
-
 def choice_params(
     request: ChatCompletionRequest | CompletionRequest,
     *,

@@ -11,7 +11,6 @@ from agentrt.engine.args import EngineArgs
 from agentrt.engine.async_engine import AsyncEngine
 from agentrt.server.errors import APIError
 from agentrt.server.metrics import ServerMetrics
-from agentrt.server.params import Limits
 
 EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"
 
@@ -48,7 +47,7 @@ class ServerState:
         self.config = config
         self.engine = engine
         self.model_name = config.model_name
-        self.metrics = ServerMetrics()
+        self.metrics = ServerMetrics(self.model_name)  # its series carry the model name
         self.draining = False
         self.drain_requested = False
         self.exit_code = 0
@@ -56,12 +55,10 @@ class ServerState:
         self.created = 0
 
     @property
-    def limits(self) -> Limits:
-        llm_engine = self.engine.engine
-        return Limits(
-            llm_engine.max_model_len,
-            llm_engine.kv_manager.num_blocks * llm_engine.cache_config.block_size,
-        )
+    def max_model_len(self) -> int:
+        """The context length /tokenize and the model card report (requests are checked
+        against every limit in one place, the engine's Processor)."""
+        return self.engine.processor.max_model_len
 
     @property
     def healthy(self) -> bool:
