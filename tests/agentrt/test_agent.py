@@ -163,7 +163,9 @@ async def test_parallel_calls_run_concurrently(rt):
         running -= 1
         return word
 
-    agent = agentrt.Agent(rt, tools=[slow_echo], max_steps=2, parallel_tool_calls=True)
+    agent = agentrt.Agent(
+        rt, tools=[slow_echo], max_steps=2, parallel_tool_calls=True, max_tokens=96
+    )
     agent.tool_choice = "required"
     result = await agent.run("Echo the words 'red' and 'blue', both at once.")
     step = result.steps[0]  # the calls; step 2 (the last) answers in text
