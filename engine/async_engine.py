@@ -37,11 +37,9 @@ from agentrt.engine.errors import (
 )
 from agentrt.engine.llm_engine import LLMEngine
 from agentrt.engine.outputs import RequestDelta, RequestOutput
-from agentrt.engine.request import Request
+from agentrt.engine.records import EngineCoreRequest
 from agentrt.engine.sampling_params import SamplingParams
 from agentrt.engine.scheduler import SchedulerStats
-from agentrt.engine.structured_output import to_grammar_spec
-from agentrt.grammar import GrammarSpec
 
 _MAX_QUEUED_STEPS = 64  # engine steps waiting for the pump before the engine thread blocks
 
@@ -51,9 +49,8 @@ _MAX_QUEUED_STEPS = 64  # engine steps waiting for the pump before the engine th
 
 @dataclass(frozen=True, slots=True)
 class AddRequest:
-    request: Request
+    request: EngineCoreRequest
     prompt: str | None  # the prompt's text, when it had one
-    spec: GrammarSpec | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -292,10 +289,9 @@ class AsyncEngine:
         else:
             text = prompt if isinstance(prompt, str) else None
         request = self.processor.process(request_id, prompt, params, priority=priority)
-        spec = to_grammar_spec(params.structured_outputs) if params.structured_outputs else None
         stream = RequestStream(self, request_id)
         self._streams[request_id] = stream
-        self._commands.put(AddRequest(request, text, spec))
+        self._commands.put(AddRequest(request, text))
         return stream
 
     async def generate(
@@ -392,9 +388,9 @@ class AsyncEngine:
                 return True
             block = False
             match command:
-                case AddRequest(request, prompt, spec):
+                case AddRequest(request, prompt):
                     try:
-                        engine.add_request(request, prompt, spec)
+                        engine.add_request(request, prompt)
                     except Exception as exc:  # this request is bad, not the engine
                         engine.abort_requests([request.req_id])
                         self._outputs.put(RequestFailed(request.req_id, exc))

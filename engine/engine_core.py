@@ -10,6 +10,7 @@ import torch
 
 from agentrt.engine.records import (
     EngineCoreOutput,
+    EngineCoreRequest,
     GrammarBitmask,
     SampledToken,
     SamplerStepOutput,
@@ -19,7 +20,6 @@ from agentrt.engine.request import Request, RequestStatus
 from agentrt.engine.sampler import Sampler, SamplerOutput, SamplingMetadata
 from agentrt.engine.scheduler import Scheduler
 from agentrt.engine.structured_output import StructuredOutputManager
-from agentrt.grammar import GrammarSpec
 from agentrt.kernels import apply_token_bitmask
 
 
@@ -45,10 +45,11 @@ class EngineCore:
             ThreadPoolExecutor(1, thread_name_prefix="agentrt-bitmask") if overlap_grammar else None
         )
 
-    def add_request(self, request: Request, spec: GrammarSpec | None = None) -> None:
-        """Queue a validated request; with a grammar spec it first waits for compilation."""
-        if spec is not None:
-            self.structured.start(request, spec)
+    def add_request(self, core_request: EngineCoreRequest) -> None:
+        """Queue a validated request; with a grammar it first waits for compilation."""
+        request = Request.from_core_request(core_request)
+        if core_request.grammar is not None:
+            self.structured.start(request, core_request.grammar)
             request.status = RequestStatus.WAITING_FOR_GRAMMAR
         self.scheduler.add_request(request)
 

@@ -9,10 +9,8 @@ from agentrt.engine.errors import InvalidRequestError
 from agentrt.engine.llm_engine import LLMEngine
 from agentrt.engine.outputs import RequestOutput
 from agentrt.engine.processor import Prompt
-from agentrt.engine.request import Request
+from agentrt.engine.records import EngineCoreRequest
 from agentrt.engine.sampling_params import SamplingParams
-from agentrt.engine.structured_output import to_grammar_spec
-from agentrt.grammar import GrammarSpec
 
 Messages = list[dict]
 
@@ -75,18 +73,16 @@ class LLM:
         engine = self.engine
         params = _per_prompt(sampling_params, len(prompts), "sampling_params", SamplingParams())
         priorities = _per_prompt(priority, len(prompts), "priority", 0)
-        requests: list[tuple[Request, str | None, GrammarSpec | None]] = []
+        requests: list[tuple[EngineCoreRequest, str | None]] = []
         for (prompt, text), p, prio in zip(prompts, params, priorities, strict=True):
             req_id = f"llm-{next(self._req_counter)}"
-            request = engine.processor.process(req_id, prompt, p, priority=prio)
-            spec = to_grammar_spec(p.structured_outputs) if p.structured_outputs else None
-            requests.append((request, text, spec))
-        for request, text, spec in requests:
-            engine.add_request(request, text, spec)
+            requests.append((engine.processor.process(req_id, prompt, p, priority=prio), text))
+        for request, text in requests:
+            engine.add_request(request, text)
         results: dict[str, RequestOutput] = {}
         while engine.has_unfinished_requests():
             results.update((d.request_id, d.output) for d in engine.step() if d.finished)
-        return [results[request.req_id] for request, _, _ in requests]
+        return [results[request.req_id] for request, _ in requests]
 
 
 def _as_prompt_list(prompts) -> list[Prompt]:

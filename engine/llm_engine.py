@@ -24,10 +24,9 @@ from agentrt.engine.model.checkpoint import (
 from agentrt.engine.model_runner import ModelRunner, kv_pool_blocks
 from agentrt.engine.outputs import OutputProcessor, RequestDelta
 from agentrt.engine.processor import Processor
-from agentrt.engine.request import Request
+from agentrt.engine.records import EngineCoreRequest
 from agentrt.engine.scheduler import Scheduler, SchedulerStats
 from agentrt.engine.structured_output import StructuredOutputManager
-from agentrt.grammar import GrammarSpec
 
 
 class LLMEngine:
@@ -102,14 +101,12 @@ class LLMEngine:
             eos_token_ids=self.eos_token_ids,
         )
 
-    def add_request(
-        self, request: Request, prompt: str | None, spec: GrammarSpec | None = None
-    ) -> None:
+    def add_request(self, request: EngineCoreRequest, prompt: str | None) -> None:
         """Queue a request the Processor built; `prompt` is its text, if it had one."""
         self.output_processor.add_request(
             request.req_id, prompt, request.prompt_token_ids, request.sampling_params
         )
-        self.engine_core.add_request(request, spec)
+        self.engine_core.add_request(request)
 
     def abort_requests(self, req_ids: list[str]) -> list[RequestDelta]:
         """Stop requests in any state and free their blocks; unknown or finished ids are

@@ -1,15 +1,18 @@
-"""Processor: user input -> a validated `Request`. Tokenizes, applies the chat template, and
+"""Processor: user input -> a validated `EngineCoreRequest`. Tokenizes, applies the chat template, and
 checks every limit that depends on the model, so a bad request fails alone, before it
 reaches the scheduler."""
 
 from __future__ import annotations
 
+import dataclasses
 import operator
+import time
 from collections.abc import Iterable, Sequence
 
 from agentrt.engine.errors import ContextLengthError, InvalidRequestError
-from agentrt.engine.request import Request
+from agentrt.engine.records import EngineCoreRequest
 from agentrt.engine.sampling_params import SamplingParams
+from agentrt.engine.structured_output import to_grammar_spec
 
 Prompt = str | Sequence[int]
 
@@ -83,20 +86,25 @@ class Processor:
 
     def process(
         self, req_id: str, prompt: Prompt, params: SamplingParams, *, priority: int = 0
-    ) -> Request:
+    ) -> EngineCoreRequest:
+        """The request as the engine core takes it; raises `InvalidRequestError` (or its
+        `ContextLengthError`) naming the field for anything that can never run."""
         token_ids = self.tokenize(prompt)
         if not token_ids:
             raise InvalidRequestError("prompt has no tokens.", field="prompt", value=prompt)
         max_tokens = self._check_length(len(token_ids), params.max_tokens)
         self._check_token_ids("stop_token_ids", params.stop_token_ids)
         self._check_token_ids("logit_bias", tuple(params.logit_bias or ()))
-        return Request(
-            req_id,
-            token_ids,
-            params,
+        constraint = params.structured_outputs
+        return EngineCoreRequest(
+            req_id=req_id,
+            prompt_token_ids=token_ids,
+            sampling_params=dataclasses.replace(params, structured_outputs=None),
             max_tokens=max_tokens,
             eos_token_ids=self.eos_token_ids,
+            grammar=to_grammar_spec(constraint) if constraint is not None else None,
             priority=priority,
+            arrival_time=time.monotonic(),
         )
 
     def _check_length(self, num_prompt: int, max_tokens: int | None) -> int:

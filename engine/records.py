@@ -8,6 +8,25 @@ from dataclasses import dataclass, field
 import torch
 
 from agentrt.engine.errors import ErrorCode
+from agentrt.engine.sampling_params import SamplingParams
+from agentrt.grammar import GrammarSpec
+
+
+@dataclass(frozen=True, slots=True)
+class EngineCoreRequest:
+    """A validated request as the engine core takes it (the Processor's output). Plain data,
+    so a core in another process can receive it as one message: the output constraint
+    travels in its canonical form, `grammar`, and `sampling_params.structured_outputs` (which
+    may hold a Python type) is None."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    max_tokens: int  # resolved: what the request may generate within the context
+    eos_token_ids: frozenset[int]
+    grammar: GrammarSpec | None
+    priority: int
+    arrival_time: float  # time.monotonic() when the front end accepted it
 
 
 @dataclass(frozen=True, slots=True)

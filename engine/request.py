@@ -7,6 +7,7 @@ import time
 
 import torch
 
+from agentrt.engine.records import EngineCoreRequest
 from agentrt.engine.sampling_params import SamplingParams
 
 
@@ -100,6 +101,18 @@ class Request:
         self.generator: torch.Generator | None = None
         if sampling_params.seed is not None:
             self.generator = torch.Generator().manual_seed(sampling_params.seed)
+
+    @classmethod
+    def from_core_request(cls, core: EngineCoreRequest) -> Request:
+        return cls(
+            core.req_id,
+            core.prompt_token_ids,
+            core.sampling_params,
+            max_tokens=core.max_tokens,
+            eos_token_ids=core.eos_token_ids,
+            priority=core.priority,
+            arrival_time=core.arrival_time,
+        )
 
     @property
     def num_tokens(self) -> int:

@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from agentrt.engine.errors import InvalidRequestError
-
-if TYPE_CHECKING:
-    from agentrt.grammar import GrammarSpec
+from agentrt.grammar import GrammarSpec
 
 # Upper bound for `logprobs` / `prompt_logprobs` (OpenAI allows 20 top logprobs).
 MAX_LOGPROBS = 20

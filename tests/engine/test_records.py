@@ -1,54 +1,73 @@
-"""The records that cross the engine core's boundary hold plain data only (numbers, strings,
-enums, lists, dicts and other such records): no tensors, futures or generators, so an engine
-core in another process can send them as messages (msgspec / msgpack)."""
+"""The records that cross the engine core's boundary (`EngineCoreRequest` in,
+`EngineCoreOutput` out; `SchedulerOutput` for a worker) are plain data: msgpack carries them
+through msgspec and back unchanged, as an engine core in another process will receive them.
+A record holding live state (a tensor, a future, a Python type) would fail here."""
 
 from __future__ import annotations
 
-import dataclasses
-import enum
-import types
-import typing
-
+import msgspec
 import pytest
-import torch
+from pydantic import BaseModel
 
 from agentrt.engine.errors import ErrorCode
-from agentrt.engine.records import EngineCoreOutput, SampledToken, ScheduledChunk, SchedulerOutput
-
-_SCALARS = (int, float, str, bool, type(None))
-
-
-def _plain(hint) -> bool:
-    origin = typing.get_origin(hint)
-    if origin in (list, tuple, frozenset, set, dict, types.UnionType, typing.Union):
-        return all(_plain(arg) for arg in typing.get_args(hint) if arg is not Ellipsis)
-    if hint in _SCALARS or (isinstance(hint, type) and issubclass(hint, enum.Enum)):
-        return True
-    return dataclasses.is_dataclass(hint) and all(
-        _plain(h) for h in typing.get_type_hints(hint).values()
-    )
-
-
-@pytest.mark.parametrize(
-    "record", [EngineCoreOutput, SampledToken, ScheduledChunk, SchedulerOutput]
+from agentrt.engine.records import (
+    EngineCoreOutput,
+    EngineCoreRequest,
+    SampledToken,
+    ScheduledChunk,
+    SchedulerOutput,
 )
-def test_boundary_records_hold_plain_data(record):
-    hints = typing.get_type_hints(record)
-    assert {name for name, hint in hints.items() if not _plain(hint)} == set()
+from agentrt.engine.sampling_params import SamplingParams, StructuredOutputsParams
 
 
-@dataclasses.dataclass
-class _Live:
-    token: SampledToken
-    logits: torch.Tensor
+def _round_trip(record):
+    return msgspec.msgpack.decode(msgspec.msgpack.encode(record), type=type(record))
 
 
-def test_the_check_rejects_live_state():
-    assert not _plain(_Live)
+class City(BaseModel):
+    name: str
+    population: int
 
 
-def test_a_failure_is_a_field_not_a_message():
-    out = EngineCoreOutput(
-        "r", [], None, "error", error_code=ErrorCode.INVALID_SCHEMA, error="bad $ref"
+def test_a_processed_request_travels_as_a_message(smollm2_llm):
+    params = SamplingParams(
+        temperature=0.7,
+        seed=3,
+        stop=["\n\n"],
+        logit_bias={42: -5.0},
+        max_tokens=20,
+        structured_outputs=StructuredOutputsParams(json=City),  # a Python type
     )
-    assert out.finished and out.error_code == "invalid_schema"
+    request = smollm2_llm.engine.processor.process("r1", "Name a city.", params, priority=2)
+    assert isinstance(request, EngineCoreRequest)
+    # The constraint travels in its canonical form; the Python type stays in the front end.
+    assert request.grammar is not None and request.grammar.kind == "json_schema"
+    assert request.sampling_params.structured_outputs is None
+    assert _round_trip(request) == request
+
+
+def test_outputs_and_scheduler_steps_travel_as_messages():
+    token = SampledToken(7, logprob=-0.25, rank=1, top_logprobs={7: -0.25, 9: -1.5})
+    outputs = [
+        EngineCoreOutput("a", [7, 8], [token], None, num_cached_tokens=16),
+        EngineCoreOutput(
+            "b",
+            [],
+            None,
+            "error",
+            structured_errors=["[1, 1] has non-unique elements"],
+            error_code=ErrorCode.STRUCTURED_OUTPUT_FAILED,
+            error="the output cannot be completed into a valid instance",
+        ),
+    ]
+    for output in outputs:
+        assert _round_trip(output) == output
+    step = SchedulerOutput([ScheduledChunk("a", [1, 2, 3], 16, [4, 5], True)], 3, ["c"])
+    assert _round_trip(step) == step
+
+
+def test_live_state_does_not_travel():
+    import torch
+
+    with pytest.raises(TypeError):
+        msgspec.msgpack.encode(SampledToken(torch.tensor(7)))
