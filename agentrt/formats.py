@@ -32,9 +32,9 @@ from agentrt.engine.sampling_params import StructuredOutputsParams
 from agentrt.engine.structured_output import to_grammar_spec
 from agentrt.errors import OutputValidationError, SchemaError
 from agentrt.grammar import GrammarSpec, GrammarSpecError
-from agentrt.grammar.tools import tool_call_spec_text
+from agentrt.grammar.tools import allows_many, tool_call_spec_text
 from agentrt.grammar.validate import FinalValidator
-from agentrt.tool_calls import ToolCall, hermes_spec, parse_tool_calls
+from agentrt.tool_calls import ToolCall, hermes_spec, parse_tool_calls, starts_tool_calls
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,11 +138,28 @@ class OutputFormat:
                 f"output is not JSON: {exc}", text=text, errors=[str(exc)]
             ) from None
 
+    def is_plain_text(self, text: str) -> bool:
+        """Whether a reply is plain text, which may end anywhere (at max_tokens too): always
+        for "text" and under tool_choice "none"; under "auto" when it starts no call."""
+        if self.kind == "tools":
+            return self.tool_choice == "none" or (
+                self.tool_choice == "auto" and not starts_tool_calls(text)
+            )
+        return self.kind == "text"
+
+    @property
+    def allows_many_calls(self) -> bool:
+        """Whether a tool reply may hold several calls (a named tool_choice: exactly one)."""
+        _, choice = tool_call_spec_text(list(self.tools or ()), self.tool_choice)
+        return allows_many(choice, self.parallel_tool_calls)
+
     def _parse_tool_calls(self, text: str) -> list[ToolCall] | str:
+        if self.tool_choice == "none":
+            return text
         calls = parse_tool_calls(text)
         if calls is not None:
             return calls
-        if self.tool_choice == "auto" or self.tool_choice == "none":
+        if self.tool_choice == "auto":
             return text
         raise OutputValidationError(
             f"expected tool calls, got {text!r}", text=text, errors=["not a tool call"]

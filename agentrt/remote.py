@@ -270,7 +270,7 @@ def _tool_payload(calls: dict[int, dict[str, str]], fmt: OutputFormat) -> str:
         except json.JSONDecodeError:
             arguments = call["arguments"]  # OutputFormat.parse reports it
         items.append({"name": call["name"], "arguments": arguments})
-    payload = items if fmt.parallel_tool_calls or len(items) > 1 else items[0]
+    payload = items if fmt.allows_many_calls or len(items) > 1 else items[0]
     return json.dumps(payload, ensure_ascii=False)
 
 

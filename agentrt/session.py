@@ -23,7 +23,6 @@ from agentrt.errors import (
 )
 from agentrt.formats import OutputFormat, resolve_format
 from agentrt.partial import completed_members
-from agentrt.tool_calls import starts_tool_calls
 
 logger = logging.getLogger("agentrt")
 
@@ -181,9 +180,7 @@ def check_completion(completion: Completion, fmt: OutputFormat, usage: Usage) ->
         raise error_for(code, message)
     if reason == "abort":
         raise GenerationError("the request was aborted")
-    # A plain-text answer (tool_choice "auto") may end at max_tokens like any text reply.
-    plain_text = fmt.kind == "text" or (fmt.kind == "tools" and not starts_tool_calls(text))
-    if reason == "length" and not plain_text:
+    if reason == "length" and not fmt.is_plain_text(text):
         raise TruncatedOutputError(
             f"the output hit max_tokens after {usage.completion_tokens} tokens before the "
             f"{fmt.kind} was complete; raise max_tokens.",

@@ -147,3 +147,36 @@ def test_final_errors_are_the_engines_final_check():
     assert tools.final_errors("plain text")
     assert TEXT.final_errors("anything") is None
     assert OutputFormat("text").final_errors("x") is None
+
+
+def test_tool_choice_none_replies_in_text_even_when_it_looks_like_a_call():
+    """Regression: under "none" a JSON-looking reply was parsed as calls, and one cut at
+    max_tokens raised TruncatedOutputError although text may end anywhere."""
+    from agentrt.backend import Completion, Usage
+    from agentrt.session import check_completion
+
+    fmt = tools_format([WEATHER], "none")
+    reply = '{"name": "get_weather", "arguments": {"city": "Par'
+    assert fmt.is_plain_text(reply) and fmt.parse(reply) == reply
+    assert check_completion(Completion(reply, "length", Usage()), fmt, Usage()) == reply
+    assert not tools_format([WEATHER], "auto").is_plain_text(reply)
+    assert tools_format([WEATHER], "auto").is_plain_text("It is sunny.")
+
+
+def test_a_named_tool_choice_allows_one_call_only():
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    assert not tools_format([WEATHER], named, parallel_tool_calls=True).allows_many_calls
+    assert tools_format([WEATHER], "required", parallel_tool_calls=True).allows_many_calls
+    assert not tools_format([WEATHER], "required", parallel_tool_calls=False).allows_many_calls
+
+
+def test_remote_tool_payload_for_a_named_choice_is_one_call():
+    """The remote client rebuilds the engine's tool-call text from the server's calls: one
+    object for a named choice (what its grammar allows), even with parallel calls on."""
+    from agentrt.remote import _tool_payload
+
+    call = {0: {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    named = tools_format([WEATHER], {"type": "function", "function": {"name": "get_weather"}})
+    text = _tool_payload(call, named)
+    assert text.startswith("{") and named.final_errors(text) == []
+    assert _tool_payload(call, tools_format([WEATHER], "required")).startswith("[")
