@@ -166,10 +166,10 @@ async def test_a_request_that_fails_inside_the_engine_fails_alone(smollm2_llm: L
     async with AsyncEngine(engine=smollm2_llm.engine) as engine:
         original = engine.engine.engine_core.add_request
 
-        def refuse_one(request, spec=None):
+        def refuse_one(request):
             if request.req_id == "poison":
                 raise RuntimeError("cannot take this one")
-            return original(request, spec)
+            return original(request)
 
         engine.engine.engine_core.add_request = refuse_one
         try:
