@@ -1,7 +1,7 @@
 """Tool definitions -> the tool-call grammar: parameters with their own `$defs` (what
 Pydantic emits for nested models) compile, with the definitions moved to the payload root
-under `<tool>__<name>`; a named tool_choice is exactly one call; excluded argument objects
-(an agent's answered calls) cannot be produced, and every other call still can."""
+under `<tool>__<name>`; a named tool_choice is exactly one call; a tool whose every call is
+excluded is not offered. (How excluded calls are compiled out: test_exclude.py.)"""
 
 from __future__ import annotations
 
@@ -11,13 +11,7 @@ from typing import Any
 import pytest
 
 from agentrt.grammar import GrammarCompiler, GrammarSpec, GrammarSpecError
-from agentrt.grammar.tools import (
-    EXCLUDED_ARGUMENTS,
-    exclude_arguments,
-    tool_call_spec_text,
-    tool_calls_schema,
-)
-from agentrt.grammar.validate import FinalValidator
+from agentrt.grammar.tools import EXCLUDED_ARGUMENTS, tool_call_spec_text, tool_calls_schema
 
 from .helpers import drive
 
@@ -82,101 +76,7 @@ def test_named_choice_is_one_call_even_with_parallel_calls(
     assert drive(listed.matcher(), smollm2_tok, json.dumps([call, call])) == (True, True)
 
 
-# ---- excluded argument objects (an agent's answered calls) ----------------------------------
-
-CALC = {
-    "type": "object",
-    "properties": {
-        "a": {"type": "number"},
-        "op": {"type": "string"},
-        "b": {"type": "integer", "minimum": 0, "maximum": 9},
-        "scale": {"type": "number", "default": 1.0},
-    },
-    "required": ["a", "op", "b"],
-    "additionalProperties": False,
-}
-
-
-def _tool(parameters: dict, excluded: list[dict]) -> dict:
-    function = {"name": "f", "parameters": parameters, EXCLUDED_ARGUMENTS: excluded}
-    return {"type": "function", "function": function}
-
-
-def _accepted(compiler: GrammarCompiler, tok: Any, tools: list[dict], calls: list[dict]):
-    """Which of `calls` (arguments, or a call's raw text) the grammar accepts, checked
-    against the final validator too: the post-check must agree on the narrowed schema."""
-    spec = GrammarSpec.from_tools(tools, "required", parallel_tool_calls=False)
-    grammar, validator = compiler.compile(spec), FinalValidator(spec)
-    verdicts = []
-    for call in calls:
-        text = call if isinstance(call, str) else json.dumps({"name": "f", "arguments": call})
-        ok = drive(grammar.matcher(), tok, text) == (True, True)
-        assert ok == (validator.errors(text) == []), text
-        verdicts.append(ok)
-    return verdicts
-
-
-def test_an_excluded_call_is_unreachable_and_every_other_call_is_not(
-    real_compiler: GrammarCompiler, smollm2_tok: Any
-) -> None:
-    done = [
-        {"a": 249, "op": "*", "b": 3},
-        {"a": 249, "op": "*", "b": 4, "scale": 2},
-        {"a": 1, "op": 'say "hi"\\', "b": 0},
-        {"a": 1, "op": "line\nbreak", "b": 0},
-    ]
-    tools = [_tool(CALC, done)]
-    excluded = [
-        {"a": 249, "op": "*", "b": 3},
-        {"a": 249.0, "op": "*", "b": 3},  # the same number spelled differently
-        {"a": 249, "op": "*", "b": 3, "scale": 1.0},  # the default, written out
-        {"a": 249, "op": "*", "b": 4, "scale": 2},
-        {"a": 1, "op": 'say "hi"\\', "b": 0},
-        {"a": 1, "op": "line\nbreak", "b": 0},
-        # Parses to the float 249.0: exclusive bounds at 249 would let this through.
-        '{"name": "f", "arguments": {"a": 249.00000000000000005, "op": "*", "b": 3}}',
-        '{"name": "f", "arguments": {"a": 249, "op": "*", "b": 3, "scale": 0.99999999999999995}}',
-    ]
-    assert _accepted(real_compiler, smollm2_tok, tools, excluded) == [False] * len(excluded)
-    others = [
-        {"a": 249, "op": "*", "b": 5},
-        {"a": 249.5, "op": "*", "b": 3},
-        {"a": 248, "op": "*", "b": 3},
-        {"a": 249, "op": "+", "b": 3},
-        {"a": 249, "op": "**", "b": 3},
-        {"a": 249, "op": "", "b": 3},
-        {"a": 249, "op": "*", "b": 3, "scale": 2},
-        {"a": 249, "op": "*", "b": 4},  # scale differs from the answered call's 2
-        {"a": 1, "op": 'say "hi"', "b": 0},
-        {"a": 1, "op": 'say "hi"\\\\', "b": 0},
-        {"a": 1, "op": "line\nbreaks", "b": 0},
-        {"a": 1, "op": "line break", "b": 0},
-    ]
-    assert _accepted(real_compiler, smollm2_tok, tools, others) == [True] * len(others)
-
-
-def test_nested_models_and_enums_are_excluded_exactly(
-    real_compiler: GrammarCompiler, smollm2_tok: Any
-) -> None:
-    params = {
-        **PARAMS,
-        "properties": {**PARAMS["properties"], "kind": {"enum": ["x", "y", "z"]}},
-        "required": ["a", "rest", "kind"],
-    }
-    done = [{"a": {"x": 1}, "rest": [], "kind": "x"}, {"a": {"x": 2}, "rest": [], "kind": "y"}]
-    calls = [
-        *done,
-        {"a": {"x": 1}, "rest": [], "kind": "y"},
-        {"a": {"x": 3}, "rest": [], "kind": "x"},
-        {"a": {"x": 1}, "rest": [{"x": 1}], "kind": "x"},
-    ]
-    assert _accepted(real_compiler, smollm2_tok, [_tool(params, done)], calls) == [
-        False,
-        False,
-        True,
-        True,
-        True,
-    ]
+# ---- a tool with no call left --------------------------------------------------------------
 
 
 def test_a_tool_with_no_call_left_is_not_offered() -> None:
@@ -185,11 +85,16 @@ def test_a_tool_with_no_call_left_is_not_offered() -> None:
         "properties": {"name": {"enum": ["x", "y"]}},
         "required": ["name"],
     }
-    other = {"type": "function", "function": {"name": "g", "parameters": CALC}}
-    exhausted = _tool(pick, [{"name": "x"}, {"name": "y"}])
+
+    def tool(excluded: list[dict]) -> dict:
+        function = {"name": "f", "parameters": pick, EXCLUDED_ARGUMENTS: excluded}
+        return {"type": "function", "function": function}
+
+    other = {"type": "function", "function": {"name": "g", "parameters": POINT}}
+    exhausted = tool([{"name": "x"}, {"name": "y"}])
     canonical, choice = tool_call_spec_text([exhausted, other], "required")
     assert [t["name"] for t in canonical] == ["g"] and choice == "required"
-    narrowed, _ = tool_call_spec_text([_tool(pick, [{"name": "x"}])], "auto")
+    narrowed, _ = tool_call_spec_text([tool([{"name": "x"}])], "auto")
     assert narrowed[0]["parameters"]["properties"]["name"] == {"enum": ["y"]}
     # Nothing left: "auto" becomes plain text; a call that must be made is an error.
     assert tool_call_spec_text([exhausted], "auto") == ([], "none")
@@ -198,18 +103,3 @@ def test_a_tool_with_no_call_left_is_not_offered() -> None:
         tool_call_spec_text([exhausted], "required")
     with pytest.raises(GrammarSpecError, match="every call"):
         tool_call_spec_text([exhausted, other], "f")
-
-
-def test_exclusions_are_linear_in_the_answered_calls() -> None:
-    """A trie over the properties: one branch per distinct value prefix, not a product of
-    per-call negations."""
-    done = [{"a": 249, "op": "*", "b": b} for b in range(8)]
-    narrowed = exclude_arguments(CALC, done)
-    # a differs | op differs | b differs (one range left) | for each b: scale differs
-    assert len(narrowed["anyOf"]) == 3 + 8
-    assert narrowed["anyOf"][2]["properties"]["b"] == {
-        "type": "integer",
-        "minimum": 8,
-        "maximum": 9,
-    }
-    assert exclude_arguments(CALC, []) is CALC
