@@ -5,13 +5,12 @@ from __future__ import annotations
 
 from typing import Any
 
-import anyio
 from fastapi import Request
 from fastapi.responses import Response
 
 from agentrt.engine.errors import InvalidRequestError
 from agentrt.engine.outputs import CompletionOutput, RequestDelta, RequestOutput
-from agentrt.server.errors import bad_request, failed_output
+from agentrt.server.errors import bad_request
 from agentrt.server.generation import Generation, respond
 from agentrt.server.params import ChatConstraint, chat_constraint, choice_params
 from agentrt.server.protocol import ChatCompletionRequest, ChatMessage
@@ -174,43 +173,36 @@ class _ChatView:
         emit,
         include_usage: bool,
     ) -> None:
-        outputs: list[RequestOutput | None] = [None] * len(firsts)
         extra = {"usage": None} if include_usage else {}
+        streamers = [
+            ToolCallStreamer(self.tool_style) if self.tools_active else None for _ in firsts
+        ]
 
-        async def run(index: int) -> None:
-            streamer = ToolCallStreamer(self.tool_style) if self.tools_active else None
-            await emit(self.chunk([_choice(index, {"role": "assistant", "content": ""})], **extra))
-            delta = firsts[index]
-            while True:
-                body: dict[str, Any] = {}
-                if streamer is not None:
-                    content, calls = streamer.feed(delta.text)
-                    if content:
-                        body["content"] = content
-                    if calls:
-                        body["tool_calls"] = calls
-                elif delta.text:
-                    body["content"] = delta.text
-                logprobs = None
-                if self.top_n is not None and delta.logprobs:
-                    logprobs = {"content": chat_logprobs(delta.logprobs, self.top_n)}
-                if body or logprobs:
-                    await emit(self.chunk([_choice(index, body, logprobs)], **extra))
-                if delta.output is not None:
-                    break
-                delta = await generation.next_delta(index)
-            outputs[index] = delta.output
-            failure = failed_output([delta.output])
-            if failure is not None:
-                await emit(failure.body())
-                return
-            tool_calls = streamer is not None and streamer.is_tool_calls
-            finish = _finish(delta.output.outputs[0].finish_reason, tool_calls=tool_calls)
+        async def on_delta(index: int, delta: RequestDelta) -> None:
+            body: dict[str, Any] = {}
+            streamer = streamers[index]
+            if streamer is not None:
+                content, calls = streamer.feed(delta.text)
+                if content:
+                    body["content"] = content
+                if calls:
+                    body["tool_calls"] = calls
+            elif delta.text:
+                body["content"] = delta.text
+            logprobs = None
+            if self.top_n is not None and delta.logprobs:
+                logprobs = {"content": chat_logprobs(delta.logprobs, self.top_n)}
+            if body or logprobs:
+                await emit(self.chunk([_choice(index, body, logprobs)], **extra))
+
+        async def on_finish(index: int, output: RequestOutput) -> None:
+            tool_calls = streamers[index] is not None and streamers[index].is_tool_calls
+            finish = _finish(output.outputs[0].finish_reason, tool_calls=tool_calls)
             await emit(self.chunk([_choice(index, {}, None, finish)], **extra))
 
-        async with anyio.create_task_group() as tg:
-            for index in range(len(firsts)):
-                tg.start_soon(run, index)
+        for index in range(len(firsts)):
+            await emit(self.chunk([_choice(index, {"role": "assistant", "content": ""})], **extra))
+        outputs = await generation.stream_choices(firsts, emit, on_delta, on_finish)
         if include_usage:
             await emit(self.chunk([], usage(outputs, len(outputs))))
 

@@ -5,13 +5,12 @@ from __future__ import annotations
 
 from typing import Any
 
-import anyio
 from fastapi import Request
 from fastapi.responses import Response
 
 from agentrt.engine.errors import InvalidRequestError
 from agentrt.engine.outputs import RequestDelta, RequestOutput
-from agentrt.server.errors import bad_request, failed_output, from_exception
+from agentrt.server.errors import bad_request, from_exception
 from agentrt.server.generation import Generation, respond
 from agentrt.server.params import choice_params, vllm_structured
 from agentrt.server.protocol import CompletionRequest
@@ -125,39 +124,26 @@ class _CompletionView:
     async def stream(
         self, generation: Generation, firsts: list[RequestDelta], emit, include_usage: bool
     ) -> None:
-        outputs: list[RequestOutput | None] = [None] * len(firsts)
         extra = {"usage": None} if include_usage else {}
+        pending = [self._prefix(index) for index in range(len(firsts))]  # echo, then nothing
+        offsets = [len(text) for text in pending]
 
-        async def run(index: int) -> None:
-            delta = firsts[index]
-            text = self._prefix(index)
-            offset = len(text)
-            while True:
-                text += delta.text
-                logprobs = None
-                if self.top_n is not None and delta.logprobs:
-                    logprobs = completion_logprobs(delta.logprobs, self.top_n, offset)
-                    offset += sum(len(t) for t in logprobs["tokens"])
-                finish = delta.output.outputs[0].finish_reason if delta.output else None
-                if text or logprobs or finish:
-                    choice = {
-                        "index": index,
-                        "text": text,
-                        "logprobs": logprobs,
-                        "finish_reason": finish,
-                    }
-                    await emit(self._body([choice], **extra))
-                text = ""
-                if delta.output is not None:
-                    break
-                delta = await generation.next_delta(index)
-            outputs[index] = delta.output
-            failure = failed_output([delta.output])
-            if failure is not None:
-                await emit(failure.body())
+        async def on_delta(index: int, delta: RequestDelta) -> None:
+            text, pending[index] = pending[index] + delta.text, ""
+            logprobs = None
+            if self.top_n is not None and delta.logprobs:
+                logprobs = completion_logprobs(delta.logprobs, self.top_n, offsets[index])
+                offsets[index] += sum(len(t) for t in logprobs["tokens"])
+            finish = delta.output.outputs[0].finish_reason if delta.output else None
+            if text or logprobs or finish:
+                choice = {
+                    "index": index,
+                    "text": text,
+                    "logprobs": logprobs,
+                    "finish_reason": finish,
+                }
+                await emit(self._body([choice], **extra))
 
-        async with anyio.create_task_group() as tg:
-            for index in range(len(firsts)):
-                tg.start_soon(run, index)
+        outputs = await generation.stream_choices(firsts, emit, on_delta)
         if include_usage:
             await emit(self._body([], usage=usage(outputs, self.n)))

@@ -92,12 +92,7 @@ class Generation:
                 delta = await self.next_delta(i)
                 outputs[i] = delta.output
 
-        async def run_all() -> None:
-            async with anyio.create_task_group() as tg:
-                for i in range(len(self.streams)):
-                    tg.start_soon(run, i)
-
-        await until_disconnect(receive, run_all, on_disconnect=self.abort)
+        await until_disconnect(receive, lambda: self._each_choice(run), on_disconnect=self.abort)
         return outputs
 
     async def first_deltas(self, receive) -> list[RequestDelta]:
@@ -106,16 +101,46 @@ class Generation:
         answered with an error status instead of a broken stream."""
         firsts: list[RequestDelta | None] = [None] * len(self.streams)
 
-        async def run_all() -> None:
-            async with anyio.create_task_group() as tg:
-                for i in range(len(self.streams)):
-                    tg.start_soon(_first, i)
-
-        async def _first(i: int) -> None:
+        async def first(i: int) -> None:
             firsts[i] = await self.next_delta(i)
 
-        await until_disconnect(receive, run_all, on_disconnect=self.abort)
+        await until_disconnect(receive, lambda: self._each_choice(first), on_disconnect=self.abort)
         return firsts
+
+    async def stream_choices(
+        self,
+        firsts: list[RequestDelta],
+        emit: Emit,
+        on_delta: Callable[[int, RequestDelta], Awaitable[None]],
+        on_finish: Callable[[int, RequestOutput], Awaitable[None]] | None = None,
+    ) -> list[RequestOutput]:
+        """Stream every choice concurrently, from its first delta: `on_delta(i, delta)`
+        emits what each delta of choice i adds (the last one carries the output); then a
+        failed choice's error event is emitted, or `on_finish(i, output)` runs for one
+        that succeeded. Returns the outputs."""
+        outputs: list[RequestOutput | None] = [None] * len(firsts)
+
+        async def run(i: int) -> None:
+            delta = firsts[i]
+            await on_delta(i, delta)
+            while delta.output is None:
+                delta = await self.next_delta(i)
+                await on_delta(i, delta)
+            outputs[i] = delta.output
+            failure = failed_output([delta.output])
+            if failure is not None:
+                await emit(failure.body())
+            elif on_finish is not None:
+                await on_finish(i, delta.output)
+
+        await self._each_choice(run)
+        return outputs
+
+    async def _each_choice(self, fn: Callable[[int], Awaitable[None]]) -> None:
+        """`fn(i)` for every choice, concurrently."""
+        async with anyio.create_task_group() as tg:
+            for i in range(len(self.streams)):
+                tg.start_soon(fn, i)
 
 
 async def respond(generation: Generation, view, request, receive) -> Response:
