@@ -148,9 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     from agentrt.engine.errors import EngineError
     from agentrt.errors import AgentrtError
 
-    run = {"generate": _generate, "chat": _chat, "extract": _extract, "serve": _serve}[
-        args.command
-    ]
+    run = {"generate": _generate, "chat": _chat, "extract": _extract, "serve": _serve}[args.command]
     try:
         return run(args)
     except (EngineError, AgentrtError, OSError) as exc:
