@@ -27,10 +27,10 @@ def make_request(req_id: str, num_prompt: int, max_tokens: int, **kw) -> Request
 
 def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, budget=32, policy="fcfs"):
     kv = KVCacheManager(num_blocks, block_size)
-    config = EngineArgs(
+    args = EngineArgs(
         max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, scheduling_policy=policy
-    ).create_configs().scheduler
-    return Scheduler(config, kv, max_model_len=1024)
+    )
+    return Scheduler(args.create_configs().scheduler, kv, max_model_len=1024)
 
 
 def run_step(scheduler: Scheduler, token: int = 7):
