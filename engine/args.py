@@ -32,8 +32,8 @@ from agentrt.engine.config import (
 from agentrt.engine.errors import ConfigError
 
 
-def _option(default: Any, help: str, *, choices: tuple[str, ...] | None = None) -> Any:
-    metadata: dict[str, Any] = {"help": help}
+def _option(default: Any, help_text: str, *, choices: tuple[str, ...] | None = None) -> Any:
+    metadata: dict[str, Any] = {"help": help_text}
     if choices is not None:
         metadata["choices"] = choices
     return field(default=default, metadata=metadata)
@@ -144,10 +144,10 @@ class EngineArgs:
         `--jump-forward` / `--no-jump-forward`."""
         for f in fields(cls):
             flag = "--" + f.name.replace("_", "-")
-            help = f.metadata["help"]
-            if f.default is not None and "default" not in help:
-                help += f" (default: {f.default})"
-            kwargs: dict[str, Any] = {"default": f.default, "help": help}
+            help_text = f.metadata["help"]
+            if f.default is not None and "default" not in help_text:
+                help_text += f" (default: {f.default})"
+            kwargs: dict[str, Any] = {"default": f.default, "help": help_text}
             kind = _cli_type(f.name)
             if kind is bool:
                 kwargs["action"] = argparse.BooleanOptionalAction
