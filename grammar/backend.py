@@ -40,6 +40,7 @@ class TokenizerData:
     digit_tail: np.ndarray  # int32 [vocab_size]: digits at the end of the token
     finish_rank: np.ndarray  # int32 token ids, preferred first by completions (budget.py)
     opener_words: np.ndarray  # uint32 [ceil(vocab_size/32)]: token holds `{`, `[` or `,`
+    closing_openers: dict[bytes, int]  # opener tokens that start by closing (`",`), by bytes
 
 
 def digit_tables(token_bytes: tuple[bytes, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -39,14 +39,16 @@ FORCE_SLACK = 4
 OPEN_SLACK = 16
 # Searches are at least this many tokens apart until openers are refused.
 RECHECK_STEPS = 8
+# Tokens of the completion read to find the openers that follow it (`",` then ` "key`).
+PATH_PEEK = 3
 _CLOSERS = frozenset(b'"]}')
 _OPENERS = frozenset(b"{[,")
 
 
 def finish_tables(
     token_bytes: tuple[bytes, ...], stop_ids: tuple[int, ...]
-) -> tuple[np.ndarray, np.ndarray]:
-    """(rank, opener_words) for a vocabulary.
+) -> tuple[np.ndarray, np.ndarray, dict[bytes, int]]:
+    """(rank, opener_words, closing_openers) for a vocabulary.
 
     rank: int32 token ids in the order a completion prefers them: tokens made only of
     quotes and closing brackets, first those that start with a quote (inside a string only
@@ -55,9 +57,12 @@ def finish_tables(
     close several levels at once); then every other non-empty token, shortest first. Stop
     tokens are excluded (a completion ends with one when it can).
     opener_words: uint32 [ceil(V/32)], bit set for tokens holding `{`, `[` or `,`.
+    closing_openers: bytes -> id of the opener tokens that start by closing (`",`, `"},`):
+    the ones a model writes to end a value and go on to the next member.
     """
     stops = set(stop_ids)
     closers, others = [], []
+    closing_openers: dict[bytes, int] = {}
     openers = np.zeros(len(token_bytes), dtype=bool)
     for i, data in enumerate(token_bytes):
         if not data or i in stops:
@@ -68,14 +73,23 @@ def finish_tables(
         else:
             others.append((len(data), i))
         openers[i] = not _OPENERS.isdisjoint(data)
+        if openers[i] and data[0] in _CLOSERS:
+            closing_openers.setdefault(data, i)
     order = [key[-1] for key in sorted(closers)] + [i for _, i in sorted(others)]
-    return np.array(order, dtype=np.int32), pack_bits(openers)
+    return np.array(order, dtype=np.int32), pack_bits(openers), closing_openers
 
 
 def completion(state: GrammarState, limit: int, scratch: np.ndarray) -> list[int] | None:
     """A short way to finish from `state`: token ids ending with a stop token, or None when
     the greedy search finds none within `limit` tokens. `state` is walked and rolled back to
     where it was; `scratch` is a one-row bitmask to work in."""
+    path, finished = _greedy_path(state, limit, scratch)
+    return path if finished else None
+
+
+def _greedy_path(state: GrammarState, limit: int, scratch: np.ndarray) -> tuple[list[int], bool]:
+    """The greedy completion's first tokens (at most `limit`), and whether they end it (the
+    last one is then a stop token). `state` is left where it was."""
     tok = state.tok
     path: list[int] = []
     previous: list[int] = []  # the candidates of the step before
@@ -83,11 +97,11 @@ def completion(state: GrammarState, limit: int, scratch: np.ndarray) -> list[int
     try:
         while len(path) < limit:
             if state.can_terminate():
-                return [*path, tok.stop_token_ids[0]]
+                return [*path, tok.stop_token_ids[0]], True
             state.fill_row(scratch, 0)
             candidates = _allowed_in_rank(tok.finish_rank, scratch[0].view(np.uint32))
             if not candidates:
-                return None
+                return path, False
             pick = candidates[0]
             if candidates != previous:
                 last_use.clear()
@@ -96,11 +110,11 @@ def completion(state: GrammarState, limit: int, scratch: np.ndarray) -> list[int
                 # the least recently used one, so the run reaches the `@` that ends it.
                 pick = min(candidates, key=lambda t: last_use.get(t, -1))
             if not state.accept_token(pick):
-                return None
+                return path, False
             last_use[pick] = len(path)
             previous = candidates
             path.append(pick)
-        return None
+        return path, False
     finally:
         state.rollback(len(path))
 
@@ -165,7 +179,7 @@ class BudgetSteer:
         cached completion, the next search, openers refused, num_steered), never `state`'s."""
         if tokens_left > self._search_at:  # never above STEER_WINDOW
             if self._refusing:
-                self._refuse_openers(bitmask, row)
+                self._refuse_openers(state, bitmask, row)
             return
         path = self.completion(state, tokens_left)
         self._refusing = False
@@ -183,15 +197,31 @@ class BudgetSteer:
         elif 2 * len(path) + OPEN_SLACK >= tokens_left:
             self._refusing = True
             self._search_at = tokens_left - max(1, (tokens_left - len(path) - FORCE_SLACK) // 3)
-            self._refuse_openers(bitmask, row)
+            self._refuse_openers(state, bitmask, row)
         else:  # halve the distance to where openers are refused, at least RECHECK_STEPS
             zone = 2 * len(path) + OPEN_SLACK
             self._search_at = max(zone, tokens_left - max(RECHECK_STEPS, (tokens_left - zone) // 2))
 
-    def _refuse_openers(self, bitmask: np.ndarray, row: int) -> None:
+    def _refuse_openers(self, state: GrammarState, bitmask: np.ndarray, row: int) -> None:
+        """Refuse the tokens that open something new, except those that only follow the
+        completion: `",` when the completion closes the string and goes on to a required
+        member (a model ends a value with that token far more often than with `"` alone;
+        refused, it keeps writing the value up to its length cap)."""
         openers = self._openers
         words = bitmask[row].view(np.uint32)
         narrowed = words[: openers.size] & ~openers
-        if narrowed.any():
-            words[: openers.size] = narrowed
-            self.num_steered += 1
+        if not narrowed.any() or np.array_equal(narrowed, words[: openers.size]):
+            return
+        for token_id in self._openers_on_path(state):
+            word, bit = token_id >> 5, np.uint32(1 << (token_id & 31))
+            narrowed[word] |= words[word] & bit
+        words[: openers.size] = narrowed
+        self.num_steered += 1
+
+    def _openers_on_path(self, state: GrammarState) -> list[int]:
+        """The closing opener tokens (`",`, `"},`) whose bytes begin the greedy completion."""
+        tok = state.tok
+        path, _ = _greedy_path(state, PATH_PEEK, self.scratch)
+        text = b"".join(tok.token_bytes[t] for t in path if t not in tok.stop_token_ids)
+        found = (tok.closing_openers.get(text[:n]) for n in range(2, len(text) + 1))
+        return [t for t in found if t is not None]

@@ -241,8 +241,19 @@ def _tokenizer_data(hf: Any, vocab_size: int | None, stop_ids: list[int] | None)
     digest = hashlib.sha256(b"\0".join(token_bytes[:n]))
     digest.update(f"{width}|{sorted(stop_ids)}".encode())
     starts, only, tail = digit_tables(token_bytes)
-    rank, openers = finish_tables(token_bytes, tuple(stop_ids))
+    rank, openers, closing_openers = finish_tables(token_bytes, tuple(stop_ids))
     fingerprint = digest.hexdigest()[:16]
     return TokenizerData(
-        hf, width, n, tuple(stop_ids), token_bytes, fingerprint, starts, only, tail, rank, openers
+        hf,
+        width,
+        n,
+        tuple(stop_ids),
+        token_bytes,
+        fingerprint,
+        starts,
+        only,
+        tail,
+        rank,
+        openers,
+        closing_openers,
     )

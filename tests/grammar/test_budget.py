@@ -113,3 +113,37 @@ def test_the_steering_schedule_survives_a_search(auto_compiler, synth_tok, monke
     matcher.fill_bitmask(bitmask, 0, tokens_left=29)  # the next search is scheduled later
     allowed = {synth_tok.decode([t]) for t in allowed_token_ids(bitmask, 0, SYNTH_VOCAB)}
     assert len(searches) == 1 and matcher.num_steered == 2 and not {",", "[", "{"} & allowed
+
+
+def _refusing_row(real_compiler, smollm2_tok, schema: dict, prefix: str) -> set[str]:
+    """The tokens allowed after `prefix` with a budget inside the zone where openers are
+    refused (and the completion is not yet forced)."""
+    matcher = real_compiler.compile(GrammarSpec.from_json_schema(schema)).matcher()
+    ids = smollm2_tok.encode(prefix, add_special_tokens=False)
+    assert accept_all(matcher, ids) == len(ids)
+    vocab = real_compiler.vocab_size
+    state = matcher._state
+    path = completion(state, 256, allocate_bitmask(1, vocab))
+    bitmask = allocate_bitmask(1, vocab)
+    matcher.fill_bitmask(bitmask, 0, tokens_left=2 * len(path) + 1)
+    assert matcher.num_steered == 1
+    return {smollm2_tok.decode([t]) for t in allowed_token_ids(bitmask, 0, vocab)}
+
+
+def test_a_value_may_still_end_with_the_token_that_goes_on_to_a_required_member(
+    real_compiler, smollm2_tok
+) -> None:
+    """Regression: refusing every token holding `,` refused `",`, the token a model ends a
+    string value with; the demo's extraction then ran each string to its length cap."""
+    two_required = {
+        "type": "object",
+        "properties": {"a": {"type": "string"}, "b": {"type": "string"}},
+        "required": ["a", "b"],
+    }
+    allowed = _refusing_row(real_compiler, smollm2_tok, two_required, '{"a": "xy')
+    assert '",' in allowed and '"' in allowed
+    assert not {",", ", ", "[", "{"} & allowed  # a comma inside the value opens nothing new
+    # With `b` optional the completion closes the object: `",` would open a member.
+    one_required = {**two_required, "required": ["a"]}
+    allowed = _refusing_row(real_compiler, smollm2_tok, one_required, '{"a": "xy')
+    assert '"' in allowed and '",' not in allowed
