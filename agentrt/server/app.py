@@ -16,11 +16,16 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from agentrt.engine.async_engine import AsyncEngine
-from agentrt.engine.errors import InvalidRequestError
+from agentrt.engine.errors import ErrorCode, InvalidRequestError
 from agentrt.engine.llm_engine import LLMEngine
 from agentrt.server.chat import chat_prompt, create_chat_completion
 from agentrt.server.completions import create_completion
-from agentrt.server.errors import APIError, bad_request, from_exception, install_error_handlers
+from agentrt.server.errors import (
+    bad_request,
+    coded_error,
+    from_exception,
+    install_error_handlers,
+)
 from agentrt.server.generation import ClientDisconnected
 from agentrt.server.metrics import CONTENT_TYPE
 from agentrt.server.middleware import GuardMiddleware
@@ -117,9 +122,7 @@ def _add_routes(app: FastAPI) -> None:
         if state.healthy:
             return JSONResponse({"status": "ok"})
         reason = "draining" if state.draining and not state.engine.is_dead else "engine dead"
-        raise APIError(
-            503, f"the server is not serving: {reason}.", type="server_error", code="unavailable"
-        )
+        raise coded_error(ErrorCode.ENGINE_DEAD, f"the server is not serving: {reason}.")
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:

@@ -145,4 +145,5 @@ async def test_dead_engine_makes_health_503_and_exits_1(tiny_model: str):
             assert "injected fault" in response.json()["error"]["message"]
             health = await http.get("/health")
             assert health.status_code == 503 and "engine dead" in health.text
+            assert health.json()["error"]["code"] == "engine_unavailable"  # ErrorCode.ENGINE_DEAD
     assert server.exit_code == 1
