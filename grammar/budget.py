@@ -221,7 +221,11 @@ class BudgetSteer:
     def _openers_on_path(self, state: GrammarState) -> list[int]:
         """The closing opener tokens (`",`, `"},`) whose bytes begin the greedy completion."""
         tok = state.tok
-        path, _ = _greedy_path(state, PATH_PEEK, self.scratch)
+        cached = self._cached
+        if cached is not None and cached[0] == state.num_tokens and cached[1]:
+            path = cached[1][:PATH_PEEK]  # just searched (or followed): no second search
+        else:
+            path, _ = _greedy_path(state, PATH_PEEK, self.scratch)
         text = b"".join(tok.token_bytes[t] for t in path if t not in tok.stop_token_ids)
         found = (tok.closing_openers.get(text[:n]) for n in range(2, len(text) + 1))
         return [t for t in found if t is not None]
