@@ -10,6 +10,7 @@ import importlib
 _EXPORTS = {
     "LLM": "agentrt.engine.llm",
     "EngineArgs": "agentrt.engine.args",
+    "SpeculativeConfig": "agentrt.engine.config",
     "CompletionOutput": "agentrt.engine.outputs",
     "Logprob": "agentrt.engine.outputs",
     "RequestOutput": "agentrt.engine.outputs",

@@ -10,7 +10,6 @@ owns it (`ModelConfig`, `CacheConfig`, `SchedulerConfig`, ...), built by `create
 from __future__ import annotations
 
 import argparse
-import difflib
 import types
 import typing
 from dataclasses import dataclass, field, fields
@@ -26,10 +25,11 @@ from agentrt.engine.config import (
     EngineConfig,
     ModelConfig,
     SchedulerConfig,
+    SpeculativeConfig,
     StructuredOutputsConfig,
+    check_option_names,
     resolve_dtype,
 )
-from agentrt.engine.errors import ConfigError
 
 
 def _option(default: Any, help_text: str, *, choices: tuple[str, ...] | None = None) -> Any:
@@ -87,6 +87,13 @@ class EngineArgs:
         choices=ATTENTION_BACKENDS,
     )
     grammar_timeout_s: float = _option(10.0, "seconds one grammar may take to compile")
+    # -- speculative decoding ----------------------------------------------------------------
+    speculative_config: str | dict | SpeculativeConfig | None = _option(
+        None,
+        "speculative decoding, as a dict or JSON object: method (ngram, suffix, draft_model "
+        "or grammar), num_speculative_tokens, prompt_lookup_min/max, model (the draft "
+        "model), adaptive, ... (see SpeculativeConfig; default: off)",
+    )
 
     def __post_init__(self) -> None:
         self.create_configs()  # every value is checked by the record that owns it
@@ -97,15 +104,12 @@ class EngineArgs:
     def from_options(cls, model: str | None = None, **options: Any) -> EngineArgs:
         """`EngineArgs(model=model, **options)`, with an error that names the closest option
         when one is misspelt (instead of Python's bare "unexpected keyword argument")."""
-        known = {f.name for f in fields(cls)}
-        for name in options:
-            if name not in known:
-                close = difflib.get_close_matches(name, known, n=1)
-                hint = f" Did you mean {close[0]!r}?" if close else ""
-                raise ConfigError(
-                    f"{name!r} is not an engine option.{hint} The options are the fields of "
-                    "agentrt.engine.EngineArgs."
-                )
+        check_option_names(
+            options,
+            {f.name for f in fields(cls)},
+            "an engine option",
+            "The options are the fields of agentrt.engine.EngineArgs.",
+        )
         return cls(model=model, **options)
 
     def create_configs(self) -> EngineConfig:
@@ -134,6 +138,7 @@ class EngineArgs:
                 max_waiting_requests=self.max_waiting_requests,
             ),
             structured_outputs=StructuredOutputsConfig(grammar_timeout_s=self.grammar_timeout_s),
+            speculative=SpeculativeConfig.parse(self.speculative_config),
         )
 
     # -- command line ------------------------------------------------------------------------

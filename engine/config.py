@@ -7,7 +7,9 @@ model (context length, vocabulary) are resolved when the engine loads it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import difflib
+import json
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -30,6 +32,16 @@ SCHEDULING_POLICIES = ("fcfs", "priority")
 def _check(ok: bool, name: str, value: object, expected: str) -> None:
     if not ok:
         raise ConfigError(f"{name}={value!r} is invalid: expected {expected}.")
+
+
+def check_option_names(names, known: set[str], what: str, where: str) -> None:
+    """A `ConfigError` naming the closest known option for the first unknown name (instead
+    of Python's bare "unexpected keyword argument")."""
+    for name in names:
+        if name not in known:
+            close = difflib.get_close_matches(name, known, n=1)
+            hint = f" Did you mean {close[0]!r}?" if close else ""
+            raise ConfigError(f"{name!r} is not {what}.{hint} {where}")
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: str) -> torch.dtype:
@@ -165,6 +177,110 @@ class StructuredOutputsConfig:
         )
 
 
+SPECULATIVE_METHODS = ("ngram", "suffix", "draft_model", "grammar")
+# Drafts per step when `num_speculative_tokens` is not given. Grammar drafts are free to
+# propose and usually long (a whole forced key), so they get a longer window.
+DEFAULT_NUM_SPECULATIVE_TOKENS = {"ngram": 4, "suffix": 4, "draft_model": 4, "grammar": 16}
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's `speculative_config`): a proposer drafts up to
+    `num_speculative_tokens` tokens per request and step, the model verifies them all in one
+    forward pass, and a rejection sampler keeps the output distribution exactly the model's.
+
+    Unlike the engine records above, this one has defaults: users give it as a dict naming
+    only what they change (`{"method": "ngram", "num_speculative_tokens": 4}`), as in vLLM.
+    """
+
+    method: str
+    num_speculative_tokens: int | None = None  # None: DEFAULT_NUM_SPECULATIVE_TOKENS[method]
+    # n-gram prompt lookup (and the suffix cache's shortest match): the last n tokens, for n
+    # from max down to min, are looked up in the request's own tokens.
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
+    # draft_model: a smaller model with the same tokenizer (a local checkpoint or .gguf).
+    model: str | None = None
+    # suffix: finished outputs remembered per schema / prompt head, oldest forgotten first.
+    suffix_cache_max_requests: int = 1024
+    # Adaptive drafting: each request drafts fewer tokens while its acceptance is low (and
+    # none while it stays below `adaptive_min_acceptance`, retrying now and then); nobody
+    # drafts while more than `disable_by_batch_size` requests run (0: no limit).
+    adaptive: bool = True
+    adaptive_min_acceptance: float = 0.1
+    disable_by_batch_size: int = 16
+
+    def __post_init__(self) -> None:
+        _check(
+            self.method in SPECULATIVE_METHODS,
+            "speculative_config.method",
+            self.method,
+            f"one of {SPECULATIVE_METHODS}",
+        )
+        if self.num_speculative_tokens is None:
+            object.__setattr__(
+                self, "num_speculative_tokens", DEFAULT_NUM_SPECULATIVE_TOKENS[self.method]
+            )
+        _check(
+            1 <= self.num_speculative_tokens <= 64,
+            "speculative_config.num_speculative_tokens",
+            self.num_speculative_tokens,
+            "an integer in [1, 64]",
+        )
+        _check(
+            1 <= self.prompt_lookup_min <= self.prompt_lookup_max,
+            "speculative_config.prompt_lookup_min",
+            (self.prompt_lookup_min, self.prompt_lookup_max),
+            "1 <= prompt_lookup_min <= prompt_lookup_max",
+        )
+        _check(
+            (self.model is not None) == (self.method == "draft_model"),
+            "speculative_config.model",
+            self.model,
+            "a draft model path with method 'draft_model' (and only then)",
+        )
+        _check(
+            self.suffix_cache_max_requests >= 1,
+            "speculative_config.suffix_cache_max_requests",
+            self.suffix_cache_max_requests,
+            "at least 1",
+        )
+        _check(
+            0.0 <= self.adaptive_min_acceptance < 1.0,
+            "speculative_config.adaptive_min_acceptance",
+            self.adaptive_min_acceptance,
+            "a fraction in [0, 1)",
+        )
+        _check(
+            self.disable_by_batch_size >= 0,
+            "speculative_config.disable_by_batch_size",
+            self.disable_by_batch_size,
+            ">= 0 (0: no limit)",
+        )
+
+    @classmethod
+    def parse(cls, value: SpeculativeConfig | dict | str | None) -> SpeculativeConfig | None:
+        """The config from what a user gives: the record, a dict or a JSON object (the
+        command line's `--speculative-config '{"method": "ngram"}'`), or None (off)."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ConfigError(f"speculative_config is not valid JSON: {exc}.") from None
+        _check(isinstance(value, dict), "speculative_config", value, "a dict, JSON or None")
+        check_option_names(
+            value,
+            {f.name for f in fields(cls)},
+            "a speculative_config option",
+            "The options are the fields of agentrt.engine.SpeculativeConfig.",
+        )
+        if "method" not in value:
+            raise ConfigError(f"speculative_config needs a 'method', one of {SPECULATIVE_METHODS}.")
+        return cls(**value)
+
+
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     """Every config record of one engine (built by `EngineArgs.create_configs`)."""
@@ -173,3 +289,4 @@ class EngineConfig:
     cache: CacheConfig
     scheduler: SchedulerConfig
     structured_outputs: StructuredOutputsConfig
+    speculative: SpeculativeConfig | None  # None: no speculative decoding

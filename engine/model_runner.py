@@ -85,8 +85,8 @@ class ModelRunner:
         self.kv_caches = [allocate_zeros(shape, dtype, device) for _ in range(arch.num_layers)]
 
     def execute(self, scheduler_output: SchedulerOutput) -> torch.Tensor:
-        """Run one step. Returns fp32 logits (S, vocab), one row per chunk with
-        `sample=True`, in chunk order."""
+        """Run one step. Returns fp32 logits (S, vocab) in chunk order: for each chunk with
+        `sample=True`, one row per draft token and one after the last token."""
         inp = prepare_input(scheduler_output.chunks, self.block_size, self.device)
         meta = attention_metadata(inp, self.block_size)
         self.attention.prepare(meta)
@@ -114,7 +114,7 @@ def prepare_input(
         seq_lens.append(chunk.start_pos + n)
         cu.append(cu[-1] + n)
         if chunk.sample:
-            logits_indices.append(cu[-1] - 1)
+            logits_indices.extend(range(cu[-1] - 1 - chunk.num_draft_tokens, cu[-1]))
     max_blocks = max(len(c.block_ids) for c in chunks)
     block_tables = [c.block_ids + [0] * (max_blocks - len(c.block_ids)) for c in chunks]
     return ModelInput(

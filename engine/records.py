@@ -39,6 +39,10 @@ class ScheduledChunk:
     start_pos: int
     block_ids: list[int]  # the request's whole block table after this step's allocation
     sample: bool  # the chunk reaches the end of the known tokens: sample the next one
+    # Speculative decoding: the last `num_draft_tokens` of `token_ids` are drafts to verify.
+    # A sampling chunk then has 1 + num_draft_tokens logits rows (one per draft position and
+    # one after the last draft); drafts are not part of the request's tokens until accepted.
+    num_draft_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 
 import anyio
 import pytest
@@ -43,6 +44,7 @@ NON_DEFAULTS = {
     "max_waiting_requests": (3, ["--max-waiting-requests", "3"]),
     "attention_backend": ("torch", ["--attention-backend", "torch"]),
     "grammar_timeout_s": (2.5, ["--grammar-timeout-s", "2.5"]),
+    "speculative_config": ('{"method": "ngram"}', ["--speculative-config", '{"method": "ngram"}']),
 }
 
 
@@ -104,6 +106,10 @@ def test_misspelt_option_names_the_closest_one_everywhere():
         ("dtype", "int3"),
         ("attention_backend", "flash"),
         ("grammar_timeout_s", 0),
+        ("speculative_config", {"method": "medusa"}),
+        ("speculative_config", {"method": "ngram", "num_speculative_tokens": 0}),
+        ("speculative_config", {"method": "draft_model"}),  # without a draft model
+        ("speculative_config", '{"method": "ngram",'),
     ],
 )
 def test_bad_values_fail_before_anything_loads(option, value):
@@ -117,6 +123,23 @@ def test_bad_values_fail_before_anything_loads(option, value):
     ):
         with pytest.raises(ConfigError, match=option.split("_s")[0]):
             make()
+
+
+def test_speculative_config_as_vllm_takes_it():
+    """A dict, a JSON object or the record give the same config; unknown keys name the
+    closest one; the number of drafts defaults per method."""
+    from agentrt.engine.config import SpeculativeConfig
+
+    record = SpeculativeConfig(method="ngram", num_speculative_tokens=3, prompt_lookup_max=5)
+    as_dict = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 5}
+    for value in (record, as_dict, json.dumps(as_dict)):
+        assert EngineArgs(speculative_config=value).create_configs().speculative == record
+    assert EngineArgs().create_configs().speculative is None
+    assert SpeculativeConfig("grammar").num_speculative_tokens == 16
+    with pytest.raises(ConfigError, match="'num_spec_tokens'.*'num_speculative_tokens'"):
+        LLM(None, speculative_config={"method": "ngram", "num_spec_tokens": 2})
+    with pytest.raises(ConfigError, match="needs a 'method'"):
+        SpeculativeConfig.parse({"num_speculative_tokens": 2})
 
 
 def test_cli_reports_a_bad_value_as_an_error(capsys):

@@ -1,0 +1,36 @@
+"""What every proposer implements, and the view of a request it drafts for."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+
+@dataclass(frozen=True, slots=True)
+class DraftContext:
+    """One request, as a proposer sees it. `token_ids` is the request's own list (prompt,
+    then output; read it, never change it)."""
+
+    req_id: str
+    token_ids: Sequence[int]
+    num_prompt_tokens: int
+    # Requests with equal keys tend to repeat each other (same schema and prompt head):
+    # the suffix cache shares what it learnt between them. None: nothing to share.
+    cache_key: Hashable | None
+
+
+class Proposer(Protocol):
+    """Drafts the tokens a request is likely to produce next. Drafts are only guesses: the
+    engine cuts them where the grammar refuses one and verifies the rest with the model."""
+
+    method: str
+
+    def propose(self, contexts: list[DraftContext], max_tokens: list[int]) -> list[list[int]]:
+        """Up to `max_tokens[i]` draft tokens to follow `contexts[i].token_ids` (maybe none)."""
+        ...
+
+    def request_finished(self, context: DraftContext, completed: bool) -> None:
+        """The request left the engine (`completed`: it ended normally, not aborted or failed);
+        a proposer that learns across requests may keep its output."""
+        ...
