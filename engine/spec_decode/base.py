@@ -18,6 +18,11 @@ class DraftContext:
     # Requests with equal keys tend to repeat each other (same schema and prompt head):
     # the suffix cache shares what it learnt between them. None: nothing to share.
     cache_key: Hashable | None
+    # For proposers that keep KV (the draft model): the request's block table, which holds
+    # slots for every position below len(token_ids) + max_tokens - 1, and how often the
+    # request was preempted (its KV, the draft model's included, was then dropped).
+    block_ids: Sequence[int] = ()
+    num_preemptions: int = 0
 
 
 class Proposer(Protocol):
