@@ -20,6 +20,7 @@ import torch
 from agentrt.engine.config import (
     ATTENTION_BACKENDS,
     DTYPES,
+    QUANTIZATIONS,
     SCHEDULING_POLICIES,
     CacheConfig,
     EngineConfig,
@@ -52,6 +53,12 @@ class EngineArgs:
         "auto",
         "weights and activations: 'auto' is float32 on the CPU, bfloat16 on CUDA",
         choices=("auto", *DTYPES),
+    )
+    quantization: str = _option(
+        "none",
+        "weight-only quantization on the CPU: int8 (per channel) or int4 (groups of 32; a "
+        "Q4_0/Q4_1 GGUF keeps its own blocks); activations stay in dtype",
+        choices=QUANTIZATIONS,
     )
     device: str = _option("cpu", "'cpu' or 'cuda[:N]'")
     max_model_len: int | None = _option(
@@ -122,6 +129,7 @@ class EngineArgs:
                 max_model_len=self.max_model_len,
                 seed=self.seed,
                 attention_backend=self.attention_backend,
+                quantization=self.quantization,
             ),
             cache=CacheConfig(
                 block_size=self.block_size,

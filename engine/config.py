@@ -26,6 +26,10 @@ DTYPES = {
 
 
 ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")
+# Weight quantization (activations stay in `dtype`): "int8" is per-channel weight-only int8
+# (torch's _weight_int8pack_mm, CPU and CUDA), "int4" groups of 32 with a scale and a zero
+# each (_weight_int4pack_mm_for_cpu; a Q4_0/Q4_1 GGUF's own blocks).
+QUANTIZATIONS = ("none", "int8", "int4")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
@@ -66,8 +70,21 @@ class ModelConfig:
     max_model_len: int | None  # None: the model's max_position_embeddings
     seed: int
     attention_backend: str
+    quantization: str  # one of QUANTIZATIONS; the quantized kernels are torch's CPU ones
 
     def __post_init__(self) -> None:
+        _check(
+            self.quantization in QUANTIZATIONS,
+            "quantization",
+            self.quantization,
+            f"one of {QUANTIZATIONS}",
+        )
+        _check(
+            self.quantization != "int4" or self.device == "cpu",
+            "quantization",
+            self.quantization,
+            "'none' or 'int8' on CUDA (the int4 kernel is torch's CPU one)",
+        )
         _check(
             self.attention_backend in ATTENTION_BACKENDS,
             "attention_backend",

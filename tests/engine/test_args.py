@@ -29,6 +29,7 @@ COMMANDS = {
 NON_DEFAULTS = {
     "model": ("/models/m.gguf", ["--model", "/models/m.gguf"]),
     "dtype": ("bfloat16", ["--dtype", "bfloat16"]),
+    "quantization": ("int8", ["--quantization", "int8"]),
     "device": ("cuda:1", ["--device", "cuda:1"]),
     "max_model_len": (512, ["--max-model-len", "512"]),
     "seed": (7, ["--seed", "7"]),
@@ -104,6 +105,8 @@ def test_misspelt_option_names_the_closest_one_everywhere():
         ("max_num_seqs", 0),
         ("block_size", 12),
         ("dtype", "int3"),
+        ("quantization", "int3"),
+        ("quantization", "q4_k"),
         ("attention_backend", "flash"),
         ("grammar_timeout_s", 0),
         ("speculative_config", {"method": "medusa"}),
