@@ -1,0 +1,102 @@
+"""N-gram prompt lookup: draft what followed the last time the request's latest tokens
+appeared in its own prompt or output (vLLM's `ngram` method; Saxena 2023).
+
+For the longest n in [prompt_lookup_min, prompt_lookup_max] whose last-n-token suffix occurs
+earlier in the request (a match must start before the suffix itself), the most recent such
+occurrence is taken and the up to `max_tokens` tokens after it are proposed, never reading
+past the end of the request's tokens.
+
+The search is numpy over candidate positions: the positions equal to the last token, then
+kept while the token n back also matches, so one step costs O(len) comparisons once plus
+O(candidates) per extra n, with no Python loop over the context.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from agentrt.engine.config import SpeculativeConfig
+from agentrt.engine.spec_decode.base import DraftContext
+
+
+class TokenArrays:
+    """Each request's tokens as a numpy array, grown by the new tail on every call instead of
+    converting the whole list each step. Capacity doubles, so appends are amortised O(1)."""
+
+    def __init__(self) -> None:
+        self._arrays: dict[str, tuple[np.ndarray, int]] = {}  # req_id -> (buffer, length)
+
+    def get(self, context: DraftContext) -> np.ndarray:
+        """`context.token_ids` as an int64 array (a view, valid until the next call)."""
+        token_ids = context.token_ids
+        length = len(token_ids)
+        buffer, known = self._arrays.get(context.req_id, (None, 0))
+        # The tokens only ever grow; anything else (a reused req_id, rewritten tokens) is
+        # rebuilt from scratch. The last known token stands in for the whole prefix.
+        if (
+            buffer is None
+            or known > length
+            or (known and buffer[known - 1] != token_ids[known - 1])
+        ):
+            buffer, known = np.empty(max(2 * length, 16), dtype=np.int64), 0
+        elif length > buffer.shape[0]:
+            grown = np.empty(2 * length, dtype=np.int64)
+            grown[:known] = buffer[:known]
+            buffer = grown
+        if length > known:
+            buffer[known:length] = token_ids[known:length]
+        self._arrays[context.req_id] = (buffer, length)
+        return buffer[:length]
+
+    def drop(self, req_id: str) -> None:
+        self._arrays.pop(req_id, None)
+
+
+def earlier_matches(tokens: np.ndarray, max_n: int) -> tuple[int, np.ndarray]:
+    """The longest n <= `max_n` such that the last n tokens occur earlier in `tokens` (starting
+    before the suffix itself, so each occurrence has at least one token after it), and the end
+    positions of those occurrences in increasing order. `(0, empty)` when no token repeats."""
+    length = tokens.shape[0]
+    # ends[e]: an occurrence of the last n tokens ends at e (e <= length - 2).
+    ends = np.flatnonzero(tokens[: length - 1] == tokens[length - 1]) if length >= 2 else None
+    if ends is None or ends.size == 0:
+        return 0, np.empty(0, dtype=np.int64)
+    n = 1
+    while n < max_n and n < length - 1:
+        longer = ends[ends >= n]  # the occurrence can reach n tokens back
+        longer = longer[tokens[longer - n] == tokens[length - 1 - n]]
+        if longer.size == 0:
+            break
+        ends, n = longer, n + 1
+    return n, ends
+
+
+class NgramProposer:
+    """Prompt lookup over each request's own tokens. Keeps a numpy copy per running request
+    (dropped in `request_finished`); learns nothing across requests."""
+
+    method = "ngram"
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.min_n = config.prompt_lookup_min
+        self.max_n = config.prompt_lookup_max
+        self._tokens = TokenArrays()
+
+    def propose(self, contexts: list[DraftContext], max_tokens: list[int]) -> list[list[int]]:
+        drafts = []
+        for context, num_tokens in zip(contexts, max_tokens, strict=True):
+            drafts.append(self._propose_one(context, num_tokens))
+        return drafts
+
+    def _propose_one(self, context: DraftContext, max_tokens: int) -> list[int]:
+        if max_tokens <= 0 or len(context.token_ids) <= self.min_n:
+            return []
+        tokens = self._tokens.get(context)
+        n, ends = earlier_matches(tokens, self.max_n)
+        if n < self.min_n:
+            return []
+        start = int(ends[-1]) + 1  # the most recent occurrence
+        return tokens[start : start + max_tokens].tolist()
+
+    def request_finished(self, context: DraftContext, completed: bool) -> None:
+        self._tokens.drop(context.req_id)
