@@ -13,6 +13,8 @@ O(candidates) per extra n, with no Python loop over the context.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
 from agentrt.engine.config import SpeculativeConfig
@@ -24,17 +26,18 @@ class TokenArrays:
     converting the whole list each step. Capacity doubles, so appends are amortised O(1)."""
 
     def __init__(self) -> None:
-        self._arrays: dict[str, tuple[np.ndarray, int]] = {}  # req_id -> (buffer, length)
+        # req_id -> (the list read, buffer, number of its tokens in the buffer)
+        self._arrays: dict[str, tuple[Sequence[int], np.ndarray, int]] = {}
 
     def get(self, context: DraftContext) -> np.ndarray:
         """`context.token_ids` as an int64 array (a view, valid until the next call)."""
         token_ids = context.token_ids
         length = len(token_ids)
-        buffer, known = self._arrays.get(context.req_id, (None, 0))
-        # The tokens only ever grow; anything else (a reused req_id, rewritten tokens) is
-        # rebuilt from scratch. The last known token stands in for the whole prefix.
+        source, buffer, known = self._arrays.get(context.req_id, (None, None, 0))
+        # A request's list only ever grows. Another list under the same req_id, a shorter one
+        # or a changed last known token means it is not the same request: read it anew.
         if (
-            buffer is None
+            source is not token_ids
             or known > length
             or (known and buffer[known - 1] != token_ids[known - 1])
         ):
@@ -45,7 +48,7 @@ class TokenArrays:
             buffer = grown
         if length > known:
             buffer[known:length] = token_ids[known:length]
-        self._arrays[context.req_id] = (buffer, length)
+        self._arrays[context.req_id] = (token_ids, buffer, length)
         return buffer[:length]
 
     def drop(self, req_id: str) -> None:

@@ -97,11 +97,21 @@ def test_matches_the_reference_while_the_request_grows():
             p.request_finished(ctx, completed=True)
 
 
-def test_rewritten_tokens_under_the_same_req_id_are_read_again():
+def test_the_numpy_copy_grows_in_place_and_is_rebuilt_when_the_tokens_change():
     p = proposer()
-    assert p.propose([context([1, 2, 3, 1, 2], "r")], [3]) == [[3, 1, 2]]
-    assert p.propose([context([1, 2, 3], "r")], [3]) == [[]]  # shorter
-    assert p.propose([context([1, 2, 4, 5, 1, 2], "r")], [3]) == [[4, 5, 1]]  # token 2 changed
+    tokens = [1, 2, 3, 1, 2]
+    ctx = context(tokens, "r")
+    assert p.propose([ctx], [3]) == [[3, 1, 2]]
+    buffer = p._tokens._arrays["r"][1]
+    tokens += [3, 1]
+    assert p.propose([ctx], [3]) == [[2, 3, 1]]
+    assert p._tokens._arrays["r"][1] is buffer  # appended to, not converted again
+    tokens[-1] = 2  # the last known token changed
+    assert p.propose([ctx], [3]) == [[3, 2]]
+    del tokens[3:]  # shorter: [1, 2, 3]
+    assert p.propose([ctx], [3]) == [[]]
+    # Another list under the same req_id, as long as the last one and with the same last token.
+    assert p.propose([context([3, 1, 3], "r")], [3]) == [[1, 3]]
 
 
 def test_request_finished_forgets_the_request():
