@@ -17,8 +17,15 @@ from agentrt.engine.records import (
     SchedulerOutput,
 )
 from agentrt.engine.request import Request, RequestStatus
-from agentrt.engine.sampler import Sampler, SamplerOutput, SamplingMetadata
+from agentrt.engine.sampler import (
+    GREEDY_TEMPERATURE_EPS,
+    Sampler,
+    SamplerOutput,
+    SamplingMetadata,
+)
 from agentrt.engine.scheduler import Scheduler
+from agentrt.engine.spec_decode.manager import SpecDecodeManager
+from agentrt.engine.spec_decode.rejection_sampler import rejection_sample
 from agentrt.engine.structured_output import StructuredOutputManager
 from agentrt.kernels import apply_token_bitmask
 
@@ -32,15 +39,18 @@ class EngineCore:
         structured: StructuredOutputManager,
         *,
         overlap_grammar: bool = False,
+        spec: SpecDecodeManager | None = None,
     ) -> None:
         """`overlap_grammar`: fill the grammar bitmask on a worker thread while the model
         runs. Worth it when the model runs on a GPU (the CPU is otherwise idle while the GPU
-        computes); on the CPU both would compete for the same cores."""
+        computes); on the CPU both would compete for the same cores.
+        `spec`: speculative decoding (drafts proposed after each step, verified in the next)."""
         self.scheduler = scheduler
         self.runner = runner
         self.sampler = Sampler()
         self.vocab_size = vocab_size
         self.structured = structured
+        self.spec = spec
         self._grammar_thread = (
             ThreadPoolExecutor(1, thread_name_prefix="agentrt-bitmask") if overlap_grammar else None
         )
@@ -54,7 +64,13 @@ class EngineCore:
         self.scheduler.add_request(request)
 
     def abort_requests(self, req_ids: list[str]) -> list[str]:
-        return self.scheduler.finish_requests(req_ids, RequestStatus.FINISHED_ABORTED)
+        requests = [self.scheduler.requests[i] for i in req_ids if i in self.scheduler.requests]
+        aborted = self.scheduler.finish_requests(req_ids, RequestStatus.FINISHED_ABORTED)
+        if self.spec is not None:
+            for request in requests:
+                if request.req_id in aborted:
+                    self.spec.request_finished(request, completed=False)
+        return aborted
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -67,26 +83,55 @@ class EngineCore:
             if not errored and self.scheduler.has_unfinished_requests():
                 time.sleep(0.001)  # only grammars compiling: let them run
             return errored
-        requests = [self.scheduler.requests[c.req_id] for c in scheduler_output.chunks if c.sample]
-        logits, grammar = self._execute(scheduler_output, requests)
-        sampled = self._sample(requests, logits, grammar)
-        return errored + self.scheduler.update_from_output(scheduler_output, sampled)
+        sampled_chunks = [c for c in scheduler_output.chunks if c.sample]
+        requests = [self.scheduler.requests[c.req_id] for c in sampled_chunks]
+        drafts = [c.token_ids[len(c.token_ids) - c.num_draft_tokens :] for c in sampled_chunks]
+        logits, grammar = self._execute(scheduler_output, requests, drafts)
+        sampled = self._sample(requests, drafts, logits, grammar)
+        outputs = self.scheduler.update_from_output(scheduler_output, sampled)
+        if self.spec is not None:
+            self._propose(requests, drafts, sampled, outputs)
+        return errored + outputs
 
     def _execute(
-        self, so: SchedulerOutput, requests: list[Request]
+        self, so: SchedulerOutput, requests: list[Request], drafts: list[list[int]]
     ) -> tuple[torch.Tensor, GrammarBitmask | None]:
         """The logits of the sampled rows and their grammar bitmask. The bitmask depends only
         on tokens accepted in earlier steps, so it can be filled while the model runs: on the
         worker thread, nothing else touches the matchers until `result()` returns."""
         if self._grammar_thread is None or all(r.structured is None for r in requests):
-            return self.runner.execute(so), self.structured.bitmask(requests)
-        pending = self._grammar_thread.submit(self.structured.bitmask, requests)
+            return self.runner.execute(so), self.structured.bitmask(requests, drafts)
+        pending = self._grammar_thread.submit(self.structured.bitmask, requests, drafts)
         logits = self.runner.execute(so)  # on a GPU: returns once the kernels are queued
         return logits, pending.result()
 
+    def _propose(
+        self,
+        requests: list[Request],
+        drafts: list[list[int]],
+        sampled: SamplerStepOutput,
+        outputs: list[EngineCoreOutput],
+    ) -> None:
+        """Speculative decoding, between steps: learn from this step's verification, let
+        finished requests go, and draft for the ones that continue."""
+        finished = {o.req_id: o.finish_reason for o in outputs if o.finished}
+        for request, draft in zip(requests, drafts, strict=True):
+            if draft and request.req_id in sampled.tokens:
+                self.spec.verified(request, len(draft), len(sampled.tokens[request.req_id]) - 1)
+            if request.req_id in finished:
+                completed = finished[request.req_id] in ("stop", "length")
+                self.spec.request_finished(request, completed)
+        self.spec.propose(requests, len(self.scheduler.running))
+
     def _sample(
-        self, requests: list[Request], logits: torch.Tensor, grammar: GrammarBitmask | None
+        self,
+        requests: list[Request],
+        drafts: list[list[int]],
+        logits: torch.Tensor,
+        grammar: GrammarBitmask | None,
     ) -> SamplerStepOutput:
+        """One token per request, or, for a request with drafts, its accepted drafts and one
+        more (logits and bitmask then have 1 + len(draft) rows for it)."""
         if not requests:
             return SamplerStepOutput({})
         dead: frozenset[str] = frozenset()
@@ -99,25 +144,67 @@ class EngineCore:
                     grammar.bitmask.to(device, non_blocking=True),
                     grammar.rows.to(device, non_blocking=True),
                 )
-        metadata = SamplingMetadata.build(
-            params=[r.sampling_params for r in requests],
-            prompt_token_ids=[r.prompt_token_ids for r in requests],
-            output_token_ids=[r.output_token_ids for r in requests],
-            generators=[r.generator for r in requests],
-            blocked_token_ids=[r.blocked_token_ids() for r in requests],
-            vocab_size=self.vocab_size,
-            device=logits.device,
-        )
-        tokens = _to_tokens(requests, self.sampler(logits, metadata))
+        if any(drafts):
+            tokens = self._verify(requests, drafts, logits)
+        else:
+            tokens = _to_tokens(requests, self.sampler(logits, self._metadata(requests, logits)))
         for req_id in dead:  # no token is allowed: the scheduler fails these requests
             del tokens[req_id]
         return SamplerStepOutput(tokens, dead)
+
+    def _metadata(
+        self, requests: list[Request], logits: torch.Tensor, drafts: list[list[int]] | None = None
+    ) -> SamplingMetadata:
+        """Sampling metadata with one row per logits row: with drafts, row j of a request
+        is processed as if its first j drafts were already output (penalties count them,
+        min_tokens blocks by them)."""
+        if drafts is None:
+            drafts = [[] for _ in requests]
+        rows = [(r, d, j) for r, d in zip(requests, drafts, strict=True) for j in range(1 + len(d))]
+        return SamplingMetadata.build(
+            params=[r.sampling_params for r, _, _ in rows],
+            prompt_token_ids=[r.prompt_token_ids for r, _, _ in rows],
+            output_token_ids=[_output_ahead(r, d[:j]) for r, d, j in rows],
+            generators=[r.generator for r, _, _ in rows],
+            blocked_token_ids=[r.blocked_token_ids(j) for r, _, j in rows],
+            vocab_size=self.vocab_size,
+            device=logits.device,
+        )
+
+    def _verify(
+        self, requests: list[Request], drafts: list[list[int]], logits: torch.Tensor
+    ) -> dict[str, list[SampledToken]]:
+        """Rejection sampling of every row (rows of requests without drafts sample as
+        usual: their token is the 'bonus' after zero drafts). Requests that asked for
+        logprobs never draft (SpecDecodeManager), so none is computed here."""
+        probs, argmax = self.sampler.distributions(logits, self._metadata(requests, logits, drafts))
+        emitted = rejection_sample(
+            probs,
+            argmax,
+            drafts,
+            greedy=[r.sampling_params.temperature < GREEDY_TEMPERATURE_EPS for r in requests],
+            draft_probs=[None] * len(requests),
+            generators=[r.generator for r in requests],
+        )
+        return {
+            r.req_id: [SampledToken(t) for t in ids]
+            for r, ids in zip(requests, emitted, strict=True)
+        }
+
+
+def _output_ahead(request: Request, drafts: list[int]) -> list[int]:
+    """The output as a draft row sees it (copied only when a penalty reads it)."""
+    params = request.sampling_params
+    penalised = (
+        params.repetition_penalty != 1.0 or params.frequency_penalty or params.presence_penalty
+    )
+    return request.output_token_ids + drafts if drafts and penalised else request.output_token_ids
 
 
 def _to_tokens(requests: list[Request], out: SamplerOutput) -> dict[str, SampledToken]:
     token_ids = out.sampled_token_ids.tolist()
     if out.logprobs is None:
-        return {r.req_id: SampledToken(t) for r, t in zip(requests, token_ids, strict=True)}
+        return {r.req_id: [SampledToken(t)] for r, t in zip(requests, token_ids, strict=True)}
     top_ids = out.logprobs.token_ids.tolist()
     top_logprobs = out.logprobs.logprobs.tolist()
     ranks = out.logprobs.ranks.tolist()
@@ -125,8 +212,10 @@ def _to_tokens(requests: list[Request], out: SamplerOutput) -> dict[str, Sampled
     for row, request in enumerate(requests):
         num = request.sampling_params.logprobs
         if num is None:
-            tokens[request.req_id] = SampledToken(token_ids[row])
+            tokens[request.req_id] = [SampledToken(token_ids[row])]
             continue
         top = dict(zip(top_ids[row][1 : 1 + num], top_logprobs[row][1 : 1 + num], strict=True))
-        tokens[request.req_id] = SampledToken(token_ids[row], top_logprobs[row][0], ranks[row], top)
+        tokens[request.req_id] = [
+            SampledToken(token_ids[row], top_logprobs[row][0], ranks[row], top)
+        ]
     return tokens

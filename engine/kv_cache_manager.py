@@ -72,10 +72,13 @@ class KVCacheManager:
         request: Request,
         num_new_tokens: int,
         computed_blocks: list[KVCacheBlock] | None = None,
+        num_lookahead_tokens: int = 0,
     ) -> list[KVCacheBlock] | None:
         """Make room for `num_new_tokens` more tokens after `request.num_computed_tokens`,
         first reusing `computed_blocks` (prefix-cache hits of a new request, which the
-        caller then counts as computed).
+        caller then counts as computed), and for `num_lookahead_tokens` after those (slots
+        a draft model writes its KV into). New tokens may include drafts: only blocks full
+        of the request's known tokens are ever indexed for prefix caching.
 
         Returns the newly allocated blocks (possibly empty), or None when the pool has too
         few free blocks; then nothing changes and the caller decides whether to preempt.
@@ -83,7 +86,7 @@ class KVCacheManager:
         computed_blocks = computed_blocks or []
         blocks = self.req_to_blocks.get(request.req_id, [])
         num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
-        num_needed = cdiv(num_computed + num_new_tokens, self.block_size)
+        num_needed = cdiv(num_computed + num_new_tokens + num_lookahead_tokens, self.block_size)
         num_new_blocks = max(0, num_needed - len(blocks) - len(computed_blocks))
         # Hits sitting in the free queue stop being free once touched.
         num_evictable_hits = sum(1 for b in computed_blocks if b.ref_cnt == 0)
@@ -97,8 +100,20 @@ class KVCacheManager:
         blocks = blocks + computed_blocks + new_blocks
         self.req_to_blocks[request.req_id] = blocks
         if self.enable_prefix_caching:
-            self._cache_full_blocks(request, blocks, num_computed + num_new_tokens)
+            num_known = min(num_computed + num_new_tokens, request.num_tokens)
+            self._cache_full_blocks(request, blocks, num_known)
         return new_blocks
+
+    def free_excess_blocks(self, request: Request) -> None:
+        """Give back the blocks past the request's known tokens (slots of rejected drafts).
+        None of them is indexed: only blocks full of known tokens are."""
+        blocks = self.req_to_blocks.get(request.req_id)
+        if not blocks:
+            return
+        num_needed = cdiv(request.num_tokens, self.block_size)
+        if len(blocks) > num_needed:
+            self.pool.free_blocks(list(reversed(blocks[num_needed:])))
+            del blocks[num_needed:]
 
     def _cache_full_blocks(self, request: Request, blocks: list[KVCacheBlock], num_tokens: int):
         """Index the blocks that are full once this step's tokens are written. Their KV is

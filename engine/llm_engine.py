@@ -12,6 +12,7 @@ import torch
 
 from agentrt.engine import envs
 from agentrt.engine.args import EngineArgs
+from agentrt.engine.config import SpeculativeConfig
 from agentrt.engine.engine_core import EngineCore
 from agentrt.engine.kv_cache_manager import KVCacheManager
 from agentrt.engine.model.arch import ModelArchConfig
@@ -26,6 +27,8 @@ from agentrt.engine.outputs import OutputProcessor, RequestDelta
 from agentrt.engine.processor import Processor
 from agentrt.engine.records import EngineCoreRequest
 from agentrt.engine.scheduler import Scheduler, SchedulerStats
+from agentrt.engine.spec_decode.draft_model import DraftModelProposer, draft_model_arch
+from agentrt.engine.spec_decode.manager import SpecDecodeManager
 from agentrt.engine.structured_output import StructuredOutputManager
 
 
@@ -54,7 +57,11 @@ class LLMEngine:
             self.arch.max_position_embeddings,
         )
         block_size = config.cache.block_size
-        num_blocks = kv_pool_blocks(self.arch, config.cache, config.model.dtype)
+        spec_config = config.speculative
+        draft_arch = None
+        if spec_config is not None and spec_config.method == "draft_model":
+            draft_arch = draft_model_arch(spec_config, self.arch)  # one pool holds both KVs
+        num_blocks = kv_pool_blocks(self.arch, config.cache, config.model.dtype, draft_arch)
         self.runner = ModelRunner(
             self.arch,
             load_state_dict(path),
@@ -68,7 +75,12 @@ class LLMEngine:
         self.kv_manager = KVCacheManager(
             num_blocks, block_size, enable_prefix_caching=config.cache.enable_prefix_caching
         )
-        self.scheduler = Scheduler(self.scheduler_config, self.kv_manager, self.max_model_len)
+        self.scheduler = Scheduler(
+            self.scheduler_config,
+            self.kv_manager,
+            self.max_model_len,
+            speculative=spec_config is not None,
+        )
         eos = set(self.arch.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
@@ -85,9 +97,48 @@ class LLMEngine:
             self.arch.vocab_size,
             structured,
             overlap_grammar=self.runner.device.type == "cuda",
+            spec=self._spec_decode(spec_config, num_blocks, structured),
         )
         self.processor = self.make_processor(self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
+
+    def _spec_decode(
+        self,
+        config: SpeculativeConfig | None,
+        num_blocks: int,
+        structured: StructuredOutputManager,
+    ) -> SpecDecodeManager | None:
+        """The proposer the speculative config names, behind the manager that drafts."""
+        if config is None:
+            return None
+        proposer = None
+        if config.method == "ngram":
+            from agentrt.engine.spec_decode.ngram import NgramProposer
+
+            proposer = NgramProposer(config)
+        elif config.method == "suffix":
+            from agentrt.engine.spec_decode.suffix import SuffixProposer
+
+            proposer = SuffixProposer(config)
+        elif config.method == "draft_model":
+            proposer = DraftModelProposer(
+                config,
+                target_arch=self.arch,
+                dtype=self.model_config.dtype,
+                device=self.runner.device,
+                block_size=self.cache_config.block_size,
+                num_blocks=num_blocks,
+                max_model_len=self.max_model_len,
+                attention_backend=self.model_config.attention_backend,
+            )
+        return SpecDecodeManager(
+            config,
+            proposer,
+            self.kv_manager,
+            self.max_model_len,
+            steer_to_budget=structured.steer_to_budget,
+            proposer_has_kv=config.method == "draft_model",
+        )
 
     def make_processor(self, tokenizer) -> Processor:
         """A Processor checking this engine's limits (a front end may bring its own copy of

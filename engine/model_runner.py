@@ -25,10 +25,20 @@ def kv_block_bytes(arch: ModelArchConfig, block_size: int, dtype: torch.dtype) -
     return per_layer * arch.num_layers
 
 
-def kv_pool_blocks(arch: ModelArchConfig, cache: CacheConfig, dtype: torch.dtype) -> int:
+def kv_pool_blocks(
+    arch: ModelArchConfig,
+    cache: CacheConfig,
+    dtype: torch.dtype,
+    draft_arch: ModelArchConfig | None = None,
+) -> int:
+    """Blocks in the pool: `cache.num_blocks`, or as many as the memory budget holds. With a
+    draft model (speculative decoding) a block holds both models' KV for its positions."""
     if cache.num_blocks is not None:
         return cache.num_blocks
-    return int(cache.kv_cache_memory_gb * 2**30) // kv_block_bytes(arch, cache.block_size, dtype)
+    block_bytes = kv_block_bytes(arch, cache.block_size, dtype)
+    if draft_arch is not None:
+        block_bytes += kv_block_bytes(draft_arch, cache.block_size, dtype)
+    return int(cache.kv_cache_memory_gb * 2**30) // block_bytes
 
 
 def allocate_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device):

@@ -84,6 +84,30 @@ class GrammarBitmask:
     dead_end_req_ids: frozenset[str]
 
 
+@dataclass(slots=True)
+class SpecDecodeStats:
+    """Speculative decoding counts, of one request or summed over an engine's requests."""
+
+    num_drafts: int = 0  # verification steps that had drafts
+    num_draft_tokens: int = 0  # tokens drafted (and verified)
+    num_accepted_tokens: int = 0  # of those, accepted
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens a drafting step produced on average: accepted drafts plus the one the model
+        adds after them (vLLM's "mean acceptance length"; 1.0 = drafting gained nothing)."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+    def add(self, num_draft_tokens: int, num_accepted_tokens: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted_tokens
+
+
 @dataclass(frozen=True, slots=True)
 class SampledToken:
     """One sampled token and, when requested, its logprob and the top alternatives."""
@@ -98,7 +122,9 @@ class SampledToken:
 class SamplerStepOutput:
     """What sampling produced for the requests of one step whose chunk samples."""
 
-    tokens: dict[str, SampledToken]  # req_id -> its token, for each request that continues
+    # req_id -> its tokens, for each request that continues: one sampled token, after the
+    # drafts the model accepted when the request had drafts to verify.
+    tokens: dict[str, list[SampledToken]]
     # Requests whose grammar allowed no token (`GrammarBitmask.dead_end_req_ids`): they have
     # no entry in `tokens` and finish with an error.
     grammar_dead_end_req_ids: frozenset[str] = frozenset()
@@ -122,6 +148,8 @@ class EngineCoreOutput:
     # Why a request finished with "error": what kind of failure, and the message.
     error_code: ErrorCode | None = None
     error: str | None = None
+    # Speculative decoding counts of the request, set when it finishes.
+    spec_decode: SpecDecodeStats | None = None
 
     @property
     def finished(self) -> bool:

@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from agentrt.engine.records import EngineCoreRequest
+from agentrt.engine.records import EngineCoreRequest, SpecDecodeStats
 from agentrt.engine.sampling_params import SamplingParams
 
 
@@ -70,6 +70,8 @@ class Request:
         "generator",
         "num_cached_tokens",
         "structured",
+        "spec_token_ids",
+        "spec_stats",
     )
 
     def __init__(
@@ -98,6 +100,10 @@ class Request:
         self.stop_reason: int | str | None = None
         self.num_cached_tokens = 0  # prompt tokens found in the prefix cache at admission
         self.structured = None  # StructuredRequest when the output is grammar-constrained
+        # Speculative decoding: drafts to verify in the next step (never part of the tokens
+        # above until accepted), and this request's counts (SpecDecodeStats).
+        self.spec_token_ids: list[int] = []
+        self.spec_stats = SpecDecodeStats()
         self.generator: torch.Generator | None = None
         if sampling_params.seed is not None:
             self.generator = torch.Generator().manual_seed(sampling_params.seed)
@@ -130,10 +136,11 @@ class Request:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
 
-    def blocked_token_ids(self) -> tuple[int, ...]:
-        """Tokens the sampler must not pick now: EOS and stop ids until `min_tokens`."""
+    def blocked_token_ids(self, num_ahead: int = 0) -> tuple[int, ...]:
+        """Tokens the sampler must not pick now (or `num_ahead` tokens later, for a draft
+        position): EOS and stop ids until `min_tokens`."""
         params = self.sampling_params
-        if self.num_output_tokens >= params.min_tokens:
+        if self.num_output_tokens + num_ahead >= params.min_tokens:
             return ()
         blocked = set(params.stop_token_ids)
         if not params.ignore_eos:

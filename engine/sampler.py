@@ -218,18 +218,7 @@ class Sampler:
     """Stateless; `__call__` may modify `logits` in place (a fp32 copy is made otherwise)."""
 
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
-        # logits: [B, V_padded] with V_padded >= metadata.vocab_size
-        if logits.dim() != 2 or logits.shape[0] != metadata.num_rows:
-            raise ValueError(
-                f"logits must be [num_rows={metadata.num_rows}, vocab], got {tuple(logits.shape)}"
-            )
-        if logits.shape[1] < metadata.vocab_size:
-            raise ValueError(f"logits have {logits.shape[1]} columns < {metadata.vocab_size}")
-        if logits.dtype != torch.float32:
-            logits = logits.float()
-        if logits.shape[1] > metadata.vocab_size:
-            logits[:, metadata.vocab_size :] = -math.inf
-
+        logits = self._prepare(logits, metadata)
         raw_logprobs = None
         if metadata.max_num_logprobs is not None:
             raw_logprobs = torch.log_softmax(logits, dim=-1)  # [B, V]
@@ -242,6 +231,42 @@ class Sampler:
         if raw_logprobs is not None:
             logprobs = gather_logprobs(raw_logprobs, sampled, metadata.max_num_logprobs)
         return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
+
+    @staticmethod
+    def _prepare(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        """Checked fp32 logits with padded columns at -inf."""
+        # logits: [B, V_padded] with V_padded >= metadata.vocab_size
+        if logits.dim() != 2 or logits.shape[0] != metadata.num_rows:
+            raise ValueError(
+                f"logits must be [num_rows={metadata.num_rows}, vocab], got {tuple(logits.shape)}"
+            )
+        if logits.shape[1] < metadata.vocab_size:
+            raise ValueError(f"logits have {logits.shape[1]} columns < {metadata.vocab_size}")
+        if logits.dtype != torch.float32:
+            logits = logits.float()
+        if logits.shape[1] > metadata.vocab_size:
+            logits[:, metadata.vocab_size :] = -math.inf
+        return logits
+
+    def distributions(
+        self, logits: torch.Tensor, metadata: SamplingMetadata
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """What `__call__` would sample from, without drawing (for verifying drafts): the
+        processed logits' argmax `[B]` (a greedy row's token) and the random rows'
+        distributions `[B, V]` (unnormalised; greedy rows hold zeros), None when every row
+        is greedy. Logprobs are not computed. May modify `logits` in place."""
+        logits = self._prepare(logits, metadata)
+        apply_blocked_and_bias(logits, metadata)
+        apply_penalties(logits, metadata)
+        argmax = logits.argmax(dim=-1)  # [B]
+        if metadata.all_greedy:
+            return None, argmax
+        if metadata.all_random:
+            return random_probs(logits, metadata, None), argmax
+        random_rows = (~metadata.greedy_rows).nonzero().squeeze(1)  # [R]
+        probs = torch.zeros_like(logits)
+        probs[random_rows] = random_probs(logits[random_rows], metadata, random_rows)
+        return probs, argmax
 
     def sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
         """Greedy and random sampling of processed logits `[B, V]` -> `[B]` int64."""
@@ -274,12 +299,12 @@ def apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata) -> None:
         logits.index_put_((out.rows, out.token_ids), -out.values, accumulate=True)
 
 
-def sample_random(
+def random_probs(
     logits: torch.Tensor, metadata: SamplingMetadata, rows: torch.Tensor | None
 ) -> torch.Tensor:
-    """Temperature, top-k, top-p, min-p, then draw. `logits` `[R, V]` holds the random rows
-    only (`rows[j]` is the batch row of logits row j; None means every batch row, in order).
-    Modifies `logits` in place.
+    """Temperature, top-k, top-p, min-p: the distribution a random row draws from, `[R, V]`
+    and not normalised. `logits` `[R, V]` holds the random rows only (`rows[j]` is the batch
+    row of logits row j; None means every batch row, in order). Modifies `logits` in place.
 
     Truncation zeroes probabilities instead of masking logits: the softmax is computed once,
     and the draw scales by each row's remaining total, so no renormalisation is needed.
@@ -296,7 +321,14 @@ def sample_random(
         # The most likely token survives top-k / top-p, so the max is the untruncated one.
         threshold = select(metadata.min_p).unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
         probs.masked_fill_(probs < threshold, 0.0)
+    return probs
 
+
+def sample_random(
+    logits: torch.Tensor, metadata: SamplingMetadata, rows: torch.Tensor | None
+) -> torch.Tensor:
+    """Draw one token per random row from `random_probs` (same arguments)."""
+    probs = random_probs(logits, metadata, rows)
     # One uniform per row; seeded rows draw theirs from their own generator (a CPU one: the
     # draw is the same whatever device the logits are on, and is copied there).
     uniform = torch.rand(probs.shape[0], 1, device=probs.device)  # [R, 1]

@@ -22,6 +22,7 @@ from agentrt.engine.records import (
     SamplerStepOutput,
     ScheduledChunk,
     SchedulerOutput,
+    SpecDecodeStats,
 )
 from agentrt.engine.request import Request, RequestStatus
 
@@ -34,10 +35,21 @@ class SchedulerStats:
     num_preemptions: int
     prefix_cache_queried_tokens: int
     prefix_cache_hit_tokens: int
+    # Speculative decoding (None when it is off): drafted and accepted tokens, all requests.
+    spec_decode: SpecDecodeStats | None = None
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager, max_model_len: int):
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv_manager: KVCacheManager,
+        max_model_len: int,
+        *,
+        speculative: bool = False,
+    ):
+        """`speculative`: requests may carry drafts (`Request.spec_token_ids`, set by the
+        engine's SpecDecodeManager), verified with the request's next chunk."""
         self.config = config
         self.kv = kv_manager
         self.max_model_len = max_model_len
@@ -48,6 +60,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0
         self.errored: list[EngineCoreOutput] = []
+        self.spec_stats = SpecDecodeStats() if speculative else None
 
     def _order_key(self, request: Request) -> tuple:
         if self.config.policy == "priority":
@@ -101,6 +114,7 @@ class Scheduler:
         self.kv.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         request.num_preemptions += 1
         self.num_preemptions += 1
         self._insert_waiting(request)
@@ -118,6 +132,8 @@ class Scheduler:
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             num_new = self._num_new_tokens(request, request.num_computed_tokens, budget)
+            num_drafts = self._num_drafts(request, num_new, budget)
+            num_new += num_drafts
             while self.kv.allocate_slots(request, num_new) is None:
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -126,7 +142,7 @@ class Scheduler:
                     break
             if request.status != RequestStatus.RUNNING:
                 break  # it preempted itself: everything after it is gone too
-            chunks.append(self._chunk(request, num_new))
+            chunks.append(self._chunk(request, num_new, num_drafts))
             budget -= num_new
             index += 1
 
@@ -186,15 +202,18 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         return True
 
-    def _fail_grammar_dead_end(self, request: Request) -> EngineCoreOutput:
-        """The grammar allows no next token (the output so far cannot become valid)."""
+    def _fail_grammar_dead_end(
+        self, request: Request, new_token_ids: list[int] | None = None
+    ) -> EngineCoreOutput:
+        """The grammar allows no next token (the output so far cannot become valid).
+        `new_token_ids`: tokens this step appended before the dead end (accepted drafts)."""
         self.running.remove(request)
         request.status = RequestStatus.FINISHED_ERROR
         self._free(request)
         problems = request.structured.matcher.validate_final()
         return EngineCoreOutput(
             request.req_id,
-            [],
+            new_token_ids or [],
             None,
             "error",
             structured_errors=problems,
@@ -216,42 +235,58 @@ class Scheduler:
             num_new = min(num_new, threshold)
         return num_new
 
-    def _chunk(self, request: Request, num_new: int) -> ScheduledChunk:
+    def _num_drafts(self, request: Request, num_new: int, budget: int) -> int:
+        """How many of the request's drafts to verify this step: those that fit in the
+        budget, and only when the chunk reaches the end of its known tokens (the drafts
+        follow the last one). Drafts left out are dropped (they are only guesses)."""
+        if request.num_computed_tokens + num_new < request.num_tokens:
+            return 0
+        num_drafts = min(len(request.spec_token_ids), budget - num_new)
+        del request.spec_token_ids[num_drafts:]
+        return num_drafts
+
+    def _chunk(self, request: Request, num_new: int, num_drafts: int = 0) -> ScheduledChunk:
         start = request.num_computed_tokens
+        num_known = num_new - num_drafts
         return ScheduledChunk(
             req_id=request.req_id,
-            token_ids=request.all_token_ids[start : start + num_new],
+            token_ids=request.all_token_ids[start : start + num_known] + request.spec_token_ids,
             start_pos=start,
             block_ids=self.kv.block_ids(request.req_id),
-            sample=start + num_new == request.num_tokens,
+            sample=start + num_known == request.num_tokens,
+            num_draft_tokens=num_drafts,
         )
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, sampled: SamplerStepOutput
     ) -> list[EngineCoreOutput]:
-        """Advance computed counts, append sampled tokens (and the tokens their grammars
-        force next), apply stop conditions and free the blocks of finished requests.
-        Returns one delta per request that sampled."""
+        """Advance computed counts, append sampled tokens (accepted drafts first, then the
+        tokens their grammars force next), apply stop conditions and free the blocks of
+        finished requests. Returns one delta per request that sampled."""
         outputs = []
         for chunk in scheduler_output.chunks:
             request = self.requests.get(chunk.req_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # aborted while the step ran
-            request.num_computed_tokens += len(chunk.token_ids)
+            # Drafts count as computed only once accepted: the KV of rejected ones is junk
+            # in slots the next step overwrites.
+            request.num_computed_tokens += len(chunk.token_ids) - chunk.num_draft_tokens
+            request.spec_token_ids = []
             if not chunk.sample:
                 continue
             if chunk.req_id in sampled.grammar_dead_end_req_ids:
                 outputs.append(self._fail_grammar_dead_end(request))
                 continue
-            token = sampled.tokens[chunk.req_id]
-            if request.structured is not None and not request.structured.matcher.accept_token(
-                token.token_id
-            ):  # cannot happen with the bitmask applied; fail rather than go on unchecked
-                outputs.append(self._fail_grammar_dead_end(request))
+            tokens = sampled.tokens[chunk.req_id]  # accepted drafts, then one more
+            if chunk.num_draft_tokens:
+                request.spec_stats.add(chunk.num_draft_tokens, len(tokens) - 1)
+                self.spec_stats.add(chunk.num_draft_tokens, len(tokens) - 1)
+            new_token_ids, refused = self._append_tokens(request, [t.token_id for t in tokens])
+            if refused:  # a token after an accepted draft may meet a dead end; otherwise
+                # this cannot happen with the bitmask applied: fail rather than go on
+                outputs.append(self._fail_grammar_dead_end(request, new_token_ids))
                 continue
-            request.append_output_token(token.token_id)
-            new_token_ids = [token.token_id]
-            if not request.check_stop(self.max_model_len):
+            if not request.status.finished:
                 new_token_ids += self._jump_forward(request)
             structured_errors, num_steered = None, 0
             if request.status.finished:
@@ -260,19 +295,42 @@ class Scheduler:
                 if request.structured is not None:
                     structured_errors = request.structured.matcher.validate_final()
                     num_steered = request.structured.matcher.num_steered
+            elif chunk.num_draft_tokens:
+                self.kv.free_excess_blocks(request)  # rejected drafts' slots go back
             outputs.append(
                 EngineCoreOutput(
                     req_id=request.req_id,
                     new_token_ids=new_token_ids,
-                    new_logprobs=[token] if token.logprob is not None else None,
+                    new_logprobs=tokens if tokens[0].logprob is not None else None,
                     finish_reason=request.status.finish_reason,
                     stop_reason=request.stop_reason,
                     num_cached_tokens=request.num_cached_tokens,
                     structured_errors=structured_errors,
                     num_steered_tokens=num_steered,
+                    spec_decode=(
+                        request.spec_stats
+                        if request.status.finished and self.spec_stats is not None
+                        else None
+                    ),
                 )
             )
         return outputs
+
+    def _append_tokens(self, request: Request, token_ids: list[int]) -> tuple[list[int], bool]:
+        """Append one step's tokens (the accepted drafts, whose KV this step computed, then
+        the sampled one), through the grammar, until the request stops. Returns the tokens
+        appended, and whether the grammar refused the next one (the request then fails)."""
+        num_drafts = len(token_ids) - 1
+        for i, token_id in enumerate(token_ids):
+            structured = request.structured
+            if structured is not None and not structured.matcher.accept_token(token_id):
+                return token_ids[:i], True
+            request.append_output_token(token_id)
+            if i < num_drafts:
+                request.num_computed_tokens += 1
+            if request.check_stop(self.max_model_len):
+                return token_ids[: i + 1], False
+        return list(token_ids), False
 
     def _jump_forward(self, request: Request) -> list[int]:
         """Append the tokens the request's grammar forces next (none when it has no grammar,
@@ -303,4 +361,5 @@ class Scheduler:
             num_preemptions=self.num_preemptions,
             prefix_cache_queried_tokens=self.kv.stats.num_queried_tokens,
             prefix_cache_hit_tokens=self.kv.stats.num_hit_tokens,
+            spec_decode=self.spec_stats,
         )

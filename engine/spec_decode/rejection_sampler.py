@@ -30,7 +30,7 @@ from agentrt.engine.sampler import draw_inverse_cdf
 
 
 def rejection_sample(
-    probs: torch.Tensor,
+    probs: torch.Tensor | None,
     argmax: torch.Tensor,
     draft_token_ids: list[list[int]],
     greedy: list[bool],
@@ -41,7 +41,7 @@ def rejection_sample(
 
     `probs` `[N, V]` float32: the model's processed distribution per row (after temperature,
     top-k, top-p, min-p and the grammar mask); rows need not be normalised, and greedy
-    requests' rows are never read (they may be garbage). `argmax` `[N]`: argmax of the
+    requests' rows are never read (they may be garbage); None when every request is greedy. `argmax` `[N]`: argmax of the
     processed logits, used for greedy requests only. `N = sum(k_i + 1)`.
     `draft_probs[i]` `[k_i, V]`: the distribution each draft was drawn from (need not be
     normalised, on `probs`' device), or None for one-hot drafts. `generators[i]`: the
@@ -55,7 +55,18 @@ def rejection_sample(
     for k in num_drafts:
         starts.append(starts[-1] + k + 1)
     num_rows = starts[-1]
-    assert probs.shape[0] == num_rows and argmax.shape == (num_rows,)
+    assert argmax.shape == (num_rows,)
+    if probs is None:  # every request is greedy: accept while the draft is the argmax
+        assert all(greedy)
+        best = argmax.tolist()
+        emitted = []
+        for i, draft in enumerate(draft_token_ids):
+            n = 0
+            while n < len(draft) and draft[n] == best[starts[i] + n]:
+                n += 1
+            emitted.append(draft[:n] + [best[starts[i] + n]])
+        return emitted
+    assert probs.shape[0] == num_rows
     device = probs.device
 
     # One uniform per row, aligned with the rows: uniform[start_i + j] decides draft j, and

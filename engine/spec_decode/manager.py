@@ -1,0 +1,158 @@
+"""SpecDecodeManager: after each step, drafts for the requests that go on.
+
+It decides how many tokens each request may draft (adaptive: fewer while its drafts are
+rejected, none while the batch is large; never past `max_tokens`, the context, or into the
+steering window at the end of a structured output's budget), asks the proposer, and cuts
+each draft where the request's grammar refuses a token or after a stop token. The drafts
+wait in `Request.spec_token_ids` for the scheduler, which verifies them with the request's
+next chunk.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from agentrt.engine.config import SpeculativeConfig
+from agentrt.engine.kv_cache_manager import KVCacheManager
+from agentrt.engine.request import Request, RequestStatus
+from agentrt.engine.spec_decode.base import DraftContext, Proposer
+from agentrt.grammar.budget import STEER_WINDOW
+
+# The prompt head that, with the schema, groups requests in the suffix cache: a chat's
+# system prompt and tool list start a prompt (ChatML) and fit in its first tokens.
+CACHE_KEY_PROMPT_TOKENS = 64
+# Adaptive drafting: a request's acceptance is a moving average with this weight on the
+# newest step; below `adaptive_min_acceptance` it pauses drafting for PAUSE_STEPS steps.
+ACCEPTANCE_WEIGHT = 0.3
+PAUSE_STEPS = 16
+
+
+@dataclass(slots=True)
+class _Adaptive:
+    acceptance: float = 1.0  # moving average of accepted / drafted
+    paused_steps: int = 0
+
+
+class SpecDecodeManager:
+    def __init__(
+        self,
+        config: SpeculativeConfig,
+        proposer: Proposer | None,
+        kv: KVCacheManager,
+        max_model_len: int,
+        *,
+        steer_to_budget: bool = True,
+        proposer_has_kv: bool = False,
+    ) -> None:
+        """`proposer`: None for the 'grammar' method (drafts are the grammar's forced
+        tokens). `proposer_has_kv`: the proposer (the draft model) writes KV into the
+        request's blocks for its draft positions; their slots are allocated here first."""
+        self.config = config
+        self.proposer = proposer
+        self.kv = kv
+        self.max_model_len = max_model_len
+        self.steer_to_budget = steer_to_budget
+        self.proposer_has_kv = proposer_has_kv
+        self._adaptive: dict[str, _Adaptive] = {}
+
+    def propose(self, requests: list[Request], num_running: int) -> None:
+        """Set `spec_token_ids` of each running request in `requests` (those that sampled
+        this step). Does not change any request's tokens or grammar state."""
+        if self.config.disable_by_batch_size and num_running > self.config.disable_by_batch_size:
+            return
+        contexts, max_tokens, targets = [], [], []
+        for request in requests:
+            if request.status != RequestStatus.RUNNING:
+                continue
+            num = self._max_drafts(request)
+            if num <= 0:
+                continue
+            if self.proposer is None:  # grammar drafts
+                self._set_drafts(request, request.structured.matcher.forced_tokens()[:num])
+                continue
+            if self.proposer_has_kv and not self._reserve(request, num):
+                continue
+            contexts.append(self._context(request))
+            max_tokens.append(num)
+            targets.append(request)
+        if contexts:
+            for request, draft in zip(
+                targets, self.proposer.propose(contexts, max_tokens), strict=True
+            ):
+                self._set_drafts(request, draft)
+
+    def _max_drafts(self, request: Request) -> int:
+        params = request.sampling_params
+        if params.logprobs is not None:
+            return 0  # logprobs are reported per sampled token; drafts would skip them
+        if self.proposer is None and request.structured is None:
+            return 0
+        num = self.config.num_speculative_tokens
+        if self.config.adaptive:
+            state = self._adaptive.setdefault(request.req_id, _Adaptive())
+            if state.paused_steps:
+                state.paused_steps -= 1
+                return 0
+            num = max(1, round(num * state.acceptance))
+        # One more token follows the drafts: all of them must fit in max_tokens and the context.
+        num = min(
+            num,
+            request.max_tokens - request.num_output_tokens - 1,
+            self.max_model_len - request.num_tokens - 1,
+        )
+        if request.structured is not None and self.steer_to_budget and not params.ignore_eos:
+            # No draft position may fall in the steering window at the end of the budget:
+            # there the grammar steers one row at a time (grammar/budget.py).
+            num = min(num, request.max_tokens - request.num_output_tokens - STEER_WINDOW - 1)
+        return num
+
+    def _reserve(self, request: Request, num_drafts: int) -> bool:
+        """KV slots for the draft model's positions; False (no drafts) when the pool is
+        short: drafting never preempts anyone."""
+        # The draft model computes positions up to that of its next-to-last draft.
+        num_slots = request.num_tokens + num_drafts - 1 - request.num_computed_tokens
+        return self.kv.allocate_slots(request, 0, num_lookahead_tokens=num_slots) is not None
+
+    def _context(self, request: Request) -> DraftContext:
+        structured = request.structured
+        spec = structured.matcher.grammar.spec if structured is not None else None
+        return DraftContext(
+            req_id=request.req_id,
+            token_ids=request.all_token_ids,
+            num_prompt_tokens=request.num_prompt_tokens,
+            cache_key=(spec, tuple(request.prompt_token_ids[:CACHE_KEY_PROMPT_TOKENS])),
+            block_ids=self.kv.block_ids(request.req_id),
+            num_preemptions=request.num_preemptions,
+        )
+
+    def _set_drafts(self, request: Request, draft: list[int]) -> None:
+        """Keep the draft up to the first token the grammar refuses, and nothing after a
+        stop token (EOS or a stop id: the output would end there)."""
+        stops = request.eos_token_ids | set(request.sampling_params.stop_token_ids)
+        matcher = request.structured.matcher if request.structured is not None else None
+        kept = 0
+        for token_id in draft:
+            if matcher is not None and not matcher.accept_token(token_id):
+                break
+            kept += 1
+            if token_id in stops:
+                break
+        if matcher is not None:
+            matcher.rollback(kept)
+        request.spec_token_ids = list(draft[:kept])
+
+    def verified(self, request: Request, num_drafts: int, num_accepted: int) -> None:
+        """Adaptive drafting learns from one verification step."""
+        if not self.config.adaptive or not num_drafts:
+            return
+        state = self._adaptive.setdefault(request.req_id, _Adaptive())
+        rate = num_accepted / num_drafts
+        state.acceptance += ACCEPTANCE_WEIGHT * (rate - state.acceptance)
+        if state.acceptance < self.config.adaptive_min_acceptance:
+            state.paused_steps = PAUSE_STEPS
+            state.acceptance = 2 * self.config.adaptive_min_acceptance  # try again later
+
+    def request_finished(self, request: Request, completed: bool) -> None:
+        self._adaptive.pop(request.req_id, None)
+        if self.proposer is not None:
+            self.proposer.request_finished(self._context(request), completed)
