@@ -17,6 +17,7 @@ from agentrt.engine.engine_core import EngineCore
 from agentrt.engine.kv_cache_manager import KVCacheManager
 from agentrt.engine.model.arch import ModelArchConfig
 from agentrt.engine.model.checkpoint import (
+    gguf_source,
     load_hf_config,
     load_state_dict,
     load_tokenizer,
@@ -71,6 +72,8 @@ class LLMEngine:
             num_blocks=num_blocks,
             max_model_len=self.max_model_len,
             attention_backend=config.model.attention_backend,
+            quantization=config.model.quantization,
+            gguf_file=gguf_source(model),
         )
         self.kv_manager = KVCacheManager(
             num_blocks, block_size, enable_prefix_caching=config.cache.enable_prefix_caching

@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import math
 import mmap
+import os
 from collections.abc import Sequence
 
 import torch
@@ -14,6 +15,7 @@ from agentrt.engine.attention import AttentionMetadata, get_attention_backend
 from agentrt.engine.config import CacheConfig
 from agentrt.engine.model.arch import ModelArchConfig
 from agentrt.engine.model.llama import LlamaForCausalLM
+from agentrt.engine.model.quantization import quantize_model
 from agentrt.engine.model.rope import RotaryEmbedding
 from agentrt.engine.records import ModelInput, ScheduledChunk, SchedulerOutput
 
@@ -69,7 +71,11 @@ class ModelRunner:
         num_blocks: int,
         max_model_len: int,
         attention_backend: str = "auto",
+        quantization: str = "none",
+        gguf_file: str | os.PathLike[str] | None = None,
     ) -> None:
+        """`quantization` ('none', 'int8', 'int4'): see engine/model/quantization.py;
+        `gguf_file` is the GGUF the checkpoint was converted from (int4 reads its blocks)."""
         self.arch = arch
         self.dtype = dtype
         self.device = device
@@ -91,6 +97,8 @@ class ModelRunner:
         )
         model.load_hf_state_dict(state_dict)
         self.model = model.to(dtype).eval()
+        if quantization != "none":
+            quantize_model(self.model, quantization, gguf_file)
         shape = (num_blocks, 2, block_size, arch.num_kv_heads, arch.head_dim)
         self.kv_caches = [allocate_zeros(shape, dtype, device) for _ in range(arch.num_layers)]
 

@@ -6,6 +6,7 @@ directory (config.json + safetensors + tokenizer files); everything else reads f
     resolve_model(None)                   -> cached conversion of the embedded SmolLM2 GGUF
     resolve_model("/ckpt")                -> /ckpt           (validated, not copied)
     resolve_model("/m.gguf")              -> cached conversion of m.gguf
+    gguf_source(None)                     -> the embedded .gguf file (None for HF dirs)
     load_hf_config(dir)                   -> config.json as a dict (architecture validated)
     load_state_dict(dir, torch.bfloat16)  -> {HF parameter name: tensor}, shards merged
     load_tokenizer(dir)                   -> transformers tokenizer with its chat template
@@ -19,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from agentrt.engine.errors import ModelLoadError
-from agentrt.engine.model.gguf_convert import convert_embedded, convert_gguf
+from agentrt.engine.model.gguf_convert import convert_embedded, convert_gguf, embedded_gguf_path
 
 if TYPE_CHECKING:
     import torch
@@ -73,6 +74,20 @@ def resolve_model(model: str | os.PathLike[str] | None = None) -> Path:
         )
     safetensors_files(path)  # raises when the weights are missing or in another format
     return _validated(path)
+
+
+def gguf_source(model: str | os.PathLike[str] | None = None) -> Path | None:
+    """The .gguf file `resolve_model(model)` converts, or None for an HF checkpoint
+    directory (quantized weights read the file's own blocks)."""
+    if model is None:
+        return embedded_gguf_path()
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        return path
+    ggufs = sorted(path.glob("*.gguf")) if path.is_dir() else []
+    if not (path / "config.json").is_file() and len(ggufs) == 1:
+        return ggufs[0]
+    return None
 
 
 def load_hf_config(path: str | os.PathLike[str]) -> dict[str, Any]:

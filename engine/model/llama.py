@@ -117,6 +117,9 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(
             cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, kernel_ops=kernel_ops
         )
+        # The output projection when quantized (quantization.quantize_model sets it); else the
+        # lm_head or tied embedding weight in the model's dtype.
+        self.logits_proj: nn.Module | None = None
 
     @torch.inference_mode()
     def forward(
@@ -137,6 +140,8 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden (S, hidden) of the sampled positions -> logits (S, vocab) in fp32."""
+        if self.logits_proj is not None:
+            return self.logits_proj(self.norm(hidden)).float()
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(self.norm(hidden), weight).float()
 
