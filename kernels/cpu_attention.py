@@ -114,6 +114,10 @@ class CpuAttention:
         fn.argtypes = [ptr, ptr, ptr, ctypes.c_int, ptr, ptr, ptr, i64]
         fn.argtypes += [i64, i64, i64, i64, i64, ctypes.c_float, ctypes.c_int]
         self._attend = fn
+        # The metadata last validated, held (so no other tensor can take its id) with the
+        # version counters it had then: every layer of a step passes the same metadata, which
+        # is so checked once per step instead of once per layer (~10 small ops each time).
+        self._checked: tuple = ()
 
     def paged_attention(
         self,
@@ -150,30 +154,11 @@ class CpuAttention:
         num_requests = seq_lens.shape[0]
         if num_requests == 0:
             return out
-        # Out-of-range values would read or write outside the tensors: check them (cheap on
-        # the CPU).
-        query_lens = query_start_loc.diff()
-        if int(query_start_loc[0]) < 0 or int(query_lens.min()) < 0:
-            raise KernelInputError(
-                "query_start_loc must be non-decreasing from 0 or more.", arg="query_start_loc"
-            )
-        if int(query_start_loc[-1]) > query.shape[0]:
-            raise KernelInputError(
-                f"query_start_loc ends at {int(query_start_loc[-1])}, past query's "
-                f"{query.shape[0]} rows.",
-                arg="query_start_loc",
-            )
-        capacity = block_tables.shape[1] * block_size
-        if (seq_lens < query_lens).any() or int(seq_lens.max()) > capacity:
-            raise KernelInputError(
-                "seq_lens must hold each request's query tokens and at most "
-                f"{capacity} (max_blocks * block_size) positions.",
-                arg="seq_lens",
-            )
-        if int(block_tables.min()) < 0 or int(block_tables.max()) >= num_blocks:
-            raise KernelInputError(
-                f"block_tables holds ids outside [0, {num_blocks}).", arg="block_tables"
-            )
+        metadata = (query_start_loc, seq_lens, block_tables)
+        key = (query.shape[0], num_blocks, block_size, *(t._version for t in metadata))
+        if not self._is_checked(metadata, key):
+            _check_metadata(query, query_start_loc, seq_lens, block_tables, num_blocks, block_size)
+            self._checked = (metadata, key)
         status = self._attend(
             query.data_ptr(),
             kv_cache.data_ptr(),
@@ -196,6 +181,40 @@ class CpuAttention:
         if status != 0:  # the checks above exclude the shapes it rejects
             raise KernelInputError(f"the CPU attention kernel rejected its input ({status}).")
         return out
+
+    def _is_checked(self, metadata: tuple, key: tuple) -> bool:
+        if not self._checked:
+            return False
+        checked, checked_key = self._checked
+        return checked_key == key and all(a is b for a, b in zip(checked, metadata, strict=True))
+
+
+def _check_metadata(query, query_start_loc, seq_lens, block_tables, num_blocks, block_size):
+    """Raise KernelInputError for values that would read or write outside the tensors."""
+    # Out-of-range values would read or write outside the tensors: check them (cheap on
+    # the CPU).
+    query_lens = query_start_loc.diff()
+    if int(query_start_loc[0]) < 0 or int(query_lens.min()) < 0:
+        raise KernelInputError(
+            "query_start_loc must be non-decreasing from 0 or more.", arg="query_start_loc"
+        )
+    if int(query_start_loc[-1]) > query.shape[0]:
+        raise KernelInputError(
+            f"query_start_loc ends at {int(query_start_loc[-1])}, past query's "
+            f"{query.shape[0]} rows.",
+            arg="query_start_loc",
+        )
+    capacity = block_tables.shape[1] * block_size
+    if (seq_lens < query_lens).any() or int(seq_lens.max()) > capacity:
+        raise KernelInputError(
+            "seq_lens must hold each request's query tokens and at most "
+            f"{capacity} (max_blocks * block_size) positions.",
+            arg="seq_lens",
+        )
+    if int(block_tables.min()) < 0 or int(block_tables.max()) >= num_blocks:
+        raise KernelInputError(
+            f"block_tables holds ids outside [0, {num_blocks}).", arg="block_tables"
+        )
 
 
 @functools.cache

@@ -150,3 +150,19 @@ def test_build_errors_name_the_compiler(tmp_path, monkeypatch):
     with pytest.raises(KernelBuildError, match="compiling cpu_attention.c with 'false' failed"):
         load_cpu_attention(tmp_path / "b")
     assert not any((tmp_path / "b").iterdir())  # the failed build left nothing behind
+
+
+def test_metadata_is_checked_once_per_step_and_again_when_it_changes(kernel, cpu_batch):
+    """Every layer of a step passes the same metadata tensors: they are validated on the
+    first call only. Changed in place (their version moves on), or replaced by new tensors,
+    they are validated again."""
+    batch = cpu_batch([20, 7], [3, 1], 4, 2, 64, 16, torch.float32)
+    first = attend(kernel, batch, 0.125)
+    torch.testing.assert_close(attend(kernel, batch, 0.125), first)  # the same again
+    batch.block_tables += 1_000  # in place: same tensor, newer version
+    with pytest.raises(KernelInputError, match="block_tables holds ids outside"):
+        attend(kernel, batch, 0.125)
+    batch.block_tables = batch.block_tables - 1_000
+    batch.seq_lens = torch.tensor([20, 10_000], dtype=torch.int32)
+    with pytest.raises(KernelInputError, match="seq_lens must hold"):
+        attend(kernel, batch, 0.125)
