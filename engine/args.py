@@ -80,7 +80,9 @@ class EngineArgs:
         0, "cap on one request's prefill tokens per step (0: only the step budget caps it)"
     )
     jump_forward: bool = _option(
-        True, "append the tokens a grammar forces at once instead of sampling them"
+        True,
+        "append the tokens a grammar forces at once instead of sampling them (off with "
+        "speculative method 'grammar', whose drafts are those tokens, verified)",
     )
     max_waiting_requests: int = _option(
         256,
@@ -121,6 +123,10 @@ class EngineArgs:
 
     def create_configs(self) -> EngineConfig:
         """The validated config records (each raises `ConfigError` naming a bad value)."""
+        speculative = SpeculativeConfig.parse(self.speculative_config)
+        # Grammar drafts are the tokens jump-forward would append unverified: one replaces
+        # the other.
+        grammar_drafts = speculative is not None and speculative.method == "grammar"
         return EngineConfig(
             model=ModelConfig(
                 model=self.model,
@@ -142,11 +148,11 @@ class EngineArgs:
                 max_num_batched_tokens=self.max_num_batched_tokens,
                 policy=self.scheduling_policy,
                 long_prefill_token_threshold=self.long_prefill_token_threshold,
-                jump_forward=self.jump_forward,
+                jump_forward=self.jump_forward and not grammar_drafts,
                 max_waiting_requests=self.max_waiting_requests,
             ),
             structured_outputs=StructuredOutputsConfig(grammar_timeout_s=self.grammar_timeout_s),
-            speculative=SpeculativeConfig.parse(self.speculative_config),
+            speculative=speculative,
         )
 
     # -- command line ------------------------------------------------------------------------

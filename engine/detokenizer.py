@@ -80,9 +80,11 @@ class IncrementalDetokenizer:
     def append(self, token_ids: Sequence[int]) -> str | None:
         """Add generated tokens; return the stop string they completed, else None.
 
-        When a stop string matches, the text is cut there and the remaining tokens of this
-        call (and any later call) add no text. Appending after the final release raises
-        `EngineError`.
+        When a stop string matches, the text is cut there and the output ends with the token
+        that completed it: the remaining tokens of this call (one step may bring several:
+        jump-forward, accepted drafts) and of any later call are dropped, so the output is
+        the same as if the tokens had come one per step. Appending after the final release
+        raises `EngineError`.
         """
         if self._released:
             raise EngineError(
@@ -90,9 +92,8 @@ class IncrementalDetokenizer:
                 "request; use streaming=True while tokens may still come."
             )
         if self.stop_reason is not None:
-            self.token_ids.extend(token_ids)
             return None
-        for i, token_id in enumerate(token_ids):
+        for token_id in token_ids:
             self.token_ids.append(token_id)
             chunk = self._step(token_id)
             if not chunk:
@@ -101,7 +102,6 @@ class IncrementalDetokenizer:
             self._text += chunk
             self._num_decoded_tokens = len(self.token_ids)
             if self.stop and self._check_stop(old_len):
-                self.token_ids.extend(token_ids[i + 1 :])  # kept as ids, never as text
                 return self.stop_reason
         return None
 

@@ -82,7 +82,7 @@ class LLMEngine:
             self.scheduler_config,
             self.kv_manager,
             self.max_model_len,
-            speculative=spec_config is not None,
+            speculative_method=spec_config.method if spec_config is not None else None,
         )
         eos = set(self.arch.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:

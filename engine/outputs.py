@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from agentrt.engine.detokenizer import IncrementalDetokenizer
 from agentrt.engine.errors import ErrorCode
-from agentrt.engine.records import EngineCoreOutput
+from agentrt.engine.records import EngineCoreOutput, SpecDecodeStats
 from agentrt.engine.sampling_params import SamplingParams
 
 
@@ -45,6 +45,8 @@ class RequestMetrics:
     first_token_time: float | None = None
     finished_time: float | None = None
     num_output_tokens: int = 0
+    # Speculative decoding (set when it is on, once finished): tokens drafted and accepted.
+    spec_decode: SpecDecodeStats | None = None
 
     @property
     def time_to_first_token(self) -> float | None:
@@ -145,11 +147,13 @@ class OutputProcessor:
             completion = out.outputs[0]
             if out.metrics.first_token_time is None and core.new_token_ids:
                 out.metrics.first_token_time = time.monotonic()
-            completion.token_ids.extend(core.new_token_ids)
+            num_before = len(state.detokenizer.token_ids)
+            stop_str = state.detokenizer.append(core.new_token_ids)
+            new_token_ids = state.detokenizer.token_ids[num_before:]  # cut after a stop string
+            completion.token_ids.extend(new_token_ids)
             num_logprobs = len(completion.logprobs) if completion.logprobs is not None else 0
             if core.new_logprobs is not None and completion.logprobs is not None:
                 self._add_logprobs(completion, core)
-            stop_str = state.detokenizer.append(core.new_token_ids)
             finish_reason, stop_reason = core.finish_reason, core.stop_reason
             if stop_str is not None:
                 finish_reason, stop_reason = "stop", stop_str
@@ -162,7 +166,7 @@ class OutputProcessor:
             delta = RequestDelta(
                 core.req_id,
                 text,
-                list(core.new_token_ids),
+                new_token_ids,
                 completion.logprobs[num_logprobs:] if completion.logprobs is not None else None,
                 core.num_cached_tokens,
             )
@@ -176,6 +180,7 @@ class OutputProcessor:
                 out.finished = True
                 out.metrics.finished_time = time.monotonic()
                 out.metrics.num_output_tokens = len(completion.token_ids)
+                out.metrics.spec_decode = core.spec_decode
                 delta.output = out
                 del self.states[core.req_id]
             if delta.text or delta.token_ids or delta.finished:

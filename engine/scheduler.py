@@ -11,6 +11,7 @@ by recompute: its blocks are freed and it goes back to the front of the waiting 
 from __future__ import annotations
 
 import bisect
+import dataclasses
 from collections import deque
 from dataclasses import dataclass
 
@@ -35,7 +36,9 @@ class SchedulerStats:
     num_preemptions: int
     prefix_cache_queried_tokens: int
     prefix_cache_hit_tokens: int
-    # Speculative decoding (None when it is off): drafted and accepted tokens, all requests.
+    # Speculative decoding (None when it is off): its method, and the drafted and accepted
+    # tokens of all requests so far.
+    spec_decode_method: str | None = None
     spec_decode: SpecDecodeStats | None = None
 
 
@@ -46,10 +49,10 @@ class Scheduler:
         kv_manager: KVCacheManager,
         max_model_len: int,
         *,
-        speculative: bool = False,
+        speculative_method: str | None = None,
     ):
-        """`speculative`: requests may carry drafts (`Request.spec_token_ids`, set by the
-        engine's SpecDecodeManager), verified with the request's next chunk."""
+        """`speculative_method`: requests may carry drafts (`Request.spec_token_ids`, set by
+        the engine's SpecDecodeManager), verified with the request's next chunk."""
         self.config = config
         self.kv = kv_manager
         self.max_model_len = max_model_len
@@ -60,7 +63,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0
         self.errored: list[EngineCoreOutput] = []
-        self.spec_stats = SpecDecodeStats() if speculative else None
+        self.speculative_method = speculative_method
+        self.spec_stats = SpecDecodeStats() if speculative_method else None
 
     def _order_key(self, request: Request) -> tuple:
         if self.config.policy == "priority":
@@ -361,5 +365,8 @@ class Scheduler:
             num_preemptions=self.num_preemptions,
             prefix_cache_queried_tokens=self.kv.stats.num_queried_tokens,
             prefix_cache_hit_tokens=self.kv.stats.num_hit_tokens,
-            spec_decode=self.spec_stats,
+            spec_decode_method=self.speculative_method,
+            spec_decode=dataclasses.replace(self.spec_stats)
+            if self.spec_stats is not None
+            else None,
         )

@@ -21,6 +21,7 @@ from prometheus_client import (
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from agentrt.engine.records import SpecDecodeStats
 from agentrt.engine.scheduler import SchedulerStats
 
 # generate_latest writes the classic text format (our names need no UTF-8 escaping).
@@ -166,6 +167,46 @@ class _EngineStats:
         ):
             metric = family(f"agentrt:{name}", help_text, labels=["model_name"])
             metric.add_metric([self.model_name], value)
+            yield metric
+        if stats.spec_decode is not None:
+            yield from self._spec_decode(stats.spec_decode_method, stats.spec_decode)
+
+    def _spec_decode(self, method: str, spec: SpecDecodeStats) -> Iterator[Metric]:
+        """vLLM's spec_decode series (labelled with the method too), and the two ratios."""
+        for family, name, help_text, value in (
+            (
+                CounterMetricFamily,
+                "spec_decode_num_drafts",
+                "Verification steps that had drafts.",
+                spec.num_drafts,
+            ),
+            (
+                CounterMetricFamily,
+                "spec_decode_num_draft_tokens",
+                "Draft tokens verified.",
+                spec.num_draft_tokens,
+            ),
+            (
+                CounterMetricFamily,
+                "spec_decode_num_accepted_tokens",
+                "Draft tokens accepted.",
+                spec.num_accepted_tokens,
+            ),
+            (
+                GaugeMetricFamily,
+                "spec_decode_acceptance_rate",
+                "Accepted / drafted tokens since start.",
+                spec.acceptance_rate,
+            ),
+            (
+                GaugeMetricFamily,
+                "spec_decode_mean_accepted_length",
+                "Tokens per drafting step since start: accepted drafts + 1.",
+                spec.mean_accepted_length,
+            ),
+        ):
+            metric = family(f"agentrt:{name}", help_text, labels=["model_name", "method"])
+            metric.add_metric([self.model_name, method], value)
             yield metric
 
     def describe(self) -> Iterator[Metric]:
