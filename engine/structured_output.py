@@ -124,14 +124,15 @@ class StructuredOutputManager:
     ) -> GrammarBitmask | None:
         """The bitmask of one step's sampled rows, or None when no request is constrained.
         Request i has 1 + len(drafts[i]) consecutive rows (no drafts: one row): row j holds
-        what may follow its tokens and its first j drafts (fill, accept the draft, fill the
-        next row, then roll back: the matcher ends where it started).
+        what may follow its tokens and its first j drafts (`fill_draft_bitmasks`: the
+        matcher and its steering end where they started).
 
         A dead end happens when the token grammar accepted an output that the final check
         rejects (a keyword it does not enforce): nothing may follow, and the request must
         fail rather than sample an arbitrary token. Only a request's first row can be one;
         an empty later row (after a stop token drafted, say) is left unapplied: its token
-        counts only if every draft before it is accepted, and the matcher checks it then."""
+        counts only if every draft before it is accepted, and the matcher checks it then.
+        So are the rows after a draft the grammar refuses (drafts are cut before that)."""
         drafts = drafts or [[] for _ in requests]
         if all(r.structured is None for r in requests):
             return None
@@ -142,31 +143,22 @@ class StructuredOutputManager:
             if request.structured is None:
                 row += 1 + len(draft)
                 continue
+            left = _tokens_left(request) if self.steer_to_budget else None
             matcher = request.structured.matcher
-            num_accepted = 0
-            for j in range(1 + len(draft)):
-                left = _tokens_left(request, j) if self.steer_to_budget else None
-                matcher.fill_bitmask(mask, row + j, tokens_left=left)
-                if mask[row + j].any():
-                    live.append(row + j)
-                elif j == 0:
-                    dead.add(request.req_id)
-                if j == len(draft) or not matcher.accept_token(draft[j]):
-                    break  # drafts were checked against the grammar: only a stop ends early
-                num_accepted += 1
-            matcher.rollback(num_accepted)
+            num_rows = matcher.fill_draft_bitmasks(mask, row, draft, tokens_left=left)
+            if not mask[row].any():
+                dead.add(request.req_id)
+            live.extend(r for r in range(row, row + num_rows) if mask[r].any())
             row += 1 + len(draft)
         return GrammarBitmask(
             torch.from_numpy(mask), torch.tensor(live, dtype=torch.int64), frozenset(dead)
         )
 
 
-def _tokens_left(request: Request, num_ahead: int = 0) -> int | None:
-    """Tokens the output may still have, the stop token included, `num_ahead` tokens from
-    now (a draft position); None when a stop token could not end it then (ignore_eos, or
-    min_tokens not reached)."""
+def _tokens_left(request: Request) -> int | None:
+    """Tokens the output may still have, the stop token included; None when a stop token
+    could not end it now (ignore_eos, or min_tokens not reached)."""
     params = request.sampling_params
-    num_output = request.num_output_tokens + num_ahead
-    if params.ignore_eos or num_output < params.min_tokens:
+    if params.ignore_eos or request.num_output_tokens < params.min_tokens:
         return None
-    return request.max_tokens - num_output
+    return request.max_tokens - request.num_output_tokens

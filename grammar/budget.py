@@ -158,6 +158,11 @@ class BudgetSteer:
         self._search_at = STEER_WINDOW
         self._refusing = False
 
+    def num_untouched_rows(self, tokens_left: int) -> int:
+        """How many rows from now, filled with `tokens_left`, `tokens_left - 1`, ..., this
+        steering would leave alone without changing its own state (no search, no refusal)."""
+        return 0 if self._refusing else max(0, tokens_left - self._search_at)
+
     def completion(self, state: GrammarState, limit: int) -> list[int] | None:
         n = state.num_tokens
         if self._cached is not None:

@@ -109,6 +109,48 @@ class GrammarMatcher:
         """Advance by one token. False (state unchanged) if the grammar forbids it."""
         return self._state.accept_token(token_id)
 
+    # -- speculative decoding: looking ahead without moving ---------------------------------
+
+    def num_valid_prefix(self, token_ids: list[int]) -> int:
+        """How many leading tokens of `token_ids` the grammar accepts in a row (a draft is
+        cut there). Leaves the grammar state and the steering exactly as they were."""
+        num = 0
+        for token_id in token_ids:
+            if not self._state.accept_token(token_id):
+                break
+            num += 1
+        self._state.rollback(num)
+        return num
+
+    def steering_free_tokens(self, tokens_left: int) -> int:
+        """How many more tokens the steering would pass by unchanged: a row filled with
+        `tokens_left - j` for j below this number is not narrowed, and fills no state (no
+        search). Drafts stay within it, so their rows need no steering and verifying them
+        leaves the steering where drafting off would (grammar/budget.py)."""
+        if self._steer is None:  # made at the first row within the window
+            return max(0, tokens_left - STEER_WINDOW)
+        return self._steer.num_untouched_rows(tokens_left)
+
+    def fill_draft_bitmasks(
+        self, bitmask: np.ndarray, row: int, draft: list[int], *, tokens_left: int | None = None
+    ) -> int:
+        """Rows `row .. row + len(draft)` for verifying `draft`: row `row + j` holds what
+        may follow the first j drafts (fill, accept the draft, fill the next, then roll
+        back). The first row is `fill_bitmask(bitmask, row, tokens_left=tokens_left)`; the
+        others are not steered: the caller drafts only within `steering_free_tokens`.
+        Stops at a draft the grammar refuses (the rows after it are left untouched) and
+        returns the number of rows filled. Leaves the grammar state and the steering as
+        they were."""
+        self.fill_bitmask(bitmask, row, tokens_left=tokens_left)
+        num = 0
+        for token_id in draft:
+            if not self._state.accept_token(token_id):
+                break
+            num += 1
+            self._state.fill_row(bitmask, row + num)
+        self._state.rollback(num)
+        return 1 + num
+
     def can_terminate(self) -> bool:
         """A stop token is allowed now (the output so far is complete and valid)."""
         return self._state.can_terminate()

@@ -16,7 +16,6 @@ from agentrt.engine.config import SpeculativeConfig
 from agentrt.engine.kv_cache_manager import KVCacheManager
 from agentrt.engine.request import Request, RequestStatus
 from agentrt.engine.spec_decode.base import DraftContext, Proposer
-from agentrt.grammar.budget import STEER_WINDOW
 
 # The prompt head that, with the schema, groups requests in the suffix cache: a chat's
 # system prompt and tool list start a prompt (ChatML) and fit in its first tokens.
@@ -101,9 +100,10 @@ class SpecDecodeManager:
             self.max_model_len - request.num_tokens - 1,
         )
         if request.structured is not None and self.steer_to_budget and not params.ignore_eos:
-            # No draft position may fall in the steering window at the end of the budget:
-            # there the grammar steers one row at a time (grammar/budget.py).
-            num = min(num, request.max_tokens - request.num_output_tokens - STEER_WINDOW - 1)
+            # Near the end of the budget the grammar may steer a row, and decides so one row
+            # at a time (grammar/budget.py): drafts stop before any row it would look at.
+            left = request.max_tokens - request.num_output_tokens
+            num = min(num, request.structured.matcher.steering_free_tokens(left) - 1)
         return num
 
     def _reserve(self, request: Request, num_drafts: int) -> bool:
@@ -129,17 +129,11 @@ class SpecDecodeManager:
         """Keep the draft up to the first token the grammar refuses, and nothing after a
         stop token (EOS or a stop id: the output would end there)."""
         stops = request.eos_token_ids | set(request.sampling_params.stop_token_ids)
-        matcher = request.structured.matcher if request.structured is not None else None
-        kept = 0
-        for token_id in draft:
-            if matcher is not None and not matcher.accept_token(token_id):
-                break
-            kept += 1
-            if token_id in stops:
-                break
-        if matcher is not None:
-            matcher.rollback(kept)
-        request.spec_token_ids = list(draft[:kept])
+        end = next((i + 1 for i, t in enumerate(draft) if t in stops), len(draft))
+        draft = list(draft[:end])
+        if request.structured is not None:
+            del draft[request.structured.matcher.num_valid_prefix(draft) :]
+        request.spec_token_ids = draft
 
     def verified(self, request: Request, num_drafts: int, num_accepted: int) -> None:
         """Adaptive drafting learns from one verification step."""

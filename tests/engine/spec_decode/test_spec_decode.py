@@ -118,9 +118,7 @@ def test_grammar_drafts_same_tokens_as_sampling_them(baseline_no_jump_forward):
 @pytest.mark.slow
 def test_draft_model_same_tokens(smollm2_dir, baseline):
     """The embedded model drafting for itself: every greedy draft is accepted."""
-    llm = spec_llm(
-        None, "draft_model", kv_cache_memory_gb=0.25, spec={"model": str(smollm2_dir)}
-    )
+    llm = spec_llm(None, "draft_model", kv_cache_memory_gb=0.25, spec={"model": str(smollm2_dir)})
     assert run(llm, workload()) == baseline
     stats = llm.engine.stats().spec_decode
     assert stats.num_accepted_tokens == stats.num_draft_tokens > 0
