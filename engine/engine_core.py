@@ -3,6 +3,7 @@ one step at a time."""
 
 from __future__ import annotations
 
+import itertools
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -145,7 +146,7 @@ class EngineCore:
                     grammar.rows.to(device, non_blocking=True),
                 )
         if any(drafts):
-            tokens = self._verify(requests, drafts, logits)
+            tokens = self._sample_with_drafts(requests, drafts, logits)
         else:
             tokens = _to_tokens(requests, self.sampler(logits, self._metadata(requests, logits)))
         for req_id in dead:  # no token is allowed: the scheduler fails these requests
@@ -171,12 +172,29 @@ class EngineCore:
             device=logits.device,
         )
 
+    def _sample_with_drafts(
+        self, requests: list[Request], drafts: list[list[int]], logits: torch.Tensor
+    ) -> dict[str, list[SampledToken]]:
+        """Requests without drafts sample their one row as usual (logprobs included); those
+        with drafts go through rejection sampling."""
+        starts = list(itertools.accumulate((1 + len(d) for d in drafts), initial=0))
+        plain = [i for i, d in enumerate(drafts) if not d]
+        drafting = [i for i, d in enumerate(drafts) if d]
+        tokens: dict[str, list[SampledToken]] = {}
+        if plain:
+            batch = [requests[i] for i in plain]
+            rows = logits[[starts[i] for i in plain]]  # (P, V)
+            tokens.update(_to_tokens(batch, self.sampler(rows, self._metadata(batch, rows))))
+        batch = [requests[i] for i in drafting]
+        rows = logits[[r for i in drafting for r in range(starts[i], starts[i + 1])]]  # (D, V)
+        tokens.update(self._verify(batch, [drafts[i] for i in drafting], rows))
+        return tokens
+
     def _verify(
         self, requests: list[Request], drafts: list[list[int]], logits: torch.Tensor
     ) -> dict[str, list[SampledToken]]:
-        """Rejection sampling of every row (rows of requests without drafts sample as
-        usual: their token is the 'bonus' after zero drafts). Requests that asked for
-        logprobs never draft (SpecDecodeManager), so none is computed here."""
+        """Rejection sampling: each request's accepted drafts and one more token. Requests
+        that ask for logprobs never draft (SpecDecodeManager), so none is computed here."""
         probs, argmax = self.sampler.distributions(logits, self._metadata(requests, logits, drafts))
         emitted = rejection_sample(
             probs,

@@ -280,9 +280,20 @@ def test_random_sampling_with_drafts_is_seeded(tiny):
     assert llm.engine.stats().spec_decode.num_drafts > 0
 
 
-def test_logprob_requests_do_not_draft(tiny):
-    llm = spec_llm(tiny, "ngram")
-    prompt, _ = tiny_items()[1]
-    (out,) = llm.generate([prompt], greedy(30, ignore_eos=True, logprobs=2))
-    assert len(out.outputs[0].logprobs) == 30
-    assert llm.engine.stats().spec_decode.num_drafts == 0
+def test_logprob_requests_do_not_draft_beside_ones_that_do(tiny, tiny_baseline):
+    llm = self_drafting(tiny)
+    (prompt, _), (other, _) = tiny_items()[1:3]
+    want = LLM(tiny, dtype="float32").generate([prompt], greedy(30, ignore_eos=True, logprobs=2))
+    out, drafted = llm.generate(
+        [prompt, other], [greedy(30, ignore_eos=True, logprobs=2), greedy(30, ignore_eos=True)]
+    )
+    assert out.metrics.spec_decode.num_drafts == 0
+    assert drafted.metrics.spec_decode.num_accepted_tokens > 0
+    assert drafted.outputs[0].token_ids == tiny_baseline[2][:30]
+    assert out.outputs[0].token_ids == want[0].outputs[0].token_ids
+    for got_step, want_step in zip(
+        out.outputs[0].logprobs, want[0].outputs[0].logprobs, strict=True
+    ):
+        assert got_step.keys() == want_step.keys()  # (values differ by float rounding: batch)
+        for token_id, logprob in want_step.items():
+            assert got_step[token_id].logprob == pytest.approx(logprob.logprob, abs=1e-4)
