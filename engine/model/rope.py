@@ -3,15 +3,11 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 
 import torch
 
 import agentrt.kernels as kernels
 from agentrt.engine.errors import ModelLoadError
-
-# One step's rotation: (q, k) -> (rotated q, rotated k).
-Rotate = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
 def inverse_frequencies(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
@@ -67,20 +63,37 @@ class RotaryEmbedding:
         self.kernel_ops = kernel_ops
 
     def for_step(self, positions: torch.Tensor, dtype: torch.dtype) -> Rotate:
-        """The rotation of one step's q (T, H, D) and k (T, KVH, D) at `positions` (T,),
-        shared by every layer: it returns the rotated q and k (rotated in place on the
-        kernels path)."""
+        """The rotation of one step's tokens at `positions` (T,), shared by every layer."""
         if self.kernel_ops:
-
-            def rotate_in_place(q: torch.Tensor, k: torch.Tensor):
-                kernels.rotary_embedding(positions, q, k, self.cos_sin_cache, self.head_dim)
-                return q, k
-
-            return rotate_in_place
+            return Rotate(positions, self.cos_sin_cache, None, None, self.head_dim)
         cos, sin = self.cos_sin_cache.index_select(0, positions).to(dtype).chunk(2, dim=-1)
         # Both halves of a head turn by the same angles: (T, D/2) -> (T, 1, D).
         cos, sin = cos.repeat(1, 2)[:, None, :], sin.repeat(1, 2)[:, None, :]
-        return lambda q, k: (apply_rotary(q, cos, sin), apply_rotary(k, cos, sin))
+        return Rotate(positions, self.cos_sin_cache, cos, sin, self.head_dim)
+
+
+class Rotate:
+    """One step's rotation. `rotate(q, k)` returns the rotated q (T, H, D) and k (T, KVH, D)
+    (in place through the kernels package when built with `kernel_ops`, i.e. without cos /
+    sin); `rotate.heads(x)` rotates any (T, heads, D) tensor with torch ops (q and k side by
+    side in one call)."""
+
+    __slots__ = ("positions", "cos_sin_cache", "cos", "sin", "head_dim")
+
+    def __init__(self, positions, cos_sin_cache, cos, sin, head_dim: int) -> None:
+        self.positions = positions  # (T,)
+        self.cos_sin_cache = cos_sin_cache  # (P, D)
+        self.cos, self.sin = cos, sin  # (T, 1, D) in the model's dtype, or None
+        self.head_dim = head_dim
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.cos is None:
+            kernels.rotary_embedding(self.positions, q, k, self.cos_sin_cache, self.head_dim)
+            return q, k
+        return self.heads(q), self.heads(k)
+
+    def heads(self, x: torch.Tensor) -> torch.Tensor:
+        return apply_rotary(x, self.cos, self.sin)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
