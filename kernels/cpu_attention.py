@@ -117,6 +117,9 @@ class CpuAttention:
         # The metadata last validated, held (so no other tensor can take its id) with the
         # version counters it had then: every layer of a step passes the same metadata, which
         # is so checked once per step instead of once per layer (~10 small ops each time).
+        # Inference tensors (the engine's) carry no version counter: for them the same
+        # tensors count as checked; the engine builds each step's metadata anew and never
+        # writes into it.
         self._checked: tuple = ()
 
     def paged_attention(
@@ -155,7 +158,7 @@ class CpuAttention:
         if num_requests == 0:
             return out
         metadata = (query_start_loc, seq_lens, block_tables)
-        key = (query.shape[0], num_blocks, block_size, *(t._version for t in metadata))
+        key = (query.shape[0], num_blocks, block_size, *(_version(t) for t in metadata))
         if not self._is_checked(metadata, key):
             _check_metadata(query, query_start_loc, seq_lens, block_tables, num_blocks, block_size)
             self._checked = (metadata, key)
@@ -187,6 +190,10 @@ class CpuAttention:
             return False
         checked, checked_key = self._checked
         return checked_key == key and all(a is b for a, b in zip(checked, metadata, strict=True))
+
+
+def _version(t: torch.Tensor) -> int:
+    return -1 if t.is_inference() else t._version
 
 
 def _check_metadata(query, query_start_loc, seq_lens, block_tables, num_blocks, block_size):

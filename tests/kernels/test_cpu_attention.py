@@ -166,3 +166,15 @@ def test_metadata_is_checked_once_per_step_and_again_when_it_changes(kernel, cpu
     batch.seq_lens = torch.tensor([20, 10_000], dtype=torch.int32)
     with pytest.raises(KernelInputError, match="seq_lens must hold"):
         attend(kernel, batch, 0.125)
+
+
+def test_inference_metadata_is_checked_per_new_tensor(kernel, cpu_batch):
+    """The engine's metadata are inference tensors (no version counter): new tensors are
+    checked, the same ones are not checked again."""
+    with torch.inference_mode():
+        batch = cpu_batch([20, 7], [3, 1], 4, 2, 64, 16, torch.float32)
+        first = attend(kernel, batch, 0.125)
+        torch.testing.assert_close(attend(kernel, batch, 0.125), first)
+        batch.block_tables = batch.block_tables + 1_000
+        with pytest.raises(KernelInputError, match="block_tables holds ids outside"):
+            attend(kernel, batch, 0.125)
