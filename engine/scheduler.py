@@ -139,6 +139,11 @@ class Scheduler:
             num_drafts = self._num_drafts(request, num_new, budget)
             num_new += num_drafts
             while self.kv.allocate_slots(request, num_new) is None:
+                if num_drafts:  # drafts are guesses: drop them before preempting anyone
+                    num_new -= num_drafts
+                    num_drafts = 0
+                    request.spec_token_ids = []
+                    continue
                 victim = self.running[-1]
                 self._preempt(victim)
                 preempted.append(victim.req_id)
@@ -244,6 +249,7 @@ class Scheduler:
         budget, and only when the chunk reaches the end of its known tokens (the drafts
         follow the last one). Drafts left out are dropped (they are only guesses)."""
         if request.num_computed_tokens + num_new < request.num_tokens:
+            request.spec_token_ids = []
             return 0
         num_drafts = min(len(request.spec_token_ids), budget - num_new)
         del request.spec_token_ids[num_drafts:]

@@ -40,7 +40,7 @@ def run_step(scheduler: Scheduler, token: int = 7):
         # The chunk's tokens must have a slot in its block table.
         end = chunk.start_pos + len(chunk.token_ids)
         assert len(chunk.block_ids) * scheduler.kv.block_size >= end
-    sampled = {c.req_id: SampledToken(token) for c in out.chunks if c.sample}
+    sampled = {c.req_id: [SampledToken(token)] for c in out.chunks if c.sample}
     results = scheduler.update_from_output(out, SamplerStepOutput(sampled))
     scheduler.kv.check_invariants()
     return out, results
@@ -191,3 +191,42 @@ def test_randomized_stress_keeps_invariants():
         run_step(s)
     run_to_completion(s)
     assert s.kv.pool.num_free_blocks == 24 and not s.kv.req_to_blocks
+
+
+def test_drafts_follow_only_a_chunk_that_reaches_the_known_end():
+    """Drafts follow the request's last known token: while its known tokens (a sampled token
+    and those jump-forward appended after it) take several chunks, they are dropped, not
+    computed as if they were known tokens."""
+    kv = KVCacheManager(64, 4)
+    args = EngineArgs(max_num_batched_tokens=32, long_prefill_token_threshold=2)
+    scheduler = Scheduler(args.create_configs().scheduler, kv, 1024, speculative_method="ngram")
+    request = make_request("a", 6, 20)
+    scheduler.add_request(request)
+    run_step(scheduler)  # the prompt, 2 tokens per step
+    run_step(scheduler)
+    run_step(scheduler)
+    request.append_output_token(8)  # as if jump-forward appended two forced tokens
+    request.append_output_token(9)
+    request.spec_token_ids = [10, 11]
+    out = scheduler.schedule()
+    (chunk,) = out.chunks
+    assert chunk.num_draft_tokens == 0 and not chunk.sample
+    assert chunk.token_ids == request.all_token_ids[6:8] and request.spec_token_ids == []
+    scheduler.update_from_output(out, SamplerStepOutput({}))
+    request.spec_token_ids = [10, 11]
+    (chunk,) = scheduler.schedule().chunks  # now the chunk reaches the end: drafts follow
+    assert chunk.sample and chunk.num_draft_tokens == 2
+    assert chunk.token_ids == [9, 10, 11] and chunk.start_pos == 8
+
+
+def test_drafts_are_dropped_before_anyone_is_preempted():
+    kv = KVCacheManager(3, 4)
+    args = EngineArgs(max_num_batched_tokens=32)
+    scheduler = Scheduler(args.create_configs().scheduler, kv, 1024, speculative_method="ngram")
+    first, second = make_request("a", 3, 20), make_request("b", 3, 20)
+    scheduler.add_request(first)
+    scheduler.add_request(second)
+    run_step(scheduler)  # each holds one block; one is free
+    first.spec_token_ids = [1, 2, 3, 4, 5, 6]  # would need two more blocks
+    out = scheduler.schedule()
+    assert not out.preempted_req_ids and [c.num_draft_tokens for c in out.chunks] == [0, 0]
