@@ -252,3 +252,18 @@ async def test_a_reply_closed_early_by_the_budget_says_so(rt, caplog):
     assert "steered to close it" in caplog.text
     await session.generate("Is water wet? Answer as JSON with a short story.", Story)
     assert session.last.num_steered_tokens == 0
+
+
+async def test_runtime_takes_a_speculative_config():
+    """`Runtime(speculative_config=...)` as on `LLM`: the same validated object as without
+    drafting (greedy; grammar drafts replace jump-forward, so the reference runs without
+    it), and the drafts show in the stats."""
+    question = "Ada Lovelace was 36. Give her as JSON."
+    async with agentrt.Runtime(dtype="float32", jump_forward=False) as plain:
+        want = await plain.session(system=SYSTEM).generate(question, schema=Person, temperature=0)
+    config = {"method": "grammar"}
+    async with agentrt.Runtime(dtype="float32", speculative_config=config) as drafting:
+        got = await drafting.session(system=SYSTEM).generate(question, schema=Person, temperature=0)
+        stats = await drafting.stats()
+    assert got == want
+    assert stats.spec_decode_method == "grammar" and stats.spec_decode.num_accepted_tokens > 0
