@@ -217,9 +217,9 @@ def test_bitmask_filled_while_the_model_runs_gives_the_same_outputs(smollm2_llm,
     threads = set()
     fill = core.structured.bitmask
 
-    def recording_fill(requests):
+    def recording_fill(requests, drafts):
         threads.add(threading.current_thread().name)
-        return fill(requests)
+        return fill(requests, drafts)
 
     monkeypatch.setattr(core.structured, "bitmask", recording_fill)
     monkeypatch.setattr(core, "_grammar_thread", ThreadPoolExecutor(1, "agentrt-bitmask"))
