@@ -141,6 +141,7 @@ class LLMEngine:
             self.max_model_len,
             steer_to_budget=structured.steer_to_budget,
             proposer_has_kv=config.method == "draft_model",
+            jump_forward=self.scheduler_config.jump_forward,
         )
 
     def make_processor(self, tokenizer) -> Processor:

@@ -71,6 +71,7 @@ class Request:
         "num_cached_tokens",
         "structured",
         "spec_token_ids",
+        "spec_num_forced",
         "spec_stats",
     )
 
@@ -103,6 +104,9 @@ class Request:
         # Speculative decoding: drafts to verify in the next step (never part of the tokens
         # above until accepted), and this request's counts (SpecDecodeStats).
         self.spec_token_ids: list[int] = []
+        # Of those, how many at the end are tokens the grammar forces after the others: with
+        # jump-forward on they are accepted once every draft before them is, unsampled.
+        self.spec_num_forced = 0
         self.spec_stats = SpecDecodeStats()
         self.generator: torch.Generator | None = None
         if sampling_params.seed is not None:

@@ -122,6 +122,24 @@ class GrammarMatcher:
         self._state.rollback(num)
         return num
 
+    def draft_with_forced(self, token_ids: list[int], max_tokens: int) -> tuple[list[int], int]:
+        """A draft as jump-forward would see it: its longest prefix the grammar accepts, cut
+        after the first token past which the grammar forces tokens, then those forced
+        tokens (jump-forward would append them unsampled), `max_tokens` in all. Returns the
+        draft and how many tokens at its end are forced. State and steering unchanged."""
+        draft: list[int] = []
+        forced: list[int] = []
+        for token_id in token_ids[:max_tokens]:
+            if not self._state.accept_token(token_id):
+                break
+            draft.append(token_id)
+            forced = self._state.forced_tokens()
+            if forced:
+                break
+        self._state.rollback(len(draft))
+        forced = forced[: max_tokens - len(draft)]
+        return draft + forced, len(forced)
+
     def steering_free_tokens(self, tokens_left: int) -> int:
         """How many more tokens the steering would pass by unchanged: a row filled with
         `tokens_left - j` for j below this number is not narrowed, and fills no state (no

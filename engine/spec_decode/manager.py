@@ -42,16 +42,21 @@ class SpecDecodeManager:
         *,
         steer_to_budget: bool = True,
         proposer_has_kv: bool = False,
+        jump_forward: bool = False,
     ) -> None:
         """`proposer`: None for the 'grammar' method (drafts are the grammar's forced
         tokens). `proposer_has_kv`: the proposer (the draft model) writes KV into the
-        request's blocks for its draft positions; their slots are allocated here first."""
+        request's blocks for its draft positions; their slots are allocated here first.
+        `jump_forward`: the scheduler appends the tokens a grammar forces unsampled, so a
+        draft that reaches forced tokens is cut there and ends with them (accepted with the
+        draft before them, as jump-forward would append them)."""
         self.config = config
         self.proposer = proposer
         self.kv = kv
         self.max_model_len = max_model_len
         self.steer_to_budget = steer_to_budget
         self.proposer_has_kv = proposer_has_kv
+        self.jump_forward = jump_forward
         self._adaptive: dict[str, _Adaptive] = {}
 
     def propose(self, requests: list[Request], num_running: int) -> None:
@@ -67,7 +72,7 @@ class SpecDecodeManager:
             if num <= 0:
                 continue
             if self.proposer is None:  # grammar drafts
-                self._set_drafts(request, request.structured.matcher.forced_tokens()[:num])
+                self._set_drafts(request, request.structured.matcher.forced_tokens(), num)
                 continue
             if self.proposer_has_kv and not self._reserve(request, num):
                 continue
@@ -75,10 +80,9 @@ class SpecDecodeManager:
             max_tokens.append(num)
             targets.append(request)
         if contexts:
-            for request, draft in zip(
-                targets, self.proposer.propose(contexts, max_tokens), strict=True
-            ):
-                self._set_drafts(request, draft)
+            drafts = self.proposer.propose(contexts, max_tokens)
+            for request, draft, num in zip(targets, drafts, max_tokens, strict=True):
+                self._set_drafts(request, draft, num)
 
     def _max_drafts(self, request: Request) -> int:
         params = request.sampling_params
@@ -125,15 +129,21 @@ class SpecDecodeManager:
             num_preemptions=request.num_preemptions,
         )
 
-    def _set_drafts(self, request: Request, draft: list[int]) -> None:
+    def _set_drafts(self, request: Request, draft: list[int], max_tokens: int) -> None:
         """Keep the draft up to the first token the grammar refuses, and nothing after a
-        stop token (EOS or a stop id: the output would end there)."""
+        stop token (EOS or a stop id: the output would end there); with jump-forward, cut
+        it where the grammar forces tokens and end it with them."""
         stops = request.eos_token_ids | set(request.sampling_params.stop_token_ids)
         end = next((i + 1 for i, t in enumerate(draft) if t in stops), len(draft))
-        draft = list(draft[:end])
+        draft = list(draft[: min(end, max_tokens)])
+        num_forced = 0
         if request.structured is not None:
-            del draft[request.structured.matcher.num_valid_prefix(draft) :]
-        request.spec_token_ids = draft
+            matcher = request.structured.matcher
+            if self.jump_forward:
+                draft, num_forced = matcher.draft_with_forced(draft, max_tokens)
+            else:
+                del draft[matcher.num_valid_prefix(draft) :]
+        request.spec_token_ids, request.spec_num_forced = draft, num_forced
 
     def verified(self, request: Request, num_drafts: int, num_accepted: int) -> None:
         """Adaptive drafting learns from one verification step."""

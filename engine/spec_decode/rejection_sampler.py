@@ -36,6 +36,7 @@ def rejection_sample(
     greedy: list[bool],
     draft_probs: list[torch.Tensor | None],
     generators: list[torch.Generator | None],
+    num_forced: list[int] | None = None,
 ) -> list[list[int]]:
     """Per request, the accepted drafts followed by one more token (see the module docstring).
 
@@ -46,6 +47,8 @@ def rejection_sample(
     `draft_probs[i]` `[k_i, V]`: the distribution each draft was drawn from (need not be
     normalised, on `probs`' device), or None for one-hot drafts. `generators[i]`: the
     request's own generator when it is seeded, else None (torch's default generator).
+    `num_forced[i]`: the last drafts of request i are tokens its grammar forces after the
+    others (jump-forward's): they are accepted whenever every draft before them is.
     Does not modify its inputs.
     """
     num_reqs = len(draft_token_ids)
@@ -62,7 +65,8 @@ def rejection_sample(
         emitted = []
         for i, draft in enumerate(draft_token_ids):
             n = 0
-            while n < len(draft) and draft[n] == best[starts[i] + n]:
+            free = len(draft) - (num_forced[i] if num_forced else 0)
+            while n < len(draft) and (n >= free or draft[n] == best[starts[i] + n]):
                 n += 1
             emitted.append(draft[:n] + [best[starts[i] + n]])
         return emitted
@@ -111,9 +115,10 @@ def rejection_sample(
     # Per request: how many drafts hold, and the row its last token comes from.
     num_accepted = []
     offset = 0
-    for k in num_drafts:
+    for i, k in enumerate(num_drafts):
         n = 0
-        while n < k and accepted[offset + n]:
+        free = k - (num_forced[i] if num_forced else 0)
+        while n < k and (n >= free or accepted[offset + n]):
             n += 1
         num_accepted.append(n)
         offset += k

@@ -109,3 +109,26 @@ def test_drafting_within_the_steering_free_rows_steers_as_drafting_off(synth_com
     assert num_drafted > 100  # most of the string was drafted
     assert out == plain
     assert drafting.num_steered == one_by_one.num_steered
+
+
+def test_a_draft_that_reaches_forced_tokens_ends_with_them(synth_compiler, synth_tok):
+    """With jump-forward, forced tokens are appended unsampled: a draft is cut after the
+    token that makes the grammar force some, and ends with those (capped)."""
+    head = synth_tok.encode('{"a": "x"', add_special_tokens=False)
+    draft = synth_tok.encode(', "zzz', add_special_tokens=False)
+    matcher = compile_matcher(synth_compiler)
+    assert all(matcher.accept_token(t) for t in head)
+    reference = compile_matcher(synth_compiler)
+    assert all(reference.accept_token(t) for t in head)
+    cut = next(
+        i + 1
+        for i, t in enumerate(draft)
+        if reference.accept_token(t) and reference.forced_tokens()
+    )
+    forced = reference.forced_tokens()
+    assert forced  # the next key is forced after the comma
+    got, num_forced = matcher.draft_with_forced(draft, 20)
+    assert got == draft[:cut] + forced and num_forced == len(forced)
+    capped, num_capped = matcher.draft_with_forced(draft, cut + 1)
+    assert capped == draft[:cut] + forced[:1] and num_capped == 1
+    assert matcher.num_tokens == len(head)

@@ -186,3 +186,16 @@ def test_mixed_batch_and_seeded_requests_are_independent_of_the_batch():
     results = [seeded_alone(seed) for seed in range(20)]
     assert results == [seeded_in_batch(seed) for seed in range(20)]
     assert len({tuple(r) for r in results}) > 1  # the seed matters
+
+
+def test_forced_drafts_are_accepted_with_the_drafts_before_them():
+    """The last `num_forced` drafts (tokens jump-forward would append unsampled) hold
+    whenever every draft before them holds, whatever the model prefers there."""
+    vocab = 6
+    argmax = torch.tensor([1, 2, 5, 5, 3,  1, 4, 5, 0])  # fmt: skip
+    drafts = [[1, 2, 3, 4], [0, 5, 5]]  # request 2 is wrong at its first draft
+    for probs in (None, torch.rand(9, vocab)):
+        out = rejection_sample(
+            probs, argmax, drafts, [True, True], [None, None], [None, None], num_forced=[2, 2]
+        )
+        assert out == [[1, 2, 3, 4, 3], [1]]
