@@ -1,11 +1,12 @@
 """SpecDecodeManager: after each step, drafts for the requests that go on.
 
 It decides how many tokens each request may draft (adaptive: fewer while its drafts are
-rejected, none while the batch is large; never past `max_tokens`, the context, or into the
-steering window at the end of a structured output's budget), asks the proposer, and cuts
-each draft where the request's grammar refuses a token or after a stop token. The drafts
-wait in `Request.spec_token_ids` for the scheduler, which verifies them with the request's
-next chunk.
+rejected, none while the batch is large; never past `max_tokens`, the context, or into a
+row the budget steering would look at near the end of a structured output's budget), asks
+the proposer, and cuts each draft where the request's grammar refuses a token, after a stop
+token, and (with jump-forward) where the grammar forces tokens, which then end the draft.
+The drafts wait in `Request.spec_token_ids` for the scheduler, which verifies them with the
+request's next chunk.
 """
 
 from __future__ import annotations
