@@ -24,6 +24,7 @@ EXPECTED = {
     0: ["Person(name='John Smith', age=42)", "cached_tokens="],
     1: ["Paris"],
     2: ["name='John Smith'", "age=42"],
+    3: ["SpecDecodeStats(num_drafts="],
 }
 
 
