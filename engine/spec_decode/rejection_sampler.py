@@ -62,14 +62,16 @@ def rejection_sample(
     if probs is None:  # every request is greedy: accept while the draft is the argmax
         assert all(greedy)
         best = argmax.tolist()
-        emitted = []
-        for i, draft in enumerate(draft_token_ids):
-            n = 0
-            free = len(draft) - (num_forced[i] if num_forced else 0)
-            while n < len(draft) and (n >= free or draft[n] == best[starts[i] + n]):
-                n += 1
-            emitted.append(draft[:n] + [best[starts[i] + n]])
-        return emitted
+        accepted = [
+            token_id == best[starts[i] + j]
+            for i, draft in enumerate(draft_token_ids)
+            for j, token_id in enumerate(draft)
+        ]
+        num_accepted = _count_accepted(accepted, num_drafts, num_forced)
+        return [
+            draft[:n] + [best[start + n]]
+            for draft, n, start in zip(draft_token_ids, num_accepted, starts[:-1], strict=True)
+        ]
     assert probs.shape[0] == num_rows
     device = probs.device
 
@@ -113,15 +115,7 @@ def rejection_sample(
     accepted = torch.where(draft_greedy, greedy_ok, random_ok).tolist()  # one sync
 
     # Per request: how many drafts hold, and the row its last token comes from.
-    num_accepted = []
-    offset = 0
-    for i, k in enumerate(num_drafts):
-        n = 0
-        free = k - (num_forced[i] if num_forced else 0)
-        while n < k and (n >= free or accepted[offset + n]):
-            n += 1
-        num_accepted.append(n)
-        offset += k
+    num_accepted = _count_accepted(accepted, num_drafts, num_forced)
     final_rows = [starts[i] + num_accepted[i] for i in range(num_reqs)]
     last_tokens = argmax[torch.tensor(final_rows, dtype=torch.long, device=device)]  # [R]
 
@@ -159,3 +153,20 @@ def rejection_sample(
 
     last = last_tokens.tolist()  # one sync
     return [draft_token_ids[i][: num_accepted[i]] + [last[i]] for i in range(num_reqs)]
+
+
+def _count_accepted(
+    accepted: list[bool], num_drafts: list[int], num_forced: list[int] | None
+) -> list[int]:
+    """Per request, how many drafts hold in a row: `accepted` has one verdict per draft,
+    requests one after the other; a request's last `num_forced` drafts hold whenever the
+    drafts before them do."""
+    counts, offset = [], 0
+    for i, k in enumerate(num_drafts):
+        free = k - (num_forced[i] if num_forced else 0)
+        n = 0
+        while n < k and (n >= free or accepted[offset + n]):
+            n += 1
+        counts.append(n)
+        offset += k
+    return counts
