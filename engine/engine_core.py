@@ -18,12 +18,7 @@ from agentrt.engine.records import (
     SchedulerOutput,
 )
 from agentrt.engine.request import Request, RequestStatus
-from agentrt.engine.sampler import (
-    GREEDY_TEMPERATURE_EPS,
-    Sampler,
-    SamplerOutput,
-    SamplingMetadata,
-)
+from agentrt.engine.sampler import Sampler, SamplerOutput, SamplingMetadata
 from agentrt.engine.scheduler import Scheduler
 from agentrt.engine.spec_decode.manager import SpecDecodeManager
 from agentrt.engine.spec_decode.rejection_sampler import rejection_sample
@@ -165,7 +160,9 @@ class EngineCore:
         return SamplingMetadata.build(
             params=[r.sampling_params for r, _, _ in rows],
             prompt_token_ids=[r.prompt_token_ids for r, _, _ in rows],
-            output_token_ids=[_output_ahead(r, d[:j]) for r, d, j in rows],
+            output_token_ids=[
+                r.output_token_ids + d[:j] if j else r.output_token_ids for r, d, j in rows
+            ],
             generators=[r.generator for r, _, _ in rows],
             blocked_token_ids=[r.blocked_token_ids(j) for r, _, j in rows],
             vocab_size=self.vocab_size,
@@ -200,7 +197,7 @@ class EngineCore:
             probs,
             argmax,
             drafts,
-            greedy=[r.sampling_params.temperature < GREEDY_TEMPERATURE_EPS for r in requests],
+            greedy=[r.sampling_params.greedy for r in requests],
             draft_probs=[None] * len(requests),
             generators=[r.generator for r in requests],
             num_forced=[r.spec_num_forced for r in requests],
@@ -209,15 +206,6 @@ class EngineCore:
             r.req_id: [SampledToken(t) for t in ids]
             for r, ids in zip(requests, emitted, strict=True)
         }
-
-
-def _output_ahead(request: Request, drafts: list[int]) -> list[int]:
-    """The output as a draft row sees it (copied only when a penalty reads it)."""
-    params = request.sampling_params
-    penalised = (
-        params.repetition_penalty != 1.0 or params.frequency_penalty or params.presence_penalty
-    )
-    return request.output_token_ids + drafts if drafts and penalised else request.output_token_ids
 
 
 def _to_tokens(requests: list[Request], out: SamplerOutput) -> dict[str, SampledToken]:

@@ -29,9 +29,6 @@ import torch
 from agentrt.engine.errors import InvalidRequestError
 from agentrt.engine.sampling_params import SamplingParams
 
-# Temperatures below this are treated as greedy (vLLM's `_SAMPLING_EPS`): dividing by them
-# would overflow, and the distribution is a point mass anyway.
-GREEDY_TEMPERATURE_EPS = 1e-5
 # top-p first looks for the nucleus among this many top tokens (a cheap `topk`); only rows
 # whose nucleus is wider fall back to a full sort.
 TOP_P_CANDIDATES = 256
@@ -124,7 +121,7 @@ class SamplingMetadata:
         def tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
             return torch.tensor(values, dtype=dtype, device=device)
 
-        greedy = [p.temperature < GREEDY_TEMPERATURE_EPS for p in params]
+        greedy = [p.greedy for p in params]
         random = [(i, p) for i, (p, g) in enumerate(zip(params, greedy, strict=True)) if not g]
         # Truncation only matters for random rows; greedy rows keep neutral values.
         top_k, top_p, min_p = [vocab_size] * num_rows, [1.0] * num_rows, [0.0] * num_rows

@@ -11,6 +11,11 @@ from agentrt.grammar import GrammarSpec
 MAX_LOGPROBS = 20
 
 
+# Temperatures below this are treated as greedy (vLLM's `_SAMPLING_EPS`): dividing by them
+# would overflow, and the distribution is a point mass anyway.
+GREEDY_TEMPERATURE_EPS = 1e-5
+
+
 @dataclass(frozen=True, slots=True)
 class StructuredOutputsParams:
     """Constrain the output (vLLM's names). Set exactly one of: `json` (a JSON-schema dict or
@@ -130,6 +135,11 @@ class SamplingParams:
                     raise bad("logit_bias", token_id, "non-negative token ids")
                 if not -100.0 <= bias <= 100.0:
                     raise bad("logit_bias", bias, "biases in [-100, 100]")
+
+    @property
+    def greedy(self) -> bool:
+        """Temperatures below GREEDY_TEMPERATURE_EPS are treated as greedy."""
+        return self.temperature < GREEDY_TEMPERATURE_EPS
 
     @property
     def top_k_enabled(self) -> bool:
