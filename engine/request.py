@@ -140,6 +140,9 @@ class Request:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
 
+    def clear_drafts(self) -> None:
+        self.spec_token_ids, self.spec_num_forced = [], 0
+
     def blocked_token_ids(self, num_ahead: int = 0) -> tuple[int, ...]:
         """Tokens the sampler must not pick now (or `num_ahead` tokens later, for a draft
         position): EOS and stop ids until `min_tokens`."""

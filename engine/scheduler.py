@@ -118,7 +118,7 @@ class Scheduler:
         self.kv.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
-        request.spec_token_ids, request.spec_num_forced = [], 0
+        request.clear_drafts()
         request.num_preemptions += 1
         self.num_preemptions += 1
         self._insert_waiting(request)
@@ -142,7 +142,7 @@ class Scheduler:
                 if num_drafts:  # drafts are guesses: drop them before preempting anyone
                     num_new -= num_drafts
                     num_drafts = 0
-                    request.spec_token_ids, request.spec_num_forced = [], 0
+                    request.clear_drafts()
                     continue
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -249,7 +249,7 @@ class Scheduler:
         budget, and only when the chunk reaches the end of its known tokens (the drafts
         follow the last one). Drafts left out are dropped (they are only guesses)."""
         if request.num_computed_tokens + num_new < request.num_tokens:
-            request.spec_token_ids, request.spec_num_forced = [], 0
+            request.clear_drafts()
             return 0
         num_drafts = min(len(request.spec_token_ids), budget - num_new)
         num_cut = len(request.spec_token_ids) - num_drafts
@@ -283,7 +283,7 @@ class Scheduler:
             # Drafts count as computed only once accepted: the KV of rejected ones is junk
             # in slots the next step overwrites.
             request.num_computed_tokens += len(chunk.token_ids) - chunk.num_draft_tokens
-            request.spec_token_ids, request.spec_num_forced = [], 0
+            request.clear_drafts()
             if not chunk.sample:
                 continue
             if chunk.req_id in sampled.grammar_dead_end_req_ids:
