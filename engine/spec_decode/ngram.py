@@ -86,10 +86,7 @@ class NgramProposer:
         self._tokens = TokenArrays()
 
     def propose(self, contexts: list[DraftContext], max_tokens: list[int]) -> list[list[int]]:
-        drafts = []
-        for context, num_tokens in zip(contexts, max_tokens, strict=True):
-            drafts.append(self._propose_one(context, num_tokens))
-        return drafts
+        return [self._propose_one(c, n) for c, n in zip(contexts, max_tokens, strict=True)]
 
     def _propose_one(self, context: DraftContext, max_tokens: int) -> list[int]:
         if max_tokens <= 0 or len(context.token_ids) <= self.min_n:

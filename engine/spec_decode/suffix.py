@@ -139,10 +139,7 @@ class SuffixProposer:
         return len(self._history)
 
     def propose(self, contexts: list[DraftContext], max_tokens: list[int]) -> list[list[int]]:
-        drafts = []
-        for context, num_tokens in zip(contexts, max_tokens, strict=True):
-            drafts.append(self._propose_one(context, num_tokens))
-        return drafts
+        return [self._propose_one(c, n) for c, n in zip(contexts, max_tokens, strict=True)]
 
     def _propose_one(self, context: DraftContext, max_tokens: int) -> list[int]:
         length = len(context.token_ids)
