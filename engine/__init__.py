@@ -11,6 +11,7 @@ _EXPORTS = {
     "LLM": "agentrt.engine.llm",
     "EngineArgs": "agentrt.engine.args",
     "SpeculativeConfig": "agentrt.engine.config",
+    "ParallelConfig": "agentrt.engine.config",
     "CompletionOutput": "agentrt.engine.outputs",
     "Logprob": "agentrt.engine.outputs",
     "RequestOutput": "agentrt.engine.outputs",

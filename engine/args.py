@@ -25,6 +25,7 @@ from agentrt.engine.config import (
     CacheConfig,
     EngineConfig,
     ModelConfig,
+    ParallelConfig,
     SchedulerConfig,
     SpeculativeConfig,
     StructuredOutputsConfig,
@@ -104,6 +105,21 @@ class EngineArgs:
         "model), adaptive, ... (see SpeculativeConfig; default: off)",
     )
 
+    # -- parallelism -------------------------------------------------------------------------
+    tensor_parallel_size: int = _option(
+        1,
+        "ranks the model is split across (heads and MLP columns; gloo on the CPU, NCCL on "
+        "CUDA); query and KV heads must divide by it",
+    )
+    data_parallel_size: int = _option(
+        1, "engine-core processes behind one front end, routed by load and prefix affinity"
+    )
+    engine_process: bool = _option(
+        False,
+        "run the engine core in its own process behind a client (always so when "
+        "data_parallel_size > 1)",
+    )
+
     def __post_init__(self) -> None:
         self.create_configs()  # every value is checked by the record that owns it
 
@@ -153,6 +169,11 @@ class EngineArgs:
             ),
             structured_outputs=StructuredOutputsConfig(grammar_timeout_s=self.grammar_timeout_s),
             speculative=speculative,
+            parallel=ParallelConfig(
+                tensor_parallel_size=self.tensor_parallel_size,
+                data_parallel_size=self.data_parallel_size,
+                engine_process=self.engine_process,
+            ),
         )
 
     # -- command line ------------------------------------------------------------------------

@@ -299,6 +299,46 @@ class SpeculativeConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class ParallelConfig:
+    """Where the engine core runs and how it is split.
+
+    `engine_process`: the core (scheduler, model, sampler) in its own process behind a
+    client, instead of a thread of the caller's process. `tensor_parallel_size`: the model's
+    layers split across that many ranks (torch.distributed: gloo on the CPU, NCCL on CUDA);
+    the scheduler runs once, on rank 0. `data_parallel_size`: that many engine-core
+    processes behind one front end (so more than 1 always runs core processes). Whether the
+    model's heads divide by `tensor_parallel_size` is checked when the model loads.
+    """
+
+    tensor_parallel_size: int
+    data_parallel_size: int
+    engine_process: bool
+
+    def __post_init__(self) -> None:
+        _check(
+            self.tensor_parallel_size >= 1,
+            "tensor_parallel_size",
+            self.tensor_parallel_size,
+            "a positive integer",
+        )
+        _check(
+            self.data_parallel_size >= 1,
+            "data_parallel_size",
+            self.data_parallel_size,
+            "a positive integer",
+        )
+
+    @property
+    def world_size(self) -> int:
+        """Ranks of one engine core (its tensor-parallel group)."""
+        return self.tensor_parallel_size
+
+    @property
+    def uses_engine_process(self) -> bool:
+        return self.engine_process or self.data_parallel_size > 1
+
+
+@dataclass(frozen=True, slots=True)
 class EngineConfig:
     """Every config record of one engine (built by `EngineArgs.create_configs`)."""
 
@@ -307,3 +347,4 @@ class EngineConfig:
     scheduler: SchedulerConfig
     structured_outputs: StructuredOutputsConfig
     speculative: SpeculativeConfig | None  # None: no speculative decoding
+    parallel: ParallelConfig

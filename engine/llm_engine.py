@@ -12,8 +12,9 @@ import torch
 
 from agentrt.engine import envs
 from agentrt.engine.args import EngineArgs
-from agentrt.engine.config import SpeculativeConfig
+from agentrt.engine.config import ParallelConfig, SpeculativeConfig
 from agentrt.engine.engine_core import EngineCore
+from agentrt.engine.errors import ConfigError
 from agentrt.engine.kv_cache_manager import KVCacheManager
 from agentrt.engine.model.arch import ModelArchConfig
 from agentrt.engine.model.checkpoint import (
@@ -45,6 +46,11 @@ class LLMEngine:
         self.model_config = config.model
         self.cache_config = config.cache
         self.scheduler_config = config.scheduler
+        if config.parallel != ParallelConfig(1, 1, False):
+            raise ConfigError(
+                "tensor_parallel_size, data_parallel_size and engine_process are not "
+                "supported yet: leave them at 1, 1 and False."
+            )
         threads = envs.num_threads()
         if threads:
             torch.set_num_threads(threads)

@@ -46,6 +46,9 @@ NON_DEFAULTS = {
     "attention_backend": ("torch", ["--attention-backend", "torch"]),
     "grammar_timeout_s": (2.5, ["--grammar-timeout-s", "2.5"]),
     "speculative_config": ('{"method": "ngram"}', ["--speculative-config", '{"method": "ngram"}']),
+    "tensor_parallel_size": (2, ["--tensor-parallel-size", "2"]),
+    "data_parallel_size": (2, ["--data-parallel-size", "2"]),
+    "engine_process": (True, ["--engine-process"]),
 }
 
 
@@ -113,6 +116,8 @@ def test_misspelt_option_names_the_closest_one_everywhere():
         ("speculative_config", {"method": "ngram", "num_speculative_tokens": 0}),
         ("speculative_config", {"method": "draft_model"}),  # without a draft model
         ("speculative_config", '{"method": "ngram",'),
+        ("tensor_parallel_size", 0),
+        ("data_parallel_size", -1),
     ],
 )
 def test_bad_values_fail_before_anything_loads(option, value):
