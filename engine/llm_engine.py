@@ -6,24 +6,21 @@ drive one of these. It is not thread-safe: exactly one thread calls its methods.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
 
 from agentrt.engine import envs
 from agentrt.engine.args import EngineArgs
-from agentrt.engine.config import ParallelConfig, SpeculativeConfig
+from agentrt.engine.config import SpeculativeConfig
 from agentrt.engine.engine_core import EngineCore
 from agentrt.engine.errors import ConfigError
+from agentrt.engine.executor import TensorParallelExecutor
 from agentrt.engine.kv_cache_manager import KVCacheManager
 from agentrt.engine.model.arch import ModelArchConfig
-from agentrt.engine.model.checkpoint import (
-    gguf_source,
-    load_hf_config,
-    load_state_dict,
-    load_tokenizer,
-    resolve_model,
-)
+from agentrt.engine.model.checkpoint import load_hf_config, load_tokenizer, resolve_model
+from agentrt.engine.model.parallel import check_tensor_parallel, shard_arch
 from agentrt.engine.model_runner import ModelRunner, kv_pool_blocks
 from agentrt.engine.outputs import OutputProcessor, RequestDelta
 from agentrt.engine.processor import Processor
@@ -32,6 +29,7 @@ from agentrt.engine.scheduler import Scheduler, SchedulerStats
 from agentrt.engine.spec_decode.draft_model import DraftModelProposer, draft_model_arch
 from agentrt.engine.spec_decode.manager import SpecDecodeManager
 from agentrt.engine.structured_output import StructuredOutputManager
+from agentrt.engine.worker import WorkerConfig, build_runner
 
 
 class LLMEngine:
@@ -46,11 +44,14 @@ class LLMEngine:
         self.model_config = config.model
         self.cache_config = config.cache
         self.scheduler_config = config.scheduler
-        if config.parallel != ParallelConfig(1, 1, False):
+        if config.parallel.uses_engine_process:
             raise ConfigError(
-                "tensor_parallel_size, data_parallel_size and engine_process are not "
-                "supported yet: leave them at 1, 1 and False."
+                "engine_process=True and data_parallel_size>1 are options of AsyncEngine, "
+                "Runtime and `agentrt serve`, which then run engine cores in their own "
+                "processes; an LLMEngine runs in this one: leave engine_process=False and "
+                "data_parallel_size=1 here (tensor_parallel_size works)."
             )
+        tp_size = config.parallel.tensor_parallel_size
         threads = envs.num_threads()
         if threads:
             torch.set_num_threads(threads)
@@ -58,6 +59,7 @@ class LLMEngine:
         path = resolve_model(model)
         self.model_path = path
         self.arch = ModelArchConfig.from_hf_dict(load_hf_config(path))
+        check_tensor_parallel(self.arch, tp_size, config.model.quantization)
         self.tokenizer = load_tokenizer(path)
         self.max_model_len = min(
             config.model.max_model_len or self.arch.max_position_embeddings,
@@ -68,19 +70,12 @@ class LLMEngine:
         draft_arch = None
         if spec_config is not None and spec_config.method == "draft_model":
             draft_arch = draft_model_arch(spec_config, self.arch)  # one pool holds both KVs
-        num_blocks = kv_pool_blocks(self.arch, config.cache, config.model.dtype, draft_arch)
-        self.runner = ModelRunner(
-            self.arch,
-            load_state_dict(path),
-            dtype=config.model.dtype,
-            device=torch.device(config.model.device),
-            block_size=block_size,
-            num_blocks=num_blocks,
-            max_model_len=self.max_model_len,
-            attention_backend=config.model.attention_backend,
-            quantization=config.model.quantization,
-            gguf_file=gguf_source(model),
+        # Under tensor parallelism a block holds one rank's KV heads (the draft model, if
+        # any, runs whole on rank 0): the pool's budget is per rank.
+        num_blocks = kv_pool_blocks(
+            shard_arch(self.arch, tp_size), config.cache, config.model.dtype, draft_arch
         )
+        self.runner = self._start_runner(model, tp_size, num_blocks)
         self.kv_manager = KVCacheManager(
             num_blocks, block_size, enable_prefix_caching=config.cache.enable_prefix_caching
         )
@@ -110,6 +105,38 @@ class LLMEngine:
         )
         self.processor = self.make_processor(self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
+
+    def _start_runner(self, model: str | None, tp_size: int, num_blocks: int) -> ModelRunner:
+        """Rank 0's model runner; with tensor_parallel_size > 1 the workers too, which load
+        their shards while this process loads its own (`shutdown()` stops them)."""
+        config = WorkerConfig(
+            model=None if model is None else str(model),
+            dtype=str(self.model_config.dtype).removeprefix("torch."),
+            device_type=torch.device(self.model_config.device).type,
+            block_size=self.cache_config.block_size,
+            num_blocks=num_blocks,
+            max_model_len=self.max_model_len,
+            attention_backend=self.model_config.attention_backend,
+            quantization=self.model_config.quantization,
+        )
+        if tp_size == 1:
+            self.executor = None
+            return build_runner(config, torch.device(self.model_config.device), None)
+        self.executor = TensorParallelExecutor(tp_size, config)
+        weakref.finalize(self, self.executor.shutdown)  # workers exit with the engine
+        try:
+            runner = build_runner(config, self.executor.device, self.executor.group)
+            self.executor.wait_ready()
+        except BaseException:
+            self.executor.shutdown()
+            raise
+        return runner
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers (nothing to do without them); the engine cannot
+        step afterwards. Also runs when the engine is garbage-collected."""
+        if self.executor is not None:
+            self.executor.shutdown()
 
     def _spec_decode(
         self,

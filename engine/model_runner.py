@@ -8,6 +8,7 @@ import math
 import mmap
 import os
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -15,9 +16,13 @@ from agentrt.engine.attention import AttentionMetadata, get_attention_backend
 from agentrt.engine.config import CacheConfig
 from agentrt.engine.model.arch import ModelArchConfig
 from agentrt.engine.model.llama import LlamaForCausalLM
+from agentrt.engine.model.parallel import shard_arch, shard_state_dict
 from agentrt.engine.model.quantization import quantize_model
 from agentrt.engine.model.rope import RotaryEmbedding
 from agentrt.engine.records import ModelInput, ScheduledChunk, SchedulerOutput
+
+if TYPE_CHECKING:
+    from agentrt.engine.distributed import TensorParallelGroup
 
 
 def kv_block_bytes(arch: ModelArchConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -73,10 +78,18 @@ class ModelRunner:
         attention_backend: str = "auto",
         quantization: str = "none",
         gguf_file: str | os.PathLike[str] | None = None,
+        tp: TensorParallelGroup | None = None,
     ) -> None:
         """`quantization` ('none', 'int8', 'int4'): see engine/model/quantization.py;
-        `gguf_file` is the GGUF the checkpoint was converted from (int4 reads its blocks)."""
-        self.arch = arch
+        `gguf_file` is the GGUF the checkpoint was converted from (int4 reads its blocks).
+        `tp`: this rank's tensor-parallel group; the runner then holds the rank's shard of
+        the full model `arch` (model/parallel.py), its KV heads only, and rank 0 sends each
+        step's input to the workers (`worker.py`), which run the same forward."""
+        self.tp = tp
+        if tp is not None:
+            state_dict = shard_state_dict(state_dict, arch, tp.rank, tp.size)
+            arch = shard_arch(arch, tp.size)
+        self.arch = arch  # this rank's share under tensor parallelism
         self.dtype = dtype
         self.device = device
         self.block_size = block_size
@@ -85,7 +98,7 @@ class ModelRunner:
         # kernels package's fused kernels too (their references on the CPU, as tested there).
         kernel_ops = self.attention.name == "triton"
         with torch.device("meta"):
-            model = LlamaForCausalLM(arch, max_positions=1, kernel_ops=kernel_ops)
+            model = LlamaForCausalLM(arch, max_positions=1, kernel_ops=kernel_ops, tp=tp)
         model = model.to_empty(device=device)
         model.rotary = RotaryEmbedding(
             arch.head_dim,
@@ -106,10 +119,17 @@ class ModelRunner:
         """Run one step. Returns fp32 logits (S, vocab) in chunk order: for each chunk with
         `sample=True`, one row per draft token and one after the last token."""
         inp = prepare_input(scheduler_output.chunks, self.block_size, self.device)
+        if self.tp is not None:
+            self.tp.send_step(inp)  # the workers run the same forward on their shards
+        hidden = self.forward(inp)
+        return self.model.compute_logits(hidden.index_select(0, inp.logits_indices))
+
+    def forward(self, inp: ModelInput) -> torch.Tensor:
+        """The model over one step's input: hidden states (T, hidden), KV cache written.
+        Tensor-parallel workers call this with the input rank 0 sent."""
         meta = attention_metadata(inp, self.block_size)
         self.attention.prepare(meta)
-        hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, meta, self.attention)
-        return self.model.compute_logits(hidden.index_select(0, inp.logits_indices))
+        return self.model(inp.input_ids, inp.positions, self.kv_caches, meta, self.attention)
 
 
 def prepare_input(

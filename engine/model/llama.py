@@ -9,6 +9,8 @@ implementation step for step so greedy decoding matches it token for token.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -18,6 +20,9 @@ from agentrt.engine.attention import AttentionMetadata
 from agentrt.engine.errors import ModelLoadError
 from agentrt.engine.model.arch import ModelArchConfig
 from agentrt.engine.model.rope import RotaryEmbedding, Rotate
+
+if TYPE_CHECKING:
+    from agentrt.engine.distributed import TensorParallelGroup
 
 
 class RMSNorm(nn.Module):
@@ -46,8 +51,14 @@ class RMSNorm(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelArchConfig, kernel_ops: bool) -> None:
+    """`cfg` is this rank's share of the model under tensor parallelism (`tp`; see
+    model/parallel.py): o_proj and down_proj then give partial sums, all-reduced here."""
+
+    def __init__(
+        self, cfg: ModelArchConfig, kernel_ops: bool, tp: TensorParallelGroup | None = None
+    ) -> None:
         super().__init__()
+        self.tp = tp
         self.num_heads = cfg.num_heads
         self.num_kv_heads = cfg.num_kv_heads
         self.head_dim = cfg.head_dim
@@ -103,21 +114,35 @@ class DecoderLayer(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # (T, KVH, D)
         attn = attention.forward(q, k, v, kv_cache, meta, self.scale)  # (T, H, D)
         hidden = self.o_proj(attn.reshape(num_tokens, -1))
+        if self.tp is not None:
+            self.tp.all_reduce(hidden)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         gate, up = self.gate_up_proj(hidden).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up), residual
+        hidden = self.down_proj(F.silu(gate) * up)
+        if self.tp is not None:
+            self.tp.all_reduce(hidden)
+        return hidden, residual
 
 
 class LlamaForCausalLM(nn.Module):
     """`kernel_ops`: RMSNorm and RoPE through the kernels package (its fused Triton kernels
     on CUDA, its references elsewhere) instead of inline torch ops. The model runner turns it
-    on with the 'triton' attention backend: that is the CUDA path."""
+    on with the 'triton' attention backend: that is the CUDA path.
+    `tp`: this rank's tensor-parallel group; `cfg` is then the rank's shard (parallel.py)."""
 
-    def __init__(self, cfg: ModelArchConfig, max_positions: int, kernel_ops: bool = False) -> None:
+    def __init__(
+        self,
+        cfg: ModelArchConfig,
+        max_positions: int,
+        kernel_ops: bool = False,
+        tp: TensorParallelGroup | None = None,
+    ) -> None:
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, kernel_ops) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, kernel_ops, tp) for _ in range(cfg.num_layers)
+        )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernel_ops)
         self.lm_head = (
             None

@@ -1,0 +1,158 @@
+"""Tensor-parallel process groups and the per-step broadcast (torch.distributed).
+
+Every rank joins through one `TCPStore` (rank 0 hosts it) and holds two groups:
+
+- `control`: gloo, on the CPU. Rank 0 broadcasts each step's header on it: what comes next
+  (a step, or shutdown) and the step's sizes. Workers wait for a header without a time
+  limit (an engine may sit idle for hours); every other operation has `timeout_s`.
+- `device`: the group the model's tensors travel on: the control group itself on the CPU,
+  NCCL on CUDA. The step's input (one int64 tensor: input ids, positions, slot mapping,
+  query start offsets, sequence lengths and block tables, back to back) and the model's
+  all-reduces go over it.
+
+The groups are objects, not torch.distributed's process-global default group, so one
+process may hold several engines (and a test several in turn). A peer that dies closes its
+sockets: the next collective on any other rank fails at once (gloo: "Connection closed by
+peer"), and a stuck one fails after `timeout_s`; both raise `EngineDeadError` here.
+"""
+
+from __future__ import annotations
+
+import datetime
+
+import torch
+import torch.distributed as dist
+
+from agentrt.engine.errors import EngineDeadError
+from agentrt.engine.records import ModelInput
+
+_STEP, _SHUTDOWN = 1, 2
+_HEADER = 4  # (kind, T tokens, R requests, max blocks per request)
+_IDLE_WAIT = datetime.timedelta(days=365)  # a worker waiting for the engine's next step
+
+
+def connect_store(
+    rank: int, world_size: int, host: str, port: int, timeout_s: float
+) -> dist.TCPStore:
+    """Rank 0 hosts the store (`port=0`: any free port; read it back from `store.port`);
+    the others connect to it, retrying until `timeout_s`."""
+    return dist.TCPStore(
+        host,
+        port,
+        world_size,
+        is_master=rank == 0,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+    )
+
+
+class TensorParallelGroup:
+    """This rank's view of the tensor-parallel group. Rank 0 calls `send_step` before each
+    forward and `send_shutdown` once; workers loop on `receive_step`. Every rank calls
+    `all_reduce` at the same points of the forward. Not thread-safe."""
+
+    def __init__(
+        self, store: dist.Store, rank: int, size: int, device: torch.device, timeout_s: float
+    ) -> None:
+        """Joins the groups: a collective rendezvous that blocks until all ranks call it."""
+        self.rank = rank
+        self.size = size
+        self.device = device
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+        self.closed = False
+        self.control = dist.ProcessGroupGloo(
+            dist.PrefixStore("control", store), rank, size, self.timeout
+        )
+        self.device_group = self.control
+        if device.type == "cuda":
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = self.timeout
+            torch.cuda.set_device(device)
+            self.device_group = dist.ProcessGroupNCCL(
+                dist.PrefixStore("device", store), rank, size, options
+            )
+
+    def all_reduce(self, tensor: torch.Tensor) -> None:
+        """Sum `tensor` over the ranks, in place (every rank gets the sum)."""
+        try:
+            self.device_group.allreduce([tensor]).wait()
+        except RuntimeError as exc:
+            raise self._dead(exc) from exc
+
+    # -- rank 0 ----------------------------------------------------------------------------
+
+    def send_step(self, inp: ModelInput) -> None:
+        """Broadcast one step's model input to the workers (which then run the same forward).
+        Sampling rows (`logits_indices`) stay on rank 0: only it computes logits."""
+        if self.closed:
+            raise EngineDeadError(
+                "the tensor-parallel group is closed (shut down, or a rank died): start a "
+                "new engine."
+            )
+        num_tokens, num_blocks = inp.input_ids.shape[0], inp.block_tables.shape[1]
+        header = torch.tensor([_STEP, num_tokens, len(inp.query_lens), num_blocks])
+        payload = torch.cat(
+            [
+                inp.input_ids,
+                inp.positions,
+                inp.slot_mapping,
+                inp.query_start_loc.long(),
+                inp.seq_lens.long(),
+                inp.block_tables.long().view(-1),
+            ]
+        )
+        self._broadcast(self.control, header)
+        self._broadcast(self.device_group, payload)
+
+    def send_shutdown(self) -> None:
+        """Tell the workers to leave their loop; later calls do nothing."""
+        if self.closed:
+            return
+        self.closed = True
+        self._broadcast(self.control, torch.tensor([_SHUTDOWN, 0, 0, 0]))
+
+    # -- workers ---------------------------------------------------------------------------
+
+    def receive_step(self) -> ModelInput | None:
+        """Wait (without a time limit) for rank 0's next step; None when it shuts down."""
+        header = torch.zeros(_HEADER, dtype=torch.int64)
+        self._broadcast(self.control, header, _IDLE_WAIT)
+        kind, num_tokens, num_requests, num_blocks = header.tolist()
+        if kind == _SHUTDOWN:
+            self.closed = True
+            return None
+        sizes = [num_tokens] * 3 + [num_requests + 1, num_requests, num_requests * num_blocks]
+        payload = torch.empty(sum(sizes), dtype=torch.int64, device=self.device)
+        self._broadcast(self.device_group, payload)
+        input_ids, positions, slot_mapping, cu, seq_lens, tables = payload.split(sizes)
+        seq_lens_host = seq_lens.tolist()
+        query_lens = torch.diff(cu).tolist()
+        return ModelInput(
+            input_ids=input_ids,
+            positions=positions,
+            slot_mapping=slot_mapping,
+            query_start_loc=cu.int(),
+            seq_lens=seq_lens.int(),
+            block_tables=tables.view(num_requests, num_blocks).int(),
+            logits_indices=payload.new_empty(0),
+            query_lens=query_lens,
+            context_lens=[s - q for s, q in zip(seq_lens_host, query_lens, strict=True)],
+            max_seq_len=max(seq_lens_host),
+        )
+
+    # --------------------------------------------------------------------------------------
+
+    def _broadcast(
+        self, group, tensor: torch.Tensor, timeout: datetime.timedelta | None = None
+    ) -> None:
+        try:
+            group.broadcast(tensor, 0, timeout or self.timeout).wait()
+        except RuntimeError as exc:
+            raise self._dead(exc) from exc
+
+    def _dead(self, exc: RuntimeError) -> EngineDeadError:
+        self.closed = True
+        return EngineDeadError(
+            f"tensor-parallel rank {self.rank} of {self.size} lost its peers ({exc}). A rank "
+            "exited or stopped answering: see that rank's log, then start a new engine."
+        )

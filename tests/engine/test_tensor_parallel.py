@@ -1,0 +1,213 @@
+"""Tensor parallelism: the model split across ranks (gloo on the CPU) gives the same greedy
+fp32 tokens as one rank, with structured output and prefix caching; workers started by the
+engine or by torchrun-style rendezvous; bad sizes and dead workers fail clearly."""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from agentrt.engine.errors import ConfigError, EngineDeadError
+from agentrt.engine.llm import LLM
+from agentrt.engine.model.arch import ModelArchConfig
+from agentrt.engine.model.checkpoint import load_hf_config
+from agentrt.engine.sampling_params import SamplingParams, StructuredOutputsParams
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+STRUCTURED = SamplingParams(
+    max_tokens=48, temperature=0.0, structured_outputs=StructuredOutputsParams(json=PERSON)
+)
+PROMPTS = ["The quick brown fox jumps over", "Once upon a time, in a land far away,"]
+# Longer than two KV blocks (16 tokens each), so a request sharing it hits the prefix cache.
+SHARED = "You are a careful assistant who answers briefly and checks every fact twice. " * 3
+
+
+def token_ids(llm: LLM, prompts, params) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tiny_checkpoint) -> Path:
+    path = tiny_checkpoint("llama")
+    arch = ModelArchConfig.from_hf_dict(load_hf_config(path))
+    assert (arch.num_heads, arch.num_kv_heads, arch.intermediate_size) == (4, 2, 128)
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny_tp1(tiny_llama: Path) -> LLM:
+    return LLM(str(tiny_llama), dtype="float32", num_kv_blocks=64)
+
+
+@pytest.fixture(scope="module")
+def tiny_tp2(tiny_llama: Path):
+    llm = LLM(str(tiny_llama), dtype="float32", num_kv_blocks=64, tensor_parallel_size=2)
+    yield llm
+    llm.shutdown()
+
+
+def test_tp2_shards_heads_and_kv_cache(tiny_tp2: LLM) -> None:
+    runner = tiny_tp2.engine.runner
+    assert (runner.arch.num_heads, runner.arch.num_kv_heads) == (2, 1)  # half of (4, 2)
+    assert runner.kv_caches[0].shape == (64, 2, 16, 1, 16)  # one KV head per rank
+    assert runner.model.layers[0].qkv_proj.weight.shape == ((2 + 2 * 1) * 16, 64)
+    assert runner.model.layers[0].down_proj.weight.shape == (64, 64)  # 128 / 2 input columns
+
+
+def test_tp2_greedy_matches_tp1(tiny_tp1: LLM, tiny_tp2: LLM) -> None:
+    assert token_ids(tiny_tp2, PROMPTS, GREEDY) == token_ids(tiny_tp1, PROMPTS, GREEDY)
+
+
+def test_tp2_structured_output_matches_tp1(tiny_tp1: LLM, tiny_tp2: LLM) -> None:
+    prompt = ["Extract the person as JSON: Ada Lovelace, 36."]
+    tp1, tp2 = tiny_tp1.generate(prompt, STRUCTURED)[0], tiny_tp2.generate(prompt, STRUCTURED)[0]
+    assert tp2.outputs[0].token_ids == tp1.outputs[0].token_ids
+    assert tp2.outputs[0].finish_reason == "stop"  # the object closed: valid JSON
+    assert set(json.loads(tp2.outputs[0].text)) == {"name", "age"}
+
+
+def test_tp2_prefix_cache_hit_matches_tp1(tiny_tp1: LLM, tiny_tp2: LLM) -> None:
+    for llm in (tiny_tp1, tiny_tp2):
+        llm.reset_prefix_cache()
+    first, second = SHARED + "Question one:", SHARED + "Question two, a different one:"
+    expected = [tiny_tp1.generate([p], GREEDY)[0] for p in (first, second)]
+    assert token_ids(tiny_tp2, [first], GREEDY) == [expected[0].outputs[0].token_ids]
+    out = tiny_tp2.generate([second], GREEDY)[0]
+    assert out.num_cached_tokens >= 32  # the shared blocks came from the cache
+    assert out.num_cached_tokens == expected[1].num_cached_tokens
+    assert out.outputs[0].token_ids == expected[1].outputs[0].token_ids
+
+
+def test_tp2_int8_torch_attention_and_draft_model_match_tp1(tiny_llama: Path) -> None:
+    """int8 weights, the torch attention backend and a draft model (run whole on rank 0)
+    under TP=2 give TP=1's greedy tokens with the same options."""
+    options = dict(
+        dtype="float32",
+        num_kv_blocks=64,
+        quantization="int8",
+        attention_backend="torch",
+        speculative_config={"method": "draft_model", "model": str(tiny_llama)},
+    )
+    expected = token_ids(LLM(str(tiny_llama), **options), PROMPTS, GREEDY)
+    llm = LLM(str(tiny_llama), tensor_parallel_size=2, **options)
+    try:
+        assert token_ids(llm, PROMPTS, GREEDY) == expected
+        assert llm.stats().spec_decode.num_accepted_tokens > 0
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.slow
+def test_tp3_embedded_matches_tp1(smollm2_llm: LLM) -> None:
+    """The embedded model (9 query heads, 3 KV heads) on 3 ranks: 3 and 1 per rank."""
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    expected = token_ids(smollm2_llm, prompts, GREEDY)
+    expected_json = smollm2_llm.generate(["Ada Lovelace is 36."], STRUCTURED)[0].outputs[0]
+    llm = LLM(None, dtype="float32", kv_cache_memory_gb=0.25, tensor_parallel_size=3)
+    try:
+        assert llm.engine.runner.kv_caches[0].shape[3] == 1  # one KV head per rank
+        assert token_ids(llm, prompts, GREEDY) == expected
+        structured = llm.generate(["Ada Lovelace is 36."], STRUCTURED)[0].outputs[0]
+        assert structured.token_ids == expected_json.token_ids
+        assert structured.text == expected_json.text
+    finally:
+        llm.shutdown()
+
+
+def test_two_nodes_by_rendezvous_env(tiny_llama: Path, tiny_tp1: LLM, monkeypatch) -> None:
+    """Rank 1 as its own process (`python -m agentrt.engine.worker`), as on a second machine;
+    this process is rank 0 by RANK=0: the engine starts no workers of its own."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    rendezvous = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "agentrt.engine.worker"],
+        env={**os.environ, **rendezvous, "RANK": "1", "LOCAL_RANK": "0"},
+    )
+    try:
+        for name, value in {**rendezvous, "RANK": "0", "LOCAL_RANK": "0"}.items():
+            monkeypatch.setenv(name, value)
+        llm = LLM(str(tiny_llama), dtype="float32", num_kv_blocks=64, tensor_parallel_size=2)
+        assert llm.engine.executor.processes == []  # rank 1 is the one started above
+        assert token_ids(llm, PROMPTS, GREEDY) == token_ids(tiny_tp1, PROMPTS, GREEDY)
+        llm.shutdown()
+        assert worker.wait(timeout=30) == 0  # the worker left when rank 0 shut down
+    finally:
+        worker.kill()
+        worker.wait()
+
+
+def test_worker_rank_is_refused_by_the_engine(tiny_llama: Path, monkeypatch) -> None:
+    for name, value in {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("MASTER_PORT", "29999")
+    with pytest.raises(ConfigError, match=r"RANK=1.*python -m agentrt.engine.worker"):
+        LLM(str(tiny_llama), dtype="float32", num_kv_blocks=64, tensor_parallel_size=2)
+
+
+def test_heads_not_divisible_names_the_counts() -> None:
+    """The embedded model has 9 query heads and 3 KV heads: 2 ranks cannot split them; the
+    error comes from the model's config, before any worker starts."""
+    with pytest.raises(ConfigError) as info:
+        LLM(None, dtype="float32", kv_cache_memory_gb=0.25, tensor_parallel_size=2)
+    message = str(info.value)
+    assert "tensor_parallel_size=2" in message
+    assert "9 query heads" in message and "3 KV heads" in message
+    assert "Allowed sizes for this model: 1, 3" in message
+
+
+def test_unsupported_combinations_are_refused(tiny_llama: Path) -> None:
+    with pytest.raises(ConfigError, match="int4.*tensor_parallel_size=2"):
+        LLM(str(tiny_llama), quantization="int4", num_kv_blocks=64, tensor_parallel_size=2)
+    with pytest.raises(ConfigError, match="AsyncEngine, Runtime and `agentrt serve`"):
+        LLM(str(tiny_llama), num_kv_blocks=64, engine_process=True)
+    with pytest.raises(ConfigError, match="data_parallel_size=1"):
+        LLM(str(tiny_llama), num_kv_blocks=64, data_parallel_size=2)
+
+
+def test_killed_worker_fails_the_engine_without_hanging(tiny_llama: Path) -> None:
+    llm = LLM(str(tiny_llama), dtype="float32", num_kv_blocks=64, tensor_parallel_size=2)
+    (worker,) = llm.engine.executor.processes
+    worker.kill()
+    worker.wait()
+    errors: list[BaseException] = []
+
+    def generate() -> None:
+        try:
+            llm.generate(PROMPTS, GREEDY)
+        except BaseException as exc:  # noqa: BLE001 - recorded for the assertion below
+            errors.append(exc)
+
+    thread = threading.Thread(target=generate, daemon=True)
+    thread.start()
+    thread.join(timeout=60)
+    assert not thread.is_alive(), "generate hung after a worker died"
+    assert len(errors) == 1 and isinstance(errors[0], EngineDeadError)
+    assert "tensor-parallel rank 0 of 2" in str(errors[0])
+    with pytest.raises(EngineDeadError):  # and it stays dead
+        llm.generate(PROMPTS, GREEDY)
+    llm.shutdown()
+
+
+def test_workers_exit_when_the_engine_is_garbage_collected(tiny_llama: Path) -> None:
+    llm = LLM(str(tiny_llama), dtype="float32", num_kv_blocks=64, tensor_parallel_size=2)
+    (worker,) = llm.engine.executor.processes
+    assert token_ids(llm, PROMPTS[:1], GREEDY)
+    del llm
+    gc.collect()
+    assert worker.wait(timeout=30) == 0
