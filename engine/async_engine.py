@@ -1,33 +1,40 @@
-"""AsyncEngine: the engine loop on a background thread, behind an async API (anyio, so asyncio
-and trio both work).
+"""AsyncEngine: the engine behind an async API (anyio, so asyncio and trio both work).
 
-Threads and ownership:
-- The engine thread owns the `LLMEngine`: it alone adds, aborts and steps requests. The event
-  loop talks to it through a command queue (add / abort / call / stop).
+Threads, processes and ownership:
+- An engine-core client (`engine/core_client.py`) owns the engine: `InprocClient` runs the
+  `LLMEngine` on a background thread; `MPClient` (`engine_process=True`, or
+  `data_parallel_size` > 1) runs each engine core in its own process behind a client thread.
+  The event loop talks to either through a command queue (add / abort / call / stop).
 - The front end (event loop) validates and tokenizes requests with its own copy of the
-  tokenizer, so a bad request raises in the caller at once and the two threads never share a
-  Rust tokenizer.
+  tokenizer, so a bad request raises in the caller at once and no two threads share a Rust
+  tokenizer.
 - One pump task moves each step's deltas from a bounded queue (backpressure on the engine)
-  to the per-request streams. A fault in the engine thread fails every pending request with
-  `EngineDeadError` and refuses new ones; nothing hangs.
+  to the per-request streams. A fault in the engine (or a dead core process) fails every
+  pending request with `EngineDeadError` and refuses new ones; nothing hangs.
 """
 
 from __future__ import annotations
 
-import copy
-import dataclasses
 import itertools
-import queue
-import threading
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import Any
 
 import anyio
 
 from agentrt.engine.args import EngineArgs
+from agentrt.engine.core_client import (
+    AbortRequests,
+    AddRequest,
+    CallEngine,
+    CallUtility,
+    EngineCoreClient,
+    InprocClient,
+    LoopStopped,
+    RequestFailed,
+    StopEngine,
+)
 from agentrt.engine.errors import (
     ConfigError,
     EngineDeadError,
@@ -37,58 +44,9 @@ from agentrt.engine.errors import (
 )
 from agentrt.engine.llm_engine import LLMEngine
 from agentrt.engine.outputs import RequestDelta, RequestOutput
-from agentrt.engine.records import EngineCoreRequest
+from agentrt.engine.processor import Processor
 from agentrt.engine.sampling_params import SamplingParams
 from agentrt.engine.scheduler import SchedulerStats
-
-_MAX_QUEUED_STEPS = 64  # engine steps waiting for the pump before the engine thread blocks
-
-
-# Commands from the event loop to the engine thread.
-
-
-@dataclass(frozen=True, slots=True)
-class AddRequest:
-    request: EngineCoreRequest
-    prompt: str | None  # the prompt's text, when it had one
-
-
-@dataclass(frozen=True, slots=True)
-class AbortRequests:
-    req_ids: list[str]
-
-
-@dataclass(frozen=True, slots=True)
-class CallEngine:
-    """Run `fn(llm_engine)` between steps; its result or error goes to `future`."""
-
-    fn: Callable[[LLMEngine], Any]
-    future: Future
-
-
-@dataclass(frozen=True, slots=True)
-class StopEngine:
-    """Abort every request and end the loop."""
-
-
-EngineCommand = AddRequest | AbortRequests | CallEngine | StopEngine
-
-# What the engine thread hands the pump besides each step's deltas.
-
-
-@dataclass(frozen=True, slots=True)
-class RequestFailed:
-    """One request could not be added; the engine goes on."""
-
-    request_id: str
-    error: Exception
-
-
-@dataclass(frozen=True, slots=True)
-class LoopStopped:
-    """The loop ended; `error` is the fault that ended it, if any."""
-
-    error: BaseException | None
 
 
 class RequestStream:
@@ -157,17 +115,16 @@ class RequestStream:
 
 
 class AsyncEngine:
-    """`async with AsyncEngine(model=None, **options) as engine:` starts the engine
-    thread, which loads the model (or takes a built `LLMEngine` via `engine=`) and runs the
-    loop; leaving the block (in the same task) aborts what still runs and stops it.
+    """`async with AsyncEngine(model=None, **options) as engine:` starts the engine (loads
+    the model, or takes a built `LLMEngine` via `engine=`) and runs its loop; leaving the
+    block (in the same task) aborts what still runs and stops it.
 
-    The model is built on the engine thread itself: torch's OpenMP runtime keeps a team of
-    worker threads per thread that ran parallel work, and with more of them alive than cores
-    it stops spin-waiting between parallel regions, which made every step ~15% slower.
-
-    `options` are the fields of `EngineArgs`. `max_waiting_requests` bounds the requests that
-    may wait beyond the `max_num_seqs` that run at once; past it `add_request` raises
-    `EngineOverloadedError`. With a built `engine=`, it is the one option that applies.
+    `options` are the fields of `EngineArgs`. `engine_process=True` runs the engine core in
+    its own process, `data_parallel_size=N` runs N of them behind this front end (routed by
+    load and prefix-cache affinity); by default it runs on a thread of this process.
+    `max_waiting_requests` bounds the requests that may wait beyond the `max_num_seqs` that
+    run at once; past it `add_request` raises `EngineOverloadedError`. With a built
+    `engine=`, it is the one option that applies.
     """
 
     def __init__(
@@ -180,42 +137,57 @@ class AsyncEngine:
                 "engine= runs an engine that is already built: of the engine options only "
                 f"max_waiting_requests applies (got model={model!r} and {ignored})."
             )
-        self.engine = engine
         self.max_waiting_requests = (
             engine.args.max_waiting_requests
             if engine is not None and "max_waiting_requests" not in options
             else self.args.max_waiting_requests
         )
-        self._commands: queue.SimpleQueue[EngineCommand] = queue.SimpleQueue()
-        self._outputs: queue.Queue = queue.Queue(maxsize=_MAX_QUEUED_STEPS)
+        self.client: EngineCoreClient
+        if self.args.create_configs().parallel.uses_engine_process:
+            from agentrt.engine.mp_client import MPClient
+
+            self.client = MPClient(self.args)
+        else:
+            self.client = InprocClient(self.args, engine)
         self._streams: dict[str, RequestStream] = {}
         self._req_counter = itertools.count()
-        self._thread: threading.Thread | None = None
+        self._started = False
         self._task_group = None
         self._dead: EngineDeadError | None = None
-        # Guards `_loop_exited` against `call()`: a call queued after the loop exited would
-        # never be answered, so the exiting loop fails queued calls under this lock.
-        self._call_lock = threading.Lock()
-        self._loop_exited = False
         self._accepting = False
         self.tokenizer = None
-        self.processor = None
+        self.processor: Processor | None = None
+        self.limits = None  # the engine's limits (`EngineLimits`), once started
+
+    @property
+    def engine(self) -> LLMEngine | None:
+        """The `LLMEngine`, when it runs in this process (None with an engine process)."""
+        return self.client.engine
+
+    @property
+    def model_path(self) -> str:
+        return self.limits.model_path
 
     # -- lifecycle ---------------------------------------------------------------------------
 
     async def __aenter__(self) -> AsyncEngine:
-        built: Future = Future()
-        self._thread = threading.Thread(
-            target=self._run_loop, args=(built,), name="agentrt-engine", daemon=True
-        )
-        self._thread.start()
+        built = self.client.start()
+        self._started = True
         try:
-            await anyio.to_thread.run_sync(built.result)  # the build error, if any
+            front_end = await anyio.to_thread.run_sync(built.result)  # the build error, if any
         except BaseException:
-            self._commands.put(StopEngine())  # cancelled while building: end the thread
+            self.client.put(StopEngine())  # cancelled while building: end the thread
             raise
-        self.tokenizer = copy.deepcopy(self.engine.tokenizer)
-        self.processor = self.engine.make_processor(self.tokenizer)
+        self.limits = limits = front_end.limits
+        self.tokenizer = front_end.tokenizer
+        self.processor = Processor(
+            self.tokenizer,
+            vocab_size=limits.vocab_size,
+            max_model_len=limits.max_model_len,
+            block_size=limits.block_size,
+            num_kv_blocks=limits.num_kv_blocks,
+            eos_token_ids=frozenset(limits.eos_token_ids),
+        )
         self._task_group = anyio.create_task_group()
         await self._task_group.__aenter__()
         self._task_group.start_soon(self._pump)
@@ -226,14 +198,14 @@ class AsyncEngine:
         await self.aclose()
 
     async def aclose(self) -> None:
-        """Abort what is still running, stop the engine thread, and fail open streams."""
+        """Abort what is still running, stop the engine, and fail open streams."""
         if self._task_group is None:
             return
         self._accepting = False
-        self._commands.put(StopEngine())
+        self.client.put(StopEngine())
         task_group, self._task_group = self._task_group, None
         await task_group.__aexit__(None, None, None)  # the pump returns on LoopStopped
-        await anyio.to_thread.run_sync(self._thread.join)
+        await anyio.to_thread.run_sync(self.client.join)
 
     async def drain(self, timeout_s: float) -> int:
         """Stop admitting requests and wait up to `timeout_s` for running ones to finish;
@@ -291,7 +263,7 @@ class AsyncEngine:
         request = self.processor.process(request_id, prompt, params, priority=priority)
         stream = RequestStream(self, request_id)
         self._streams[request_id] = stream
-        self._commands.put(AddRequest(request, text))
+        self.client.put(AddRequest(request, text))
         return stream
 
     async def generate(
@@ -305,29 +277,46 @@ class AsyncEngine:
         """Abort a request in any state; unknown or finished ids are ignored."""
         stream = self._streams.pop(request_id, None)
         if stream is not None and self._dead is None:
-            self._commands.put(AbortRequests([request_id]))
+            self.client.put(AbortRequests([request_id]))
 
     async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
         """Run `fn(llm_engine)` on the engine thread, between steps, and return its result
-        (the only safe way to read or change engine state while the loop runs)."""
+        (the only safe way to read or change engine state while the loop runs). Only an
+        in-process engine runs Python functions: with an engine process, use the named
+        calls (`stats`, `reset_prefix_cache`)."""
         self._check_alive()
+        if self.engine is None:
+            raise ConfigError(
+                "call(fn) runs a function on an in-process engine; this one runs in an engine "
+                "process (engine_process=True or data_parallel_size > 1): use stats() or "
+                "reset_prefix_cache()."
+            )
         future: Future = Future()
-        with self._call_lock:
-            if self._loop_exited:
-                raise self._dead or EngineDeadError("the engine loop has stopped.")
-            self._commands.put(CallEngine(fn, future))
+        self.client.put(CallEngine(fn, future))
         return await anyio.to_thread.run_sync(future.result, abandon_on_cancel=True)
 
     async def stats(self) -> SchedulerStats:
-        return await self.call(lambda engine: engine.stats())
+        """The scheduler's counters (summed over the replicas with data parallelism)."""
+        return await self._call_utility("stats")
+
+    async def replica_stats(self) -> list[SchedulerStats]:
+        """The scheduler's counters of each data-parallel replica (one with a single core)."""
+        return await self._call_utility("stats", per_replica=True)
 
     async def reset_prefix_cache(self) -> None:
-        await self.call(lambda engine: engine.reset_prefix_cache())
+        """Forget every cached prefix, in every replica."""
+        await self._call_utility("reset_prefix_cache")
+
+    async def _call_utility(self, name: str, per_replica: bool = False) -> Any:
+        self._check_alive()
+        future: Future = Future()
+        self.client.put(CallUtility(name, future, per_replica))
+        return await anyio.to_thread.run_sync(future.result, abandon_on_cancel=True)
 
     def _check_alive(self) -> None:
         if self._dead is not None:
             raise self._dead
-        if self._thread is None:
+        if not self._started:
             raise EngineDeadError(
                 "the engine is not running: use `async with AsyncEngine(...) as engine:`."
             )
@@ -336,82 +325,18 @@ class AsyncEngine:
         self._check_alive()
         if not self._accepting:
             raise EngineDeadError("the engine is shutting down and admits no new requests.")
-        limit = self.engine.scheduler_config.max_num_seqs + self.max_waiting_requests
+        limit = self.limits.max_num_seqs * self.args.data_parallel_size + self.max_waiting_requests
         if len(self._streams) >= limit:
             raise EngineOverloadedError(
-                f"{len(self._streams)} requests are pending (limit {limit}: max_num_seqs + "
-                "max_waiting_requests); retry later."
+                f"{len(self._streams)} requests are pending (limit {limit}: max_num_seqs per "
+                "replica + max_waiting_requests); retry later."
             )
-
-    # -- engine thread -----------------------------------------------------------------------
-
-    def _run_loop(self, built: Future) -> None:
-        try:
-            if self.engine is None:
-                self.engine = LLMEngine(**dataclasses.asdict(self.args))
-        except BaseException as exc:
-            built.set_exception(exc)
-            return
-        built.set_result(None)
-        engine = self.engine
-        error: BaseException | None = None
-        try:
-            while self._handle_commands(block=not engine.has_unfinished_requests()):
-                if engine.has_unfinished_requests():
-                    deltas = engine.step()
-                    if deltas:
-                        self._outputs.put(deltas)
-        except BaseException as exc:  # a fault: the pump fails every pending request
-            error = exc
-        finally:
-            with self._call_lock:
-                self._loop_exited = True
-                self._fail_queued_calls()
-            self._outputs.put(LoopStopped(error))
-
-    def _fail_queued_calls(self) -> None:
-        while True:
-            try:
-                command = self._commands.get_nowait()
-            except queue.Empty:
-                return
-            if isinstance(command, CallEngine):
-                command.future.set_exception(EngineDeadError("the engine loop has stopped."))
-
-    def _handle_commands(self, block: bool) -> bool:
-        """Apply queued commands (waiting for one when the engine is idle); False on stop."""
-        engine = self.engine
-        while True:
-            try:
-                command = self._commands.get(block=block)
-            except queue.Empty:
-                return True
-            block = False
-            match command:
-                case AddRequest(request, prompt):
-                    try:
-                        engine.add_request(request, prompt)
-                    except Exception as exc:  # this request is bad, not the engine
-                        engine.abort_requests([request.req_id])
-                        self._outputs.put(RequestFailed(request.req_id, exc))
-                case AbortRequests(req_ids):
-                    deltas = engine.abort_requests(req_ids)
-                    if deltas:
-                        self._outputs.put(deltas)
-                case CallEngine(fn, future):
-                    try:
-                        future.set_result(fn(engine))
-                    except Exception as exc:
-                        future.set_exception(exc)
-                case StopEngine():
-                    engine.abort_all()
-                    return False
 
     # -- event loop side ---------------------------------------------------------------------
 
     async def _pump(self) -> None:
         while True:
-            item = await anyio.to_thread.run_sync(self._outputs.get, abandon_on_cancel=True)
+            item = await anyio.to_thread.run_sync(self.client.get, abandon_on_cancel=True)
             if isinstance(item, LoopStopped):
                 self._on_stopped(item.error)
                 return
@@ -429,7 +354,9 @@ class AsyncEngine:
 
     def _on_stopped(self, error: BaseException | None) -> None:
         self._accepting = False
-        if error is not None:
+        if isinstance(error, EngineDeadError):  # a dead core process says so itself
+            self._dead = error
+        elif error is not None:
             self._dead = EngineDeadError(f"the engine loop failed: {error!r}")
             self._dead.__cause__ = error
         else:

@@ -184,6 +184,6 @@ def _model_card(state: ServerState) -> dict:
         "object": "model",
         "created": state.created,
         "owned_by": "agentrt",
-        "root": str(state.engine.engine.model_path),
+        "root": state.engine.model_path,
         "max_model_len": state.max_model_len,
     }

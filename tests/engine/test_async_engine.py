@@ -187,16 +187,16 @@ async def test_the_model_is_built_on_the_engine_thread(tiny_checkpoint, monkeypa
     team (from building on another thread) throttles spin-waiting and slows every step."""
     import threading
 
-    from agentrt.engine import async_engine
+    from agentrt.engine import core_client
 
     built_on = []
-    real = async_engine.LLMEngine
+    real = core_client.LLMEngine
 
     def recording(*args, **kwargs):
         built_on.append(threading.current_thread().name)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(async_engine, "LLMEngine", recording)
+    monkeypatch.setattr(core_client, "LLMEngine", recording)
     path = str(tiny_checkpoint("llama"))
     async with AsyncEngine(path, dtype="float32", kv_cache_memory_gb=0.01) as engine:
         assert await engine.call(lambda _: threading.current_thread().name) == "agentrt-engine"
@@ -208,4 +208,4 @@ async def test_a_model_that_fails_to_load_raises_and_stops_the_thread(tmp_path):
     with pytest.raises(ModelLoadError, match="no-such-model"):
         async with engine:
             pass
-    assert not engine._thread.is_alive()
+    assert not engine.client.thread.is_alive()
