@@ -94,14 +94,17 @@ class TensorParallelExecutor:
         """Tell the workers to exit, wait for spawned ones (killing any that linger), and
         give this process its threads back. Safe to call more than once, and after a
         worker died."""
+        told = False
         if self.group is not None and not self.group.closed:
             try:
                 self.group.send_shutdown()
+                told = True
             except EngineDeadError:
-                pass  # a worker is already gone: the others fail their next wait and exit
+                pass  # a worker is already gone
         for rank, process in enumerate(self.processes, start=1):
             try:
-                process.wait(_JOIN_S)
+                # Workers not told (the group died) may wait for a step forever: end them.
+                process.wait(_JOIN_S if told else 0)
             except subprocess.TimeoutExpired:
                 logger.warning("tensor-parallel rank %d did not exit: killing it", rank)
                 process.kill()

@@ -86,6 +86,7 @@ class ModelRunner:
         the full model `arch` (model/parallel.py), its KV heads only, and rank 0 sends each
         step's input to the workers (`worker.py`), which run the same forward."""
         self.tp = tp
+        full_arch = arch
         if tp is not None:
             state_dict = shard_state_dict(state_dict, arch, tp.rank, tp.size)
             arch = shard_arch(arch, tp.size)
@@ -111,7 +112,8 @@ class ModelRunner:
         model.load_hf_state_dict(state_dict)
         self.model = model.to(dtype).eval()
         if quantization != "none":
-            quantize_model(self.model, quantization, gguf_file)
+            shard = None if tp is None else (full_arch, tp.rank, tp.size)
+            quantize_model(self.model, quantization, gguf_file, tp=shard)
         shape = (num_blocks, 2, block_size, arch.num_kv_heads, arch.head_dim)
         self.kv_caches = [allocate_zeros(shape, dtype, device) for _ in range(arch.num_layers)]
 

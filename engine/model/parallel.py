@@ -30,12 +30,16 @@ import torch
 
 from agentrt.engine.errors import ConfigError
 from agentrt.engine.model.arch import ModelArchConfig
+from agentrt.kernels.quantized_linear import Int4Weight
+
+INT4_GROUP_SIZE = 32  # GGUF's Q4_0 / Q4_1 block (quantization.py's groups)
 
 
 def check_tensor_parallel(arch: ModelArchConfig, size: int, quantization: str = "none") -> None:
     """Raise `ConfigError` unless `arch` splits into `size` ranks: query heads, KV heads and
-    the MLP's intermediate size must all divide by it. int4 weights are refused (their
-    groups of 32 and a GGUF's own Q4 blocks are not split by rank)."""
+    the MLP's intermediate size must all divide by it; with int4 weights, each rank's input
+    columns of the row-parallel projections must be whole groups (the groups, and a GGUF's
+    own Q4 blocks, are then split between ranks as they are)."""
     if size == 1:
         return
     counts = (arch.num_heads, arch.num_kv_heads, arch.intermediate_size)
@@ -47,11 +51,13 @@ def check_tensor_parallel(arch: ModelArchConfig, size: int, quantization: str = 
             f"{arch.intermediate_size}), and each rank must hold the same number of each. "
             f"Allowed sizes for this model: {', '.join(map(str, allowed))}."
         )
-    if quantization == "int4":
+    row_parallel_inputs = (arch.num_heads // size * arch.head_dim, arch.intermediate_size // size)
+    if quantization == "int4" and any(k % INT4_GROUP_SIZE for k in row_parallel_inputs):
         raise ConfigError(
-            f"quantization='int4' with tensor_parallel_size={size} is not supported: int4 "
-            "groups (and a GGUF's own Q4 blocks) are not split across ranks. Use "
-            "quantization='int8' or 'none' with tensor parallelism."
+            f"quantization='int4' with tensor_parallel_size={size} needs each rank's share of "
+            f"o_proj and down_proj inputs ({row_parallel_inputs[0]} and "
+            f"{row_parallel_inputs[1]} here) to be whole groups of {INT4_GROUP_SIZE}: use "
+            "another size, or quantization='int8' or 'none'."
         )
 
 
@@ -97,4 +103,34 @@ def shard_state_dict(
             if name.startswith("model.layers.") and name.endswith(suffix):
                 sharded[name] = tensor.narrow(dim, rank * rows, rows)
                 break
+    return sharded
+
+
+def shard_int4_blocks(
+    blocks: dict[tuple[int, str], Int4Weight], arch: ModelArchConfig, rank: int, size: int
+) -> dict[tuple[int, str], Int4Weight]:
+    """Rank `rank`'s slices of the fused int4 projections of the full model `arch` (as
+    quantization.read_gguf_int4_blocks returns them): the same rows and columns as
+    `shard_state_dict`, columns by whole groups (check_tensor_parallel ensures they are)."""
+    if size == 1 or not blocks:
+        return blocks
+    d = arch.head_dim
+    q, kv, mlp = arch.num_heads * d, arch.num_kv_heads * d, arch.intermediate_size
+    # Output rows of each fused part (split per part) or input columns (dim 1).
+    parts = {"qkv_proj": (0, (q, kv, kv)), "gate_up_proj": (0, (mlp, mlp))}
+    parts |= {"o_proj": (1, (q,)), "down_proj": (1, (mlp,))}
+
+    def take(t: torch.Tensor, dim: int, sizes: tuple[int, ...], unit: int) -> torch.Tensor:
+        pieces = t.split([n // unit for n in sizes], dim)
+        return torch.cat([p.chunk(size, dim)[rank] for p in pieces], dim).contiguous()
+
+    sharded = {}
+    for (layer, name), w in blocks.items():
+        dim, sizes = parts[name]
+        group = w.group_size if dim == 1 else 1  # scale/min have one column per group
+        sharded[(layer, name)] = Int4Weight(
+            take(w.q, dim, sizes, 1),
+            take(w.scale, dim, sizes, group),
+            take(w.min, dim, sizes, group),
+        )
     return sharded

@@ -21,7 +21,9 @@ import torch
 from torch import nn
 
 from agentrt.engine.errors import ModelLoadError
+from agentrt.engine.model.arch import ModelArchConfig
 from agentrt.engine.model.gguf_convert import gguf_to_hf_name, reverse_rope_permute
+from agentrt.engine.model.parallel import shard_int4_blocks
 from agentrt.kernels.quantized_linear import (
     COMPUTE_DTYPE,
     Int4Weight,
@@ -32,7 +34,6 @@ from agentrt.kernels.quantized_linear import (
     quantize_int8,
 )
 
-INT4_GROUP_SIZE = 32  # GGUF's Q4_0 / Q4_1 block
 # GGML type ids (gguf.GGMLQuantizationType) of the blocks read as they are, and their bytes.
 _Q4_0, _Q4_1 = 2, 3
 _BLOCK_BYTES = {_Q4_0: 18, _Q4_1: 20}
@@ -72,11 +73,22 @@ class QuantizedLinear(nn.Module):
 
 
 def quantize_model(
-    model: nn.Module, mode: str, gguf_file: str | os.PathLike[str] | None = None
+    model: nn.Module,
+    mode: str,
+    gguf_file: str | os.PathLike[str] | None = None,
+    *,
+    tp: tuple[ModelArchConfig, int, int] | None = None,
 ) -> None:
     """Replace the model's projections by `QuantizedLinear`s in place (see the module doc).
-    `gguf_file`: the GGUF the checkpoint was converted from, whose Q4 blocks int4 reads."""
-    blocks = read_gguf_int4_blocks(gguf_file, model.cfg) if mode == "int4" and gguf_file else {}
+    `gguf_file`: the GGUF the checkpoint was converted from, whose Q4 blocks int4 reads.
+    `tp`: (full arch, rank, size) when `model` is one tensor-parallel rank's shard: the
+    file's blocks are then read for the full model and sliced like the weights."""
+    blocks = {}
+    if mode == "int4" and gguf_file:
+        full_arch, rank, size = tp or (model.cfg, 0, 1)
+        blocks = shard_int4_blocks(
+            read_gguf_int4_blocks(gguf_file, full_arch), full_arch, rank, size
+        )
     for i, layer in enumerate(model.layers):
         for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
             linear = getattr(layer, name)
