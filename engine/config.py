@@ -195,9 +195,11 @@ class StructuredOutputsConfig:
 
 
 SPECULATIVE_METHODS = ("ngram", "suffix", "draft_model", "grammar")
-# Drafts per step when `num_speculative_tokens` is not given. Grammar drafts are free to
-# propose and usually long (a whole forced key), so they get a longer window.
-DEFAULT_NUM_SPECULATIVE_TOKENS = {"ngram": 4, "suffix": 4, "draft_model": 4, "grammar": 16}
+# Drafts per step when `num_speculative_tokens` is not given. Lookup drafts cost nothing to
+# propose and copied spans run long (a value, a key and the next value's start), so they
+# get 8; a draft model pays a forward pass per draft token. Grammar drafts are usually long
+# (a whole forced key), so they get a longer window.
+DEFAULT_NUM_SPECULATIVE_TOKENS = {"ngram": 8, "suffix": 8, "draft_model": 4, "grammar": 16}
 
 
 @dataclass(frozen=True, slots=True)
@@ -220,9 +222,11 @@ class SpeculativeConfig:
     model: str | None = None
     # suffix: finished outputs remembered per schema / prompt head, oldest forgotten first.
     suffix_cache_max_requests: int = 1024
-    # Adaptive drafting: each request drafts fewer tokens while its acceptance is low (and
-    # none while it stays below `adaptive_min_acceptance`, retrying now and then); nobody
-    # drafts while more than `disable_by_batch_size` requests run (0: no limit).
+    # Adaptive drafting: in a batch, each request drafts fewer tokens while its acceptance
+    # is low (a request alone drafts all it may: its extra rows cost next to nothing); any
+    # request pauses while its acceptance stays below `adaptive_min_acceptance`, retrying
+    # now and then; nobody drafts while more than `disable_by_batch_size` requests run
+    # (0: no limit).
     adaptive: bool = True
     adaptive_min_acceptance: float = 0.1
     disable_by_batch_size: int = 16

@@ -151,11 +151,11 @@ class LLMEngine:
         if config.method == "ngram":
             from agentrt.engine.spec_decode.ngram import NgramProposer
 
-            proposer = NgramProposer(config)
+            proposer = NgramProposer(config, self.tokenizer)
         elif config.method == "suffix":
             from agentrt.engine.spec_decode.suffix import SuffixProposer
 
-            proposer = SuffixProposer(config)
+            proposer = SuffixProposer(config, self.tokenizer)
         elif config.method == "draft_model":
             proposer = DraftModelProposer(
                 config,

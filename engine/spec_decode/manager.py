@@ -1,7 +1,7 @@
 """SpecDecodeManager: after each step, drafts for the requests that go on.
 
-It decides how many tokens each request may draft (adaptive: fewer while its drafts are
-rejected, none while the batch is large; never past `max_tokens`, the context, or into a
+It decides how many tokens each request may draft (adaptive: in a batch fewer while its
+drafts are rejected, none while the batch is large; never past `max_tokens`, the context, or into a
 row the budget steering would look at near the end of a structured output's budget), asks
 the proposer, and cuts each draft where the request's grammar refuses a token, after a stop
 token, and (with jump-forward) where the grammar forces tokens, which then end the draft.
@@ -69,7 +69,7 @@ class SpecDecodeManager:
         for request in requests:
             if request.status != RequestStatus.RUNNING:
                 continue
-            num = self._max_drafts(request)
+            num = self._max_drafts(request, num_running)
             if num <= 0:
                 continue
             if self.proposer is None:  # grammar drafts
@@ -85,7 +85,7 @@ class SpecDecodeManager:
             for request, draft, num in zip(targets, drafts, max_tokens, strict=True):
                 self._set_drafts(request, draft, num)
 
-    def _max_drafts(self, request: Request) -> int:
+    def _max_drafts(self, request: Request, num_running: int) -> int:
         params = request.sampling_params
         if params.logprobs is not None:
             return 0  # logprobs are reported per sampled token; drafts would skip them
@@ -97,7 +97,10 @@ class SpecDecodeManager:
             if state.paused_steps:
                 state.paused_steps -= 1
                 return 0
-            num = max(1, round(num * state.acceptance))
+            if num_running > 1:
+                # One request alone is bound by reading the weights: verifying more rows
+                # costs next to nothing, so it drafts all it may; in a batch rows cost.
+                num = max(1, round(num * state.acceptance))
         # One more token follows the drafts: all of them must fit in max_tokens and the context.
         num = min(
             num,

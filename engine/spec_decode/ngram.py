@@ -19,6 +19,7 @@ import numpy as np
 
 from agentrt.engine.config import SpeculativeConfig
 from agentrt.engine.spec_decode.base import DraftContext
+from agentrt.engine.spec_decode.text_lookup import TextLookup
 
 
 class TokenArrays:
@@ -74,16 +75,23 @@ def earlier_matches(tokens: np.ndarray, max_n: int) -> tuple[int, np.ndarray]:
     return n, ends
 
 
+# A token match shorter than this defers to the text lookup (when there is a tokenizer): one
+# common token (`"`, ` the`) predicts little, a few characters of text predict more.
+MIN_TRUSTED_MATCH = 2
+
+
 class NgramProposer:
-    """Prompt lookup over each request's own tokens. Keeps a numpy copy per running request
-    (dropped in `request_finished`); learns nothing across requests."""
+    """Prompt lookup over each request's own tokens, and by text in its prompt (`TextLookup`,
+    given a tokenizer) where the tokens match less than MIN_TRUSTED_MATCH. Keeps a numpy copy
+    per running request (dropped in `request_finished`); learns nothing across requests."""
 
     method = "ngram"
 
-    def __init__(self, config: SpeculativeConfig) -> None:
+    def __init__(self, config: SpeculativeConfig, tokenizer=None) -> None:
         self.min_n = config.prompt_lookup_min
         self.max_n = config.prompt_lookup_max
         self._tokens = TokenArrays()
+        self._text = TextLookup(tokenizer) if tokenizer is not None else None
 
     def propose(self, contexts: list[DraftContext], max_tokens: list[int]) -> list[list[int]]:
         return [self._propose_one(c, n) for c, n in zip(contexts, max_tokens, strict=True)]
@@ -93,6 +101,10 @@ class NgramProposer:
             return []
         tokens = self._tokens.get(context)
         n, ends = earlier_matches(tokens, self.max_n)
+        if n < MIN_TRUSTED_MATCH and self._text is not None:
+            draft = self._text.propose(context, max_tokens)
+            if draft:
+                return draft
         if n < self.min_n:
             return []
         start = int(ends[-1]) + 1  # the most recent occurrence
@@ -100,3 +112,5 @@ class NgramProposer:
 
     def request_finished(self, context: DraftContext, completed: bool) -> None:
         self._tokens.drop(context.req_id)
+        if self._text is not None:
+            self._text.drop(context.req_id)

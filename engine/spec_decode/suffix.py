@@ -33,7 +33,8 @@ import numpy as np
 
 from agentrt.engine.config import SpeculativeConfig
 from agentrt.engine.spec_decode.base import DraftContext
-from agentrt.engine.spec_decode.ngram import TokenArrays
+from agentrt.engine.spec_decode.ngram import MIN_TRUSTED_MATCH, TokenArrays
+from agentrt.engine.spec_decode.text_lookup import TextLookup
 
 # Longest suffix matched (ArcticInference's default suffix-tree depth): longer matches rarely
 # change the draft, and each extra token costs a numpy pass over the occurrences.
@@ -127,10 +128,11 @@ class SuffixProposer:
 
     method = "suffix"
 
-    def __init__(self, config: SpeculativeConfig) -> None:
+    def __init__(self, config: SpeculativeConfig, tokenizer=None) -> None:
         self.min_n = config.prompt_lookup_min
         self.max_requests = config.suffix_cache_max_requests
         self._tokens = TokenArrays()
+        self._text = TextLookup(tokenizer) if tokenizer is not None else None
         self._outputs: dict[Hashable, _KeyOutputs] = {}
         self._history: deque[Hashable] = deque()  # the key of every cached output, oldest first
 
@@ -142,9 +144,19 @@ class SuffixProposer:
         return [self._propose_one(c, n) for c, n in zip(contexts, max_tokens, strict=True)]
 
     def _propose_one(self, context: DraftContext, max_tokens: int) -> list[int]:
-        length = len(context.token_ids)
-        if max_tokens <= 0 or length == 0 or length < self.min_n:
+        if max_tokens <= 0:
             return []
+        n, draft = self._walk(context, max_tokens)
+        if n < MIN_TRUSTED_MATCH and self._text is not None:
+            return self._text.propose(context, max_tokens) or draft
+        return draft
+
+    def _walk(self, context: DraftContext, max_tokens: int) -> tuple[int, list[int]]:
+        """Steps 1 and 2 above: the match length in tokens and the draft (0, [] without a
+        match of at least `prompt_lookup_min`)."""
+        length = len(context.token_ids)
+        if length == 0 or length < self.min_n:
+            return 0, []
         own = self._tokens.get(context)
         last = own[length - 1]
         # 1. Occurrences of the last token, by end position: in the request (strictly before
@@ -159,14 +171,14 @@ class SuffixProposer:
             tokens = np.full(1, _SEPARATOR, dtype=np.int64)
             cached_ends = np.empty(0, dtype=np.int64)
         if own_ends.size == 0 and cached_ends.size == 0:
-            return []
+            return 0, []
         # Keep the occurrences of the longest match.
         pattern = own[length - min(MAX_MATCH_TOKENS, length) :][::-1]  # the request, backwards
         own_lengths = _match_lengths(own, own_ends, pattern)
         cached_lengths = _match_lengths(tokens, cached_ends, pattern)
         n = max(own_lengths.max(initial=0), cached_lengths.max(initial=0))
         if n < self.min_n:
-            return []
+            return 0, []
         own_ends, cached_ends = own_ends[own_lengths == n], cached_ends[cached_lengths == n]
 
         # 2. Extend by the most frequent continuation while any occurrence goes on. Every
@@ -184,11 +196,13 @@ class SuffixProposer:
             draft.append(int(token))
             own_next = own_next[own[own_next] == token] + 1
             cached_next = cached_next[tokens[cached_next] == token] + 1
-        return draft
+        return int(n), draft
 
     def request_finished(self, context: DraftContext, completed: bool) -> None:
         """Forgets the request's own tokens; keeps its output for its key when it completed."""
         self._tokens.drop(context.req_id)
+        if self._text is not None:
+            self._text.drop(context.req_id)
         if not completed or context.cache_key is None:
             return
         output = np.asarray(context.token_ids[context.num_prompt_tokens :], dtype=np.int64)

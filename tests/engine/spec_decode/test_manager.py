@@ -1,0 +1,80 @@
+"""SpecDecodeManager's drafting budget: how many tokens each request may draft, adaptive or
+not, alone or in a batch, and the caps no draft may cross."""
+
+from __future__ import annotations
+
+from agentrt.engine.config import SpeculativeConfig
+from agentrt.engine.kv_cache_manager import KVCacheManager
+from agentrt.engine.request import Request, RequestStatus
+from agentrt.engine.sampling_params import SamplingParams
+from agentrt.engine.spec_decode.manager import PAUSE_STEPS, SpecDecodeManager
+from agentrt.engine.spec_decode.ngram import NgramProposer
+
+# A prompt that repeats itself: prompt lookup always drafts from it (up to 10 tokens).
+PROMPT = list(range(1, 11)) * 3 + [1]
+
+
+def make_request(req_id: str, max_tokens: int = 100) -> Request:
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    request = Request(req_id, PROMPT, params, max_tokens=max_tokens, eos_token_ids=frozenset({0}))
+    request.status = RequestStatus.RUNNING
+    return request
+
+
+def make_manager(**options) -> SpecDecodeManager:
+    config = SpeculativeConfig(method="ngram", num_speculative_tokens=8, **options)
+    kv = KVCacheManager(64, 16)
+    return SpecDecodeManager(config, NgramProposer(config), kv, max_model_len=1024)
+
+
+def drafts(manager: SpecDecodeManager, requests: list[Request], num_running: int) -> list[int]:
+    manager.propose(requests, num_running)
+    return [len(r.spec_token_ids) for r in requests]
+
+
+def reject_all(manager: SpecDecodeManager, request: Request, times: int = 1) -> None:
+    for _ in range(times):
+        manager.verified(request, 8, 0)
+
+
+def test_low_acceptance_shortens_drafts_in_a_batch_only():
+    manager = make_manager()
+    alone, batched = make_request("alone"), make_request("batched")
+    assert drafts(manager, [alone], 1) == [8]
+    assert drafts(manager, [batched], 2) == [8]
+    reject_all(manager, alone, 2)  # acceptance 1.0 -> 0.49
+    reject_all(manager, batched, 2)
+    # One request alone verifies more rows at almost no cost: it keeps drafting all it may.
+    assert drafts(manager, [alone], 1) == [8]
+    assert drafts(manager, [batched], 2) == [4]  # round(8 * 0.49)
+    manager.verified(batched, 4, 4)  # acceptance recovers
+    assert drafts(manager, [batched], 2) == [5]
+
+
+def test_acceptance_below_the_minimum_pauses_drafting_then_retries():
+    manager = make_manager(adaptive_min_acceptance=0.1)
+    request = make_request("r")
+    reject_all(manager, request, 7)  # 0.7 ** 7 = 0.08 < 0.1
+    for _ in range(PAUSE_STEPS):
+        assert drafts(manager, [request], 1) == [0]
+    assert drafts(manager, [request], 1) == [8]
+
+
+def test_without_adaptive_drafts_keep_their_length():
+    manager = make_manager(adaptive=False)
+    request = make_request("r")
+    reject_all(manager, request, 20)
+    assert drafts(manager, [request], 4) == [8]
+
+
+def test_nobody_drafts_in_a_batch_larger_than_disable_by_batch_size():
+    manager = make_manager(disable_by_batch_size=4)
+    requests = [make_request(f"r{i}") for i in range(2)]
+    assert drafts(manager, requests, 5) == [0, 0]
+    assert drafts(manager, requests, 4) == [8, 8]
+
+
+def test_drafts_and_the_token_after_them_fit_in_max_tokens():
+    manager = make_manager()
+    request = make_request("r", max_tokens=4)
+    assert drafts(manager, [request], 1) == [3]
