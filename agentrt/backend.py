@@ -1,4 +1,5 @@
-"""Backends: where a Session's turns run. `LocalBackend` drives an in-process `AsyncEngine`;
+"""Backends: where a Session's turns run. `LocalBackend` drives a local `AsyncEngine` (its core
+on a thread or in engine processes);
 a remote backend speaks the OpenAI API. Both stream text deltas and end with a `Completion`,
 so Session, Agent and extraction code is the same for either."""
 

@@ -1,6 +1,7 @@
-"""Runtime: owns where generation happens — an in-process engine (the embedded default model
-with no arguments) or, with `base_url`, any OpenAI-compatible server — and hands out
-Sessions, one-shot `generate`, `extract_many` and Agents on top of it."""
+"""Runtime: owns where generation happens — a local engine (the embedded default model with no
+arguments; on a thread of this process, or with `engine_process=True` / `data_parallel_size=N`
+in engine-core processes of its own) or, with `base_url`, any OpenAI-compatible server — and
+hands out Sessions, one-shot `generate`, `extract_many` and Agents on top of it."""
 
 from __future__ import annotations
 
@@ -17,8 +18,9 @@ from agentrt.session import Session
 
 class Runtime:
     """`async with agentrt.Runtime() as rt:` — options are the engine's (`dtype`,
-    `max_num_seqs`, `kv_cache_memory_gb`, ...: the fields of `agentrt.engine.EngineArgs`),
-    checked here. `engine=` reuses an already loaded `LLMEngine`. With `base_url` (and
+    `max_num_seqs`, `kv_cache_memory_gb`, `engine_process`, `data_parallel_size`, ...: the
+    fields of `agentrt.engine.EngineArgs`), checked here. `engine=` reuses an already loaded
+    `LLMEngine`. With `base_url` (and
     `api_key`), the same API runs against a remote OpenAI-compatible server, `model` naming
     the served model."""
 

@@ -14,6 +14,7 @@ process dies.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import itertools
 import multiprocessing
@@ -54,6 +55,7 @@ from agentrt.engine.core_process import (
 )
 from agentrt.engine.dp_router import DPRouter
 from agentrt.engine.errors import ConfigError, EngineDeadError, EngineError, ModelLoadError
+from agentrt.engine.model.checkpoint import load_tokenizer
 from agentrt.engine.outputs import OutputProcessor
 from agentrt.engine.scheduler import SchedulerStats
 
@@ -106,12 +108,11 @@ class MPClient(_ClientThread):
         self._dir = tempfile.mkdtemp(prefix="agentrt-core-")
         try:
             limits = self._start_cores()
-            from agentrt.engine.model.checkpoint import load_tokenizer
-
-            tokenizer = load_tokenizer(limits.model_path)
-            self.output_processor = OutputProcessor(load_tokenizer(limits.model_path))
+            tokenizer = load_tokenizer(limits.model_path)  # no weights: the cores hold them
+            self.output_processor = OutputProcessor(copy.deepcopy(tokenizer))
             self.router = DPRouter(self.num_replicas, limits.block_size)
         except BaseException as exc:
+            self._exit(None)
             self._close()  # no core outlives a failed start
             built.set_exception(exc)
             return
@@ -122,15 +123,18 @@ class MPClient(_ClientThread):
         except BaseException as exc:  # a fault or a dead core: every request fails
             error = exc
         finally:
+            self._fail_utilities()
+            self._exit(error)  # pending requests fail now, before the cores are stopped
             self._close()
-            self._exit(error)
 
-    def _close(self) -> None:
-        """Stop the cores, fail the utility calls still waiting, free sockets and files."""
-        self._stop_cores()
+    def _fail_utilities(self) -> None:
         for pending in self._utilities.values():
             pending.future.set_exception(EngineDeadError("the engine loop has stopped."))
         self._utilities.clear()
+
+    def _close(self) -> None:
+        """Stop the cores, free sockets and files."""
+        self._stop_cores()
         os.close(self._wake_r)
         shutil.rmtree(self._dir, ignore_errors=True)
 

@@ -24,10 +24,16 @@ async def rt(smollm2_dir):
         yield rt
 
 
-test_schema_kinds_round_trip = in_process.test_schema_kinds_round_trip
-test_turns_hit_the_prefix_cache_and_history_grows = (
-    in_process.test_turns_hit_the_prefix_cache_and_history_grows
-)
+@pytest.mark.slow
+async def test_schema_kinds_round_trip(rt):
+    await in_process.test_schema_kinds_round_trip(rt)
+
+
+@pytest.mark.slow
+async def test_turns_hit_the_prefix_cache_and_history_grows(rt):
+    await in_process.test_turns_hit_the_prefix_cache_and_history_grows(rt)
+
+
 test_fork_shares_the_prefix_and_diverges = in_process.test_fork_shares_the_prefix_and_diverges
 test_stream_partial_objects_are_prefixes_of_the_final_object = (
     in_process.test_stream_partial_objects_are_prefixes_of_the_final_object

@@ -57,6 +57,7 @@ async def _wait_idle(engine: AsyncEngine) -> None:
             await anyio.sleep(0.01)
 
 
+@pytest.mark.slow
 async def test_greedy_streams_match_the_in_process_engine(smollm2_llm: LLM, process_engine):
     assert process_engine.engine is None  # nothing of the model in this process
     expected = [o.outputs[0].text for o in smollm2_llm.generate(PROMPTS, GREEDY)]
@@ -77,6 +78,7 @@ async def test_greedy_streams_match_the_in_process_engine(smollm2_llm: LLM, proc
     assert all(f.outputs[0].finish_reason == "length" for f in finals)
 
 
+@pytest.mark.slow
 async def test_constrained_output_stop_strings_and_logprobs_match(smollm2_llm: LLM, process_engine):
     constrained = SamplingParams(
         temperature=0.0, max_tokens=60, structured_outputs=StructuredOutputsParams(json=City)
