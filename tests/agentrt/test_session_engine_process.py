@@ -1,6 +1,7 @@
 """The Session tests of test_session.py, run through a Runtime whose engine core is in its
-own process (`Runtime(engine_process=True)`): schemas, prefix-cache hits across turns, forks,
-streaming, cancellation and early exits behave as in-process."""
+own process (`Runtime(engine_process=True)`): prefix-cache hits across turns, forks,
+streaming partial objects, typed schema errors, cancellation and early exits behave as
+in-process."""
 
 from __future__ import annotations
 
@@ -24,9 +25,9 @@ async def rt(smollm2_dir):
         yield rt
 
 
-@pytest.mark.slow
-async def test_schema_kinds_round_trip(rt):
-    await in_process.test_schema_kinds_round_trip(rt)
+# Schema kinds are covered once at the engine level (tests/engine/test_engine_process.py:
+# constrained output equal to the in-process engine's); compiling each grammar again in the
+# core process would double the slowest SDK test.
 
 
 @pytest.mark.slow
@@ -34,10 +35,16 @@ async def test_turns_hit_the_prefix_cache_and_history_grows(rt):
     await in_process.test_turns_hit_the_prefix_cache_and_history_grows(rt)
 
 
-test_fork_shares_the_prefix_and_diverges = in_process.test_fork_shares_the_prefix_and_diverges
-test_stream_partial_objects_are_prefixes_of_the_final_object = (
-    in_process.test_stream_partial_objects_are_prefixes_of_the_final_object
-)
+@pytest.mark.slow
+async def test_fork_shares_the_prefix_and_diverges(rt):
+    await in_process.test_fork_shares_the_prefix_and_diverges(rt)
+
+
+@pytest.mark.slow
+async def test_stream_partial_objects_are_prefixes_of_the_final_object(rt):
+    await in_process.test_stream_partial_objects_are_prefixes_of_the_final_object(rt)
+
+
 test_schema_errors_are_typed_and_name_the_problem = (
     in_process.test_schema_errors_are_typed_and_name_the_problem
 )
