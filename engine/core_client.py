@@ -187,8 +187,9 @@ class InprocClient(_ClientThread):
         self.engine = engine
 
     def _main(self, built: Future) -> None:
+        owned = self.engine is None  # built here: its workers stop with the loop
         try:
-            if self.engine is None:
+            if owned:
                 self.engine = LLMEngine(**dataclasses.asdict(self.args))
             built.set_result(FrontEnd(limits_of(self.engine), copy.deepcopy(self.engine.tokenizer)))
         except BaseException as exc:
@@ -205,6 +206,8 @@ class InprocClient(_ClientThread):
         except BaseException as exc:  # a fault: the pump fails every pending request
             error = exc
         finally:
+            if owned:
+                engine.shutdown()
             self._exit(error)
 
     def _handle_commands(self, block: bool) -> bool:

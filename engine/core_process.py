@@ -178,7 +178,10 @@ def run_engine_core(
             send(CoreLoadFailed(replica, error_type, str(exc)))
             return
         send(CoreReady(replica, limits_of(engine)))
-        _serve(engine, replica, inputs, send)
+        try:
+            _serve(engine, replica, inputs, send)
+        finally:
+            engine.shutdown()  # its tensor-parallel workers, if any
     finally:
         inputs.close(linger=0)
         outputs.close(linger=1000)  # the last messages still go out
