@@ -13,8 +13,9 @@
    output tokens/s and their ratio. On a 2-core CPU the replicas share the cores a single
    engine already uses, so no gain is expected here: DP pays off with one accelerator (or
    socket) per replica.
-3. Tensor parallelism: `tensor_parallel_figures` below is the place for TP=2 vs TP=1 figures;
-   it reports nothing yet.
+3. Tensor parallelism: TP=3 vs TP=1 (the embedded model's 9 query / 3 KV heads divide by 3
+   only) at batch 1 and 16, in turns; and a paper estimate of TP=8 for an 8B model on one
+   NVLink GPU node, where each rank has its own device and memory bandwidth.
 
     python benchmarks/scale.py            # 5 rounds; a few minutes on 2 cores
     python benchmarks/scale.py --quick    # 1 repeat, shorter requests
@@ -162,9 +163,64 @@ async def data_parallel(args) -> dict:
 
 
 def tensor_parallel_figures(args) -> dict:
-    """TENSOR PARALLELISM: TP=2 vs TP=1 (tokens/s, step time, all-reduce share) goes here,
-    measured by whoever owns tensor parallelism; reported as an empty object until then."""
-    return {}
+    """TP=3 vs TP=1 output tokens/s on the embedded model (9 query / 3 KV heads: 3 is the only
+    size above 1 that divides them), fp32, greedy, one request and a batch of 16. Both engines
+    stay loaded and take turns. On this machine the 3 ranks share 2 cores with one thread each
+    and meet 2 all-reduces per layer (60 per step) over gloo: TP pays for itself only where
+    each rank has its own device. Also a paper estimate of that case."""
+    from agentrt.engine.llm import LLM
+
+    engines = {
+        n: LLM(None, dtype="float32", kv_cache_memory_gb=0.25, tensor_parallel_size=n)
+        for n in (1, 3)
+    }
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    figures: dict = {}
+    try:
+        for batch in (1, 16):
+            runs: dict[int, list[float]] = {1: [], 3: []}
+            for _ in range(args.repeats):
+                for n, llm in engines.items():
+                    llm.engine.reset_prefix_cache()
+                    start = time.perf_counter()
+                    outs = llm.generate(prompts(batch), params)
+                    num_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+                    runs[n].append(num_tokens / (time.perf_counter() - start))
+            tp1, tp3 = statistics.median(runs[1]), statistics.median(runs[3])
+            print(
+                f"batch {batch:2d}: TP=1 {tp1:7.1f} tok/s, TP=3 {tp3:7.1f} tok/s -> x{tp3 / tp1:.2f}"
+            )
+            figures[f"batch{batch}"] = {
+                "tp1_tok_s": round(tp1, 1),
+                "tp3_tok_s": round(tp3, 1),
+                "tp3_over_tp1": round(tp3 / tp1, 3),
+            }
+    finally:
+        for llm in engines.values():
+            llm.engine.shutdown()
+    figures["gpu_node_estimate"] = gpu_node_estimate()
+    return figures
+
+
+def gpu_node_estimate(
+    num_params: float = 8e9, hidden: int = 4096, num_layers: int = 32, tp: int = 8
+) -> dict:
+    """A paper estimate for an 8B Llama at TP=8 on one NVLink node (H100/H200 class): decode
+    of one token reads the weights once (bf16: 2 bytes each, split over the ranks, at ~3 TB/s
+    per GPU) and does 2 all-reduces per layer of `hidden` bf16 values (NCCL on NVLink: ~10 us
+    each at this size, latency-bound). Batch 1 decode step, ms: the TP speedup is bounded by
+    the all-reduce time, which does not shrink with more ranks."""
+    read_ms = num_params * 2 / 3e12 * 1e3  # one GPU reads every weight
+    allreduce_ms = 2 * num_layers * 10e-3
+    step_tp = read_ms / tp + allreduce_ms
+    return {
+        "model": f"{num_params / 1e9:.0f}B, hidden {hidden}, {num_layers} layers",
+        "tp": tp,
+        "tp1_step_ms": round(read_ms, 2),
+        "tp_step_ms": round(step_tp, 2),
+        "speedup": round(read_ms / step_tp, 2),
+        "allreduce_share": round(allreduce_ms / step_tp, 2),
+    }
 
 
 async def main_async(args) -> dict:
@@ -173,7 +229,8 @@ async def main_async(args) -> dict:
         result["client_overhead"] = await client_overhead(args)
     if "dp" in args.only:
         result["data_parallel"] = await data_parallel(args)
-    result["tensor_parallel"] = tensor_parallel_figures(args)
+    if "tp" in args.only:
+        result["tensor_parallel"] = tensor_parallel_figures(args)
     return result
 
 
@@ -182,7 +239,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5, help="rounds of paired runs")
     parser.add_argument("--max-tokens", type=int, default=64, help="output tokens per request")
     parser.add_argument("--dp-batch", type=int, default=64, help="concurrent requests for DP")
-    parser.add_argument("--only", default="client,dp", help="client, dp (comma-separated)")
+    parser.add_argument("--only", default="client,dp,tp", help="client, dp, tp (comma-separated)")
     parser.add_argument("--quick", action="store_true", help="2 rounds, 16 tokens, DP batch 16")
     args = parser.parse_args()
     if args.quick:
