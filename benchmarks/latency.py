@@ -1,6 +1,6 @@
-"""One request, as fast as it goes: agentrt (each dtype / quantization) vs llama-cpp-python on
-the same GGUF file vs HF transformers, side by side in one run, on the embedded
-SmolLM2-135M-Instruct (Q4_1), 2 threads each.
+"""One request, as fast as it goes: agentrt (each dtype / quantization, and with speculative
+decoding) vs llama-cpp-python on the same GGUF file vs HF transformers, side by side in one
+run, on the embedded SmolLM2-135M-Instruct (Q4_1), 2 threads each.
 
   (a) decode   one request, a short prompt, 256 tokens greedy (EOS ignored): tokens/s
   (b) extract  one ~250-token document -> a validated Pydantic object (JSON schema; llama.cpp
@@ -15,10 +15,16 @@ HF transformers loads the GGUF dequantized (`from_pretrained(dir, gguf_file=...,
 and runs (a) only (it has no schema grammar of its own). llama-cpp-python is optional:
 without it that column is skipped; build it for this CPU with
     CMAKE_ARGS="-DGGML_NATIVE=ON" pip install llama-cpp-python    (~10 minutes on 2 cores)
+On a VM whose CPU reports AMX but does not grant it (this project's dev machines: prompt
+evaluation dies with SIGILL in ggml_backend_amx_mul_mat), build without AMX instead:
+    CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON
+      -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX_VNNI=ON
+      -DLLAVA_BUILD=OFF" pip install llama-cpp-python
 Ratios are agentrt / llama.cpp measured in the same run (>1 is faster). Last line: JSON.
 
     python benchmarks/latency.py               # every mode (~5 minutes on 2 cores)
     python benchmarks/latency.py --modes bfloat16:int4 --no-hf
+    python benchmarks/latency.py --modes bfloat16:int4 bfloat16:int4:ngram   # + drafting
 """
 
 from __future__ import annotations
@@ -36,7 +42,8 @@ from agentrt.engine.model.checkpoint import gguf_source, load_tokenizer, resolve
 from agentrt.engine.records import ScheduledChunk, SchedulerOutput
 from agentrt.engine.sampling_params import SamplingParams, StructuredOutputsParams
 
-MODES = ("float32:none", "bfloat16:none", "bfloat16:int8", "bfloat16:int4")
+# dtype:quantization[:speculative method]
+MODES = ("float32:none", "bfloat16:none", "bfloat16:int8", "bfloat16:int4", "bfloat16:int4:suffix")
 DECODE_PROMPT = "Write a long story about a lighthouse keeper and the sea."
 DECODE_TOKENS = 256
 PPL_TEXT = (
@@ -184,8 +191,15 @@ def agreement(ids: list[list[int]], reference: list[list[int]]) -> float:
 
 
 def run_agentrt(mode: str, reference: list[list[int]] | None) -> dict:
-    dtype, quantization = mode.split(":")
-    llm = LLM(None, dtype=dtype, quantization=quantization, kv_cache_memory_gb=0.5)
+    dtype, quantization, *method = mode.split(":")
+    spec = {"method": method[0]} if method else None
+    llm = LLM(
+        None,
+        dtype=dtype,
+        quantization=quantization,
+        kv_cache_memory_gb=0.5,
+        speculative_config=spec,
+    )
     ppl = perplexity(llm, llm.tokenizer.encode(PPL_TEXT))
     ids = greedy_ids(llm)
     agentrt_extract(llm)  # warm-up: grammar compiled, caches touched
@@ -300,7 +314,7 @@ def main() -> None:
         reference = reference or agentrt[mode]["ids"]
         r = agentrt[mode]
         print(
-            f"agentrt {mode:14s} decode {r['decode_tok_s']:6.1f} tok/s | extract "
+            f"agentrt {mode:20s} decode {r['decode_tok_s']:6.1f} tok/s | extract "
             f"{r['extract_s']:5.2f} s (valid {r['extract_valid']}) | agent {r['agent_s']:5.2f} s "
             f"({r['agent_valid']}/6 valid) | ppl {r['perplexity']:6.2f} | greedy agreement "
             f"{r['greedy_agreement']:.0%}",

@@ -7,7 +7,7 @@ from agentrt.engine.config import SpeculativeConfig
 from agentrt.engine.kv_cache_manager import KVCacheManager
 from agentrt.engine.request import Request, RequestStatus
 from agentrt.engine.sampling_params import SamplingParams
-from agentrt.engine.spec_decode.manager import PAUSE_STEPS, SpecDecodeManager
+from agentrt.engine.spec_decode.manager import BATCH_MAX_DRAFTS, PAUSE_STEPS, SpecDecodeManager
 from agentrt.engine.spec_decode.ngram import NgramProposer
 
 # A prompt that repeats itself: prompt lookup always drafts from it (up to 10 tokens).
@@ -41,14 +41,14 @@ def test_low_acceptance_shortens_drafts_in_a_batch_only():
     manager = make_manager()
     alone, batched = make_request("alone"), make_request("batched")
     assert drafts(manager, [alone], 1) == [8]
-    assert drafts(manager, [batched], 2) == [8]
+    assert drafts(manager, [batched], 2) == [BATCH_MAX_DRAFTS]  # rows cost in a batch
     reject_all(manager, alone, 2)  # acceptance 1.0 -> 0.49
     reject_all(manager, batched, 2)
     # One request alone verifies more rows at almost no cost: it keeps drafting all it may.
     assert drafts(manager, [alone], 1) == [8]
-    assert drafts(manager, [batched], 2) == [4]  # round(8 * 0.49)
-    manager.verified(batched, 4, 4)  # acceptance recovers
-    assert drafts(manager, [batched], 2) == [5]
+    assert drafts(manager, [batched], 2) == [2]  # round(4 * 0.49)
+    manager.verified(batched, 2, 2)  # acceptance recovers
+    assert drafts(manager, [batched], 2) == [3]  # round(4 * 0.643)
 
 
 def test_acceptance_below_the_minimum_pauses_drafting_then_retries():
@@ -64,14 +64,14 @@ def test_without_adaptive_drafts_keep_their_length():
     manager = make_manager(adaptive=False)
     request = make_request("r")
     reject_all(manager, request, 20)
-    assert drafts(manager, [request], 4) == [8]
+    assert drafts(manager, [request], 4) == [8]  # no cap in a batch either
 
 
 def test_nobody_drafts_in_a_batch_larger_than_disable_by_batch_size():
     manager = make_manager(disable_by_batch_size=4)
     requests = [make_request(f"r{i}") for i in range(2)]
     assert drafts(manager, requests, 5) == [0, 0]
-    assert drafts(manager, requests, 4) == [8, 8]
+    assert drafts(manager, requests, 4) == [BATCH_MAX_DRAFTS] * 2
 
 
 def test_drafts_and_the_token_after_them_fit_in_max_tokens():
