@@ -222,9 +222,9 @@ class SpeculativeConfig:
     model: str | None = None
     # suffix: finished outputs remembered per schema / prompt head, oldest forgotten first.
     suffix_cache_max_requests: int = 1024
-    # Adaptive drafting: in a batch, each request drafts at most 4 tokens, fewer while its
-    # acceptance is low (a request alone drafts all it may: its extra rows cost little); any
-    # request pauses while its acceptance stays below `adaptive_min_acceptance`, retrying
+    # Adaptive drafting: each request drafts fewer tokens while its acceptance is low, and
+    # at most 4 in a batch (where every row costs compute); it pauses while its acceptance
+    # stays below `adaptive_min_acceptance`, retrying
     # now and then; nobody drafts while more than `disable_by_batch_size` requests run
     # (0: no limit).
     adaptive: bool = True

@@ -1,7 +1,7 @@
 """SpecDecodeManager: after each step, drafts for the requests that go on.
 
-It decides how many tokens each request may draft (adaptive: in a batch fewer while its
-drafts are rejected, none while the batch is large; never past `max_tokens`, the context, or into a
+It decides how many tokens each request may draft (adaptive: fewer while its drafts are
+rejected, at most BATCH_MAX_DRAFTS in a batch, none while the batch is large; never past `max_tokens`, the context, or into a
 row the budget steering would look at near the end of a structured output's budget), asks
 the proposer, and cuts each draft where the request's grammar refuses a token, after a stop
 token, and (with jump-forward) where the grammar forces tokens, which then end the draft.
@@ -101,10 +101,8 @@ class SpecDecodeManager:
                 state.paused_steps -= 1
                 return 0
             if num_running > 1:
-                # One request alone is bound by reading the weights: it drafts all it may. In
-                # a batch every row costs compute: at most BATCH_MAX_DRAFTS, fewer while its
-                # drafts are rejected.
-                num = max(1, round(min(num, BATCH_MAX_DRAFTS) * state.acceptance))
+                num = min(num, BATCH_MAX_DRAFTS)  # in a batch every row costs compute
+            num = max(1, round(num * state.acceptance))
         # One more token follows the drafts: all of them must fit in max_tokens and the context.
         num = min(
             num,

@@ -37,15 +37,14 @@ def reject_all(manager: SpecDecodeManager, request: Request, times: int = 1) -> 
         manager.verified(request, 8, 0)
 
 
-def test_low_acceptance_shortens_drafts_in_a_batch_only():
+def test_low_acceptance_shortens_drafts_and_a_batch_caps_them():
     manager = make_manager()
     alone, batched = make_request("alone"), make_request("batched")
     assert drafts(manager, [alone], 1) == [8]
     assert drafts(manager, [batched], 2) == [BATCH_MAX_DRAFTS]  # rows cost in a batch
     reject_all(manager, alone, 2)  # acceptance 1.0 -> 0.49
     reject_all(manager, batched, 2)
-    # One request alone verifies more rows at almost no cost: it keeps drafting all it may.
-    assert drafts(manager, [alone], 1) == [8]
+    assert drafts(manager, [alone], 1) == [4]  # round(8 * 0.49)
     assert drafts(manager, [batched], 2) == [2]  # round(4 * 0.49)
     manager.verified(batched, 2, 2)  # acceptance recovers
     assert drafts(manager, [batched], 2) == [3]  # round(4 * 0.643)
@@ -57,7 +56,7 @@ def test_acceptance_below_the_minimum_pauses_drafting_then_retries():
     reject_all(manager, request, 7)  # 0.7 ** 7 = 0.08 < 0.1
     for _ in range(PAUSE_STEPS):
         assert drafts(manager, [request], 1) == [0]
-    assert drafts(manager, [request], 1) == [8]
+    assert drafts(manager, [request], 1) == [2]  # retried at 2 x the minimum: round(8 * 0.2)
 
 
 def test_without_adaptive_drafts_keep_their_length():
