@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import anyio
 import pytest
 import torch
 
@@ -28,3 +29,21 @@ def hf_greedy(hf_model, prompt_ids: list[int], max_new_tokens: int) -> list[int]
         )
     assert out.shape[1] == len(prompt_ids) + max_new_tokens
     return out[0, len(prompt_ids) :].tolist()
+
+
+async def stream_all(engine, prompts: list[str], params) -> tuple[list[str], list]:
+    """Run `prompts` on an AsyncEngine at once, streaming: each request's text put together
+    from its deltas, and its final RequestOutput."""
+    texts = [""] * len(prompts)
+    finals = [None] * len(prompts)
+
+    async def consume(i: int) -> None:
+        async for delta in engine.add_request(prompts[i], params):
+            texts[i] += delta.text
+            if delta.finished:
+                finals[i] = delta.output
+
+    async with anyio.create_task_group() as tg:
+        for i in range(len(prompts)):
+            tg.start_soon(consume, i)
+    return texts, finals

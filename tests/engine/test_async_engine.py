@@ -16,6 +16,7 @@ from agentrt.engine.errors import (
 )
 from agentrt.engine.llm import LLM
 from agentrt.engine.sampling_params import SamplingParams
+from tests.engine.conftest import stream_all
 
 pytestmark = pytest.mark.anyio
 
@@ -37,18 +38,7 @@ async def _baseline_usage(engine: AsyncEngine) -> float:
 async def test_streams_match_the_sync_engine(smollm2_llm: LLM):
     expected = [o.outputs[0].text for o in smollm2_llm.generate(PROMPTS, GREEDY)]
     async with AsyncEngine(engine=smollm2_llm.engine) as engine:
-        texts = [""] * len(PROMPTS)
-        finals = [None] * len(PROMPTS)
-
-        async def consume(i: int) -> None:
-            async for delta in engine.add_request(PROMPTS[i], GREEDY):
-                texts[i] += delta.text
-                if delta.finished:
-                    finals[i] = delta.output
-
-        async with anyio.create_task_group() as tg:
-            for i in range(len(PROMPTS)):
-                tg.start_soon(consume, i)
+        texts, finals = await stream_all(engine, PROMPTS, GREEDY)
         assert texts == expected
         assert [f.outputs[0].text for f in finals] == expected
         assert all(f.outputs[0].finish_reason == "length" for f in finals)

@@ -24,6 +24,7 @@ from agentrt.engine.errors import (
 )
 from agentrt.engine.llm import LLM
 from agentrt.engine.sampling_params import SamplingParams, StructuredOutputsParams
+from tests.engine.conftest import stream_all
 
 pytestmark = pytest.mark.anyio
 
@@ -61,18 +62,7 @@ async def _wait_idle(engine: AsyncEngine) -> None:
 async def test_greedy_streams_match_the_in_process_engine(smollm2_llm: LLM, process_engine):
     assert process_engine.engine is None  # nothing of the model in this process
     expected = [o.outputs[0].text for o in smollm2_llm.generate(PROMPTS, GREEDY)]
-    texts = [""] * len(PROMPTS)
-    finals = [None] * len(PROMPTS)
-
-    async def consume(i: int) -> None:
-        async for delta in process_engine.add_request(PROMPTS[i], GREEDY):
-            texts[i] += delta.text
-            if delta.finished:
-                finals[i] = delta.output
-
-    async with anyio.create_task_group() as tg:
-        for i in range(len(PROMPTS)):
-            tg.start_soon(consume, i)
+    texts, finals = await stream_all(process_engine, PROMPTS, GREEDY)
     assert texts == expected
     assert [f.outputs[0].text for f in finals] == expected
     assert all(f.outputs[0].finish_reason == "length" for f in finals)
