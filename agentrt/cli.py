@@ -1,5 +1,5 @@
 """`agentrt` command line: `agentrt generate "..."`, `agentrt chat`, `agentrt extract`,
-`agentrt serve`."""
+`agentrt serve`, `agentrt proxy`."""
 
 from __future__ import annotations
 
@@ -117,6 +117,12 @@ def _serve(args) -> int:
     return run_serve(args)
 
 
+def _proxy(args) -> int:
+    from agentrt.server.proxy import run_proxy
+
+    return run_proxy(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="agentrt", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -140,6 +146,11 @@ def build_parser() -> argparse.ArgumentParser:
     from agentrt.server.cli import add_serve_args
 
     add_serve_args(commands.add_parser("serve", help="an OpenAI-compatible HTTP server"))
+    from agentrt.server.proxy import add_proxy_args
+
+    add_proxy_args(
+        commands.add_parser("proxy", help="a prefill/decode proxy in front of two serve instances")
+    )
     return parser
 
 
@@ -148,7 +159,13 @@ def main(argv: list[str] | None = None) -> int:
     from agentrt.engine.errors import EngineError
     from agentrt.errors import AgentrtError
 
-    run = {"generate": _generate, "chat": _chat, "extract": _extract, "serve": _serve}[args.command]
+    run = {
+        "generate": _generate,
+        "chat": _chat,
+        "extract": _extract,
+        "serve": _serve,
+        "proxy": _proxy,
+    }[args.command]
     try:
         return run(args)
     except (EngineError, AgentrtError, OSError) as exc:
