@@ -17,13 +17,17 @@ from typing import Any
 
 import torch
 
+from agentrt.engine import envs
 from agentrt.engine.config import (
     ATTENTION_BACKENDS,
     DTYPES,
+    KV_CONNECTORS,
+    KV_ROLES,
     QUANTIZATIONS,
     SCHEDULING_POLICIES,
     CacheConfig,
     EngineConfig,
+    KVTransferConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
@@ -32,6 +36,7 @@ from agentrt.engine.config import (
     check_option_names,
     resolve_dtype,
 )
+from agentrt.engine.errors import ConfigError
 
 
 def _option(default: Any, help_text: str, *, choices: tuple[str, ...] | None = None) -> Any:
@@ -120,6 +125,31 @@ class EngineArgs:
         "data_parallel_size > 1)",
     )
 
+    # -- KV transfer -------------------------------------------------------------------------
+    kv_connector: str | None = _option(
+        None,
+        "move KV blocks: 'storage' saves full blocks to --kv-storage-path and loads them back "
+        "(offload, sharing a prefix cache between instances); 'p2p' sends a finished "
+        "prefill to another instance (disaggregated prefill/decode; default: none)",
+        choices=KV_CONNECTORS,
+    )
+    kv_role: str = _option(
+        "both",
+        "producer (save / serve prefills), consumer (load) or both",
+        choices=KV_ROLES,
+    )
+    kv_storage_path: str | None = _option(
+        None, "the storage connector's directory (default: <cache dir>/kv)"
+    )
+    kv_host: str = _option("127.0.0.1", "p2p: the address peers reach this instance's blocks at")
+    kv_port: int = _option(0, "p2p: the port a producer serves its blocks on (0: a free one)")
+    kv_transfer_timeout_s: float = _option(
+        30.0, "a KV transfer not done by then fails; the request computes its prefill itself"
+    )
+    kv_hold_timeout_s: float = _option(
+        120.0, "p2p: how long a producer keeps a finished prefill's blocks for its consumer"
+    )
+
     def __post_init__(self) -> None:
         self.create_configs()  # every value is checked by the record that owns it
 
@@ -143,6 +173,11 @@ class EngineArgs:
         # Grammar drafts are the tokens jump-forward would append unverified: one replaces
         # the other.
         grammar_drafts = speculative is not None and speculative.method == "grammar"
+        if self.kv_connector == "p2p" and self.kv_port and self.data_parallel_size > 1:
+            raise ConfigError(
+                f"kv_port={self.kv_port} with data_parallel_size={self.data_parallel_size}: "
+                "each replica serves its own blocks, on a port of its own; leave kv_port=0."
+            )
         return EngineConfig(
             model=ModelConfig(
                 model=self.model,
@@ -173,6 +208,17 @@ class EngineArgs:
                 tensor_parallel_size=self.tensor_parallel_size,
                 data_parallel_size=self.data_parallel_size,
                 engine_process=self.engine_process,
+            ),
+            kv_transfer=None
+            if self.kv_connector is None
+            else KVTransferConfig(
+                connector=self.kv_connector,
+                role=self.kv_role,
+                storage_path=self.kv_storage_path or str(envs.cache_dir() / "kv"),
+                host=self.kv_host,
+                port=self.kv_port,
+                timeout_s=self.kv_transfer_timeout_s,
+                hold_timeout_s=self.kv_hold_timeout_s,
             ),
         )
 

@@ -31,6 +31,10 @@ ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")
 # each (_weight_int4pack_mm_for_cpu; a Q4_0/Q4_1 GGUF's own blocks).
 QUANTIZATIONS = ("none", "int8", "int4")
 SCHEDULING_POLICIES = ("fcfs", "priority")
+# KV transfer (engine/kv_transfer/): "storage" saves full blocks to a directory and loads
+# them back; "p2p" moves a finished prefill's blocks to another running instance.
+KV_CONNECTORS = ("storage", "p2p")
+KV_ROLES = ("producer", "consumer", "both")
 
 
 def _check(ok: bool, name: str, value: object, expected: str) -> None:
@@ -343,6 +347,56 @@ class ParallelConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class KVTransferConfig:
+    """A KV connector (vLLM's `kv_transfer_config`). `role`: a "producer" saves (storage) or
+    serves its finished prefills (p2p), a "consumer" loads, "both" does both.
+
+    `storage_path`: the storage connector's directory. `host`/`port`: where a p2p producer
+    serves its blocks (port 0: a free one) and the address its peers are told. `timeout_s`:
+    a transfer that has not arrived by then fails, and the request computes its prefill
+    itself. `hold_timeout_s`: how long a p2p producer keeps a finished prefill's blocks for
+    a consumer that does not come."""
+
+    connector: str
+    role: str
+    storage_path: str
+    host: str
+    port: int
+    timeout_s: float
+    hold_timeout_s: float
+
+    def __post_init__(self) -> None:
+        _check(
+            self.connector in KV_CONNECTORS,
+            "kv_connector",
+            self.connector,
+            f"one of {KV_CONNECTORS}",
+        )
+        _check(self.role in KV_ROLES, "kv_role", self.role, f"one of {KV_ROLES}")
+        _check(0 <= self.port < 65536, "kv_port", self.port, "a TCP port (0: a free one)")
+        _check(
+            self.timeout_s > 0,
+            "kv_transfer_timeout_s",
+            self.timeout_s,
+            "a positive number of seconds",
+        )
+        _check(
+            self.hold_timeout_s > 0,
+            "kv_hold_timeout_s",
+            self.hold_timeout_s,
+            "a positive number of seconds",
+        )
+
+    @property
+    def loads(self) -> bool:
+        return self.role in ("consumer", "both")
+
+    @property
+    def saves(self) -> bool:
+        return self.role in ("producer", "both")
+
+
+@dataclass(frozen=True, slots=True)
 class EngineConfig:
     """Every config record of one engine (built by `EngineArgs.create_configs`)."""
 
@@ -352,3 +406,4 @@ class EngineConfig:
     structured_outputs: StructuredOutputsConfig
     speculative: SpeculativeConfig | None  # None: no speculative decoding
     parallel: ParallelConfig
+    kv_transfer: KVTransferConfig | None  # None: no KV connector

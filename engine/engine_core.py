@@ -76,8 +76,10 @@ class EngineCore:
         scheduler_output = self.scheduler.schedule()
         errored = self.scheduler.take_errored()
         if scheduler_output.is_empty:
+            if scheduler_output.kv_connector_metadata is not None:
+                self.runner.start_kv_loads(scheduler_output)
             if not errored and self.scheduler.has_unfinished_requests():
-                time.sleep(0.001)  # only grammars compiling: let them run
+                time.sleep(0.001)  # only grammars compiling or KV loading: let them run
             return errored
         sampled_chunks = [c for c in scheduler_output.chunks if c.sample]
         requests = [self.scheduler.requests[c.req_id] for c in sampled_chunks]

@@ -73,12 +73,16 @@ class KVCacheManager:
         num_new_tokens: int,
         computed_blocks: list[KVCacheBlock] | None = None,
         num_lookahead_tokens: int = 0,
+        *,
+        cache_blocks: bool = True,
     ) -> list[KVCacheBlock] | None:
         """Make room for `num_new_tokens` more tokens after `request.num_computed_tokens`,
         first reusing `computed_blocks` (prefix-cache hits of a new request, which the
         caller then counts as computed), and for `num_lookahead_tokens` after those (slots
         a draft model writes its KV into). New tokens may include drafts: only blocks full
-        of the request's known tokens are ever indexed for prefix caching.
+        of the request's known tokens are ever indexed for prefix caching. With
+        `cache_blocks=False` none of the new blocks is indexed (a KV connector still has to
+        fill them: `cache_computed_blocks` indexes them once it has).
 
         Returns the newly allocated blocks (possibly empty), or None when the pool has too
         few free blocks; then nothing changes and the caller decides whether to preempt.
@@ -99,10 +103,19 @@ class KVCacheManager:
         new_blocks = self.pool.get_new_blocks(num_new_blocks)
         blocks = blocks + computed_blocks + new_blocks
         self.req_to_blocks[request.req_id] = blocks
-        if self.enable_prefix_caching:
-            num_known = min(num_computed + num_new_tokens, request.num_tokens)
-            self._cache_full_blocks(request, blocks, num_known)
+        if cache_blocks:
+            self.cache_computed_blocks(request, num_computed + num_new_tokens)
         return new_blocks
+
+    def has_blocks(self, request: Request) -> bool:
+        return request.req_id in self.req_to_blocks
+
+    def cache_computed_blocks(self, request: Request, num_tokens: int) -> None:
+        """Index the request's blocks that are full once its first `num_tokens` tokens (at
+        most its known ones) are in the cache."""
+        if self.enable_prefix_caching:
+            num_known = min(num_tokens, request.num_tokens)
+            self._cache_full_blocks(request, self.req_to_blocks[request.req_id], num_known)
 
     def free_excess_blocks(self, request: Request) -> None:
         """Give back the blocks past the request's known tokens (slots of rejected drafts).

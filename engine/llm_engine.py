@@ -7,17 +7,19 @@ drive one of these. It is not thread-safe: exactly one thread calls its methods.
 from __future__ import annotations
 
 import weakref
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from agentrt.engine import envs
 from agentrt.engine.args import EngineArgs
-from agentrt.engine.config import SpeculativeConfig
+from agentrt.engine.config import KVTransferConfig, SpeculativeConfig
 from agentrt.engine.engine_core import EngineCore
 from agentrt.engine.errors import ConfigError
 from agentrt.engine.executor import TensorParallelExecutor
 from agentrt.engine.kv_cache_manager import KVCacheManager
+from agentrt.engine.kv_transfer import KVConnector, KVLayout, create_connector, engine_id
 from agentrt.engine.model.arch import ModelArchConfig
 from agentrt.engine.model.checkpoint import load_hf_config, load_tokenizer, resolve_model
 from agentrt.engine.model.parallel import check_tensor_parallel, shard_arch
@@ -79,11 +81,13 @@ class LLMEngine:
         self.kv_manager = KVCacheManager(
             num_blocks, block_size, enable_prefix_caching=config.cache.enable_prefix_caching
         )
+        self.connector = self._kv_connector(config.kv_transfer, path, tp_size)
         self.scheduler = Scheduler(
             self.scheduler_config,
             self.kv_manager,
             self.max_model_len,
             speculative_method=spec_config.method if spec_config is not None else None,
+            connector=self.connector,
         )
         eos = set(self.arch.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
@@ -132,11 +136,43 @@ class LLMEngine:
             raise
         return runner
 
+    def _kv_connector(
+        self, config: KVTransferConfig | None, path: Path, tp_size: int
+    ) -> KVConnector | None:
+        """The KV connector the config names, its worker side running in this runner."""
+        if config is None:
+            return None
+        if tp_size > 1:
+            raise ConfigError(
+                "kv_connector runs with tensor_parallel_size=1 only (each rank would have to "
+                "move its own KV heads); use data_parallel_size for more engines."
+            )
+        layout = KVLayout(
+            engine_id=engine_id(
+                path,
+                load_hf_config(path),
+                dtype=self.model_config.dtype,
+                quantization=self.model_config.quantization,
+                block_size=self.cache_config.block_size,
+            ),
+            block_size=self.cache_config.block_size,
+            num_layers=self.arch.num_layers,
+            num_kv_heads=self.arch.num_kv_heads,
+            head_dim=self.arch.head_dim,
+            dtype=self.model_config.dtype,
+        )
+        connector = create_connector(config, layout)
+        self.runner.set_connector(connector)
+        weakref.finalize(self, connector.shutdown)
+        return connector
+
     def shutdown(self) -> None:
-        """Stop the tensor-parallel workers (nothing to do without them); the engine cannot
-        step afterwards. Also runs when the engine is garbage-collected."""
+        """Stop the tensor-parallel workers and the KV connector (finishing its writes); the
+        engine cannot step afterwards. Also runs when the engine is garbage-collected."""
         if self.executor is not None:
             self.executor.shutdown()
+        if self.connector is not None:
+            self.connector.shutdown()
 
     def _spec_decode(
         self,

@@ -23,6 +23,7 @@ from agentrt.engine.records import ModelInput, ScheduledChunk, SchedulerOutput
 
 if TYPE_CHECKING:
     from agentrt.engine.distributed import TensorParallelGroup
+    from agentrt.engine.kv_transfer import KVConnector
 
 
 def kv_block_bytes(arch: ModelArchConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -116,6 +117,12 @@ class ModelRunner:
             quantize_model(self.model, quantization, gguf_file, tp=shard)
         shape = (num_blocks, 2, block_size, arch.num_kv_heads, arch.head_dim)
         self.kv_caches = [allocate_zeros(shape, dtype, device) for _ in range(arch.num_layers)]
+        self.connector: KVConnector | None = None
+
+    def set_connector(self, connector: KVConnector) -> None:
+        """Run a KV connector's worker side with every step (kv_transfer/)."""
+        connector.register_kv_caches(self.kv_caches)
+        self.connector = connector
 
     def execute(self, scheduler_output: SchedulerOutput) -> torch.Tensor:
         """Run one step. Returns fp32 logits (S, vocab) in chunk order: for each chunk with
@@ -123,8 +130,21 @@ class ModelRunner:
         inp = prepare_input(scheduler_output.chunks, self.block_size, self.device)
         if self.tp is not None:
             self.tp.send_step(inp)  # the workers run the same forward on their shards
+        connector = self.connector
+        if connector is not None:
+            self.start_kv_loads(scheduler_output)
         hidden = self.forward(inp)
+        if connector is not None:
+            for layer, kv_cache in enumerate(self.kv_caches):
+                connector.save_kv_layer(layer, kv_cache)
+            connector.wait_for_save()
         return self.model.compute_logits(hidden.index_select(0, inp.logits_indices))
+
+    def start_kv_loads(self, scheduler_output: SchedulerOutput) -> None:
+        """Hand the step's transfers to the KV connector and start its loads (also for a step
+        with nothing to compute, while every request waits for its KV)."""
+        self.connector.bind_connector_metadata(scheduler_output.kv_connector_metadata)
+        self.connector.start_load_kv()
 
     def forward(self, inp: ModelInput) -> torch.Tensor:
         """The model over one step's input: hidden states (T, hidden), KV cache written.

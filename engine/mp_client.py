@@ -340,15 +340,14 @@ def sum_stats(per_replica: list[SchedulerStats]) -> SchedulerStats:
     if len(per_replica) == 1:
         return per_replica[0]
     first = per_replica[0]
-    spec = None
-    if first.spec_decode is not None:
-        spec = dataclasses.replace(
-            first.spec_decode,
-            **{
-                f.name: sum(getattr(s.spec_decode, f.name) for s in per_replica)
-                for f in dataclasses.fields(first.spec_decode)
-            },
-        )
+
+    def summed(name: str):
+        parts = [getattr(s, name) for s in per_replica]
+        if parts[0] is None:
+            return None
+        fields = dataclasses.fields(parts[0])
+        return type(parts[0])(**{f.name: sum(getattr(p, f.name) for p in parts) for f in fields})
+
     return SchedulerStats(
         num_running=sum(s.num_running for s in per_replica),
         num_waiting=sum(s.num_waiting for s in per_replica),
@@ -357,7 +356,9 @@ def sum_stats(per_replica: list[SchedulerStats]) -> SchedulerStats:
         prefix_cache_queried_tokens=sum(s.prefix_cache_queried_tokens for s in per_replica),
         prefix_cache_hit_tokens=sum(s.prefix_cache_hit_tokens for s in per_replica),
         spec_decode_method=first.spec_decode_method,
-        spec_decode=spec,
+        spec_decode=summed("spec_decode"),
+        kv_connector=first.kv_connector,
+        kv_transfer=summed("kv_transfer"),
     )
 
 

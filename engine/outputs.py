@@ -77,6 +77,9 @@ class RequestOutput:
     # Set when finish_reason is "error": the kind of failure and its message.
     error_code: ErrorCode | None = None
     error: str | None = None
+    # Disaggregated prefill/decode: what a decode instance needs to fetch this request's KV
+    # (set on a p2p producer's finished output when the request asked for it).
+    kv_transfer_params: dict | None = None
 
 
 @dataclass(slots=True)
@@ -181,6 +184,7 @@ class OutputProcessor:
                 out.metrics.finished_time = time.monotonic()
                 out.metrics.num_output_tokens = len(completion.token_ids)
                 out.metrics.spec_decode = core.spec_decode
+                out.kv_transfer_params = core.kv_transfer_params
                 delta.output = out
                 del self.states[core.req_id]
             if delta.text or delta.token_ids or delta.finished:

@@ -50,6 +50,8 @@ class SchedulerOutput:
     chunks: list[ScheduledChunk]
     num_batched_tokens: int
     preempted_req_ids: list[str] = field(default_factory=list)
+    # The KV connector's transfers for this step (its own record type), None without one.
+    kv_connector_metadata: object | None = None
 
     @property
     def is_empty(self) -> bool:
@@ -108,6 +110,18 @@ class SpecDecodeStats:
         self.num_accepted_tokens += num_accepted_tokens
 
 
+@dataclass(slots=True)
+class KVTransferStats:
+    """A KV connector's counts since the engine started."""
+
+    num_loads: int = 0  # requests whose prefix was looked for and found by the connector
+    num_loaded_tokens: int = 0  # tokens whose KV came from it instead of a prefill
+    # Requests that computed their prefill themselves because a transfer failed (a dead or
+    # unreachable peer, a timeout, a corrupt or truncated block, another model's blocks).
+    num_load_failures: int = 0
+    num_saved_blocks: int = 0  # blocks written to storage, or sent to a peer
+
+
 @dataclass(frozen=True, slots=True)
 class SampledToken:
     """One sampled token and, when requested, its logprob and the top alternatives."""
@@ -150,6 +164,8 @@ class EngineCoreOutput:
     error: str | None = None
     # Speculative decoding counts of the request, set when it finishes.
     spec_decode: SpecDecodeStats | None = None
+    # KV transfer: what another instance needs to fetch this finished prefill (p2p producer).
+    kv_transfer_params: dict | None = None
 
     @property
     def finished(self) -> bool:

@@ -13,6 +13,7 @@ from agentrt.engine.sampling_params import SamplingParams
 
 class RequestStatus(enum.Enum):
     WAITING_FOR_GRAMMAR = enum.auto()  # its grammar is compiling; others go ahead
+    WAITING_FOR_REMOTE_KVS = enum.auto()  # a KV connector loads its prefix; others go ahead
     WAITING = enum.auto()
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()

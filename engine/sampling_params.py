@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from agentrt.engine.errors import InvalidRequestError
 from agentrt.grammar import GrammarSpec
@@ -77,6 +78,10 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
+    # Disaggregated prefill/decode (vLLM's field): {"do_remote_decode": True} asks a p2p
+    # producer to keep this prefill for another instance; a consumer is given what the
+    # producer's output returned (`RequestOutput.kv_transfer_params`) to fetch it.
+    kv_transfer_params: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         # Accept lists / single strings from users, store tuples so the record stays hashable.
@@ -135,6 +140,8 @@ class SamplingParams:
                     raise bad("logit_bias", token_id, "non-negative token ids")
                 if not -100.0 <= bias <= 100.0:
                     raise bad("logit_bias", bias, "biases in [-100, 100]")
+        if self.kv_transfer_params is not None and not isinstance(self.kv_transfer_params, dict):
+            raise bad("kv_transfer_params", self.kv_transfer_params, "a JSON object or None")
 
     @property
     def greedy(self) -> bool:

@@ -18,8 +18,10 @@ from dataclasses import dataclass
 from agentrt.engine.config import SchedulerConfig
 from agentrt.engine.errors import ErrorCode
 from agentrt.engine.kv_cache_manager import KVCacheManager
+from agentrt.engine.kv_transfer import KVConnector
 from agentrt.engine.records import (
     EngineCoreOutput,
+    KVTransferStats,
     SamplerStepOutput,
     ScheduledChunk,
     SchedulerOutput,
@@ -40,6 +42,9 @@ class SchedulerStats:
     # tokens of all requests so far.
     spec_decode_method: str | None = None
     spec_decode: SpecDecodeStats | None = None
+    # KV transfer (None without a connector): its name and counts.
+    kv_connector: str | None = None
+    kv_transfer: KVTransferStats | None = None
 
 
 class Scheduler:
@@ -50,9 +55,13 @@ class Scheduler:
         max_model_len: int,
         *,
         speculative_method: str | None = None,
+        connector: KVConnector | None = None,
     ):
         """`speculative_method`: requests may carry drafts (`Request.spec_token_ids`, set by
-        the engine's SpecDecodeManager), verified with the request's next chunk."""
+        the engine's SpecDecodeManager), verified with the request's next chunk.
+        `connector`: a KV connector (kv_transfer/), which may load a new request's prefix
+        (the request waits in WAITING_FOR_REMOTE_KVS meanwhile) and keep a finished one's
+        blocks until it has sent them."""
         self.config = config
         self.kv = kv_manager
         self.max_model_len = max_model_len
@@ -65,6 +74,11 @@ class Scheduler:
         self.errored: list[EngineCoreOutput] = []
         self.speculative_method = speculative_method
         self.spec_stats = SpecDecodeStats() if speculative_method else None
+        self.connector = connector
+        # Requests whose prefix the connector is loading (with the tokens it loads), and
+        # finished ones whose blocks it has yet to send.
+        self.loading: dict[str, tuple[Request, int]] = {}
+        self.held: dict[str, Request] = {}
 
     def _order_key(self, request: Request) -> tuple:
         if self.config.policy == "priority":
@@ -90,7 +104,7 @@ class Scheduler:
         self.running.insert(bisect.bisect_right(keys, self._order_key(request)), request)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.loading)
 
     def finish_requests(self, req_ids: list[str], status: RequestStatus) -> list[str]:
         """Finish (e.g. abort) requests in any state and free their blocks at once.
@@ -104,14 +118,47 @@ class Scheduler:
                 self.running.remove(request)
             else:
                 self.waiting.remove(request)
+            loading = request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
             request.status = status
-            self._free(request)
+            if loading:  # a connector thread writes into its blocks: free them once it ends
+                del self.requests[req_id]
+            else:
+                self._free(request)
             finished.append(req_id)
         return finished
 
-    def _free(self, request: Request) -> None:
-        self.kv.free(request)
+    def _free(self, request: Request) -> dict | None:
+        """Forget a finished request and free its blocks, unless the KV connector keeps them
+        to send (then they go back once it reports them sent). Returns the connector's
+        `kv_transfer_params` for the request's output."""
         del self.requests[request.req_id]
+        if self.connector is not None:
+            hold, params = self.connector.request_finished(
+                request, self.kv.block_ids(request.req_id)
+            )
+            if hold:
+                self.held[request.req_id] = request
+                return params
+        self.kv.free(request)
+        return None
+
+    def _update_from_kv_transfer(self) -> None:
+        """Take the connector's finished transfers: loaded requests may run (computing what
+        did not arrive themselves), sent requests' blocks go back."""
+        result = self.connector.get_finished()
+        for req_id, num_loaded in result.finished_loads.items():
+            request, _ = self.loading.pop(req_id)
+            if request.status.finished:  # aborted while loading
+                self.connector.request_finished(request, [])
+                self.kv.free(request)
+                continue
+            request.num_computed_tokens += num_loaded
+            self.kv.cache_computed_blocks(request, request.num_computed_tokens)
+            request.status = RequestStatus.WAITING
+        for req_id in result.finished_sends:
+            request = self.held.pop(req_id, None)
+            if request is not None:
+                self.kv.free(request)
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
@@ -126,6 +173,8 @@ class Scheduler:
     # -- the step ----------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
+        if self.connector is not None:
+            self._update_from_kv_transfer()
         budget = self.config.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
         preempted: list[str] = []
@@ -165,11 +214,23 @@ class Scheduler:
             and len(self.running) < self.config.max_num_seqs
         ):
             request = self.waiting[position]
+            if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                position += 1
+                continue
             if not self._grammar_ready(request):
                 if request.status != RequestStatus.FINISHED_ERROR:
                     position += 1  # (a failed one left the queue: same position again)
                 continue
-            hits, num_cached = self.kv.get_computed_blocks(request)
+            if self.kv.has_blocks(request):  # its prefix came through the KV connector
+                hits, num_cached = [], request.num_computed_tokens
+            else:
+                hits, num_cached = self.kv.get_computed_blocks(request)
+                num_external = self._start_load(request, hits, num_cached)
+                if num_external is None:
+                    break  # no room for the blocks to load into
+                if num_external:
+                    position += 1
+                    continue
             num_new = self._num_new_tokens(request, num_cached, budget)
             if self.kv.allocate_slots(request, num_new, hits) is None:
                 break
@@ -182,11 +243,34 @@ class Scheduler:
             chunks.append(self._chunk(request, num_new))
             budget -= num_new
 
-        return SchedulerOutput(
+        output = SchedulerOutput(
             chunks=chunks,
             num_batched_tokens=self.config.max_num_batched_tokens - budget,
             preempted_req_ids=preempted,
         )
+        if self.connector is None:
+            return output
+        meta = self.connector.build_connector_meta(output, self.requests)
+        return dataclasses.replace(output, kv_connector_metadata=meta)
+
+    def _start_load(self, request: Request, hits: list, num_cached: int) -> int | None:
+        """Ask the KV connector for the tokens after the local hits; when it has some, give
+        the request its blocks and park it until they are loaded. Returns the tokens it
+        loads (0: none, go on), or None when the pool has no room for them now."""
+        if self.connector is None:
+            return 0
+        num_external = self.connector.get_num_new_matched_tokens(request, num_cached)
+        if not num_external:
+            return 0
+        if self.kv.allocate_slots(request, num_external, hits, cache_blocks=False) is None:
+            return None
+        request.num_computed_tokens = num_cached
+        self.connector.update_state_after_alloc(
+            request, self.kv.block_ids(request.req_id), num_external
+        )
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+        self.loading[request.req_id] = (request, num_external)
+        return num_external
 
     def _grammar_ready(self, request: Request) -> bool:
         if request.status != RequestStatus.WAITING_FOR_GRAMMAR:
@@ -300,10 +384,10 @@ class Scheduler:
                 continue
             if not request.status.finished:
                 new_token_ids += self._jump_forward(request)
-            structured_errors, num_steered = None, 0
+            structured_errors, num_steered, kv_transfer_params = None, 0, None
             if request.status.finished:
                 self.running.remove(request)
-                self._free(request)
+                kv_transfer_params = self._free(request)
                 if request.structured is not None:
                     structured_errors = request.structured.matcher.validate_final()
                     num_steered = request.structured.matcher.num_steered
@@ -324,6 +408,7 @@ class Scheduler:
                         if request.status.finished and self.spec_stats is not None
                         else None
                     ),
+                    kv_transfer_params=kv_transfer_params,
                 )
             )
         return outputs
@@ -377,4 +462,6 @@ class Scheduler:
             spec_decode=dataclasses.replace(self.spec_stats)
             if self.spec_stats is not None
             else None,
+            kv_connector=self.connector.config.connector if self.connector else None,
+            kv_transfer=dataclasses.replace(self.connector.stats) if self.connector else None,
         )

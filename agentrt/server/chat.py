@@ -14,7 +14,7 @@ from agentrt.server.errors import bad_request
 from agentrt.server.generation import Generation, respond
 from agentrt.server.params import ChatConstraint, chat_constraint, choice_params
 from agentrt.server.protocol import ChatCompletionRequest, ChatMessage
-from agentrt.server.responses import chat_logprobs, new_id, now, usage
+from agentrt.server.responses import chat_logprobs, kv_transfer, new_id, now, usage
 from agentrt.server.state import ServerState
 from agentrt.server.tool_stream import ToolCallStreamer
 from agentrt.tool_calls import parse_tool_calls, render_messages, tool_call_style
@@ -138,6 +138,7 @@ class _ChatView:
             "model": self.model,
             "choices": choices,
             "usage": usage(outputs, len(outputs)),
+            **kv_transfer(outputs),
         }
 
     def _message(self, completion: CompletionOutput) -> tuple[dict[str, Any], str | None]:

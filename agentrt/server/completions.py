@@ -14,7 +14,7 @@ from agentrt.server.errors import bad_request, from_exception
 from agentrt.server.generation import Generation, respond
 from agentrt.server.params import choice_params, vllm_structured
 from agentrt.server.protocol import CompletionRequest
-from agentrt.server.responses import completion_logprobs, new_id, now, usage
+from agentrt.server.responses import completion_logprobs, kv_transfer, new_id, now, usage
 from agentrt.server.state import ServerState
 
 MAX_PROMPTS = 64
@@ -109,7 +109,7 @@ class _CompletionView:
                     "finish_reason": completion.finish_reason,
                 }
             )
-        return self._body(choices, usage=usage(outputs, self.n))
+        return self._body(choices, usage=usage(outputs, self.n), **kv_transfer(outputs))
 
     def _body(self, choices: list[dict[str, Any]], **extra) -> dict[str, Any]:
         return {

@@ -21,7 +21,7 @@ from prometheus_client import (
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from agentrt.engine.records import SpecDecodeStats
+from agentrt.engine.records import KVTransferStats, SpecDecodeStats
 from agentrt.engine.scheduler import SchedulerStats
 
 # generate_latest writes the classic text format (our names need no UTF-8 escaping).
@@ -170,6 +170,34 @@ class _EngineStats:
             yield metric
         if stats.spec_decode is not None:
             yield from self._spec_decode(stats.spec_decode_method, stats.spec_decode)
+        if stats.kv_transfer is not None:
+            yield from self._kv_transfer(stats.kv_connector, stats.kv_transfer)
+
+    def _kv_transfer(self, connector: str, kv: KVTransferStats) -> Iterator[Metric]:
+        """The KV connector's counters, labelled with the connector."""
+        for name, help_text, value in (
+            ("kv_transfer_num_loads", "Requests whose prefix the connector loaded.", kv.num_loads),
+            (
+                "kv_transfer_num_loaded_tokens",
+                "Prompt tokens loaded instead of computed.",
+                kv.num_loaded_tokens,
+            ),
+            (
+                "kv_transfer_num_load_failures",
+                "Requests that computed their prefill themselves after a failed transfer.",
+                kv.num_load_failures,
+            ),
+            (
+                "kv_transfer_num_saved_blocks",
+                "KV blocks stored, or sent to another instance.",
+                kv.num_saved_blocks,
+            ),
+        ):
+            metric = CounterMetricFamily(
+                f"agentrt:{name}", help_text, labels=["model_name", "connector"]
+            )
+            metric.add_metric([self.model_name, connector], value)
+            yield metric
 
     def _spec_decode(self, method: str, spec: SpecDecodeStats) -> Iterator[Metric]:
         """vLLM's spec_decode series (labelled with the method too), and the two ratios."""

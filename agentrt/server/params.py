@@ -73,6 +73,12 @@ def choice_params(
         seed = (
             None if request.seed is None else (request.seed + i - MIN_SEED) % _SEED_SPAN + MIN_SEED
         )
+        if i == 0 and request.kv_transfer_params is not None:
+            # One prefill is sent or fetched per request: the other choices start from the
+            # first one's cached prefix.
+            options["kv_transfer_params"] = request.kv_transfer_params
+        elif i == 1:
+            options.pop("kv_transfer_params", None)
         try:
             params.append(SamplingParams(**options, seed=seed))
         except InvalidRequestError as exc:

@@ -70,6 +70,9 @@ class _SamplingFields(_Closed):
     include_stop_str_in_output: bool | None = None
     structured_outputs: StructuredOutputsRequest | None = None
     priority: int | None = None
+    # Disaggregated prefill/decode (vLLM's extension; `agentrt proxy` sets it): see
+    # SamplingParams.kv_transfer_params.
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 # -- chat ------------------------------------------------------------------------------------

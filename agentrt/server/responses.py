@@ -19,6 +19,13 @@ def now() -> int:
     return int(time.time())
 
 
+def kv_transfer(outputs: Sequence[RequestOutput]) -> dict[str, Any]:
+    """`kv_transfer_params` of a p2p producer's response (what the decode instance needs to
+    fetch the prefill), when the engine set any; nothing otherwise."""
+    params = outputs[0].kv_transfer_params if outputs else None
+    return {} if params is None else {"kv_transfer_params": params}
+
+
 def usage(outputs: Sequence[RequestOutput], n: int) -> dict[str, Any]:
     """Usage of choices in prompt-major order, n per prompt: each prompt counts once (with
     the prefix-cache hits of its first choice), every choice's output counts."""

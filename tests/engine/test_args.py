@@ -49,6 +49,13 @@ NON_DEFAULTS = {
     "tensor_parallel_size": (2, ["--tensor-parallel-size", "2"]),
     "data_parallel_size": (2, ["--data-parallel-size", "2"]),
     "engine_process": (True, ["--engine-process"]),
+    "kv_connector": ("storage", ["--kv-connector", "storage"]),
+    "kv_role": ("consumer", ["--kv-role", "consumer"]),
+    "kv_storage_path": ("/tmp/kv", ["--kv-storage-path", "/tmp/kv"]),
+    "kv_host": ("10.0.0.2", ["--kv-host", "10.0.0.2"]),
+    "kv_port": (5555, ["--kv-port", "5555"]),
+    "kv_transfer_timeout_s": (5.0, ["--kv-transfer-timeout-s", "5"]),
+    "kv_hold_timeout_s": (60.0, ["--kv-hold-timeout-s", "60"]),
 }
 
 

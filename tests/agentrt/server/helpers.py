@@ -27,13 +27,14 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    """`with ServerProcess(*serve_args) as server:` runs `python -m agentrt serve` on a free
-    port and waits for /health; on exit it sends SIGTERM and waits for the process."""
+    """`with ServerProcess(*serve_args) as server:` runs `python -m agentrt serve` (or another
+    `command` that serves HTTP, e.g. "proxy") on a free port and waits for /health; on exit
+    it sends SIGTERM and waits for the process."""
 
-    def __init__(self, *args: str) -> None:
+    def __init__(self, *args: str, command: str = "serve") -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.args = [sys.executable, "-m", "agentrt", "serve", "--port", str(self.port), *args]
+        self.args = [sys.executable, "-m", "agentrt", command, "--port", str(self.port), *args]
         self.log = Path(tempfile.mkstemp(prefix="agentrt-serve-", suffix=".log")[1])
         self.process: subprocess.Popen | None = None
 

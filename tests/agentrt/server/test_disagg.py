@@ -1,0 +1,106 @@
+"""Disaggregated prefill/decode end to end: a producer (`agentrt serve --kv-connector p2p
+--kv-role producer`), a consumer (`--kv-role consumer`) and `agentrt proxy` in front, all real
+processes on localhost, driven by the official `openai` client. Greedy fp32 answers must
+equal one instance's (the session's `server`), the consumer must have loaded the prefill
+instead of computing it, and a dead producer must only cost the consumer its own prefill."""
+
+from __future__ import annotations
+
+import json
+import signal
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+
+from tests.agentrt.server.helpers import ServerProcess, metrics
+
+INSTANCE = ("--dtype", "float32", "--kv-cache-memory-gb", "0.1", "--kv-connector", "p2p")
+SYSTEM = "You are a careful assistant who answers in one sentence."
+QUESTIONS = [  # one per request: each prompt is new to the consumer's prefix cache
+    "Why do cities grow along rivers? Think of trade and water.",
+    "Why do ports become capitals? Think of ships and taxes.",
+    "Why are old towns built on hills? Think of floods and defence.",
+]
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "reason": {"type": "string"},
+        "examples": {"type": "array", "items": {"type": "string"}},
+    },
+    "required": ["reason", "examples"],
+    "additionalProperties": False,
+}
+RESPONSE_FORMAT = {"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA}}
+
+
+@pytest.fixture(scope="module")
+def disagg() -> Iterator[tuple[ServerProcess, ServerProcess, ServerProcess]]:
+    with (
+        ServerProcess(*INSTANCE, "--kv-role", "producer") as producer,
+        ServerProcess(*INSTANCE, "--kv-role", "consumer") as consumer,
+        ServerProcess(
+            "--prefill",
+            producer.url,
+            "--decode",
+            consumer.url,
+            "--prefill-timeout",
+            "30",
+            command="proxy",
+        ) as proxy,
+    ):
+        yield producer, consumer, proxy
+
+
+def messages(question: str) -> list[dict]:
+    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
+
+
+def chat(client: openai.OpenAI, model: str, question: str, **options) -> str:
+    reply = client.chat.completions.create(
+        model=model, messages=messages(question), temperature=0, max_tokens=30, **options
+    )
+    return reply.choices[0].message.content
+
+
+def test_prefill_there_decode_here_equals_one_instance(disagg, client, model_name):
+    producer, consumer, proxy = disagg
+    via_proxy = openai.OpenAI(base_url=proxy.url + "/v1", api_key="none", max_retries=0)
+    plain, constrained, streamed = QUESTIONS
+    assert chat(via_proxy, model_name, plain) == chat(client, model_name, plain)
+    answer = chat(via_proxy, model_name, constrained, response_format=RESPONSE_FORMAT)
+    assert answer == chat(client, model_name, constrained, response_format=RESPONSE_FORMAT)
+    assert set(json.loads(answer)) == {"reason", "examples"}
+    stream = via_proxy.chat.completions.create(
+        model=model_name, messages=messages(streamed), temperature=0, max_tokens=30, stream=True
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert text == chat(client, model_name, streamed)
+
+    with httpx.Client(base_url=consumer.url) as http:
+        loaded = metrics(http)
+    with httpx.Client(base_url=producer.url) as http:
+        sent = metrics(http)
+    assert loaded["agentrt:kv_transfer_num_loads_total"] == 3
+    # At least a block each (the shared system prompt's blocks are loaded once, then cached).
+    assert loaded["agentrt:kv_transfer_num_loaded_tokens_total"] >= 3 * 16
+    assert loaded["agentrt:kv_transfer_num_load_failures_total"] == 0
+    assert (
+        sent["agentrt:kv_transfer_num_saved_blocks_total"] * 16
+        == loaded["agentrt:kv_transfer_num_loaded_tokens_total"]
+    )
+    with httpx.Client(base_url=proxy.url) as http:
+        assert metrics(http)["agentrt_proxy_prefill_fallbacks_total"] == 0
+
+
+def test_a_dead_producer_costs_only_the_local_prefill(disagg, client, model_name):
+    producer, consumer, proxy = disagg
+    producer.process.send_signal(signal.SIGKILL)
+    producer.process.wait()
+    via_proxy = openai.OpenAI(base_url=proxy.url + "/v1", api_key="none", max_retries=0)
+    question = "Why do bridges cross rivers where they are narrow?"
+    assert chat(via_proxy, model_name, question) == chat(client, model_name, question)
+    with httpx.Client(base_url=proxy.url) as http:
+        fallbacks = metrics(http)
+    assert fallbacks['agentrt_proxy_prefill_fallbacks_total{reason="unreachable"}'] == 1

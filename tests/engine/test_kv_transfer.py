@@ -1,0 +1,272 @@
+"""KV connectors (engine/kv_transfer/): storage and p2p, on the embedded model in fp32.
+
+Greedy fp32 is deterministic, so a request whose prefix KV came from storage or from
+another instance must give exactly the tokens one instance computes alone. Failures (a
+corrupt file, a dead producer, another prompt's params) must fall back to computing the
+prefill, with the same tokens, counted and without hanging.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+from safetensors import safe_open
+
+from agentrt.engine.errors import ConfigError
+from agentrt.engine.llm import LLM
+from agentrt.engine.request import RequestStatus
+from agentrt.engine.sampling_params import SamplingParams, StructuredOutputsParams
+from tests.agentrt.server.helpers import free_port
+
+PROMPT = (
+    "The history of London spans two thousand years. Founded by the Romans as Londinium, "
+    "it grew into a trading port on the Thames, burned in 1666 and was rebuilt in stone. "
+    "Summarise it in one sentence:"
+)
+SCHEMA = {
+    "type": "object",
+    "properties": {"city": {"type": "string"}, "founded_by": {"type": "string"}},
+    "required": ["city", "founded_by"],
+    "additionalProperties": False,
+}
+GREEDY = SamplingParams(temperature=0, max_tokens=20)
+JSON = SamplingParams(
+    temperature=0, max_tokens=40, structured_outputs=StructuredOutputsParams(json=SCHEMA)
+)
+OPTIONS = {"dtype": "float32", "kv_cache_memory_gb": 0.05}
+
+
+def engine(**options) -> LLM:
+    return LLM(None, **OPTIONS, **options)
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict[str, list[int]]:
+    """What one instance without a connector generates."""
+    llm = engine(enable_prefix_caching=False)
+    plain, constrained = llm.generate([PROMPT, PROMPT], [GREEDY, JSON])
+    return {"plain": plain.outputs[0].token_ids, "json": constrained.outputs[0].token_ids}
+
+
+def test_options_are_validated():
+    with pytest.raises(ConfigError, match="kv_role"):
+        engine(kv_connector="storage", kv_role="sender")
+    with pytest.raises(ConfigError, match="kv_connector"):
+        engine(kv_connector="nixl")
+    with pytest.raises(ConfigError, match="kv_port=5555 with data_parallel_size=2"):
+        LLM(None, kv_connector="p2p", kv_port=5555, data_parallel_size=2)
+    with pytest.raises(ConfigError, match="tensor_parallel_size=1 only"):
+        engine(kv_connector="storage", tensor_parallel_size=3)
+
+
+# -- storage ----------------------------------------------------------------------------------
+
+
+def stored_blocks(path) -> list:
+    return sorted(path.rglob("*.safetensors"))
+
+
+CONSUMER_SCRIPT = """
+import json, sys
+from agentrt.engine.llm import LLM
+from agentrt.engine.sampling_params import SamplingParams
+llm = LLM(None, dtype="float32", kv_cache_memory_gb=0.05, kv_connector="storage",
+          kv_role="consumer", kv_storage_path=sys.argv[1])
+out = llm.generate(sys.argv[2], SamplingParams(temperature=0, max_tokens=20))[0]
+stats = llm.engine.stats().kv_transfer
+print(json.dumps({"tokens": out.outputs[0].token_ids, "cached": out.num_cached_tokens,
+                  "loaded": stats.num_loaded_tokens, "failures": stats.num_load_failures}))
+"""
+
+
+def test_a_second_process_reuses_the_stored_prefix(tmp_path, reference):
+    producer = engine(kv_connector="storage", kv_role="producer", kv_storage_path=str(tmp_path))
+    out = producer.generate(PROMPT, GREEDY)[0]
+    assert out.outputs[0].token_ids == reference["plain"]
+    producer.engine.shutdown()  # the writes are finished
+    num_prompt = len(out.prompt_token_ids)
+    # Every full block of computed tokens: the prompt and the output but the last token.
+    num_full = (num_prompt + len(reference["plain"]) - 1) // 16
+    assert len(stored_blocks(tmp_path)) == num_full
+    assert producer.engine.stats().kv_transfer.num_saved_blocks == num_full
+
+    run = subprocess.run(
+        [sys.executable, "-c", CONSUMER_SCRIPT, str(tmp_path), PROMPT],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    assert result["tokens"] == reference["plain"]
+    loadable = (num_prompt - 1) // 16 * 16  # whole blocks, the last prompt token computed
+    assert result["loaded"] == result["cached"] == loadable
+    assert result["failures"] == 0
+
+
+def test_a_session_turn_loads_its_history_and_json_stays_exact(tmp_path, reference):
+    path = str(tmp_path)
+    first = engine(kv_connector="storage", kv_storage_path=path)
+    turn1 = first.generate(PROMPT, JSON)[0]
+    assert turn1.outputs[0].token_ids == reference["json"]
+    assert turn1.outputs[0].structured_errors == []
+    first.engine.shutdown()
+
+    # A new instance continues the conversation: the history (prompt and answer) loads.
+    history = turn1.prompt_token_ids + turn1.outputs[0].token_ids
+    second = engine(kv_connector="storage", kv_storage_path=path, enable_prefix_caching=False)
+    follow_up = history + second.engine.tokenizer.encode(" Now the same for Paris:")
+    out = second.generate(follow_up, JSON)[0]
+    solo = engine(enable_prefix_caching=False).generate(follow_up, JSON)[0]
+    assert out.outputs[0].token_ids == solo.outputs[0].token_ids
+    assert out.num_cached_tokens == (len(history) - 1) // 16 * 16
+    second.engine.kv_manager.check_invariants()
+
+
+@pytest.mark.parametrize("damage", ["flip a byte", "truncate"])
+def test_a_damaged_block_is_detected_and_computed_again(tmp_path, reference, damage):
+    producer = engine(kv_connector="storage", kv_storage_path=str(tmp_path))
+    producer.generate(PROMPT, GREEDY)
+    producer.engine.shutdown()
+    # Damage the prompt's second block (blocks are named by content: find it by its tokens).
+    prompt_ids = producer.engine.tokenizer.encode(PROMPT)
+    assert len(prompt_ids) > 33  # at least two loadable blocks
+    second = None
+    for path in stored_blocks(tmp_path):
+        with safe_open(path, framework="pt") as f:
+            if json.loads(f.metadata()["token_ids"]) == prompt_ids[16:32]:
+                second = path
+    assert second is not None
+    data = bytearray(second.read_bytes())
+    if damage == "flip a byte":
+        data[-100] ^= 0xFF
+    else:
+        del data[len(data) // 2 :]
+    second.write_bytes(bytes(data))
+
+    consumer = engine(kv_connector="storage", kv_storage_path=str(tmp_path))
+    out = consumer.generate(PROMPT, GREEDY)[0]
+    assert out.outputs[0].token_ids == reference["plain"]
+    stats = consumer.engine.stats().kv_transfer
+    assert stats.num_load_failures == 1
+    assert stats.num_loaded_tokens == out.num_cached_tokens == 16  # the block before it
+    consumer.engine.shutdown()
+    # The damaged file was replaced by the recomputed block.
+    with safe_open(second, framework="pt") as f:
+        assert json.loads(f.metadata()["token_ids"]) == prompt_ids[16:32]
+    consumer.engine.kv_manager.check_invariants()
+
+
+# -- p2p ----------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def producer() -> LLM:
+    return engine(kv_connector="p2p", kv_role="producer")
+
+
+@pytest.fixture(scope="module")
+def consumer() -> LLM:
+    return engine(kv_connector="p2p", kv_role="consumer", kv_transfer_timeout_s=1.0)
+
+
+def prefill(producer: LLM, prompt: str = PROMPT) -> dict:
+    remote = SamplingParams(
+        temperature=0, max_tokens=1, kv_transfer_params={"do_remote_decode": True}
+    )
+    out = producer.generate(prompt, remote)[0]
+    assert out.kv_transfer_params is not None
+    return out.kv_transfer_params
+
+
+def with_params(params: SamplingParams, kv: dict) -> SamplingParams:
+    import dataclasses
+
+    return dataclasses.replace(params, kv_transfer_params=kv)
+
+
+@pytest.mark.parametrize("kind", ["plain", "json"])
+def test_prefill_on_one_instance_decode_on_another(producer, consumer, reference, kind):
+    kv = prefill(producer)
+    assert producer.engine.scheduler.held  # the blocks wait for the consumer
+    before = consumer.engine.stats().kv_transfer
+    params = with_params(GREEDY if kind == "plain" else JSON, kv)
+    out = consumer.generate(PROMPT, params)[0]
+    assert out.outputs[0].token_ids == reference[kind]
+    stats = consumer.engine.stats().kv_transfer
+    assert stats.num_loaded_tokens - before.num_loaded_tokens == kv["remote_num_tokens"]
+    assert stats.num_load_failures == before.num_load_failures
+    assert out.num_cached_tokens == kv["remote_num_tokens"]
+    # The producer freed its blocks once they were sent (seen at its next step).
+    producer.generate("Hello", SamplingParams(max_tokens=1))
+    assert not producer.engine.scheduler.held
+    for llm in (producer, consumer):
+        llm.engine.kv_manager.check_invariants()
+    consumer.engine.reset_prefix_cache()
+
+
+def test_a_dead_producer_means_a_local_prefill(consumer, reference):
+    kv = prefill(engine(kv_connector="p2p", kv_role="producer"))  # then garbage-collected
+    kv["remote_port"] = free_port()  # nothing listens there
+    before = consumer.engine.stats().kv_transfer.num_load_failures
+    start = time.monotonic()
+    out = consumer.generate(PROMPT, with_params(GREEDY, kv))[0]
+    assert time.monotonic() - start < 10  # the 1 s transfer timeout, then the prefill
+    assert out.outputs[0].token_ids == reference["plain"]
+    assert consumer.engine.stats().kv_transfer.num_load_failures == before + 1
+    consumer.engine.kv_manager.check_invariants()
+    consumer.engine.reset_prefix_cache()
+
+
+def test_params_of_another_prompt_are_refused(producer, consumer):
+    kv = prefill(producer, "A different prompt, long enough to fill a block or two of KV. " * 2)
+    other = "An unrelated question that is also long enough for a block or two. " * 2
+    before = consumer.engine.stats().kv_transfer
+    solo = engine(enable_prefix_caching=False).generate(other, GREEDY)[0]
+    out = consumer.generate(other, with_params(GREEDY, kv))[0]
+    assert out.outputs[0].token_ids == solo.outputs[0].token_ids
+    stats = consumer.engine.stats().kv_transfer
+    assert stats.num_load_failures == before.num_load_failures + 1
+    assert stats.num_loaded_tokens == before.num_loaded_tokens
+    consumer.engine.reset_prefix_cache()
+
+
+def test_an_unfetched_prefill_is_freed_after_the_hold_timeout(reference):
+    producer = engine(kv_connector="p2p", kv_role="producer", kv_hold_timeout_s=0.2)
+    kv = prefill(producer)
+    time.sleep(0.3)
+    producer.generate("Hello", SamplingParams(max_tokens=1))  # a step notices the expiry
+    assert not producer.engine.scheduler.held
+    assert producer.engine.kv_manager.usage() == 0
+    # A consumer that comes late is told so and computes the prefill.
+    late = engine(kv_connector="p2p", kv_role="consumer")
+    out = late.generate(PROMPT, with_params(GREEDY, kv))[0]
+    assert out.outputs[0].token_ids == reference["plain"]
+    assert late.engine.stats().kv_transfer.num_load_failures == 1
+
+
+def test_waiting_for_kv_blocks_nobody_and_an_abort_frees_the_blocks_after_the_load():
+    llm = engine(kv_connector="p2p", kv_role="consumer", kv_transfer_timeout_s=2.0)
+    kv = prefill(engine(kv_connector="p2p", kv_role="producer"))
+    kv["remote_port"] = free_port()  # the load waits out its 2 s timeout
+    core = llm.engine
+    slow = core.processor.process("slow", PROMPT, with_params(GREEDY, kv))
+    fast = core.processor.process("fast", "Hi!", SamplingParams(temperature=0, max_tokens=5))
+    core.add_request(slow, PROMPT)
+    core.step()
+    assert core.scheduler.requests["slow"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    core.add_request(fast, "Hi!")
+    finished = {}
+    while "fast" not in finished:
+        finished.update((d.request_id, d.output) for d in core.step() if d.finished)
+    assert "slow" in core.scheduler.loading  # the other request finished meanwhile
+    core.abort_requests(["slow"])
+    assert core.kv_manager.usage() > 0  # a connector thread may still write its blocks
+    while core.has_unfinished_requests():
+        core.step()
+    assert core.kv_manager.usage() == 0
+    core.kv_manager.check_invariants()
