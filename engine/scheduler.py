@@ -75,9 +75,9 @@ class Scheduler:
         self.speculative_method = speculative_method
         self.spec_stats = SpecDecodeStats() if speculative_method else None
         self.connector = connector
-        # Requests whose prefix the connector is loading (with the tokens it loads), and
-        # finished ones whose blocks it has yet to send.
-        self.loading: dict[str, tuple[Request, int]] = {}
+        # Requests whose prefix the connector is loading, and finished ones whose blocks it
+        # has yet to send.
+        self.loading: dict[str, Request] = {}
         self.held: dict[str, Request] = {}
 
     def _order_key(self, request: Request) -> tuple:
@@ -147,7 +147,7 @@ class Scheduler:
         did not arrive themselves), sent requests' blocks go back."""
         result = self.connector.get_finished()
         for req_id, num_loaded in result.finished_loads.items():
-            request, _ = self.loading.pop(req_id)
+            request = self.loading.pop(req_id)
             if request.status.finished:  # aborted while loading
                 self.connector.request_finished(request, [])
                 self.kv.free(request)
@@ -269,7 +269,7 @@ class Scheduler:
             request, self.kv.block_ids(request.req_id), num_external
         )
         request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
-        self.loading[request.req_id] = (request, num_external)
+        self.loading[request.req_id] = request
         return num_external
 
     def _grammar_ready(self, request: Request) -> bool:

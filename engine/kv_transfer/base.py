@@ -23,6 +23,7 @@ reported done, and no loaded block enters the prefix-cache index before that eit
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import threading
 import zlib
@@ -66,7 +67,7 @@ def engine_id(
     files), dtype, quantization and block size."""
     files = [model_path] if model_path.is_file() else sorted(model_path.iterdir())
     weights = sum(f.stat().st_size for f in files if f.suffix in (".safetensors", ".bin", ".gguf"))
-    text = repr((sorted(hf_config.items()), weights, str(dtype), quantization, block_size))
+    text = json.dumps([hf_config, weights, str(dtype), quantization, block_size], sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 

@@ -172,7 +172,7 @@ class P2PConnector(KVConnector):
             return 0
         num_remote = params["remote_num_tokens"]
         if num_computed_tokens >= num_remote:  # all cached here: release the producer's copy
-            self._pool.submit(self._load_logged, request.req_id, self._plan(params, 0, []))
+            self._pool.submit(self._release, self._plan(params, 0, []))
             return 0
         return num_remote - num_computed_tokens
 
@@ -187,7 +187,10 @@ class P2PConnector(KVConnector):
             tokens = request.all_token_ids[:num]
             if extend_block_keys([], tokens, bs)[-1] != params["remote_key"]:
                 return "the producer's prompt has other tokens"
-            str(params["remote_host"]), int(params["remote_port"]), str(params["remote_request_id"])
+            int(params["remote_port"])
+            missing = {"remote_host", "remote_request_id"} - params.keys()
+            if missing:
+                return f"kv_transfer_params lacks {sorted(missing)}"
         except (KeyError, TypeError, ValueError) as exc:
             return f"malformed kv_transfer_params ({type(exc).__name__}: {exc})"
         return None
@@ -202,6 +205,13 @@ class P2PConnector(KVConnector):
             block_ids=block_ids,
             num_tokens=n * self.layout.block_size,
         )
+
+    def _release(self, plan: PullPlan) -> None:
+        """Ask for none of the blocks: the producer frees them now, not at its hold timeout."""
+        try:
+            self._load("", plan)
+        except Exception as exc:  # noqa: BLE001 - the producer's timeout frees them anyway
+            logger.info("could not release request %s's KV: %s", plan.remote_req_id, exc)
 
     def update_state_after_alloc(
         self, request: Request, block_ids: list[int], num_external_tokens: int

@@ -8,6 +8,7 @@ prefill, with the same tokens, counted and without hanging.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -184,8 +185,6 @@ def prefill(producer: LLM, prompt: str = PROMPT) -> dict:
 
 
 def with_params(params: SamplingParams, kv: dict) -> SamplingParams:
-    import dataclasses
-
     return dataclasses.replace(params, kv_transfer_params=kv)
 
 
