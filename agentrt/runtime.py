@@ -5,10 +5,12 @@ hands out Sessions, one-shot `generate`, `extract_many` and Agents on top of it.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Any
 
 from agentrt.backend import Backend, LocalBackend
+from agentrt.engine.args import EngineArgs
 from agentrt.engine.async_engine import AsyncEngine
 from agentrt.engine.errors import ConfigError
 from agentrt.engine.llm_engine import LLMEngine
@@ -31,8 +33,15 @@ class Runtime:
         base_url: str | None = None,
         api_key: str | None = None,
         engine: LLMEngine | None = None,
+        config: str | os.PathLike[str] | None = None,
         **engine_options: Any,
     ) -> None:
+        """`config`: a JSON file of engine options (e.g. written by `agentrt tune`); options
+        given here override it."""
+        if config is not None:
+            engine_options = {**EngineArgs.read_config_file(config), **engine_options}
+            file_model = engine_options.pop("model", None)
+            model = file_model if model is None else model
         self.model = model
         self.base_url = base_url
         self._api_key = api_key

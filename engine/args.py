@@ -10,9 +10,12 @@ owns it (`ModelConfig`, `CacheConfig`, `SchedulerConfig`, ...), built by `create
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import types
 import typing
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -166,6 +169,30 @@ class EngineArgs:
             "The options are the fields of agentrt.engine.EngineArgs.",
         )
         return cls(model=model, **options)
+
+    @staticmethod
+    def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
+        """Engine options from a JSON file: an object of `EngineArgs` fields, or one whose
+        "engine_args" member is that object (what `agentrt tune` writes, with its figures
+        beside it). Unknown names raise a ConfigError naming the closest option."""
+        try:
+            data = json.loads(Path(path).read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ConfigError(f"cannot read the config file {str(path)!r}: {exc}") from None
+        if isinstance(data, dict) and isinstance(data.get("engine_args"), dict):
+            data = data["engine_args"]
+        if not isinstance(data, dict):
+            raise ConfigError(
+                f"the config file {str(path)!r} holds {type(data).__name__}: expected a JSON "
+                "object of engine options."
+            )
+        check_option_names(
+            data,
+            {f.name for f in fields(EngineArgs)},
+            f"an engine option (in {path})",
+            "The options are the fields of agentrt.engine.EngineArgs.",
+        )
+        return data
 
     def create_configs(self) -> EngineConfig:
         """The validated config records (each raises `ConfigError` naming a bad value)."""

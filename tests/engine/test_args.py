@@ -196,3 +196,37 @@ def test_auto_dtype_follows_the_configured_device():
     """fp32 for a CPU model even on a machine with a GPU; bf16 for a CUDA one."""
     assert str(EngineArgs(device="cpu").create_configs().model.dtype) == "torch.float32"
     assert str(EngineArgs(device="cuda:0").create_configs().model.dtype) == "torch.bfloat16"
+
+
+def test_a_config_file_gives_runtime_its_options(tmp_path, tiny_checkpoint):
+    """`Runtime(config=FILE)` reads engine options from JSON, flat or under "engine_args"
+    (as `agentrt tune` writes it); options given in the call win."""
+    path = str(tiny_checkpoint("llama"))
+    flat = tmp_path / "flat.json"
+    flat.write_text(json.dumps({"model": path, "max_num_seqs": 3, "kv_cache_memory_gb": 0.01}))
+    tuned = tmp_path / "tuned.json"
+    tuned.write_text(
+        json.dumps({"engine_args": {"max_num_seqs": 5, "block_size": 32}, "goodput": 1.5})
+    )
+    assert Runtime(config=flat)._local.args.max_num_seqs == 3
+    assert Runtime(config=flat)._local.args.model == path
+    args = Runtime(path, config=tuned, max_num_seqs=7)._local.args
+    assert (args.model, args.max_num_seqs, args.block_size) == (path, 7, 32)
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ('{"max_num_seq": 4}', "'max_num_seq'.*'max_num_seqs'"),
+        ("[1, 2]", "expected a JSON object"),
+        ("{", "cannot read the config file"),
+        ('{"block_size": 12}', "block_size"),
+    ],
+)
+def test_a_bad_config_file_names_the_problem(tmp_path, content, message):
+    path = tmp_path / "bad.json"
+    path.write_text(content)
+    with pytest.raises(ConfigError, match=message):
+        Runtime(config=path)
+    with pytest.raises(ConfigError, match="cannot read"):
+        Runtime(config=tmp_path / "missing.json")
