@@ -1,5 +1,5 @@
 """`agentrt` command line: `agentrt generate "..."`, `agentrt chat`, `agentrt extract`,
-`agentrt serve`, `agentrt proxy`."""
+`agentrt serve`, `agentrt proxy`, `agentrt bench`."""
 
 from __future__ import annotations
 
@@ -123,6 +123,12 @@ def _proxy(args) -> int:
     return run_proxy(args)
 
 
+def _bench(args) -> int:
+    from agentrt.bench.cli import run_bench
+
+    return run_bench(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="agentrt", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -151,6 +157,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_proxy_args(
         commands.add_parser("proxy", help="a prefill/decode proxy in front of two serve instances")
     )
+    from agentrt.bench.cli import add_bench_args
+
+    add_bench_args(commands.add_parser("bench", help="benchmark the engine or a server"))
     return parser
 
 
@@ -165,6 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         "extract": _extract,
         "serve": _serve,
         "proxy": _proxy,
+        "bench": _bench,
     }[args.command]
     try:
         return run(args)

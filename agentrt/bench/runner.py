@@ -1,0 +1,251 @@
+"""The benchmark core: `run_benchmark(mode, dataset, load, engine_args=... | endpoint=...)`
+returns a `BenchResult`. `agentrt bench` is a thin command line over it, and `agentrt tune`
+calls it in-process.
+
+Modes:
+- `throughput`: every request through one `AsyncEngine` in this process (all at once by
+  default, else at `request_rate` / `max_concurrency`), streamed.
+- `latency`: one request at a time, `num_iters` of them after `num_iters_warmup`.
+- `structured`: `throughput` on a structured dataset (`extraction` by default), scoring
+  validity against each request's JSON schema.
+- `serve`: the requests over HTTP to a running OpenAI-compatible server (`http.py`).
+
+In-process, TTFT and E2E come from the engine's per-request metrics (`RequestMetrics`: arrival,
+first token, finish); ITL is the gap between successive token chunks of a stream.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+
+from agentrt.bench.datasets import BenchRequest, DatasetConfig, make_requests
+from agentrt.bench.errors import BenchConfigError
+from agentrt.bench.results import BenchResult, RequestRecord, build_result, is_valid
+from agentrt.engine.args import EngineArgs
+
+MODES = ("throughput", "latency", "serve", "structured")
+
+
+@dataclass(frozen=True, slots=True)
+class LoadConfig:
+    """How requests are sent and scored. Validated on creation (`BenchConfigError`)."""
+
+    request_rate: float = math.inf  # requests/s, Poisson arrivals; inf: all at once
+    max_concurrency: int | None = None  # requests in flight at most (None: no cap)
+    num_iters: int = 10  # latency mode: measured requests
+    num_iters_warmup: int = 2  # latency mode: requests run first, not measured
+    temperature: float = 0.0
+    goodput_e2e_ms: float | None = None
+    goodput_ttft_ms: float | None = None
+    progress: bool = False  # a tqdm bar on stderr
+
+    def __post_init__(self) -> None:
+        if not self.request_rate > 0:
+            raise BenchConfigError(
+                f"request_rate={self.request_rate} is invalid: expected requests per second "
+                "> 0, or inf to send every request at once."
+            )
+        if self.max_concurrency is not None and self.max_concurrency < 1:
+            raise BenchConfigError(
+                f"max_concurrency={self.max_concurrency} is invalid: expected >= 1."
+            )
+        if self.num_iters < 1 or self.num_iters_warmup < 0:
+            raise BenchConfigError(
+                f"num_iters={self.num_iters}, num_iters_warmup={self.num_iters_warmup}: "
+                "expected num_iters >= 1 and num_iters_warmup >= 0."
+            )
+        for name in ("goodput_e2e_ms", "goodput_ttft_ms"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise BenchConfigError(f"{name}={value} is invalid: expected > 0 ms.")
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    """A running OpenAI-compatible server (`agentrt serve`)."""
+
+    base_url: str
+    api_key: str | None = None
+    model: str | None = None  # default: the first model the server lists
+
+
+def run_benchmark(
+    mode: str,
+    dataset: DatasetConfig,
+    load: LoadConfig | None = None,
+    *,
+    engine_args: EngineArgs | None = None,
+    endpoint: Endpoint | None = None,
+) -> BenchResult:
+    """Run one benchmark to the end (synchronous wrapper of `run_benchmark_async`)."""
+    return anyio.run(
+        lambda: run_benchmark_async(mode, dataset, load, engine_args=engine_args, endpoint=endpoint)
+    )
+
+
+async def run_benchmark_async(
+    mode: str,
+    dataset: DatasetConfig,
+    load: LoadConfig | None = None,
+    *,
+    engine_args: EngineArgs | None = None,
+    endpoint: Endpoint | None = None,
+    engine: Any = None,
+) -> BenchResult:
+    """Run one benchmark. In-process modes build an engine from `engine_args` (or run on a
+    started `AsyncEngine` passed as `engine`, which stays open); `serve` needs `endpoint`."""
+    load = load or LoadConfig()
+    if mode not in MODES:
+        raise BenchConfigError(f"mode {mode!r} is unknown: expected one of {', '.join(MODES)}.")
+    if mode == "serve":
+        if endpoint is None:
+            raise BenchConfigError("mode 'serve' needs an endpoint (--base-url).")
+        from agentrt.bench.http import run_http
+
+        target = {"base_url": endpoint.base_url, "model": endpoint.model}
+        return await run_http(
+            endpoint, dataset, load, _config(mode, dataset, load, endpoint=target)
+        )
+    if mode == "structured" and not dataset.structured:
+        raise BenchConfigError(
+            f"mode 'structured' needs a structured dataset (extraction or tool-calls), got "
+            f"{dataset.name!r}."
+        )
+    if engine is not None:
+        config = _config(mode, dataset, load, engine_args=dataclasses.asdict(engine.args))
+        return await _run_inprocess(engine, mode, dataset, load, config)
+    from agentrt.engine.async_engine import AsyncEngine
+
+    engine_args = engine_args or EngineArgs()
+    options = {k: v for k, v in dataclasses.asdict(engine_args).items() if k != "model"}
+    async with AsyncEngine(engine_args.model, **options) as started:
+        config = _config(mode, dataset, load, engine_args=dataclasses.asdict(engine_args))
+        return await _run_inprocess(started, mode, dataset, load, config)
+
+
+def _config(mode: str, dataset: DatasetConfig, load: LoadConfig, **target: dict) -> dict:
+    """The result's `config`: the mode, the dataset, the load and the engine or endpoint."""
+    plain = (int, float, str, bool, type(None))
+    return {
+        "mode": mode,
+        "dataset": dataclasses.asdict(dataset),
+        # JSON has no infinity: an unbounded rate is written "inf", as vLLM does.
+        "load": {k: "inf" if v == math.inf else v for k, v in dataclasses.asdict(load).items()},
+        **{
+            name: {k: v if isinstance(v, plain) else str(v) for k, v in values.items()}
+            for name, values in target.items()
+        },
+    }
+
+
+async def _run_inprocess(
+    engine, mode: str, dataset: DatasetConfig, load: LoadConfig, config: dict
+) -> BenchResult:
+    if mode == "latency":
+        total = load.num_iters_warmup + load.num_iters
+        requests = make_requests(dataclasses.replace(dataset, num_prompts=total))
+        for request in requests[: load.num_iters_warmup]:
+            await _send_inprocess(engine, request, load)
+        requests = requests[load.num_iters_warmup :]
+        load = dataclasses.replace(load, request_rate=math.inf, max_concurrency=1)
+    else:
+        requests = make_requests(dataset)
+    cap = engine.limits.max_num_seqs * engine.args.data_parallel_size
+    cap += engine.max_waiting_requests  # past it the engine refuses new requests
+    load = dataclasses.replace(load, max_concurrency=min(load.max_concurrency or cap, cap))
+    records, duration = await drive(
+        requests, load, lambda request: _send_inprocess(engine, request, load), dataset.seed
+    )
+    return build_result(
+        mode,
+        config,
+        records,
+        duration,
+        goodput_e2e_ms=load.goodput_e2e_ms,
+        goodput_ttft_ms=load.goodput_ttft_ms,
+    )
+
+
+async def drive(
+    requests: list[BenchRequest],
+    load: LoadConfig,
+    send: Callable[[BenchRequest], Awaitable[RequestRecord]],
+    seed: int,
+) -> tuple[list[RequestRecord], float]:
+    """Send every request (Poisson arrivals at `load.request_rate`, at most
+    `load.max_concurrency` in flight); returns the records in request order and the wall
+    time from the first send to the last completion."""
+    from tqdm import tqdm
+
+    rng = random.Random(seed)
+    records: list[RequestRecord | None] = [None] * len(requests)
+    limit = anyio.Semaphore(load.max_concurrency or len(requests))
+    with tqdm(total=len(requests), disable=not load.progress, file=sys.stderr) as bar:
+
+        async def one(index: int) -> None:
+            try:
+                records[index] = await send(requests[index])
+            finally:
+                limit.release()
+                bar.update(1)
+
+        start = time.perf_counter()
+        async with anyio.create_task_group() as tasks:
+            for index in range(len(requests)):
+                await limit.acquire()
+                tasks.start_soon(one, index)
+                if math.isfinite(load.request_rate) and index + 1 < len(requests):
+                    await anyio.sleep(rng.expovariate(load.request_rate))
+        duration = time.perf_counter() - start
+    return [r if r is not None else RequestRecord(error="not sent") for r in records], duration
+
+
+async def _send_inprocess(engine, request: BenchRequest, load: LoadConfig) -> RequestRecord:
+    from agentrt.engine.errors import EngineError
+    from agentrt.engine.sampling_params import SamplingParams, StructuredOutputsParams
+
+    record = RequestRecord(valid=False if request.schema is not None else None)
+    try:
+        params = SamplingParams(
+            temperature=load.temperature,
+            max_tokens=request.max_tokens,
+            ignore_eos=request.ignore_eos,
+            structured_outputs=StructuredOutputsParams(json=request.schema)
+            if request.schema is not None
+            else None,
+        )
+        last = None
+        output = None
+        async with engine.add_request(request.prompt, params, messages=request.messages) as stream:
+            async for delta in stream:
+                if delta.token_ids:
+                    now = time.monotonic()
+                    if last is not None:
+                        record.itls.append(now - last)
+                    last = now
+                output = delta.output or output
+    except EngineError as exc:
+        record.error = f"{type(exc).__name__}: {exc}"
+        return record
+    completion = output.outputs[0]
+    if completion.finish_reason not in ("stop", "length"):
+        record.error = output.error or f"finish_reason {completion.finish_reason}"
+        return record
+    metrics = output.metrics
+    record.ok = True
+    record.prompt_tokens = len(output.prompt_token_ids)
+    record.output_tokens = len(completion.token_ids)
+    record.ttft = metrics.time_to_first_token
+    record.e2e = metrics.finished_time - metrics.arrival_time
+    if request.schema is not None:
+        record.valid = is_valid(completion.text, request.schema)
+    return record
