@@ -254,13 +254,23 @@ class EngineArgs:
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser | Any) -> None:
         """One flag per field: `--max-num-seqs` for `max_num_seqs`; booleans take
-        `--jump-forward` / `--no-jump-forward`."""
+        `--jump-forward` / `--no-jump-forward`. And `--config FILE`: options from a JSON file
+        (`read_config_file`), which the flags given with it override. A flag not given sets
+        nothing (argparse's SUPPRESS): `from_cli_args` then takes the file's value, else the
+        field's default."""
+        parser.add_argument(
+            "--config",
+            default=None,
+            metavar="FILE",
+            help="engine options from a JSON file (e.g. written by `agentrt tune`); flags "
+            "given as well override it",
+        )
         for f in fields(cls):
             flag = "--" + f.name.replace("_", "-")
             help_text = f.metadata["help"]
             if f.default is not None and "default" not in help_text:
                 help_text += f" (default: {f.default})"
-            kwargs: dict[str, Any] = {"default": f.default, "help": help_text}
+            kwargs: dict[str, Any] = {"default": argparse.SUPPRESS, "help": help_text}
             kind = _cli_type(f.name)
             if kind is bool:
                 kwargs["action"] = argparse.BooleanOptionalAction
@@ -272,7 +282,10 @@ class EngineArgs:
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
-        return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
+        given = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
+        if getattr(args, "config", None):
+            given = {**cls.read_config_file(args.config), **given}
+        return cls(**given)
 
 
 def _cli_type(name: str) -> type:

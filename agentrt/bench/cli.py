@@ -9,6 +9,7 @@ from pathlib import Path
 
 from agentrt.bench.datasets import DATASETS, DatasetConfig
 from agentrt.bench.runner import Endpoint, LoadConfig, run_benchmark
+from agentrt.engine.args import EngineArgs
 
 HELP = {
     "throughput": "every prompt through an in-process engine: requests/s, tokens/s",
@@ -72,12 +73,13 @@ def run_bench(args: argparse.Namespace) -> int:
     from agentrt.bench.results import format_summary
 
     mode = args.bench_mode
+    engine_args = None if mode == "serve" else EngineArgs.from_cli_args(args)
     dataset = DatasetConfig(
         name=args.dataset,
         num_prompts=args.num_prompts,
         input_len=args.input_len,
         output_len=args.output_len,
-        seed=args.seed,
+        seed=args.seed if engine_args is None else engine_args.seed,
         schema_dir=args.schema_dir,
     )
     iters = {n: getattr(args, n) for n in ("num_iters", "num_iters_warmup") if hasattr(args, n)}
@@ -94,9 +96,7 @@ def run_bench(args: argparse.Namespace) -> int:
         endpoint = Endpoint(args.base_url, api_key=args.api_key, model=args.model)
         result = run_benchmark(mode, dataset, load, endpoint=endpoint)
     else:
-        from agentrt.engine.args import EngineArgs
-
-        result = run_benchmark(mode, dataset, load, engine_args=EngineArgs.from_cli_args(args))
+        result = run_benchmark(mode, dataset, load, engine_args=engine_args)
     print(format_summary(result))
     if args.result_json:
         Path(args.result_json).write_text(result.to_json() + "\n")

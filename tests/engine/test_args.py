@@ -230,3 +230,15 @@ def test_a_bad_config_file_names_the_problem(tmp_path, content, message):
         Runtime(config=path)
     with pytest.raises(ConfigError, match="cannot read"):
         Runtime(config=tmp_path / "missing.json")
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_config_flag_reads_a_file_that_flags_override(tmp_path, command):
+    path = tmp_path / "tuned.json"
+    path.write_text(json.dumps({"engine_args": {"max_num_seqs": 5, "block_size": 32}}))
+    args = build_parser().parse_args(
+        COMMANDS[command] + ["--config", str(path), "--max-num-seqs", "7"]
+    )
+    engine_args = EngineArgs.from_cli_args(args)
+    assert (engine_args.max_num_seqs, engine_args.block_size) == (7, 32)
+    assert engine_args.max_num_batched_tokens == EngineArgs().max_num_batched_tokens
