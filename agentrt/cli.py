@@ -1,5 +1,5 @@
 """`agentrt` command line: `agentrt generate "..."`, `agentrt chat`, `agentrt extract`,
-`agentrt serve`, `agentrt proxy`, `agentrt bench`."""
+`agentrt serve`, `agentrt proxy`, `agentrt bench`, `agentrt tune`."""
 
 from __future__ import annotations
 
@@ -129,6 +129,12 @@ def _bench(args) -> int:
     return run_bench(args)
 
 
+def _tune(args) -> int:
+    from agentrt.bench.cli import run_tune
+
+    return run_tune(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="agentrt", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -160,6 +166,13 @@ def build_parser() -> argparse.ArgumentParser:
     from agentrt.bench.cli import add_bench_args
 
     add_bench_args(commands.add_parser("bench", help="benchmark the engine or a server"))
+    from agentrt.bench.cli import add_tune_args
+
+    add_tune_args(
+        commands.add_parser(
+            "tune", help="search engine settings for the most goodput under a latency bound"
+        )
+    )
     return parser
 
 
@@ -175,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         "serve": _serve,
         "proxy": _proxy,
         "bench": _bench,
+        "tune": _tune,
     }[args.command]
     try:
         return run(args)

@@ -1,0 +1,378 @@
+"""`agentrt tune`: the engine settings with the most goodput under a latency bound.
+
+Goodput is what an agent runtime's users count: schema-valid completions per second (any
+completion, for an unstructured workload) whose P99 end-to-end latency, or TTFT, stays
+within the bound the user gives. The search is the grid of the options given
+(`SearchSpace`: max_num_seqs, max_num_batched_tokens, block_size, speculative method,
+jump-forward) around the base engine options (the command's engine flags or `--config`),
+each configuration a fresh in-process engine running the same workload (`run_benchmark`).
+
+Two rounds, so that configurations that cannot win cost little:
+1. screen: every configuration runs a short workload (`screen_prompts` requests);
+2. final: the baseline (the base options, always) and the `keep` best screened
+   configurations that met the bound run the whole workload.
+Pruned after the screen: a configuration whose P99 is over the bound by more than
+`PRUNE_OVER_BOUND` (noise does not fix that), or whose goodput is below
+`1 - PRUNE_MARGIN` of the best one within the bound. A configuration over the bound in the
+final round is never chosen. The winner is the final round's best goodput within the
+bound; the baseline when nothing beats it (the table then shows the defaults are best).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import logging
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from agentrt.bench.datasets import DatasetConfig
+from agentrt.bench.errors import BenchConfigError
+from agentrt.bench.results import BenchResult
+from agentrt.bench.runner import LoadConfig, run_benchmark
+from agentrt.engine.args import EngineArgs
+from agentrt.engine.config import SPECULATIVE_METHODS
+from agentrt.engine.errors import ConfigError, EngineError
+
+logger = logging.getLogger(__name__)
+
+PRUNE_OVER_BOUND = 1.5  # screened P99 above 1.5x the bound: cannot get within it
+PRUNE_MARGIN = 0.25  # screened goodput 25% below the best within the bound: cannot win
+BOUNDS = ("e2e", "ttft")
+
+
+@dataclass(frozen=True, slots=True)
+class SearchSpace:
+    """The values to try per option; an option left None keeps the base value."""
+
+    max_num_seqs: tuple[int, ...] | None = None
+    max_num_batched_tokens: tuple[int, ...] | None = None
+    block_size: tuple[int, ...] | None = None
+    speculative: tuple[str, ...] | None = None  # method names, or "off"
+    jump_forward: tuple[bool, ...] | None = None
+
+    def __post_init__(self) -> None:
+        for method in self.speculative or ():
+            if method != "off" and method not in SPECULATIVE_METHODS:
+                raise BenchConfigError(
+                    f"speculative method {method!r} is unknown: expected 'off' or one of "
+                    f"{', '.join(m for m in SPECULATIVE_METHODS if m != 'draft_model')}."
+                )
+            if method == "draft_model":
+                raise BenchConfigError(
+                    "speculative method 'draft_model' needs a draft model: give it with "
+                    "--speculative-config in the base options instead."
+                )
+
+    def changes(self) -> list[dict[str, Any]]:
+        """Every combination, as the fields it sets."""
+        axes: list[list[tuple[str, Any]]] = []
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "jump_forward"):
+            values = getattr(self, name)
+            if values:
+                axes.append([(name, v) for v in dict.fromkeys(values)])
+        if self.speculative:
+            axes.append(
+                [
+                    ("speculative_config", None if m == "off" else {"method": m})
+                    for m in dict.fromkeys(self.speculative)
+                ]
+            )
+        return [dict(combo) for combo in itertools.product(*axes)]
+
+
+@dataclass(slots=True)
+class Trial:
+    """One configuration: what it changes from the base, its two runs, and the verdict."""
+
+    changes: dict[str, Any]
+    args: EngineArgs | None
+    screen: BenchResult | None = None
+    final: BenchResult | None = None
+    status: str = ""
+
+    @property
+    def label(self) -> str:
+        if not self.changes:
+            return "baseline"
+        return " ".join(f"{_short(k)}={_value(v)}" for k, v in self.changes.items())
+
+    def latest(self) -> BenchResult | None:
+        return self.final or self.screen
+
+
+@dataclass(slots=True)
+class TuneResult:
+    bound_on: str  # "e2e" or "ttft"
+    bound_ms: float
+    trials: list[Trial] = field(default_factory=list)
+    best: Trial | None = None
+    load: LoadConfig | None = None  # as run (with the goodput bound)
+
+    @property
+    def baseline(self) -> Trial:
+        return self.trials[0]
+
+
+def p99(result: BenchResult, bound_on: str) -> float:
+    summary = result.e2e_ms if bound_on == "e2e" else result.ttft_ms
+    return summary.p99 if summary is not None else math.inf
+
+
+def within(result: BenchResult, bound_on: str, bound_ms: float) -> bool:
+    return result.failed == 0 and p99(result, bound_on) <= bound_ms
+
+
+def tune(
+    base: EngineArgs,
+    space: SearchSpace,
+    dataset: DatasetConfig,
+    load: LoadConfig,
+    *,
+    bound_ms: float,
+    bound_on: str = "e2e",
+    screen_prompts: int | None = None,
+    keep: int = 3,
+    on_trial=None,
+) -> TuneResult:
+    """Search `space` around `base` for the most goodput with P99 `bound_on` latency at most
+    `bound_ms` on `dataset` under `load`. `on_trial(trial, round)` is called after each run."""
+    if bound_on not in BOUNDS:
+        raise BenchConfigError(f"bound_on={bound_on!r}: expected one of {BOUNDS}.")
+    if not bound_ms > 0:
+        raise BenchConfigError(f"bound_ms={bound_ms} is invalid: expected > 0.")
+    if keep < 1:
+        raise BenchConfigError(f"keep={keep} is invalid: expected >= 1.")
+    bounds = {f"goodput_{bound_on}_ms": bound_ms}
+    load = dataclasses.replace(load, **bounds)
+    mode = "structured" if dataset.structured else "throughput"
+    result = TuneResult(bound_on, bound_ms)
+    baseline = Trial({}, base)
+    result.trials.append(baseline)
+    for changes in space.changes():
+        if all(_same(getattr(base, k), v) for k, v in changes.items()):
+            continue  # the baseline itself
+        try:
+            args = dataclasses.replace(base, **changes)
+        except ConfigError as exc:  # e.g. a block size the pool cannot take
+            result.trials.append(Trial(changes, None, status=f"invalid: {exc}"))
+            continue
+        result.trials.append(Trial(changes, args))
+
+    def run(trial: Trial, workload: DatasetConfig, round_name: str) -> BenchResult | None:
+        try:
+            outcome = run_benchmark(mode, workload, load, engine_args=trial.args)
+        except (EngineError, BenchConfigError) as exc:
+            trial.status = f"failed: {exc}"
+            return None
+        if on_trial is not None:
+            on_trial(trial, round_name, outcome)
+        return outcome
+
+    # Round 1: screen everything (the whole workload when it is already small), after one
+    # unmeasured run: the first one pays for compiling the workload's grammars.
+    num_screen = min(screen_prompts or dataset.num_prompts, dataset.num_prompts)
+    screening = num_screen < dataset.num_prompts
+    short = dataclasses.replace(dataset, num_prompts=num_screen)
+    runnable = [t for t in result.trials if t.args is not None]
+    run(baseline, short, "warmup")
+    for trial in runnable:
+        outcome = run(trial, short, "screen" if screening else "final")
+        if screening:
+            trial.screen = outcome
+        else:
+            trial.final = outcome
+    if screening:
+        _prune(runnable, bound_on, bound_ms, keep, baseline)
+        for trial in runnable:
+            if not trial.status and trial.screen is not None:
+                trial.final = run(trial, dataset, "final")
+    # The winner: the final round's best goodput within the bound.
+    finalists = [t for t in runnable if t.final is not None]
+    for trial in finalists:
+        if not within(trial.final, bound_on, bound_ms):
+            trial.status = f"over bound (P99 {p99(trial.final, bound_on):.0f} ms)"
+    feasible = [t for t in finalists if not t.status]
+    if feasible:
+        result.best = max(feasible, key=lambda t: (t.final.goodput, t is baseline))
+        for trial in feasible:
+            trial.status = "best" if trial is result.best else "within bound"
+    result.load = load
+    return result
+
+
+def _prune(trials: list[Trial], bound_on: str, bound_ms: float, keep: int, baseline: Trial):
+    """Mark screened configurations that cannot win; keep the baseline and `keep` others."""
+    screened = [t for t in trials if t.screen is not None]
+    for trial in screened:
+        if trial.screen.failed:
+            trial.status = f"pruned: {trial.screen.failed} requests failed"
+        elif p99(trial.screen, bound_on) > PRUNE_OVER_BOUND * bound_ms:
+            trial.status = f"pruned: P99 {p99(trial.screen, bound_on):.0f} ms, far over bound"
+    candidates = [t for t in screened if not t.status]
+    within_bound = [t for t in candidates if p99(t.screen, bound_on) <= bound_ms]
+    if within_bound:
+        best = max(t.screen.goodput for t in within_bound)
+        for trial in candidates:
+            if trial.screen.goodput < (1 - PRUNE_MARGIN) * best:
+                trial.status = "pruned: goodput far below the best"
+    ranked = sorted(
+        (t for t in candidates if not t.status and t is not baseline),
+        key=lambda t: t.screen.goodput,
+        reverse=True,
+    )
+    for trial in ranked[keep:]:
+        trial.status = f"pruned: not in the best {keep}"
+    if baseline.screen is not None:
+        baseline.status = ""  # always in the final round: the gain is measured against it
+
+
+def config_file(result: TuneResult, dataset: DatasetConfig) -> dict[str, Any]:
+    """What `--output` holds: the chosen engine options (those that differ from EngineArgs'
+    defaults) under "engine_args", which `agentrt serve --config` and `Runtime(config=...)`
+    read, and the figures that chose them under "tune"."""
+    best = result.best
+    if best is None:
+        raise BenchConfigError("no configuration met the bound: nothing to write.")
+    defaults = EngineArgs()
+    engine_args = {
+        f.name: _json_value(getattr(best.args, f.name))
+        for f in dataclasses.fields(EngineArgs)
+        if not _same(getattr(best.args, f.name), getattr(defaults, f.name))
+    }
+    baseline = result.baseline.final
+    return {
+        "engine_args": engine_args,
+        "tune": {
+            "objective": f"goodput with P99 {result.bound_on} <= {result.bound_ms:g} ms",
+            "workload": dataclasses.asdict(dataset),
+            "load": {
+                k: "inf" if v == math.inf else v
+                for k, v in dataclasses.asdict(result.load).items()
+                if k not in ("num_iters", "num_iters_warmup", "progress")
+            },
+            "chosen": best.label,
+            "goodput": best.final.goodput,
+            "p99_ms": p99(best.final, result.bound_on),
+            "baseline_goodput": baseline.goodput if baseline else None,
+            "gain_vs_baseline": best.final.goodput / baseline.goodput
+            if baseline and baseline.goodput
+            else None,
+            "configurations_tried": len(result.trials),
+        },
+    }
+
+
+def format_table(result: TuneResult) -> str:
+    """Every configuration tried: its screen and final figures and its verdict."""
+    bound = result.bound_on.upper()
+    header = (
+        f"{'#':>3}  {'configuration':<44}{'screen goodput':>15}{f'P99 {bound}':>12}"
+        f"{'goodput':>10}{f'P99 {bound}':>12}{'valid':>7}  verdict"
+    )
+    lines = [header, "-" * len(header)]
+    for i, trial in enumerate(result.trials):
+        screen, final = trial.screen, trial.final
+
+        def cells(r: BenchResult | None) -> tuple[str, str]:
+            if r is None:
+                return "", ""
+            return f"{r.goodput:.3f}/s", f"{p99(r, result.bound_on):.0f} ms"
+
+        s_good, s_p99 = cells(screen)
+        f_good, f_p99 = cells(final)
+        latest = trial.latest()
+        valid = (
+            ""
+            if latest is None or latest.valid_fraction is None
+            else f"{latest.valid_fraction:.0%}"
+        )
+        lines.append(
+            f"{i:>3}  {trial.label[:43]:<44}{s_good:>15}{s_p99:>12}{f_good:>10}{f_p99:>12}"
+            f"{valid:>7}  {trial.status}"
+        )
+    if result.best is not None:
+        base = result.baseline.final
+        gain = result.best.final.goodput / base.goodput if base and base.goodput else math.nan
+        which = "the baseline is the best" if result.best is result.baseline else "best"
+        lines.append(f"\n{which}: {result.best.label} ({gain:.2f}x the baseline's goodput)")
+    else:
+        lines.append("\nno configuration met the bound")
+    return "\n".join(lines)
+
+
+def plot(result: TuneResult, path: str | Path) -> None:
+    """Latency (P99) vs goodput of every configuration run, the chosen one marked; needs
+    matplotlib (`pip install 'agentrt[plot]'`)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for trial in result.trials:
+        run = trial.latest()
+        if run is None:
+            continue
+        chosen = trial is result.best
+        ax.scatter(
+            run.goodput,
+            p99(run, result.bound_on),
+            marker="*" if chosen else "o",
+            s=220 if chosen else 40,
+            color="tab:red" if chosen else ("tab:blue" if trial.final else "tab:gray"),
+            zorder=3 if chosen else 2,
+        )
+        ax.annotate(
+            trial.label,
+            (run.goodput, p99(run, result.bound_on)),
+            fontsize=7,
+            xytext=(4, 4),
+            textcoords="offset points",
+        )
+    ax.axhline(result.bound_ms, color="tab:red", linestyle="--", linewidth=1, label="bound")
+    ax.set_xlabel("goodput (valid completions / s)")
+    ax.set_ylabel(f"P99 {result.bound_on.upper()} (ms)")
+    ax.set_title("agentrt tune: blue = final round, gray = screened only, star = chosen")
+    ax.legend(loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _short(name: str) -> str:
+    return {
+        "max_num_seqs": "seqs",
+        "max_num_batched_tokens": "tokens",
+        "block_size": "block",
+        "speculative_config": "spec",
+        "jump_forward": "jf",
+    }.get(name, name)
+
+
+def _value(value: Any) -> str:
+    if value is None:
+        return "off"
+    if isinstance(value, dict) and "method" in value:
+        return value["method"]
+    return str(value)
+
+
+def _same(a: Any, b: Any) -> bool:
+    return _json_value(a) == _json_value(b)
+
+
+def _json_value(value: Any) -> Any:
+    """An option as JSON: dtypes by name, a speculative config as its dict (or parsed)."""
+    if isinstance(value, torch.dtype):
+        return str(value).removeprefix("torch.")
+    if dataclasses.is_dataclass(value):
+        return dataclasses.asdict(value)
+    if isinstance(value, str) and value.startswith("{"):
+        return json.loads(value)
+    return value

@@ -1,0 +1,121 @@
+"""`agentrt tune` on a tiny model and a tiny search space: it finishes, never chooses a
+configuration over the latency bound, and its file round-trips into `serve` and `Runtime`."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import httpx
+import pytest
+
+from agentrt.bench import DatasetConfig, LoadConfig, run_benchmark
+from agentrt.bench.tune import SearchSpace, config_file, format_table, p99, tune
+from agentrt.cli import build_parser, main
+from agentrt.engine.args import EngineArgs
+from agentrt.runtime import Runtime
+from tests.agentrt.server.helpers import ServerProcess
+
+
+@pytest.fixture(scope="module")
+def base(tiny_checkpoint) -> EngineArgs:
+    return EngineArgs(model=str(tiny_checkpoint("llama")), dtype="float32", kv_cache_memory_gb=0.02)
+
+
+DATASET = DatasetConfig(name="extraction", num_prompts=8, output_len=48)
+
+
+def test_a_configuration_over_the_bound_is_never_chosen(base):
+    """One request at a time (max_num_seqs=1) makes the last of 8 simultaneous requests wait
+    for the other 7: its TTFT is ~7 requests long (measured ~1.1 s here), against ~15 ms for
+    a batch of 8. A TTFT bound of 3 requests' time lets batching configurations through
+    and never that one. (Free text: on the tiny model grammar compiles would dominate.)"""
+    text = DatasetConfig(name="random", num_prompts=8, input_len=32, output_len=96)
+    one = run_benchmark(
+        "latency", text, LoadConfig(num_iters=3, num_iters_warmup=1), engine_args=base
+    )
+    bound_ms = 3 * one.e2e_ms.p50
+    result = tune(
+        base,
+        SearchSpace(max_num_seqs=(1, 8)),
+        text,
+        LoadConfig(),
+        bound_ms=bound_ms,
+        bound_on="ttft",
+        screen_prompts=4,
+        keep=2,
+    )
+    by_seqs = {t.args.max_num_seqs: t for t in result.trials}
+    assert set(by_seqs) == {1, 8, base.max_num_seqs}
+    serial = by_seqs[1]
+    assert serial.status.startswith(("over bound", "pruned")), format_table(result)
+    assert result.best is not None and result.best is not serial
+    assert p99(result.best.final, "ttft") <= bound_ms
+    assert result.baseline.final is not None  # always measured in full
+    for trial in result.trials:
+        assert trial.status, trial.label  # every configuration has a verdict
+    table = format_table(result)
+    assert "seqs=1" in table and "seqs=8" in table and "baseline" in table
+
+    # Nothing meets an impossible bound: no winner, and nothing to write.
+    hopeless = tune(base, SearchSpace(), text, LoadConfig(), bound_ms=1e-3, screen_prompts=8)
+    assert hopeless.best is None
+    assert hopeless.baseline.status.startswith("over bound")
+
+
+def test_the_written_file_round_trips_into_serve_and_runtime(base, tmp_path):
+    path = tmp_path / "tuned.json"
+    code = main(
+        [
+            "tune", "--num-prompts", "4", "--output-len", "32", "--max-p99-e2e-ms", "600000",
+            "--max-num-seqs-list", "4", "--jump-forward-list", "off",
+            "--model", base.model, "--dtype", "float32", "--kv-cache-memory-gb", "0.02",
+            "--output", str(path), "--plot", str(tmp_path / "tune.png"),
+            "--result-json", str(tmp_path / "trials.json"),
+        ]
+    )  # fmt: skip
+    assert code == 0
+    written = json.loads(path.read_text())
+    assert written["engine_args"]["model"] == base.model
+    chosen = written["tune"]["chosen"]
+    assert chosen in ("baseline", "seqs=4 jf=False")
+    assert written["tune"]["goodput"] > 0 and math.isfinite(written["tune"]["p99_ms"])
+    assert (tmp_path / "tune.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    trials = json.loads((tmp_path / "trials.json").read_text())
+    assert [t["configuration"] for t in trials] == ["baseline", "seqs=4 jf=False"]
+
+    expected = EngineArgs(**written["engine_args"])
+    assert Runtime(config=path)._local.args == expected
+    parsed = build_parser().parse_args(["serve", "--config", str(path)])
+    assert EngineArgs.from_cli_args(parsed) == expected
+    with ServerProcess("--config", str(path)) as server:  # it serves with those options
+        card = httpx.get(server.url + "/v1/models").json()["data"][0]
+        assert card["root"] == base.model
+
+
+def test_config_file_records_what_was_chosen(base):
+    result = tune(
+        base, SearchSpace(jump_forward=(False,)), DATASET, LoadConfig(), bound_ms=600000,
+        screen_prompts=8,
+    )  # fmt: skip
+    written = config_file(result, DATASET)
+    assert result.best.final.valid_fraction == 1.0  # every extraction validates
+    assert written["tune"]["configurations_tried"] == 2
+    assert written["tune"]["load"]["goodput_e2e_ms"] == 600000
+    if result.best is not result.baseline:
+        assert written["engine_args"]["jump_forward"] is False
+    else:
+        assert "jump_forward" not in written["engine_args"]
+
+
+def test_bad_search_options_are_refused():
+    from agentrt.bench import BenchConfigError
+
+    with pytest.raises(BenchConfigError, match="medusa"):
+        SearchSpace(speculative=("off", "medusa"))
+    with pytest.raises(BenchConfigError, match="draft model"):
+        SearchSpace(speculative=("draft_model",))
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["tune"])  # a bound is required
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["tune", "--max-p99-e2e-ms", "1", "--jump-forward-list", "x"])
