@@ -307,15 +307,15 @@ def format_table(result: TuneResult) -> str:
 
 
 def plot(result: TuneResult, path: str | Path) -> None:
-    """Latency (P99) vs goodput of every configuration run, the chosen one marked; needs
-    matplotlib (`pip install 'agentrt[plot]'`)."""
+    """Latency (P99) vs goodput of every configuration run, numbered as in the table, the
+    chosen one marked; needs matplotlib (`pip install 'agentrt[plot]'`)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 5))
-    for trial in result.trials:
+    for index, trial in enumerate(result.trials):
         run = trial.latest()
         if run is None:
             continue
@@ -327,9 +327,10 @@ def plot(result: TuneResult, path: str | Path) -> None:
             s=220 if chosen else 40,
             color="tab:red" if chosen else ("tab:blue" if trial.final else "tab:gray"),
             zorder=3 if chosen else 2,
+            label=f"#{index} {trial.label}" if trial.final else None,  # finalists named
         )
         ax.annotate(
-            trial.label,
+            f"#{index}",
             (run.goodput, p99(run, result.bound_on)),
             fontsize=7,
             xytext=(4, 4),
@@ -338,8 +339,8 @@ def plot(result: TuneResult, path: str | Path) -> None:
     ax.axhline(result.bound_ms, color="tab:red", linestyle="--", linewidth=1, label="bound")
     ax.set_xlabel("goodput (valid completions / s)")
     ax.set_ylabel(f"P99 {result.bound_on.upper()} (ms)")
-    ax.set_title("agentrt tune: blue = final round, gray = screened only, star = chosen")
-    ax.legend(loc="upper left")
+    ax.set_title("agentrt tune: # as in the table; gray = screened only, star = chosen")
+    ax.legend(loc="upper left", fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
