@@ -152,7 +152,11 @@ def add_tune_args(parser: argparse.ArgumentParser) -> None:
     )
     search.add_argument("--block-size-list", type=_ints, default=None, metavar="N,N,...")
     search.add_argument(
-        "--speculative-list", type=_names, default=None, help="methods or off: off,suffix,ngram"
+        "--speculative-list",
+        type=_names,
+        default=None,
+        help="off or a method with options after ':', e.g. "
+        "off,suffix,ngram:num_speculative_tokens=4,suffix:disable_by_batch_size=0",
     )
     search.add_argument("--jump-forward-list", type=_switches, default=None, help="on,off")
     goal = parser.add_argument_group("goal")

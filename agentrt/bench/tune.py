@@ -36,7 +36,7 @@ from agentrt.bench.errors import BenchConfigError
 from agentrt.bench.results import BenchResult
 from agentrt.bench.runner import LoadConfig, run_benchmark
 from agentrt.engine.args import EngineArgs
-from agentrt.engine.config import SPECULATIVE_METHODS
+from agentrt.engine.config import SpeculativeConfig
 from agentrt.engine.errors import ConfigError, EngineError
 
 logger = logging.getLogger(__name__)
@@ -53,17 +53,15 @@ class SearchSpace:
     max_num_seqs: tuple[int, ...] | None = None
     max_num_batched_tokens: tuple[int, ...] | None = None
     block_size: tuple[int, ...] | None = None
-    speculative: tuple[str, ...] | None = None  # method names, or "off"
+    # "off", or a method with SpeculativeConfig options: "suffix", "ngram:num_speculative_tokens=4",
+    # "suffix:disable_by_batch_size=0" (':' between options).
+    speculative: tuple[str, ...] | None = None
     jump_forward: tuple[bool, ...] | None = None
 
     def __post_init__(self) -> None:
-        for method in self.speculative or ():
-            if method != "off" and method not in SPECULATIVE_METHODS:
-                raise BenchConfigError(
-                    f"speculative method {method!r} is unknown: expected 'off' or one of "
-                    f"{', '.join(m for m in SPECULATIVE_METHODS if m != 'draft_model')}."
-                )
-            if method == "draft_model":
+        for spec in self.speculative or ():
+            config = speculative_config(spec)
+            if config is not None and config["method"] == "draft_model":
                 raise BenchConfigError(
                     "speculative method 'draft_model' needs a draft model: give it with "
                     "--speculative-config in the base options instead."
@@ -79,11 +77,31 @@ class SearchSpace:
         if self.speculative:
             axes.append(
                 [
-                    ("speculative_config", None if m == "off" else {"method": m})
-                    for m in dict.fromkeys(self.speculative)
+                    ("speculative_config", speculative_config(spec))
+                    for spec in dict.fromkeys(self.speculative)
                 ]
             )
         return [dict(combo) for combo in itertools.product(*axes)]
+
+
+def speculative_config(spec: str) -> dict[str, Any] | None:
+    """ "off" -> None; "suffix:num_speculative_tokens=4" -> {"method": "suffix",
+    "num_speculative_tokens": 4}, checked by SpeculativeConfig (`BenchConfigError`)."""
+    if spec == "off":
+        return None
+    method, *options = spec.split(":")
+    config: dict[str, Any] = {"method": method}
+    for option in options:
+        name, _, text = option.partition("=")
+        try:
+            config[name] = json.loads(text)  # numbers and true/false
+        except json.JSONDecodeError:
+            config[name] = text
+    try:
+        SpeculativeConfig.parse(config if method != "draft_model" else {**config, "model": "x"})
+    except ConfigError as exc:
+        raise BenchConfigError(f"speculative setting {spec!r}: {exc}") from None
+    return config
 
 
 @dataclass(slots=True)
@@ -360,7 +378,7 @@ def _value(value: Any) -> str:
     if value is None:
         return "off"
     if isinstance(value, dict) and "method" in value:
-        return value["method"]
+        return ":".join([value["method"], *(f"{k}={v}" for k, v in value.items() if k != "method")])
     return str(value)
 
 

@@ -115,6 +115,13 @@ def test_bad_search_options_are_refused():
         SearchSpace(speculative=("off", "medusa"))
     with pytest.raises(BenchConfigError, match="draft model"):
         SearchSpace(speculative=("draft_model",))
+    with pytest.raises(BenchConfigError, match="'num_spec_tokens'.*'num_speculative_tokens'"):
+        SearchSpace(speculative=("suffix:num_spec_tokens=4",))
+    options = SearchSpace(speculative=("off", "suffix:disable_by_batch_size=0")).changes()
+    assert options == [
+        {"speculative_config": None},
+        {"speculative_config": {"method": "suffix", "disable_by_batch_size": 0}},
+    ]
     with pytest.raises(SystemExit):
         build_parser().parse_args(["tune"])  # a bound is required
     with pytest.raises(SystemExit):
