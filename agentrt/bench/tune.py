@@ -289,8 +289,9 @@ def config_file(result: TuneResult, dataset: DatasetConfig) -> dict[str, Any]:
 def format_table(result: TuneResult) -> str:
     """Every configuration tried: its screen and final figures and its verdict."""
     bound = result.bound_on.upper()
+    width = max(len("configuration"), *(len(t.label) for t in result.trials)) + 1
     header = (
-        f"{'#':>3}  {'configuration':<44}{'screen goodput':>15}{f'P99 {bound}':>12}"
+        f"{'#':>3}  {'configuration':<{width}}{'screen goodput':>15}{f'P99 {bound}':>12}"
         f"{'goodput':>10}{f'P99 {bound}':>12}{'valid':>7}  verdict"
     )
     lines = [header, "-" * len(header)]
@@ -311,7 +312,7 @@ def format_table(result: TuneResult) -> str:
             else f"{latest.valid_fraction:.0%}"
         )
         lines.append(
-            f"{i:>3}  {trial.label[:43]:<44}{s_good:>15}{s_p99:>12}{f_good:>10}{f_p99:>12}"
+            f"{i:>3}  {trial.label:<{width}}{s_good:>15}{s_p99:>12}{f_good:>10}{f_p99:>12}"
             f"{valid:>7}  {trial.status}"
         )
     if result.best is not None:
