@@ -29,7 +29,9 @@ ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")
 # Weight quantization (activations stay in `dtype`): "int8" is per-channel weight-only int8
 # (torch's _weight_int8pack_mm, CPU and CUDA), "int4" groups of 32 with a scale and a zero
 # each (_weight_int4pack_mm_for_cpu; a Q4_0/Q4_1 GGUF's own blocks).
-QUANTIZATIONS = ("none", "int8", "int4")
+# "auto": int4 where it keeps the checkpoint's own weights (a Q4_0/Q4_1 GGUF on the CPU, with
+# dtype "auto"), else none; resolved when the engine reads the model (LLMEngine).
+QUANTIZATIONS = ("auto", "none", "int8", "int4")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 # KV transfer (engine/kv_transfer/): "storage" saves full blocks to a directory and loads
 # them back; "p2p" moves a finished prefill's blocks to another running instance.

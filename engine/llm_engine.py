@@ -6,6 +6,7 @@ drive one of these. It is not thread-safe: exactly one thread calls its methods.
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from pathlib import Path
 from typing import Any
@@ -21,8 +22,14 @@ from agentrt.engine.executor import TensorParallelExecutor
 from agentrt.engine.kv_cache_manager import KVCacheManager
 from agentrt.engine.kv_transfer import KVConnector, KVLayout, create_connector, engine_id
 from agentrt.engine.model.arch import ModelArchConfig
-from agentrt.engine.model.checkpoint import load_hf_config, load_tokenizer, resolve_model
+from agentrt.engine.model.checkpoint import (
+    gguf_source,
+    load_hf_config,
+    load_tokenizer,
+    resolve_model,
+)
 from agentrt.engine.model.parallel import check_tensor_parallel, shard_arch
+from agentrt.engine.model.quantization import resolve_quantization
 from agentrt.engine.model_runner import ModelRunner, kv_pool_blocks
 from agentrt.engine.outputs import OutputProcessor, RequestDelta
 from agentrt.engine.processor import Processor
@@ -60,8 +67,12 @@ class LLMEngine:
         torch.manual_seed(config.model.seed)
         path = resolve_model(model)
         self.model_path = path
+        quantization = resolve_quantization(
+            config.model.quantization, self.args.dtype, config.model.device, gguf_source(model)
+        )
+        self.model_config = dataclasses.replace(config.model, quantization=quantization)
         self.arch = ModelArchConfig.from_hf_dict(load_hf_config(path))
-        check_tensor_parallel(self.arch, tp_size, config.model.quantization)
+        check_tensor_parallel(self.arch, tp_size, quantization)
         self.tokenizer = load_tokenizer(path)
         self.max_model_len = min(
             config.model.max_model_len or self.arch.max_position_embeddings,

@@ -98,6 +98,36 @@ def quantize_model(
     model.logits_proj = QuantizedLinear(head.weight, None, "int8")
 
 
+def resolve_quantization(
+    requested: str, dtype: str | torch.dtype, device: str, gguf_file: os.PathLike | None
+) -> str:
+    """`requested`, with "auto" made concrete: "int4" when the model is a GGUF whose layer
+    projections are all Q4_0/Q4_1 (int4 then runs the file's own weights), it runs on the
+    CPU and `dtype` is "auto" too (a dtype asked for by name means those weights, exactly);
+    else "none"."""
+    if requested != "auto":
+        return requested
+    if dtype != "auto" or device != "cpu" or gguf_file is None:
+        return "none"
+    return "int4" if _q4_projections(gguf_file) else "none"
+
+
+def _q4_projections(gguf_file: os.PathLike) -> bool:
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(gguf_file)
+    except (ValueError, OSError):
+        return False  # loading the model reports it
+    projections = {"attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"}
+    kinds = {
+        int(t.tensor_type)
+        for t in reader.tensors
+        if t.name.startswith("blk.") and t.name.split(".")[-2] in projections
+    }
+    return bool(kinds) and kinds <= set(_BLOCK_BYTES)
+
+
 def read_gguf_int4_blocks(
     gguf_file: str | os.PathLike[str], arch
 ) -> dict[tuple[int, str], Int4Weight]:

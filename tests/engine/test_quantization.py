@@ -116,3 +116,21 @@ def test_preemption_keeps_outputs(tiny_checkpoint):
     tight = LLM(path, quantization="int4", num_kv_blocks=8)
     assert _ids(tight.generate(prompts, params)) == _ids(roomy.generate(prompts, params))
     assert tight.engine.stats().num_preemptions > 0
+
+
+def test_auto_quantization_is_int4_only_for_the_files_own_q4_weights(tiny_checkpoint):
+    """`quantization="auto"` (the default) runs a Q4 GGUF's own blocks on the CPU when dtype
+    is "auto" too; a dtype named explicitly, another device, or a checkpoint without Q4
+    blocks keeps the weights as they are; an explicit mode passes through."""
+    from agentrt.engine.model.checkpoint import gguf_source
+    from agentrt.engine.model.quantization import resolve_quantization
+
+    embedded = gguf_source(None)
+    assert resolve_quantization("auto", "auto", "cpu", embedded) == "int4"
+    assert resolve_quantization("auto", "float32", "cpu", embedded) == "none"
+    assert resolve_quantization("auto", "auto", "cuda:0", embedded) == "none"
+    assert resolve_quantization("auto", "auto", "cpu", gguf_source(tiny_checkpoint("llama"))) == (
+        "none"
+    )
+    assert resolve_quantization("int8", "float32", "cpu", None) == "int8"
+    assert resolve_quantization("none", "auto", "cpu", embedded) == "none"
