@@ -114,7 +114,7 @@ class SpecDecodeStats:
 class KVTransferStats:
     """A KV connector's counts since the engine started."""
 
-    num_loads: int = 0  # requests whose prefix was looked for and found by the connector
+    num_loads: int = 0  # requests that loaded (part of) their prefix through the connector
     num_loaded_tokens: int = 0  # tokens whose KV came from it instead of a prefill
     # Requests that computed their prefill themselves because a transfer failed (a dead or
     # unreachable peer, a timeout, a corrupt or truncated block, another model's blocks).

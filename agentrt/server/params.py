@@ -73,14 +73,11 @@ def choice_params(
         seed = (
             None if request.seed is None else (request.seed + i - MIN_SEED) % _SEED_SPAN + MIN_SEED
         )
-        if i == 0 and request.kv_transfer_params is not None:
-            # One prefill is sent or fetched per request: the other choices start from the
-            # first one's cached prefix.
-            options["kv_transfer_params"] = request.kv_transfer_params
-        elif i == 1:
-            options.pop("kv_transfer_params", None)
+        # One prefill is sent or fetched per request, by its first choice: the others start
+        # from the prefix it cached.
+        kv = {"kv_transfer_params": request.kv_transfer_params} if i == 0 else {}
         try:
-            params.append(SamplingParams(**options, seed=seed))
+            params.append(SamplingParams(**options, **kv, seed=seed))
         except InvalidRequestError as exc:
             raise from_exception(exc, names) from None
     return params

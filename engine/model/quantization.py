@@ -14,6 +14,7 @@ runs, not a requantization. Other checkpoints are quantized to the same format (
 
 from __future__ import annotations
 
+import functools
 import os
 
 import numpy as np
@@ -112,11 +113,23 @@ def resolve_quantization(
     return "int4" if _q4_projections(gguf_file) else "none"
 
 
-def _q4_projections(gguf_file: os.PathLike) -> bool:
+def _gguf_reader(gguf_file: str | os.PathLike[str]):
+    """The file's GGUFReader, parsed once per process (parsing the metadata, a 49k-token
+    vocabulary included, takes ~2 s; the tensors stay memory-mapped)."""
+    stat = os.stat(gguf_file)
+    return _cached_reader(str(gguf_file), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=2)
+def _cached_reader(path: str, size: int, mtime_ns: int):
     import gguf
 
+    return gguf.GGUFReader(path)
+
+
+def _q4_projections(gguf_file: os.PathLike) -> bool:
     try:
-        reader = gguf.GGUFReader(gguf_file)
+        reader = _gguf_reader(gguf_file)
     except (ValueError, OSError):
         return False  # loading the model reports it
     projections = {"attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"}
@@ -133,10 +146,8 @@ def read_gguf_int4_blocks(
 ) -> dict[tuple[int, str], Int4Weight]:
     """The Q4_0 / Q4_1 projections of a GGUF file as `Int4Weight`s, keyed (layer, fused
     projection name); empty when any part of a fused projection is stored otherwise."""
-    import gguf
-
     try:
-        reader = gguf.GGUFReader(gguf_file)
+        reader = _gguf_reader(gguf_file)
     except (ValueError, OSError) as exc:
         raise ModelLoadError(f"{gguf_file} is not a readable GGUF file: {exc}") from exc
     is_llama = reader.fields["general.architecture"].contents() == "llama"
