@@ -71,7 +71,8 @@ class LLMEngine:
             config.model.quantization, self.args.dtype, config.model.device, gguf_source(model)
         )
         self.model_config = dataclasses.replace(config.model, quantization=quantization)
-        self.arch = ModelArchConfig.from_hf_dict(load_hf_config(path))
+        hf_config = load_hf_config(path)
+        self.arch = ModelArchConfig.from_hf_dict(hf_config)
         check_tensor_parallel(self.arch, tp_size, quantization)
         self.tokenizer = load_tokenizer(path)
         self.max_model_len = min(
@@ -92,7 +93,7 @@ class LLMEngine:
         self.kv_manager = KVCacheManager(
             num_blocks, block_size, enable_prefix_caching=config.cache.enable_prefix_caching
         )
-        self.connector = self._kv_connector(config.kv_transfer, path, tp_size)
+        self.connector = self._kv_connector(config.kv_transfer, path, hf_config, tp_size)
         self.scheduler = Scheduler(
             self.scheduler_config,
             self.kv_manager,
@@ -148,7 +149,7 @@ class LLMEngine:
         return runner
 
     def _kv_connector(
-        self, config: KVTransferConfig | None, path: Path, tp_size: int
+        self, config: KVTransferConfig | None, path: Path, hf_config: dict, tp_size: int
     ) -> KVConnector | None:
         """The KV connector the config names, its worker side running in this runner."""
         if config is None:
@@ -161,7 +162,7 @@ class LLMEngine:
         layout = KVLayout(
             engine_id=engine_id(
                 path,
-                load_hf_config(path),
+                hf_config,
                 dtype=self.model_config.dtype,
                 quantization=self.model_config.quantization,
                 block_size=self.cache_config.block_size,

@@ -132,6 +132,10 @@ class Scheduler:
         to send (then they go back once it reports them sent). Returns the connector's
         `kv_transfer_params` for the request's output."""
         del self.requests[request.req_id]
+        return self._release(request)
+
+    def _release(self, request: Request) -> dict | None:
+        """`_free` for a request already forgotten (its blocks held or being loaded)."""
         if self.connector is not None:
             hold, params = self.connector.request_finished(
                 request, self.kv.block_ids(request.req_id)
@@ -148,9 +152,8 @@ class Scheduler:
         result = self.connector.get_finished()
         for req_id, num_loaded in result.finished_loads.items():
             request = self.loading.pop(req_id)
-            if request.status.finished:  # aborted while loading
-                self.connector.request_finished(request, [])
-                self.kv.free(request)
+            if request.status.finished:  # aborted while loading: no transfer to hold for
+                self._release(request)
                 continue
             request.num_computed_tokens += num_loaded
             self.kv.cache_computed_blocks(request, request.num_computed_tokens)

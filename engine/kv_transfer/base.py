@@ -212,10 +212,10 @@ class KVConnector:
         return []
 
     def _write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
-        """Copy (blocks, *block_shape) into the pool's blocks."""
-        for i, block_id in enumerate(block_ids):
-            for layer, kv in enumerate(self.kv_caches):
-                kv[block_id].copy_(data[i, layer])
+        """Copy (blocks, *block_shape) into the pool's blocks: one indexed copy per layer."""
+        index = torch.tensor(block_ids, dtype=torch.int64, device=self.kv_caches[0].device)
+        for layer, kv in enumerate(self.kv_caches):
+            kv.index_copy_(0, index, data[:, layer].to(kv.device))
 
     def _read_blocks(self, block_ids: list[int]) -> torch.Tensor:
         """The pool's blocks as one contiguous (blocks, *block_shape) tensor."""
