@@ -238,6 +238,10 @@ class CpuAttentionBackend:
 
     def forward(self, query, key, value, kv_cache, meta: AttentionMetadata, scale: float):
         write_kv(kv_cache, key, value, meta)
+        return self.forward_query(query, kv_cache, meta, scale)
+
+    def forward_query(self, query, kv_cache, meta: AttentionMetadata, scale: float):
+        """Attention of `query` over the cache, whose K/V for this step are written already."""
         return self.kernel.paged_attention(
             query,
             kv_cache,

@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+import agentrt.kernels as kernels
+from agentrt.engine import envs
 from agentrt.engine.attention import AttentionMetadata, get_attention_backend
 from agentrt.engine.config import CacheConfig
 from agentrt.engine.model.arch import ModelArchConfig
@@ -115,6 +117,8 @@ class ModelRunner:
         if quantization != "none":
             shard = None if tp is None else (full_arch, tp.rank, tp.size)
             quantize_model(self.model, quantization, gguf_file, tp=shard)
+            if fused_cpu_glue(arch, dtype, self.attention.name, tp):
+                self.model.cpu_ops = kernels.load_cpu_ops(envs.cache_dir() / "kernels")
         shape = (num_blocks, 2, block_size, arch.num_kv_heads, arch.head_dim)
         self.kv_caches = [allocate_zeros(shape, dtype, device) for _ in range(arch.num_layers)]
         self.connector: KVConnector | None = None
@@ -152,6 +156,21 @@ class ModelRunner:
         meta = attention_metadata(inp, self.block_size)
         self.attention.prepare(meta)
         return self.model(inp.input_ids, inp.positions, self.kv_caches, meta, self.attention)
+
+
+def fused_cpu_glue(
+    arch: ModelArchConfig, dtype: torch.dtype, attention: str, tp: TensorParallelGroup | None
+) -> bool:
+    """Whether quantized layers run their glue fused (LlamaForCausalLM.cpu_ops): fp32
+    activations on the CPU attention backend (which builds C kernels, so these build too),
+    one rank, and layers without q/k norms or a qkv bias (the fused path has neither)."""
+    return (
+        attention == "cpu"
+        and dtype == torch.float32
+        and tp is None
+        and not arch.qk_norm
+        and not arch.qkv_bias
+    )
 
 
 def prepare_input(

@@ -5,13 +5,15 @@ Public functions dispatch per call (Triton on CUDA tensors, the reference elsewh
 `rotary_embedding`. The `*_ref` references are exported too. Importing this package needs
 neither CUDA nor Triton; the Triton kernels live in the `triton_*` modules, which import
 Triton themselves and are loaded on first use. `load_cpu_attention(build_dir)` builds and
-loads the C paged-attention kernel that the engine's CPU attention backend uses. This package
+loads the C paged-attention kernel that the engine's CPU attention backend uses;
+`load_cpu_ops(build_dir)` the fused glue of quantized layers on the CPU. This package
 imports nothing local.
 """
 
 from __future__ import annotations
 
 from .cpu_attention import CpuAttention, load_cpu_attention, unsupported_shape
+from .cpu_ops import CpuOps, load_cpu_ops
 from .dispatch import (
     apply_token_bitmask,
     paged_attention,
@@ -37,6 +39,7 @@ from .reference_ops import (
 
 __all__ = [
     "CpuAttention",
+    "CpuOps",
     "KernelBuildError",
     "KernelError",
     "KernelInputError",
@@ -44,6 +47,7 @@ __all__ = [
     "apply_token_bitmask",
     "apply_token_bitmask_ref",
     "load_cpu_attention",
+    "load_cpu_ops",
     "merge_attn_states_ref",
     "paged_attention",
     "paged_attention_ref",

@@ -6,83 +6,25 @@ tokens, KV head), fp32 accumulation. torch's own alternative on the CPU gathers 
 request's blocks into a copy and runs one SDPA call per prefill and per group of decodes,
 which for decodes and short chunks is several times slower.
 
-The source is compiled with the system C compiler (`$CC`, else `cc`) for this CPU
-(-march=native, then any flags in `$AGENTRT_CPU_KERNEL_CFLAGS`, e.g. `-mno-avx512bf16`) into
-`build_dir`, keyed by a hash of the source, the flags and the CPU's feature flags, so a
-rebuilt or moved checkout never loads a stale or foreign library. The build is atomic (compile to a temporary name, then rename), so concurrent processes are safe.
-It links against the libgomp torch already loaded, so `torch.set_num_threads` governs both.
+The source is compiled for this CPU on first use (cpu_build.py).
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import os
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 
 from .checks import check_dtype, check_paged_attention
-from .errors import KernelBuildError, KernelInputError
+from .cpu_build import build_library
+from .errors import KernelInputError
 
 SOURCE = Path(__file__).with_name("cpu_attention.c")
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC")
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 # Limits of the kernel's per-thread buffers (cpu_attention.c); larger shapes are rejected.
 MAX_HEAD_DIM, MAX_GROUP = 256, 16
-
-
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        return ""
-
-
-def _compiler_flags() -> tuple[str, ...]:
-    return FLAGS + tuple(os.environ.get("AGENTRT_CPU_KERNEL_CFLAGS", "").split())
-
-
-def _build(build_dir: Path) -> Path:
-    compiler = os.environ.get("CC", "cc")
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(
-        b"\0".join([source, " ".join(_compiler_flags()).encode(), _cpu_flags().encode()])
-    )
-    target = build_dir / f"cpu_attention-{key.hexdigest()[:16]}.so"
-    if target.exists():
-        return target
-    build_dir.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=build_dir)
-    os.close(fd)
-    try:
-        _compile(compiler, tmp)
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return target
-
-
-def _compile(compiler: str, output: str) -> None:
-    try:
-        done = subprocess.run(
-            [compiler, *_compiler_flags(), str(SOURCE), "-o", output],
-            capture_output=True,
-            text=True,
-        )
-    except FileNotFoundError as exc:
-        raise KernelBuildError(
-            f"no C compiler {compiler!r} to build {SOURCE.name} (set $CC or install gcc)."
-        ) from exc
-    if done.returncode != 0:
-        raise KernelBuildError(
-            f"compiling {SOURCE.name} with {compiler!r} failed:\n{done.stderr.strip()[-2000:]}"
-        )
 
 
 def unsupported_shape(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int):
@@ -228,4 +170,4 @@ def _check_metadata(query, query_start_loc, seq_lens, block_tables, num_blocks, 
 def load_cpu_attention(build_dir: Path) -> CpuAttention:
     """Build (once per source, flags and CPU) and load the CPU attention kernel. Raises
     KernelBuildError with the compiler's message when it cannot be built."""
-    return CpuAttention(_build(Path(build_dir)))
+    return CpuAttention(build_library(SOURCE, Path(build_dir)))

@@ -9,7 +9,7 @@ implementation step for step so greedy decoding matches it token for token.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -123,6 +123,38 @@ class DecoderLayer(nn.Module):
             self.tp.all_reduce(hidden)
         return hidden, residual
 
+    def forward_fused(
+        self,
+        hidden: torch.Tensor | None,  # (T, hidden) bf16: the previous layer's down_proj output
+        residual: torch.Tensor,  # (T, hidden) fp32, updated in place
+        step: FusedStep,
+        kv_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        """`forward` for quantized projections on the CPU (LlamaForCausalLM.cpu_ops): the
+        glue between the products runs in three fused C calls (kernels/cpu_ops.c), and the
+        products take and give bf16 (which `forward` casts to and from). Returns the
+        down_proj output (T, hidden) bf16, unsummed."""
+        ops, eps = step.ops, self.input_layernorm.eps
+        normed = ops.add_rms_norm(hidden, residual, self.input_layernorm.weight, eps)
+        qkv = self.qkv_proj.forward_bf16(normed)
+        query = ops.rope_qkv(
+            qkv, kv_cache, step.meta.key_rows, step.positions, step.cos_sin, self.num_heads
+        )
+        attn = step.attention.forward_query(query, kv_cache, step.meta, self.scale)
+        hidden = self.o_proj.forward_bf16(attn.view(query.shape[0], -1).to(torch.bfloat16))
+        normed = ops.add_rms_norm(hidden, residual, self.post_attention_layernorm.weight, eps)
+        return self.down_proj.forward_bf16(ops.silu_mul(self.gate_up_proj.forward_bf16(normed)))
+
+
+class FusedStep(NamedTuple):
+    """What every layer's `forward_fused` shares in one step."""
+
+    ops: kernels.CpuOps
+    attention: Any  # the 'cpu' attention backend (engine/attention.py)
+    meta: AttentionMetadata
+    positions: torch.Tensor  # (T,) int64
+    cos_sin: torch.Tensor  # (max positions, head_dim) fp32
+
 
 class LlamaForCausalLM(nn.Module):
     """`kernel_ops`: RMSNorm and RoPE through the kernels package (its fused Triton kernels
@@ -155,6 +187,9 @@ class LlamaForCausalLM(nn.Module):
         # The output projection when quantized (quantization.quantize_model sets it); else the
         # lm_head or tied embedding weight in the model's dtype.
         self.logits_proj: nn.Module | None = None
+        # The fused CPU glue, which the layers then run through (`forward_fused`): set by the
+        # model runner for quantized fp32 models on the CPU attention backend.
+        self.cpu_ops: kernels.CpuOps | None = None
 
     @torch.inference_mode()
     def forward(
@@ -166,6 +201,12 @@ class LlamaForCausalLM(nn.Module):
         attention,
     ) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)  # (T, hidden)
+        if self.cpu_ops is not None:
+            step = FusedStep(self.cpu_ops, attention, meta, positions, self.rotary.cos_sin_cache)
+            residual, hidden = hidden, None
+            for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+                hidden = layer.forward_fused(hidden, residual, step, kv_cache)
+            return hidden.float() + residual
         rotate = self.rotary.for_step(positions, hidden.dtype)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):

@@ -38,6 +38,8 @@ from agentrt.kernels.quantized_linear import (
 # GGML type ids (gguf.GGMLQuantizationType) of the blocks read as they are, and their bytes.
 _Q4_0, _Q4_1 = 2, 3
 _BLOCK_BYTES = {_Q4_0: 18, _Q4_1: 20}
+_INT8_MM = torch.ops.aten._weight_int8pack_mm.default
+_INT4_MM = torch.ops.aten._weight_int4pack_mm_for_cpu.default
 
 
 class QuantizedLinear(nn.Module):
@@ -71,6 +73,13 @@ class QuantizedLinear(nn.Module):
             out = int4_linear(flat, self.qweight, self.scales, self.group_size)
         out = out.to(x.dtype).view(*x.shape[:-1], self.out_features)
         return out if self.bias is None else out + self.bias
+
+    def forward_bf16(self, x: torch.Tensor) -> torch.Tensor:
+        """x (T, K) bf16, contiguous -> (T, N) bf16: the kernel alone, without the casts and
+        checks of `forward` (the fused CPU path, llama.py, hands it what it takes; no bias)."""
+        if self.mode == "int8":
+            return _INT8_MM(x, self.qweight, self.scales)
+        return _INT4_MM(x, self.qweight, self.group_size, self.scales)
 
 
 def quantize_model(

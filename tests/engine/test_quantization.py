@@ -13,6 +13,7 @@ from agentrt.engine.llm import LLM
 from agentrt.engine.model.arch import ModelArchConfig
 from agentrt.engine.model.checkpoint import gguf_source, load_hf_config, load_state_dict
 from agentrt.engine.model.quantization import QuantizedLinear, read_gguf_int4_blocks
+from agentrt.engine.records import ScheduledChunk, SchedulerOutput
 from agentrt.engine.sampling_params import SamplingParams, StructuredOutputsParams
 
 MODES = ("int8", "int4")
@@ -55,6 +56,8 @@ def test_tiny_models_generate_deterministically(tiny_checkpoint, arch, mode):
     layer = llm.engine.runner.model.layers[0]
     assert isinstance(layer.qkv_proj, QuantizedLinear) and layer.qkv_proj.mode == mode
     assert llm.engine.runner.model.logits_proj is not None
+    # fp32 on the CPU: the llama layers run their glue fused; qwen2's q/k/v biases keep torch's.
+    assert (llm.engine.runner.model.cpu_ops is not None) == (arch == "llama")
     first = _ids(llm.generate(PROMPTS, GREEDY))
     assert all(len(ids) == GREEDY.max_tokens for ids in first)
     assert _ids(llm.generate(PROMPTS, GREEDY)) == first
@@ -74,6 +77,36 @@ def test_embedded_model_quantized_is_deterministic_and_close(quantized_llm, smol
         for x, y in zip(first, reference, strict=True)
     ]
     assert sum(agree) >= len(PROMPTS) * 4, agree
+
+
+def test_fused_cpu_glue_matches_the_torch_path():
+    """fp32 + int4 on the CPU runs each layer's glue fused (kernels/cpu_ops.c): the same
+    greedy tokens as the torch ops, and the same perplexity within 0.5% (the two differ by
+    fp32 sums taken in another order, rounded to bf16 before each product)."""
+    llm = LLM(None, dtype="float32", quantization="int4", kv_cache_memory_gb=0.1)
+    model = llm.engine.runner.model
+    assert model.cpu_ops is not None
+    text = llm.tokenizer.encode(" ".join(PROMPTS) + ", the lamp burned all night long.")
+
+    def run() -> tuple[list[list[int]], float]:
+        llm.engine.reset_prefix_cache()
+        ids = _ids(llm.generate(PROMPTS, GREEDY))
+        # Teacher forced: one chunk of the text with a logits row per position.
+        blocks = list(range(-(-len(text) // llm.engine.cache_config.block_size)))
+        chunk = ScheduledChunk("text", text, 0, blocks, True, num_draft_tokens=len(text) - 1)
+        logits = llm.engine.runner.execute(SchedulerOutput([chunk], len(text)))
+        llm.engine.reset_prefix_cache()  # those blocks now hold the text's KV
+        logprobs = torch.log_softmax(logits[:-1], dim=-1)
+        return ids, logprobs.gather(1, torch.tensor(text[1:])[:, None]).mean().item()
+
+    fused, fused_mean = run()
+    model.cpu_ops, ops = None, model.cpu_ops
+    try:
+        unfused, unfused_mean = run()
+    finally:
+        model.cpu_ops = ops
+    assert fused == unfused
+    assert abs(fused_mean - unfused_mean) < 0.005 * abs(unfused_mean), (fused_mean, unfused_mean)
 
 
 def test_prefix_cache_hit_tokens_give_the_same_tokens(quantized_llm):

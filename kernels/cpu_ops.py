@@ -1,0 +1,191 @@
+"""The glue between a quantized layer's matrix products on the CPU, fused: a C library
+(cpu_ops.c) built on first use (cpu_build.py). Get one with `load_cpu_ops(build_dir)`.
+
+torch's int4 and int8 kernels take and give bf16 rows; between them a decoder layer runs ~40
+small torch calls (norms, RoPE, the KV write, SiLU, dtype casts) that cost more than the
+products themselves for one decoded token. These three functions do that work in three calls,
+in fp32, and hand the next product its bf16 input. Each checks what it takes (cheap
+comparisons: they run 90 times a token), since a wrong shape would read out of bounds.
+References: `add_rms_norm_ref`, `rope_qkv_ref`, `silu_mul_ref` (torch ops, the model's own
+arithmetic), which the tests hold the kernels to.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from .cpu_build import build_library
+from .errors import KernelInputError
+
+SOURCE = Path(__file__).with_name("cpu_ops.c")
+_F32, _BF16, _I64 = torch.float32, torch.bfloat16, torch.int64
+
+
+def _version(t: torch.Tensor) -> int:
+    return -1 if t.is_inference() else t._version
+
+
+def _bad(name: str, t: torch.Tensor, expected: str) -> KernelInputError:
+    return KernelInputError(
+        f"{name}: got {t.dtype} {tuple(t.shape)} (contiguous: {t.is_contiguous()}, "
+        f"on {t.device}); expected {expected}, contiguous, on the CPU.",
+        arg=name,
+    )
+
+
+def _ok(t: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> bool:
+    return t.dtype == dtype and t.shape == shape and t.is_contiguous() and not t.is_cuda
+
+
+class CpuOps:
+    """The loaded library; the methods' tensors are CPU tensors, contiguous."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        lib = ctypes.CDLL(str(path))
+        ptr, i64, f32, cint = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+        lib.add_rms_norm.argtypes = [ptr, ptr, ptr, ptr, i64, i64, f32, cint]
+        lib.rope_qkv.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, cint]
+        lib.silu_mul.argtypes = [ptr, ptr, i64, i64, cint]
+        for fn in (lib.add_rms_norm, lib.rope_qkv, lib.silu_mul):
+            fn.restype = None
+        self._lib = lib
+        # The positions and key rows last checked, with their bounds and version counters:
+        # every layer of a step passes the same ones (see CpuAttention._checked).
+        self._checked: tuple = ()
+
+    def add_rms_norm(
+        self, x: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        """residual (T, D) fp32 += x ((T, D) bf16, or None), in place; returns RMSNorm of the
+        sum times `weight` (D,) fp32, as bf16 (T, D)."""
+        rows, dim = residual.shape
+        if not _ok(residual, _F32, (rows, dim)):
+            raise _bad("residual", residual, "float32 (T, D)")
+        if not _ok(weight, _F32, (dim,)):
+            raise _bad("weight", weight, f"float32 ({dim},)")
+        if x is not None and not _ok(x, _BF16, (rows, dim)):
+            raise _bad("x", x, f"bfloat16 ({rows}, {dim})")
+        out = torch.empty((rows, dim), dtype=_BF16)
+        self._lib.add_rms_norm(
+            None if x is None else x.data_ptr(),
+            residual.data_ptr(),
+            weight.data_ptr(),
+            out.data_ptr(),
+            rows,
+            dim,
+            eps,
+            torch.get_num_threads(),
+        )
+        return out
+
+    def rope_qkv(
+        self,
+        qkv: torch.Tensor,
+        kv_cache: torch.Tensor,
+        key_rows: torch.Tensor,
+        positions: torch.Tensor,
+        cos_sin: torch.Tensor,
+        num_heads: int,
+    ) -> torch.Tensor:
+        """qkv (T, (H + 2 KVH) D) bf16 -> the rotated query (T, H, D) fp32; the rotated key and
+        the value of token t are written into `kv_cache` (NB, 2, BS, KVH, D) fp32 at its row
+        key_rows[t] (the cache viewed as (NB * 2 * BS, KVH, D) rows) and that row plus BS.
+        positions (T,) int64 index the rows of cos_sin (P, D) fp32 (each angle's cos, then
+        its sin)."""
+        num_blocks, _, block_size, kv_heads, dim = kv_cache.shape
+        tokens = qkv.shape[0]
+        if not _ok(qkv, _BF16, (tokens, (num_heads + 2 * kv_heads) * dim)):
+            raise _bad("qkv", qkv, f"bfloat16 (T, {(num_heads + 2 * kv_heads) * dim})")
+        if not _ok(kv_cache, _F32, kv_cache.shape):
+            raise _bad("kv_cache", kv_cache, "float32 (NB, 2, BS, KVH, D)")
+        if not _ok(cos_sin, _F32, (cos_sin.shape[0], dim)):
+            raise _bad("cos_sin", cos_sin, f"float32 (P, {dim})")
+        for name, t in (("key_rows", key_rows), ("positions", positions)):
+            if not _ok(t, _I64, (tokens,)):
+                raise _bad(name, t, f"int64 ({tokens},)")
+        # Out-of-range rows or positions would write or read outside the tensors.
+        limits = (cos_sin.shape[0], num_blocks * 2 * block_size - block_size)
+        key = (limits, _version(positions), _version(key_rows))
+        checked = self._checked
+        if not (
+            checked and checked[0] is positions and checked[1] is key_rows and checked[2] == key
+        ):
+            if tokens and (
+                int(positions.min()) < 0
+                or int(positions.max()) >= limits[0]
+                or int(key_rows.min()) < 0
+                or int(key_rows.max()) >= limits[1]
+            ):
+                raise KernelInputError(
+                    "positions or key_rows out of range of cos_sin / kv_cache.", arg="key_rows"
+                )
+            self._checked = (positions, key_rows, key)
+        query = torch.empty((tokens, num_heads, dim), dtype=_F32)
+        self._lib.rope_qkv(
+            qkv.data_ptr(),
+            query.data_ptr(),
+            kv_cache.data_ptr(),
+            key_rows.data_ptr(),
+            positions.data_ptr(),
+            cos_sin.data_ptr(),
+            tokens,
+            num_heads,
+            kv_heads,
+            dim,
+            block_size,
+            torch.get_num_threads(),
+        )
+        return query
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gate_up (T, 2 I) bf16 (gate, then up) -> silu(gate) * up (T, I) bf16."""
+        rows, width = gate_up.shape
+        if width % 2 or not _ok(gate_up, _BF16, (rows, width)):
+            raise _bad("gate_up", gate_up, "bfloat16 (T, 2 I)")
+        out = torch.empty((rows, width // 2), dtype=_BF16)
+        self._lib.silu_mul(
+            gate_up.data_ptr(), out.data_ptr(), rows, width // 2, torch.get_num_threads()
+        )
+        return out
+
+
+@functools.cache
+def load_cpu_ops(build_dir: Path) -> CpuOps:
+    """Build (once per source, flags and CPU) and load the library. Raises KernelBuildError
+    with the compiler's message when it cannot be built."""
+    return CpuOps(build_library(SOURCE, Path(build_dir)))
+
+
+def add_rms_norm_ref(x, residual, weight, eps):
+    """What CpuOps.add_rms_norm computes, in torch ops (residual updated in place)."""
+    if x is not None:
+        residual += x.float()
+    h = residual * torch.rsqrt(residual.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight * h).to(_BF16)
+
+
+def rope_qkv_ref(qkv, kv_cache, key_rows, positions, cos_sin, num_heads):
+    """What CpuOps.rope_qkv computes, in torch ops (the cache written in place)."""
+    kv_heads, dim = kv_cache.shape[3], kv_cache.shape[4]
+    x = qkv.float().view(qkv.shape[0], -1, dim)  # (T, H + 2 KVH, D)
+    cos, sin = cos_sin[positions].chunk(2, dim=-1)  # (T, D / 2) each
+    cos, sin = cos.repeat(1, 2)[:, None], sin.repeat(1, 2)[:, None]
+    half = dim // 2
+    qk = x[:, : num_heads + kv_heads]
+    qk = qk * cos + torch.cat((-qk[..., half:], qk[..., :half]), dim=-1) * sin
+    rows = kv_cache.view(-1, kv_heads, dim)
+    rows[key_rows] = qk[:, num_heads:]
+    rows[key_rows + kv_cache.shape[2]] = x[:, num_heads + kv_heads :]
+    return qk[:, :num_heads].contiguous()
+
+
+def silu_mul_ref(gate_up):
+    """What CpuOps.silu_mul computes, in torch ops."""
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    return (F.silu(gate) * up).to(_BF16)

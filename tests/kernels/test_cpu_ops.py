@@ -1,0 +1,92 @@
+"""The fused CPU glue of quantized layers (kernels/cpu_ops.c) against its torch references:
+bf16 outputs within one bf16 rounding step (the kernels sum in another order), fp32 outputs
+and the KV cache within fp32 rounding; one row (a decode) and many (the threaded path)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from agentrt.engine import envs
+from agentrt.kernels import KernelInputError, load_cpu_ops
+from agentrt.kernels.cpu_ops import add_rms_norm_ref, rope_qkv_ref, silu_mul_ref
+
+BF16_STEP = 2**-7  # relative distance of neighbouring bf16 values
+
+
+@pytest.fixture(scope="module")
+def ops():
+    return load_cpu_ops(envs.cache_dir() / "kernels")
+
+
+def _close_bf16(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    torch.testing.assert_close(
+        actual.float(), expected.float(), rtol=BF16_STEP, atol=1e-6, check_dtype=False
+    )
+
+
+@pytest.mark.parametrize("rows", [1, 17])
+@pytest.mark.parametrize("with_x", [True, False])
+def test_add_rms_norm(ops, rows, with_x):
+    g = torch.Generator().manual_seed(rows)
+    residual = torch.randn(rows, 576, generator=g) * 3
+    x = (torch.randn(rows, 576, generator=g) * 5).bfloat16() if with_x else None
+    weight = torch.rand(576, generator=g) + 0.5
+    expected_residual = residual.clone()
+    expected = add_rms_norm_ref(x, expected_residual, weight, 1e-5)
+    out = ops.add_rms_norm(x, residual, weight, 1e-5)
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, 576)
+    torch.testing.assert_close(residual, expected_residual, rtol=0, atol=0)  # the same adds
+    _close_bf16(out, expected)
+
+
+@pytest.mark.parametrize("tokens", [1, 9])
+def test_rope_qkv_rotates_and_writes_the_cache(ops, tokens):
+    heads, kv_heads, dim, block_size, num_blocks = 9, 3, 64, 16, 4
+    g = torch.Generator().manual_seed(tokens)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=g).bfloat16()
+    angles = torch.rand(100, dim // 2, generator=g) * 6
+    cos_sin = torch.cat((angles.cos(), angles.sin()), dim=-1)
+    positions = torch.randperm(100, generator=g)[:tokens]
+    # Slots spread over the blocks: block b's K rows start at b * 2 * block_size.
+    slots = torch.randperm(num_blocks * block_size, generator=g)[:tokens]
+    key_rows = slots // block_size * 2 * block_size + slots % block_size
+    cache = torch.zeros(num_blocks, 2, block_size, kv_heads, dim)
+    expected_cache = cache.clone()
+    expected = rope_qkv_ref(qkv, expected_cache, key_rows, positions, cos_sin, heads)
+    query = ops.rope_qkv(qkv, cache, key_rows, positions, cos_sin, heads)
+    assert query.shape == (tokens, heads, dim) and query.dtype == torch.float32
+    torch.testing.assert_close(query, expected, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(cache, expected_cache, rtol=1e-6, atol=1e-6)
+    assert int((cache != 0).any(-1).any(-1).sum()) == 2 * tokens  # only the step's rows
+
+
+@pytest.mark.parametrize("rows,size", [(1, 1536), (12, 40)])  # 40: a tail past 16 lanes
+def test_silu_mul(ops, rows, size):
+    g = torch.Generator().manual_seed(size)
+    gate_up = (torch.randn(rows, 2 * size, generator=g) * 8).bfloat16()
+    gate_up[0, :4] = torch.tensor([-200.0, 200.0, 0.0, -0.0])  # far tails, and zero
+    _close_bf16(ops.silu_mul(gate_up), silu_mul_ref(gate_up))
+
+
+def test_bad_input_is_refused(ops):
+    residual, weight = torch.zeros(2, 8), torch.ones(8)
+    with pytest.raises(KernelInputError, match="x: got torch.float32"):
+        ops.add_rms_norm(torch.zeros(2, 8), residual, weight, 1e-5)
+    with pytest.raises(KernelInputError, match="weight"):
+        ops.add_rms_norm(None, residual, torch.ones(4), 1e-5)
+    with pytest.raises(KernelInputError, match="gate_up"):
+        ops.silu_mul(torch.zeros(2, 7, dtype=torch.bfloat16))
+    cache = torch.zeros(2, 2, 16, 1, 16)
+    qkv = torch.zeros(1, 3 * 16, dtype=torch.bfloat16)
+    cos_sin = torch.zeros(10, 16)
+    ok = torch.tensor([0]), torch.tensor([3])
+    ops.rope_qkv(qkv, cache, *ok, cos_sin, 1)
+    with pytest.raises(KernelInputError, match="out of range"):
+        ops.rope_qkv(qkv, cache, torch.tensor([48]), torch.tensor([3]), cos_sin, 1)
+    with pytest.raises(KernelInputError, match="out of range"):
+        ops.rope_qkv(qkv, cache, torch.tensor([0]), torch.tensor([10]), cos_sin, 1)
+    with pytest.raises(KernelInputError, match="positions"):
+        ops.rope_qkv(
+            qkv, cache, torch.tensor([0]), torch.tensor([3], dtype=torch.int32), cos_sin, 1
+        )
