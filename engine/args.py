@@ -64,11 +64,12 @@ class EngineArgs:
         choices=("auto", *DTYPES),
     )
     quantization: str = _option(
-        "none",
+        "auto",
         "weight-only quantization on the CPU: int8 (per channel) or int4 (groups of 32; a "
-        "Q4_0/Q4_1 GGUF keeps its own blocks); activations stay in dtype. 'auto' is int4 for "
-        "a Q4 GGUF (the embedded model) on the CPU when dtype is 'auto' too, else none: the "
-        "file's own weights, 1.7x faster for one request, but 0.7x for a batch of 32",
+        "Q4_0/Q4_1 GGUF keeps its own blocks); activations stay in dtype. int4+dense: int4 "
+        "for steps of up to 16 rows, the dense weights kept for larger ones. 'auto' is "
+        "int4+dense for a Q4 GGUF (the embedded model) on the CPU when dtype is 'auto' too, "
+        "else none",
         choices=QUANTIZATIONS,
     )
     device: str = _option("cpu", "'cpu' or 'cuda[:N]'")

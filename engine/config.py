@@ -29,9 +29,11 @@ ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")
 # Weight quantization (activations stay in `dtype`): "int8" is per-channel weight-only int8
 # (torch's _weight_int8pack_mm, CPU and CUDA), "int4" groups of 32 with a scale and a zero
 # each (_weight_int4pack_mm_for_cpu; a Q4_0/Q4_1 GGUF's own blocks).
-# "auto": int4 where it keeps the checkpoint's own weights (a Q4_0/Q4_1 GGUF on the CPU, with
-# dtype "auto"), else none; resolved when the engine reads the model (LLMEngine).
-QUANTIZATIONS = ("auto", "none", "int8", "int4")
+# "int4+dense": int4 for steps of a few rows, the dense weights kept for larger steps (the
+# quantized kernels' cost grows with the rows, dense GEMM's much less).
+# "auto": int4+dense where int4 keeps the checkpoint's own weights (a Q4_0/Q4_1 GGUF on the
+# CPU, with dtype "auto"), else none; resolved when the engine reads the model (LLMEngine).
+QUANTIZATIONS = ("auto", "none", "int8", "int4", "int4+dense")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 # KV transfer (engine/kv_transfer/): "storage" saves full blocks to a directory and loads
 # them back; "p2p" moves a finished prefill's blocks to another running instance.
@@ -86,7 +88,7 @@ class ModelConfig:
             f"one of {QUANTIZATIONS}",
         )
         _check(
-            self.quantization != "int4" or self.device == "cpu",
+            not self.quantization.startswith("int4") or self.device == "cpu",
             "quantization",
             self.quantization,
             "'none' or 'int8' on CUDA (the int4 kernel is torch's CPU one)",

@@ -83,7 +83,9 @@ class ModelRunner:
         gguf_file: str | os.PathLike[str] | None = None,
         tp: TensorParallelGroup | None = None,
     ) -> None:
-        """`quantization` ('none', 'int8', 'int4'): see engine/model/quantization.py;
+        """`quantization` ('none', 'int8', 'int4', 'int4+dense'): see
+        engine/model/quantization.py ('int4+dense' is 'int4' where the fused CPU glue cannot
+        run, `fused_cpu_glue`);
         `gguf_file` is the GGUF the checkpoint was converted from (int4 reads its blocks).
         `tp`: this rank's tensor-parallel group; the runner then holds the rank's shard of
         the full model `arch` (model/parallel.py), its KV heads only, and rank 0 sends each
@@ -115,9 +117,12 @@ class ModelRunner:
         model.load_hf_state_dict(state_dict)
         self.model = model.to(dtype).eval()
         if quantization != "none":
+            fused = fused_cpu_glue(arch, dtype, self.attention.name, tp)
+            if quantization == "int4+dense" and not fused:
+                quantization = "int4"  # small steps would run dense too: keep int4 only
             shard = None if tp is None else (full_arch, tp.rank, tp.size)
             quantize_model(self.model, quantization, gguf_file, tp=shard)
-            if fused_cpu_glue(arch, dtype, self.attention.name, tp):
+            if fused:
                 self.model.cpu_ops = kernels.load_cpu_ops(envs.cache_dir() / "kernels")
         shape = (num_blocks, 2, block_size, arch.num_kv_heads, arch.head_dim)
         self.kv_caches = [allocate_zeros(shape, dtype, device) for _ in range(arch.num_layers)]

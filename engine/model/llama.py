@@ -79,6 +79,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = norm(cfg.hidden_size)
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        # quantization "int4+dense": the int4 projections beside the dense ones above, which
+        # `forward_fused` runs (quantization.quantize_model sets it).
+        self.quantized: nn.ModuleDict | None = None
 
     def forward(
         self,
@@ -135,15 +138,16 @@ class DecoderLayer(nn.Module):
         products take and give bf16 (which `forward` casts to and from). Returns the
         down_proj output (T, hidden) bf16, unsummed."""
         ops, eps = step.ops, self.input_layernorm.eps
+        proj = self if self.quantized is None else self.quantized
         normed = ops.add_rms_norm(hidden, residual, self.input_layernorm.weight, eps)
-        qkv = self.qkv_proj.forward_bf16(normed)
+        qkv = proj.qkv_proj.forward_bf16(normed)
         query = ops.rope_qkv(
             qkv, kv_cache, step.meta.key_rows, step.positions, step.cos_sin, self.num_heads
         )
         attn = step.attention.forward_query(query, kv_cache, step.meta, self.scale)
-        hidden = self.o_proj.forward_bf16(attn.view(query.shape[0], -1).to(torch.bfloat16))
+        hidden = proj.o_proj.forward_bf16(attn.view(query.shape[0], -1).to(torch.bfloat16))
         normed = ops.add_rms_norm(hidden, residual, self.post_attention_layernorm.weight, eps)
-        return self.down_proj.forward_bf16(ops.silu_mul(self.gate_up_proj.forward_bf16(normed)))
+        return proj.down_proj.forward_bf16(ops.silu_mul(proj.gate_up_proj.forward_bf16(normed)))
 
 
 class FusedStep(NamedTuple):
@@ -190,6 +194,9 @@ class LlamaForCausalLM(nn.Module):
         # The fused CPU glue, which the layers then run through (`forward_fused`): set by the
         # model runner for quantized fp32 models on the CPU attention backend.
         self.cpu_ops: kernels.CpuOps | None = None
+        # quantization "int4+dense": steps (and logits) of more rows than this run the dense
+        # weights and torch's glue, smaller ones the quantized weights (quantize_model sets it).
+        self.dense_above_rows: int | None = None
 
     @torch.inference_mode()
     def forward(
@@ -201,7 +208,7 @@ class LlamaForCausalLM(nn.Module):
         attention,
     ) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)  # (T, hidden)
-        if self.cpu_ops is not None:
+        if self.cpu_ops is not None and self._quantized_rows(input_ids.shape[0]):
             step = FusedStep(self.cpu_ops, attention, meta, positions, self.rotary.cos_sin_cache)
             residual, hidden = hidden, None
             for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
@@ -216,10 +223,13 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden (S, hidden) of the sampled positions -> logits (S, vocab) in fp32."""
-        if self.logits_proj is not None:
+        if self.logits_proj is not None and self._quantized_rows(hidden.shape[0]):
             return self.logits_proj(self.norm(hidden)).float()
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(self.norm(hidden), weight).float()
+
+    def _quantized_rows(self, rows: int) -> bool:
+        return self.dense_above_rows is None or rows <= self.dense_above_rows
 
     def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Copy HF-named weights in, fusing q/k/v and gate/up. Every parameter must be

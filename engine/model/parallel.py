@@ -52,7 +52,7 @@ def check_tensor_parallel(arch: ModelArchConfig, size: int, quantization: str = 
             f"Allowed sizes for this model: {', '.join(map(str, allowed))}."
         )
     row_parallel_inputs = (arch.num_heads // size * arch.head_dim, arch.intermediate_size // size)
-    if quantization == "int4" and any(k % INT4_GROUP_SIZE for k in row_parallel_inputs):
+    if quantization.startswith("int4") and any(k % INT4_GROUP_SIZE for k in row_parallel_inputs):
         raise ConfigError(
             f"quantization='int4' with tensor_parallel_size={size} needs each rank's share of "
             f"o_proj and down_proj inputs ({row_parallel_inputs[0]} and "

@@ -109,6 +109,25 @@ def test_fused_cpu_glue_matches_the_torch_path():
     assert abs(fused_mean - unfused_mean) < 0.005 * abs(unfused_mean), (fused_mean, unfused_mean)
 
 
+def test_int4_dense_runs_int4_for_few_rows_and_the_dense_weights_beyond(smollm2_llm):
+    """quantization="int4+dense" (what "auto" picks for the embedded model): a step of at
+    most 16 rows runs the int4 projections, a larger one the dense weights."""
+    hybrid = LLM(None, quantization="int4+dense", kv_cache_memory_gb=0.1)
+    model = hybrid.engine.runner.model
+    assert model.dense_above_rows == 16 and model.cpu_ops is not None
+    layer = model.layers[0]
+    assert isinstance(layer.qkv_proj, torch.nn.Linear)
+    assert isinstance(layer.quantized.qkv_proj, QuantizedLinear)
+    # One short request: every step has a few rows, so it runs as quantization="int4" does.
+    short = ["1, 2, 3, 4,"]
+    int4 = LLM(None, quantization="int4", kv_cache_memory_gb=0.1)
+    assert _ids(hybrid.generate(short, GREEDY)) == _ids(int4.generate(short, GREEDY))
+    # 20 requests at once: every step has 20 rows or more and runs the dense weights, so the
+    # tokens are the unquantized fp32 engine's.
+    prompts = [f"{i} + {i} =" for i in range(20)]
+    assert _ids(hybrid.generate(prompts, GREEDY)) == _ids(smollm2_llm.generate(prompts, GREEDY))
+
+
 def test_prefix_cache_hit_tokens_give_the_same_tokens(quantized_llm):
     shared = "<|im_start|>system\nYou are a terse assistant who answers in one line.<|im_end|>\n"
     prompts = [
@@ -153,13 +172,14 @@ def test_preemption_keeps_outputs(tiny_checkpoint):
 
 def test_auto_quantization_is_int4_only_for_the_files_own_q4_weights(tiny_checkpoint):
     """`quantization="auto"` (the default) runs a Q4 GGUF's own blocks on the CPU when dtype
-    is "auto" too; a dtype named explicitly, another device, or a checkpoint without Q4
-    blocks keeps the weights as they are; an explicit mode passes through."""
+    is "auto" too (int4 for steps of few rows, the dense weights beyond); a dtype named
+    explicitly, another device, or a checkpoint without Q4 blocks keeps the weights as they
+    are; an explicit mode passes through."""
     from agentrt.engine.model.checkpoint import gguf_source
     from agentrt.engine.model.quantization import resolve_quantization
 
     embedded = gguf_source(None)
-    assert resolve_quantization("auto", "auto", "cpu", embedded) == "int4"
+    assert resolve_quantization("auto", "auto", "cpu", embedded) == "int4+dense"
     assert resolve_quantization("auto", "float32", "cpu", embedded) == "none"
     assert resolve_quantization("auto", "auto", "cuda:0", embedded) == "none"
     assert resolve_quantization("auto", "auto", "cpu", gguf_source(tiny_checkpoint("llama"))) == (
