@@ -23,8 +23,8 @@ evaluation dies with SIGILL in ggml_backend_amx_mul_mat), build without AMX inst
 Ratios are agentrt / llama.cpp measured in the same run (>1 is faster). Last line: JSON.
 
     python benchmarks/latency.py               # every mode (~5 minutes on 2 cores)
-    python benchmarks/latency.py --modes bfloat16:int4 --no-hf
-    python benchmarks/latency.py --modes bfloat16:int4 bfloat16:int4:ngram   # + drafting
+    python benchmarks/latency.py --modes auto:auto --no-hf      # the default engine
+    python benchmarks/latency.py --modes auto:auto auto:auto:suffix   # + drafting
 """
 
 from __future__ import annotations
@@ -43,9 +43,17 @@ from agentrt.engine.records import ScheduledChunk, SchedulerOutput
 from agentrt.engine.sampling_params import SamplingParams, StructuredOutputsParams
 
 # dtype:quantization[:speculative method]
-MODES = ("float32:none", "bfloat16:none", "bfloat16:int8", "bfloat16:int4", "bfloat16:int4:suffix")
+MODES = (
+    "float32:none",
+    "bfloat16:none",
+    "float32:int8",
+    "float32:int4",
+    "auto:auto",
+    "auto:auto:suffix",
+)
 DECODE_PROMPT = "Write a long story about a lighthouse keeper and the sea."
 DECODE_TOKENS = 256
+PPL_CHUNK = 16  # tokens per perplexity step (quantization.DENSE_ABOVE_ROWS)
 PPL_TEXT = (
     "The lighthouse stood on a rock at the edge of the harbour, and for forty years the same "
     "family had kept its lamp burning. Every evening the keeper climbed the spiral stairs, "
@@ -156,21 +164,21 @@ def agentrt_agent(llm: LLM) -> tuple[float, int]:
 
 
 def perplexity(llm: LLM, token_ids: list[int]) -> float:
-    """Teacher-forced perplexity of `token_ids`: one chunk of the whole text with a logits
-    row per position (the runner's draft-verification rows), straight through the model."""
+    """Teacher-forced perplexity of `token_ids`, straight through the model in chunks of
+    PPL_CHUNK tokens with a logits row per position (the runner's draft-verification rows):
+    steps of the size a decode or a verification has, so quantization "int4+dense" (auto)
+    is measured on its int4 weights, not on the dense ones a long prefill runs."""
     engine = llm.engine
     block_size = engine.cache_config.block_size
     n = len(token_ids)
-    chunk = ScheduledChunk(
-        req_id="ppl",
-        token_ids=token_ids,
-        start_pos=0,
-        block_ids=list(range(math.ceil(n / block_size))),
-        sample=True,
-        num_draft_tokens=n - 1,
-    )
-    logits = engine.runner.execute(SchedulerOutput([chunk], n))  # (n, vocab): row i -> i + 1
+    blocks = list(range(math.ceil(n / block_size)))
+    rows = []
+    for start in range(0, n, PPL_CHUNK):
+        ids = token_ids[start : start + PPL_CHUNK]
+        chunk = ScheduledChunk("ppl", ids, start, blocks, True, num_draft_tokens=len(ids) - 1)
+        rows.append(engine.runner.execute(SchedulerOutput([chunk], len(ids))))
     engine.reset_prefix_cache()  # those blocks now hold this text's KV
+    logits = torch.cat(rows)  # (n, vocab): row i predicts token i + 1
     logprobs = torch.log_softmax(logits[:-1].float(), dim=-1)
     targets = torch.tensor(token_ids[1:])
     return math.exp(-logprobs.gather(1, targets[:, None]).mean().item())
