@@ -20,6 +20,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_vec.h"
+
 #define MAX_HEAD_DIM 256
 #define MAX_GROUP 16 // query heads per KV head
 #define MAX_ROWS 48  // query rows (tokens x group) per work item
@@ -27,12 +29,7 @@
 
 enum { F32 = 0, BF16 = 1 };
 
-typedef float vf __attribute__((vector_size(64)));
-typedef int32_t vi __attribute__((vector_size(64)));
-typedef uint32_t vu __attribute__((vector_size(64)));
 typedef uint16_t vh __attribute__((vector_size(32)));
-
-static inline vf splat(float x) { return (vf){0} + x; }
 
 // 16 values at p (fp32 or bf16) as fp32.
 static inline vf load16(const void *p, int dtype) {
@@ -44,24 +41,6 @@ static inline vf load16(const void *p, int dtype) {
     vf v;
     memcpy(&v, p, sizeof v);
     return v;
-}
-
-// exp(x) for x <= 0 (softmax arguments): 2^n * 2^f with n = round(x * log2 e), |f| <= 1/2, and
-// 2^f from its degree-6 minimax polynomial (relative error < 2e-7).
-static inline vf exp_neg(vf x) {
-    const vf floor = splat(-87.0f);
-    x = (vf)(((vi)x & (x >= floor)) | ((vi)floor & ~(x >= floor)));
-    const vf t = x * 1.44269504088896341f;
-    const vf n = (t + 12582912.0f) - 12582912.0f; // round to nearest (|t| < 2^22)
-    const vf f = t - n;
-    vf p = splat(1.535336188319500e-4f);
-    p = p * f + 1.339887440266574e-3f;
-    p = p * f + 9.618437357674640e-3f;
-    p = p * f + 5.550332471162809e-2f;
-    p = p * f + 2.402264791363012e-1f;
-    p = p * f + 6.931472028550421e-1f;
-    p = p * f + 1.0f;
-    return (vf)((vi)p + (__builtin_convertvector(n, vi) << 23));
 }
 
 static inline float exp_neg1(float x) { return exp_neg(splat(x))[0]; }

@@ -2,10 +2,11 @@
 
 A source is compiled with the system C compiler (`$CC`, else `cc`) for this CPU
 (-march=native, then any flags in `$AGENTRT_CPU_KERNEL_CFLAGS`, e.g. `-mno-avx512bf16`) into
-`build_dir`, keyed by a hash of the source, the flags and the CPU's feature flags, so a
-rebuilt or moved checkout never loads a stale or foreign library. The build is atomic (compile
-to a temporary name, then rename), so concurrent processes are safe. The libraries link
-against the libgomp torch already loaded, so `torch.set_num_threads` governs them too.
+`build_dir`, keyed by a hash of the source, the headers beside it (cpu_vec.h), the flags and
+the CPU's feature flags, so a rebuilt or moved checkout never loads a stale or foreign
+library. The build is atomic (compile to a temporary name, then rename), so concurrent
+processes are safe. The libraries link against the libgomp torch already loaded, so
+`torch.set_num_threads` governs them too.
 """
 
 from __future__ import annotations
@@ -37,9 +38,9 @@ def build_library(source_path: Path, build_dir: Path) -> Path:
     """The built library of `source_path` (compiled now unless built before); raises
     KernelBuildError with the compiler's message when it cannot be built."""
     compiler = os.environ.get("CC", "cc")
-    source = source_path.read_bytes()
+    texts = [path.read_bytes() for path in (source_path, *sorted(source_path.parent.glob("*.h")))]
     key = hashlib.sha256(
-        b"\0".join([source, " ".join(_compiler_flags()).encode(), _cpu_flags().encode()])
+        b"\0".join([*texts, " ".join(_compiler_flags()).encode(), _cpu_flags().encode()])
     )
     target = build_dir / f"{source_path.stem}-{key.hexdigest()[:16]}.so"
     if target.exists():

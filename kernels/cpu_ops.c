@@ -17,11 +17,9 @@
 #include <stdint.h>
 #include <string.h>
 
-#define PARALLEL_ROWS 8 // fewer rows than this run on one thread: a fork costs more
+#include "cpu_vec.h"
 
-typedef float vf __attribute__((vector_size(64)));
-typedef int32_t vi __attribute__((vector_size(64)));
-typedef uint32_t vu __attribute__((vector_size(64)));
+#define PARALLEL_ROWS 8 // fewer rows than this run on one thread: a fork costs more
 
 static inline float bf16_to_f32(uint16_t h) {
     uint32_t u = (uint32_t)h << 16;
@@ -36,24 +34,6 @@ static inline uint16_t f32_to_bf16(float f) {
     memcpy(&u, &f, sizeof u);
     if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
     return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1)) >> 16);
-}
-
-// exp(x) for x <= 0: 2^n * 2^f with n = round(x * log2 e), |f| <= 1/2, and 2^f from its
-// degree-6 minimax polynomial (relative error < 2e-7); the same as cpu_attention.c's.
-static inline vf exp_neg(vf x) {
-    const vf floor = (vf){0} - 87.0f;
-    x = (vf)(((vi)x & (x >= floor)) | ((vi)floor & ~(x >= floor)));
-    const vf t = x * 1.44269504088896341f;
-    const vf n = (t + 12582912.0f) - 12582912.0f;
-    const vf f = t - n;
-    vf p = (vf){0} + 1.535336188319500e-4f;
-    p = p * f + 1.339887440266574e-3f;
-    p = p * f + 9.618437357674640e-3f;
-    p = p * f + 5.550332471162809e-2f;
-    p = p * f + 2.402264791363012e-1f;
-    p = p * f + 6.931472028550421e-1f;
-    p = p * f + 1.0f;
-    return (vf)((vi)p + (__builtin_convertvector(n, vi) << 23));
 }
 
 // residual (rows, dim) fp32 += x (bf16, or nothing when x is NULL); out (rows, dim) bf16 =
