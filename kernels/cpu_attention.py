@@ -56,9 +56,10 @@ class CpuAttention:
         fn.argtypes = [ptr, ptr, ptr, ctypes.c_int, ptr, ptr, ptr, i64]
         fn.argtypes += [i64, i64, i64, i64, i64, ctypes.c_float, ctypes.c_int]
         self._attend = fn
-        # The metadata last validated, held (so no other tensor can take its id) with the
-        # version counters it had then: every layer of a step passes the same metadata, which
-        # is so checked once per step instead of once per layer (~10 small ops each time).
+        # What the last call checked: its metadata tensors, held (so no other tensor can take
+        # their ids), and a key of their version counters and of the other tensors' layouts.
+        # Every layer of a step passes the same metadata and tensors laid out alike, so the
+        # checks (~25 us of Python a call) run once per step instead of once per layer.
         # Inference tensors (the engine's) carry no version counter: for them the same
         # tensors count as checked; the engine builds each step's metadata anew and never
         # writes into it.
@@ -79,6 +80,41 @@ class CpuAttention:
         last positions of its seq_lens[i] (int32) tokens, read through block_tables[i]
         (int32, contiguous (num_requests, max_blocks)). Writes those rows of `out` (like
         query: (num_tokens, num_heads, head_dim), contiguous) and returns it."""
+        metadata = (query_start_loc, seq_lens, block_tables)
+        key = (*(_layout(t) for t in (query, kv_cache, out)), *(_version(t) for t in metadata))
+        if not self._is_checked(metadata, key):
+            self._check(query, kv_cache, query_start_loc, seq_lens, block_tables, out)
+            self._checked = (metadata, key)
+        num_requests = seq_lens.shape[0]
+        if num_requests == 0:
+            return out
+        _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+        status = self._attend(
+            query.data_ptr(),
+            kv_cache.data_ptr(),
+            out.data_ptr(),
+            DTYPES[query.dtype],
+            query_start_loc.data_ptr(),
+            seq_lens.data_ptr(),
+            block_tables.data_ptr(),
+            block_tables.shape[1],
+            num_requests,
+            query.shape[1],
+            num_kv_heads,
+            head_dim,
+            block_size,
+            scale,
+            torch.get_num_threads(),
+        )
+        if status == -2:
+            raise MemoryError("the CPU attention kernel could not allocate its work list.")
+        if status != 0:  # the checks above exclude the shapes it rejects
+            raise KernelInputError(f"the CPU attention kernel rejected its input ({status}).")
+        return out
+
+    @staticmethod
+    def _check(query, kv_cache, query_start_loc, seq_lens, block_tables, out) -> None:
+        """Raise KernelInputError unless the kernel can run on these tensors."""
         check_paged_attention(query, kv_cache, query_start_loc, seq_lens, block_tables, out)
         num_blocks, _, block_size, num_kv_heads, head_dim = kv_cache.shape
         num_heads = query.shape[1]
@@ -96,42 +132,18 @@ class CpuAttention:
                 raise KernelInputError(f"{name} must be a contiguous CPU tensor.", arg=name)
         for name, t in zip(names[3:], tensors[3:], strict=True):
             check_dtype(name, t, (torch.int32,))
-        num_requests = seq_lens.shape[0]
-        if num_requests == 0:
-            return out
-        metadata = (query_start_loc, seq_lens, block_tables)
-        key = (query.shape[0], num_blocks, block_size, *(_version(t) for t in metadata))
-        if not self._is_checked(metadata, key):
+        if seq_lens.shape[0]:
             _check_metadata(query, query_start_loc, seq_lens, block_tables, num_blocks, block_size)
-            self._checked = (metadata, key)
-        status = self._attend(
-            query.data_ptr(),
-            kv_cache.data_ptr(),
-            out.data_ptr(),
-            DTYPES[query.dtype],
-            query_start_loc.data_ptr(),
-            seq_lens.data_ptr(),
-            block_tables.data_ptr(),
-            block_tables.shape[1],
-            num_requests,
-            num_heads,
-            num_kv_heads,
-            head_dim,
-            block_size,
-            scale,
-            torch.get_num_threads(),
-        )
-        if status == -2:
-            raise MemoryError("the CPU attention kernel could not allocate its work list.")
-        if status != 0:  # the checks above exclude the shapes it rejects
-            raise KernelInputError(f"the CPU attention kernel rejected its input ({status}).")
-        return out
 
     def _is_checked(self, metadata: tuple, key: tuple) -> bool:
         if not self._checked:
             return False
         checked, checked_key = self._checked
         return checked_key == key and all(a is b for a, b in zip(checked, metadata, strict=True))
+
+
+def _layout(t: torch.Tensor) -> tuple:
+    return t.shape, t.stride(), t.dtype, t.device
 
 
 def _version(t: torch.Tensor) -> int:
