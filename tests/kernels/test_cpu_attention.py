@@ -178,3 +178,17 @@ def test_inference_metadata_is_checked_per_new_tensor(kernel, cpu_batch):
         batch.block_tables = batch.block_tables + 1_000
         with pytest.raises(KernelInputError, match="block_tables holds ids outside"):
             attend(kernel, batch, 0.125)
+
+
+def test_tensors_laid_out_otherwise_are_checked_again(kernel, cpu_batch):
+    """After a call, the same metadata with an `out` or a query of another layout (strides,
+    dtype) than the call's is checked anew, not taken as checked."""
+    batch = cpu_batch([20, 7], [3, 1], 4, 2, 64, 16, torch.float32)
+    attend(kernel, batch, 0.125)
+    args = (batch.kv_cache, batch.query_start_loc, batch.seq_lens, batch.block_tables, 0.125)
+    strided = torch.empty(64, 4, 4).transpose(0, 2)  # the query's shape, not contiguous
+    with pytest.raises(KernelInputError, match="out"):
+        kernel.paged_attention(batch.query, *args, strided)
+    with pytest.raises(KernelInputError, match="query is torch.bfloat16"):
+        query = batch.query.bfloat16()
+        kernel.paged_attention(query, *args, torch.empty_like(query))
