@@ -53,7 +53,7 @@ MODES = (
 )
 DECODE_PROMPT = "Write a long story about a lighthouse keeper and the sea."
 DECODE_TOKENS = 256
-PPL_CHUNK = 16  # tokens per perplexity step (quantization.DENSE_ABOVE_ROWS)
+PPL_CHUNK = 16  # tokens per perplexity step (at most quantization.DENSE_ABOVE_ROWS)
 PPL_TEXT = (
     "The lighthouse stood on a rock at the edge of the harbour, and for forty years the same "
     "family had kept its lamp burning. Every evening the keeper climbed the spiral stairs, "

@@ -67,7 +67,7 @@ class EngineArgs:
         "auto",
         "weight-only quantization on the CPU: int8 (per channel) or int4 (groups of 32; a "
         "Q4_0/Q4_1 GGUF keeps its own blocks); activations stay in dtype. int4+dense: int4 "
-        "for steps of up to 16 rows, the dense weights kept for larger ones. 'auto' is "
+        "for steps of up to 24 rows, the dense weights kept for larger ones. 'auto' is "
         "int4+dense for a Q4 GGUF (the embedded model) on the CPU when dtype is 'auto' too, "
         "else none",
         choices=QUANTIZATIONS,

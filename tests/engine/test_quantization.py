@@ -111,10 +111,10 @@ def test_fused_cpu_glue_matches_the_torch_path():
 
 def test_int4_dense_runs_int4_for_few_rows_and_the_dense_weights_beyond(smollm2_llm):
     """quantization="int4+dense" (what "auto" picks for the embedded model): a step of at
-    most 16 rows runs the int4 projections, a larger one the dense weights."""
+    most 24 rows runs the int4 projections, a larger one the dense weights."""
     hybrid = LLM(None, quantization="int4+dense", kv_cache_memory_gb=0.1)
     model = hybrid.engine.runner.model
-    assert model.dense_above_rows == 16 and model.cpu_ops is not None
+    assert model.dense_above_rows == 24 and model.cpu_ops is not None
     layer = model.layers[0]
     assert isinstance(layer.qkv_proj, torch.nn.Linear)
     assert isinstance(layer.quantized.qkv_proj, QuantizedLinear)
@@ -122,9 +122,9 @@ def test_int4_dense_runs_int4_for_few_rows_and_the_dense_weights_beyond(smollm2_
     short = ["1, 2, 3, 4,"]
     int4 = LLM(None, quantization="int4", kv_cache_memory_gb=0.1)
     assert _ids(hybrid.generate(short, GREEDY)) == _ids(int4.generate(short, GREEDY))
-    # 20 requests at once: every step has 20 rows or more and runs the dense weights, so the
+    # 30 requests at once: every step has 30 rows or more and runs the dense weights, so the
     # tokens are the unquantized fp32 engine's.
-    prompts = [f"{i} + {i} =" for i in range(20)]
+    prompts = [f"{i} + {i} =" for i in range(30)]
     assert _ids(hybrid.generate(prompts, GREEDY)) == _ids(smollm2_llm.generate(prompts, GREEDY))
 
 
