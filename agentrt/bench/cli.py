@@ -170,6 +170,12 @@ def add_tune_args(parser: argparse.ArgumentParser) -> None:
         help="first round: this many requests per configuration (default: num-prompts / 4)",
     )
     goal.add_argument("--keep", type=int, default=3, help="configurations in the final round")
+    goal.add_argument(
+        "--min-gain",
+        type=float,
+        default=0.05,
+        help="the goodput gain over the baseline a configuration needs to be chosen (0.05: 5%%)",
+    )
     out = parser.add_argument_group("output")
     out.add_argument("--output", default="tuned.json", help="the chosen configuration (JSON)")
     out.add_argument("--result-json", default=None, help="every run's figures (JSON)")
@@ -223,6 +229,7 @@ def run_tune(args: argparse.Namespace) -> int:
         bound_on=bound_on,
         screen_prompts=args.screen_prompts or max(1, dataset.num_prompts // 4),
         keep=args.keep,
+        min_gain=args.min_gain,
         on_trial=report,
     )
     print(format_table(result))

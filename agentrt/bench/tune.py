@@ -15,7 +15,9 @@ Pruned after the screen: a configuration whose P99 is over the bound by more tha
 `PRUNE_OVER_BOUND` (noise does not fix that), or whose goodput is below
 `1 - PRUNE_MARGIN` of the best one within the bound. A configuration over the bound in the
 final round is never chosen. The winner is the final round's best goodput within the
-bound; the baseline when nothing beats it (the table then shows the defaults are best).
+bound, if it beats the baseline's by at least `min_gain` (MIN_GAIN, 5%: two runs of one
+configuration differ by a few percent here, and a change of settings should not rest on
+noise); else the baseline (the table then shows the defaults are the best).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ logger = logging.getLogger(__name__)
 
 PRUNE_OVER_BOUND = 1.5  # screened P99 above 1.5x the bound: cannot get within it
 PRUNE_MARGIN = 0.25  # screened goodput 25% below the best within the bound: cannot win
+MIN_GAIN = 0.05  # the gain over the baseline a winner must have (see the module doc)
 BOUNDS = ("e2e", "ttft")
 
 
@@ -131,6 +134,7 @@ class TuneResult:
     trials: list[Trial] = field(default_factory=list)
     best: Trial | None = None
     load: LoadConfig | None = None  # as run (with the goodput bound)
+    min_gain: float = MIN_GAIN
 
     @property
     def baseline(self) -> Trial:
@@ -156,6 +160,7 @@ def tune(
     bound_on: str = "e2e",
     screen_prompts: int | None = None,
     keep: int = 3,
+    min_gain: float = MIN_GAIN,
     on_trial=None,
 ) -> TuneResult:
     """Search `space` around `base` for the most goodput with P99 `bound_on` latency at most
@@ -166,10 +171,12 @@ def tune(
         raise BenchConfigError(f"bound_ms={bound_ms} is invalid: expected > 0.")
     if keep < 1:
         raise BenchConfigError(f"keep={keep} is invalid: expected >= 1.")
+    if not min_gain >= 0:
+        raise BenchConfigError(f"min_gain={min_gain} is invalid: expected >= 0.")
     bounds = {f"goodput_{bound_on}_ms": bound_ms}
     load = dataclasses.replace(load, **bounds)
     mode = "structured" if dataset.structured else "throughput"
-    result = TuneResult(bound_on, bound_ms)
+    result = TuneResult(bound_on, bound_ms, min_gain=min_gain)
     baseline = Trial({}, base)
     result.trials.append(baseline)
     for changes in space.changes():
@@ -215,13 +222,26 @@ def tune(
     for trial in finalists:
         if not within(trial.final, bound_on, bound_ms):
             trial.status = f"over bound (P99 {p99(trial.final, bound_on):.0f} ms)"
-    feasible = [t for t in finalists if not t.status]
-    if feasible:
-        result.best = max(feasible, key=lambda t: (t.final.goodput, t is baseline))
-        for trial in feasible:
-            trial.status = "best" if trial is result.best else "within bound"
+    result.best = choose([t for t in finalists if not t.status], baseline, min_gain)
     result.load = load
     return result
+
+
+def choose(feasible: list[Trial], baseline: Trial, min_gain: float) -> Trial | None:
+    """The winner among the configurations within the bound (their statuses set): the best
+    goodput, unless the baseline is within the bound too and the best beats it by less than
+    `min_gain`, which keeps the baseline."""
+    if not feasible:
+        return None
+    best = max(feasible, key=lambda t: (t.final.goodput, t is baseline))
+    if baseline in feasible and best is not baseline:
+        gain = best.final.goodput / baseline.final.goodput if baseline.final.goodput else math.inf
+        if gain < 1 + min_gain:
+            best.status = f"within bound ({gain:.2f}x: under the {min_gain:.0%} minimum gain)"
+            best = baseline
+    for trial in feasible:
+        trial.status = trial.status or ("best" if trial is best else "within bound")
+    return best
 
 
 def _prune(trials: list[Trial], bound_on: str, bound_ms: float, keep: int, baseline: Trial):
@@ -318,8 +338,13 @@ def format_table(result: TuneResult) -> str:
     if result.best is not None:
         base = result.baseline.final
         gain = result.best.final.goodput / base.goodput if base and base.goodput else math.nan
-        which = "the baseline is the best" if result.best is result.baseline else "best"
-        lines.append(f"\n{which}: {result.best.label} ({gain:.2f}x the baseline's goodput)")
+        if result.best is result.baseline:
+            lines.append(
+                "\nthe baseline is the best: no configuration has "
+                f"{result.min_gain:.0%} more goodput within the bound"
+            )
+        else:
+            lines.append(f"\nbest: {result.best.label} ({gain:.2f}x the baseline's goodput)")
     else:
         lines.append("\nno configuration met the bound")
     return "\n".join(lines)

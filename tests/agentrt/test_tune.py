@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import json
 import math
+from types import SimpleNamespace
 
 import httpx
 import pytest
 
 from agentrt.bench import DatasetConfig, LoadConfig, run_benchmark
-from agentrt.bench.tune import SearchSpace, config_file, format_table, p99, tune
+from agentrt.bench.tune import SearchSpace, Trial, choose, config_file, format_table, p99, tune
 from agentrt.cli import build_parser, main
 from agentrt.engine.args import EngineArgs
 from agentrt.runtime import Runtime
@@ -61,6 +62,29 @@ def test_a_configuration_over_the_bound_is_never_chosen(base):
     hopeless = tune(base, SearchSpace(), text, LoadConfig(), bound_ms=1e-3, screen_prompts=8)
     assert hopeless.best is None
     assert hopeless.baseline.status.startswith("over bound")
+
+
+def test_a_winner_needs_the_minimum_gain_over_the_baseline():
+    """Within the bound, 2% more goodput than the baseline is run-to-run noise here: the
+    baseline stays, and the table says why; 10% more wins. A baseline over the bound has no
+    say: the best configuration within it wins."""
+
+    def trials(*goodputs: float) -> list[Trial]:
+        return [
+            Trial({"max_num_seqs": i} if i else {}, None, final=SimpleNamespace(goodput=g))
+            for i, g in enumerate(goodputs)
+        ]
+
+    baseline, close = trials(4.33, 4.42)
+    assert choose([baseline, close], baseline, 0.05) is baseline
+    assert baseline.status == "best"
+    assert close.status == "within bound (1.02x: under the 5% minimum gain)"
+    baseline, close, far = trials(4.33, 4.42, 4.80)
+    assert choose([baseline, close, far], baseline, 0.05) is far
+    assert [t.status for t in (baseline, close)] == ["within bound"] * 2
+    baseline, close = trials(4.33, 4.42)
+    assert choose([close], baseline, 0.05) is close
+    assert choose([], baseline, 0.05) is None
 
 
 def test_the_written_file_round_trips_into_serve_and_runtime(base, tmp_path):
@@ -126,3 +150,5 @@ def test_bad_search_options_are_refused():
         build_parser().parse_args(["tune"])  # a bound is required
     with pytest.raises(SystemExit):
         build_parser().parse_args(["tune", "--max-p99-e2e-ms", "1", "--jump-forward-list", "x"])
+    with pytest.raises(BenchConfigError, match="min_gain=-0.1"):
+        tune(EngineArgs(), SearchSpace(), DATASET, LoadConfig(), bound_ms=1, min_gain=-0.1)
