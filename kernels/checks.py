@@ -14,6 +14,13 @@ FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 INDEX_DTYPES = (torch.int32, torch.int64)
 
 
+def version(t: torch.Tensor) -> int:
+    """The tensor's version counter (it moves on with each in-place write), -1 for an
+    inference tensor, which has none: callers that cache a check by tensor identity compare
+    it to see whether the tensor was written since."""
+    return -1 if t.is_inference() else t._version
+
+
 def check_dtype(name: str, t: torch.Tensor, allowed: tuple[torch.dtype, ...]) -> None:
     if t.dtype not in allowed:
         names = ", ".join(str(d).removeprefix("torch.") for d in allowed)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from .checks import check_dtype, check_paged_attention
+from .checks import check_dtype, check_paged_attention, version
 from .cpu_build import build_library
 from .errors import KernelInputError
 
@@ -81,7 +81,7 @@ class CpuAttention:
         (int32, contiguous (num_requests, max_blocks)). Writes those rows of `out` (like
         query: (num_tokens, num_heads, head_dim), contiguous) and returns it."""
         metadata = (query_start_loc, seq_lens, block_tables)
-        key = (*(_layout(t) for t in (query, kv_cache, out)), *(_version(t) for t in metadata))
+        key = (*(_layout(t) for t in (query, kv_cache, out)), *(version(t) for t in metadata))
         if not self._is_checked(metadata, key):
             self._check(query, kv_cache, query_start_loc, seq_lens, block_tables, out)
             self._checked = (metadata, key)
@@ -144,10 +144,6 @@ class CpuAttention:
 
 def _layout(t: torch.Tensor) -> tuple:
     return t.shape, t.stride(), t.dtype, t.device
-
-
-def _version(t: torch.Tensor) -> int:
-    return -1 if t.is_inference() else t._version
 
 
 def _check_metadata(query, query_start_loc, seq_lens, block_tables, num_blocks, block_size):

@@ -19,15 +19,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from .checks import version
 from .cpu_build import build_library
 from .errors import KernelInputError
 
 SOURCE = Path(__file__).with_name("cpu_ops.c")
 _F32, _BF16, _I64 = torch.float32, torch.bfloat16, torch.int64
-
-
-def _version(t: torch.Tensor) -> int:
-    return -1 if t.is_inference() else t._version
 
 
 def _bad(name: str, t: torch.Tensor, expected: str) -> KernelInputError:
@@ -111,7 +108,7 @@ class CpuOps:
                 raise _bad(name, t, f"int64 ({tokens},)")
         # Out-of-range rows or positions would write or read outside the tensors.
         limits = (cos_sin.shape[0], num_blocks * 2 * block_size - block_size)
-        key = (limits, _version(positions), _version(key_rows))
+        key = (limits, version(positions), version(key_rows))
         checked = self._checked
         if not (
             checked and checked[0] is positions and checked[1] is key_rows and checked[2] == key
