@@ -25,9 +25,15 @@ def _ids(outputs) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outputs]
 
 
-@pytest.fixture(scope="module", params=MODES)
+@pytest.fixture(
+    scope="module",
+    params=[("bfloat16", m) for m in MODES] + [("float32", "int4"), ("auto", "auto")],
+)
 def quantized_llm(request) -> LLM:
-    return LLM(None, dtype="bfloat16", quantization=request.param, kv_cache_memory_gb=0.1)
+    """bf16 with each mode (torch's glue), fp32 + int4 (the fused CPU glue), and the default
+    engine (int4 + dense weights: the fused glue for steps of few rows)."""
+    dtype, quantization = request.param
+    return LLM(None, dtype=dtype, quantization=quantization, kv_cache_memory_gb=0.1)
 
 
 def test_int4_reads_the_gguf_blocks_exactly(smollm2_dir):
@@ -129,6 +135,10 @@ def test_int4_dense_runs_int4_for_few_rows_and_the_dense_weights_beyond(smollm2_
 
 
 def test_prefix_cache_hit_tokens_give_the_same_tokens(quantized_llm):
+    """With one weight format the cached KV is what the prompt computes: warm == cold. With
+    int4+dense (the default) the cold prompts run in one step of > 24 rows on the dense
+    weights and the warm ones compute their few uncached rows with int4, so the tokens may
+    differ (docs/engine.md); warm runs still agree with each other."""
     shared = "<|im_start|>system\nYou are a terse assistant who answers in one line.<|im_end|>\n"
     prompts = [
         shared + f"<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n" for q in ("Hi", "Why?")
@@ -138,7 +148,10 @@ def test_prefix_cache_hit_tokens_give_the_same_tokens(quantized_llm):
     hits_before = quantized_llm.engine.stats().prefix_cache_hit_tokens
     warm = _ids(quantized_llm.generate(prompts, GREEDY))
     assert quantized_llm.engine.stats().prefix_cache_hit_tokens > hits_before
-    assert warm == cold
+    if quantized_llm.engine.runner.model.dense_above_rows is None:
+        assert warm == cold
+    else:
+        assert _ids(quantized_llm.generate(prompts, GREEDY)) == warm
 
 
 def test_structured_output_is_valid(quantized_llm):
