@@ -9,6 +9,7 @@ from pathlib import Path
 
 from agentrt.bench.datasets import DATASETS, DatasetConfig
 from agentrt.bench.runner import Endpoint, LoadConfig, run_benchmark
+from agentrt.bench.tune import MIN_GAIN
 from agentrt.engine.args import EngineArgs
 
 HELP = {
@@ -21,8 +22,6 @@ HELP = {
 
 def add_bench_args(parser: argparse.ArgumentParser) -> None:
     """The `bench` command's modes, each with its flags."""
-    from agentrt.engine.args import EngineArgs
-
     modes = parser.add_subparsers(dest="bench_mode", required=True)
     for mode, help_text in HELP.items():
         sub = modes.add_parser(mode, help=help_text, description=help_text)
@@ -173,8 +172,9 @@ def add_tune_args(parser: argparse.ArgumentParser) -> None:
     goal.add_argument(
         "--min-gain",
         type=float,
-        default=0.05,
-        help="the goodput gain over the baseline a configuration needs to be chosen (0.05: 5%%)",
+        default=MIN_GAIN,
+        help="the goodput gain over the baseline a configuration needs to be chosen "
+        f"(default {MIN_GAIN}: {MIN_GAIN * 100:g}%%)",
     )
     out = parser.add_argument_group("output")
     out.add_argument("--output", default="tuned.json", help="the chosen configuration (JSON)")

@@ -25,7 +25,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
-import logging
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,8 +39,6 @@ from agentrt.bench.runner import LoadConfig, run_benchmark
 from agentrt.engine.args import EngineArgs
 from agentrt.engine.config import SpeculativeConfig
 from agentrt.engine.errors import ConfigError, EngineError
-
-logger = logging.getLogger(__name__)
 
 PRUNE_OVER_BOUND = 1.5  # screened P99 above 1.5x the bound: cannot get within it
 PRUNE_MARGIN = 0.25  # screened goodput 25% below the best within the bound: cannot win
@@ -150,6 +147,14 @@ def within(result: BenchResult, bound_on: str, bound_ms: float) -> bool:
     return result.failed == 0 and p99(result, bound_on) <= bound_ms
 
 
+def gain(trial: Trial, baseline: Trial) -> float | None:
+    """trial's final goodput over the baseline's; None without both final runs."""
+    if trial.final is None or baseline.final is None:
+        return None
+    base = baseline.final.goodput
+    return trial.final.goodput / base if base else math.inf
+
+
 def tune(
     base: EngineArgs,
     space: SearchSpace,
@@ -235,9 +240,9 @@ def choose(feasible: list[Trial], baseline: Trial, min_gain: float) -> Trial | N
         return None
     best = max(feasible, key=lambda t: (t.final.goodput, t is baseline))
     if baseline in feasible and best is not baseline:
-        gain = best.final.goodput / baseline.final.goodput if baseline.final.goodput else math.inf
-        if gain < 1 + min_gain:
-            best.status = f"within bound ({gain:.2f}x: under the {min_gain:.0%} minimum gain)"
+        ratio = gain(best, baseline)
+        if ratio < 1 + min_gain:
+            best.status = f"within bound ({ratio:.2f}x: under the {min_gain:.0%} minimum gain)"
             best = baseline
     for trial in feasible:
         trial.status = trial.status or ("best" if trial is best else "within bound")
@@ -298,9 +303,7 @@ def config_file(result: TuneResult, dataset: DatasetConfig) -> dict[str, Any]:
             "goodput": best.final.goodput,
             "p99_ms": p99(best.final, result.bound_on),
             "baseline_goodput": baseline.goodput if baseline else None,
-            "gain_vs_baseline": best.final.goodput / baseline.goodput
-            if baseline and baseline.goodput
-            else None,
+            "gain_vs_baseline": gain(best, result.baseline),
             "configurations_tried": len(result.trials),
         },
     }
@@ -336,15 +339,17 @@ def format_table(result: TuneResult) -> str:
             f"{valid:>7}  {trial.status}"
         )
     if result.best is not None:
-        base = result.baseline.final
-        gain = result.best.final.goodput / base.goodput if base and base.goodput else math.nan
         if result.best is result.baseline:
             lines.append(
                 "\nthe baseline is the best: no configuration has "
                 f"{result.min_gain:.0%} more goodput within the bound"
             )
         else:
-            lines.append(f"\nbest: {result.best.label} ({gain:.2f}x the baseline's goodput)")
+            ratio = gain(result.best, result.baseline)
+            versus = (
+                "the baseline failed" if ratio is None else f"{ratio:.2f}x the baseline's goodput"
+            )
+            lines.append(f"\nbest: {result.best.label} ({versus})")
     else:
         lines.append("\nno configuration met the bound")
     return "\n".join(lines)

@@ -12,7 +12,11 @@ import torch
 from agentrt.engine.llm import LLM
 from agentrt.engine.model.arch import ModelArchConfig
 from agentrt.engine.model.checkpoint import gguf_source, load_hf_config, load_state_dict
-from agentrt.engine.model.quantization import QuantizedLinear, read_gguf_int4_blocks
+from agentrt.engine.model.quantization import (
+    QuantizedLinear,
+    read_gguf_int4_blocks,
+    resolve_quantization,
+)
 from agentrt.engine.records import ScheduledChunk, SchedulerOutput
 from agentrt.engine.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -188,9 +192,6 @@ def test_auto_quantization_is_int4_only_for_the_files_own_q4_weights(tiny_checkp
     is "auto" too (int4 for steps of few rows, the dense weights beyond); a dtype named
     explicitly, another device, or a checkpoint without Q4 blocks keeps the weights as they
     are; an explicit mode passes through."""
-    from agentrt.engine.model.checkpoint import gguf_source
-    from agentrt.engine.model.quantization import resolve_quantization
-
     embedded = gguf_source(None)
     assert resolve_quantization("auto", "auto", "cpu", embedded) == "int4+dense"
     assert resolve_quantization("auto", "float32", "cpu", embedded) == "none"
