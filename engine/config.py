@@ -230,11 +230,10 @@ class SpeculativeConfig:
     model: str | None = None
     # suffix: finished outputs remembered per schema / prompt head, oldest forgotten first.
     suffix_cache_max_requests: int = 1024
-    # Adaptive drafting: each request drafts fewer tokens while its acceptance is low, and
-    # at most 4 in a batch (where every row costs compute); it pauses while its acceptance
-    # stays below `adaptive_min_acceptance`, retrying
-    # now and then; nobody drafts while more than `disable_by_batch_size` requests run
-    # (0: no limit).
+    # Adaptive drafting: in a batch (where every row costs compute) each request drafts at
+    # most 4 tokens, fewer while its acceptance is low; any request pauses while its
+    # acceptance stays below `adaptive_min_acceptance`, retrying now and then; nobody drafts
+    # while more than `disable_by_batch_size` requests run (0: no limit).
     adaptive: bool = True
     adaptive_min_acceptance: float = 0.1
     disable_by_batch_size: int = 16

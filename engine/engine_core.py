@@ -202,7 +202,7 @@ class EngineCore:
             greedy=[r.sampling_params.greedy for r in requests],
             draft_probs=[None] * len(requests),
             generators=[r.generator for r in requests],
-            num_forced=[r.spec_num_forced for r in requests],
+            forced=[r.spec_forced for r in requests],
         )
         return {
             r.req_id: [SampledToken(t) for t in ids]

@@ -223,6 +223,8 @@ class LLMEngine:
             steer_to_budget=structured.steer_to_budget,
             proposer_has_kv=config.method == "draft_model",
             jump_forward=self.scheduler_config.jump_forward,
+            costly_rows=self.model_config.quantization != "none"
+            and self.runner.device.type == "cpu",
         )
 
     def make_processor(self, tokenizer) -> Processor:

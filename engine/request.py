@@ -72,7 +72,7 @@ class Request:
         "num_cached_tokens",
         "structured",
         "spec_token_ids",
-        "spec_num_forced",
+        "spec_forced",
         "spec_stats",
     )
 
@@ -105,9 +105,9 @@ class Request:
         # Speculative decoding: drafts to verify in the next step (never part of the tokens
         # above until accepted), and this request's counts (SpecDecodeStats).
         self.spec_token_ids: list[int] = []
-        # Of those, how many at the end are tokens the grammar forces after the others: with
-        # jump-forward on they are accepted once every draft before them is, unsampled.
-        self.spec_num_forced = 0
+        # Per draft: True where it is a token the grammar forces after the ones before it
+        # (with jump-forward on: accepted once every draft before it is, unsampled).
+        self.spec_forced: list[bool] = []
         self.spec_stats = SpecDecodeStats()
         self.generator: torch.Generator | None = None
         if sampling_params.seed is not None:
@@ -142,7 +142,7 @@ class Request:
         self.all_token_ids.append(token_id)
 
     def clear_drafts(self) -> None:
-        self.spec_token_ids, self.spec_num_forced = [], 0
+        self.spec_token_ids, self.spec_forced = [], []
 
     def blocked_token_ids(self, num_ahead: int = 0) -> tuple[int, ...]:
         """Tokens the sampler must not pick now (or `num_ahead` tokens later, for a draft

@@ -339,9 +339,8 @@ class Scheduler:
             request.clear_drafts()
             return 0
         num_drafts = min(len(request.spec_token_ids), budget - num_new)
-        num_cut = len(request.spec_token_ids) - num_drafts
         del request.spec_token_ids[num_drafts:]
-        request.spec_num_forced = max(0, request.spec_num_forced - num_cut)
+        del request.spec_forced[num_drafts:]
         return num_drafts
 
     def _chunk(self, request: Request, num_new: int, num_drafts: int = 0) -> ScheduledChunk:

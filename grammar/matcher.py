@@ -9,6 +9,7 @@ bitmask layout check.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -122,23 +123,45 @@ class GrammarMatcher:
         self._state.rollback(num)
         return num
 
-    def draft_with_forced(self, token_ids: list[int], max_tokens: int) -> tuple[list[int], int]:
-        """A draft as jump-forward would see it: its longest prefix the grammar accepts, cut
-        after the first token past which the grammar forces tokens, then those forced
-        tokens (jump-forward would append them unsampled), `max_tokens` in all. Returns the
-        draft and how many tokens at its end are forced. State and steering unchanged."""
+    def draft_with_forced(
+        self,
+        token_ids: list[int],
+        max_tokens: int,
+        more: Callable[[list[int]], list[int]] | None = None,
+    ) -> tuple[list[int], list[bool]]:
+        """A draft as jump-forward would see it, `max_tokens` tokens at most: the draft's
+        tokens while the grammar accepts them and, after each one past which the grammar
+        forces tokens, those forced tokens (jump-forward would append them unsampled). The
+        draft's own tokens that spell the same forced tokens are passed over; where the draft
+        has none left there or spells them otherwise, `more(tokens so far)` drafts what
+        follows (walked the same way; without `more` the draft ends there).
+        Returns the draft and, per token, whether it is forced. State and steering unchanged."""
         draft: list[int] = []
-        forced: list[int] = []
-        for token_id in token_ids[:max_tokens]:
-            if not self._state.accept_token(token_id):
-                break
-            draft.append(token_id)
-            forced = self._state.forced_tokens()
-            if forced:
-                break
-        self._state.rollback(len(draft))
-        forced = forced[: max_tokens - len(draft)]
-        return draft + forced, len(forced)
+        forced: list[bool] = []
+        pending = list(token_ids)
+        try:
+            while pending and len(draft) < max_tokens:
+                token_id = pending.pop(0)
+                if not self._state.accept_token(token_id):
+                    break
+                draft.append(token_id)
+                forced.append(False)
+                jump = self._state.forced_tokens()[: max_tokens - len(draft)]
+                for token_id in jump:
+                    if not self._state.accept_token(token_id):
+                        break
+                    draft.append(token_id)
+                    forced.append(True)
+                if jump:
+                    if pending[: len(jump)] == jump:
+                        del pending[: len(jump)]
+                    else:
+                        pending = []
+                    if not pending and more is not None and len(draft) < max_tokens:
+                        pending = list(more(draft))
+        finally:
+            self._state.rollback(len(draft))
+        return draft, forced
 
     def steering_free_tokens(self, tokens_left: int) -> int:
         """How many more tokens the steering would pass by unchanged: a row filled with

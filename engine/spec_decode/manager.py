@@ -1,11 +1,12 @@
 """SpecDecodeManager: after each step, drafts for the requests that go on.
 
-It decides how many tokens each request may draft (adaptive: fewer while its drafts are
-rejected, at most BATCH_MAX_DRAFTS in a batch, none while the batch is large; never past
-`max_tokens`, the context, or into a row the budget steering would look at near the end of
-a structured output's budget), asks the proposer, and cuts each draft where the request's
-grammar refuses a token, after a stop token, and (with jump-forward) where the grammar
-forces tokens, which then end the draft.
+It decides how many tokens each request may draft (adaptive: none for a while when its
+drafts are mostly rejected; in a batch, at most BATCH_MAX_DRAFTS and fewer while its drafts
+are rejected; none while the batch is large; never past `max_tokens`, the context, or into
+a row the budget steering would look at near the end of a structured output's budget), asks
+the proposer, and cuts each draft where the request's grammar refuses a token and after a
+stop token. With jump-forward, the tokens the grammar forces join a draft, which goes on
+after them.
 The drafts wait in `Request.spec_token_ids` for the scheduler, which verifies them with the
 request's next chunk.
 """
@@ -23,7 +24,13 @@ from agentrt.engine.spec_decode.base import DraftContext, Proposer
 # system prompt and tool list start a prompt (ChatML) and fit in its first tokens.
 CACHE_KEY_PROMPT_TOKENS = 64
 # Adaptive drafting: a request's acceptance is a moving average with this weight on the
-# newest step; below `adaptive_min_acceptance` it pauses drafting for PAUSE_STEPS steps.
+# newest step; below `adaptive_min_acceptance` it pauses drafting for PAUSE_STEPS steps. Alone,
+# a request drafts its full length until then where a step's cost hardly depends on its rows
+# (dense bf16 on 2 cores: ~40 ms for one, ~1 ms per row more; a GPU): drafts tend to hold in
+# full or fail at their first token (a copied value's start), so shortening them loses the
+# runs that hold (benchmarks/spec_decode.py, single extraction, suffix: 126 vs 109 steps).
+# Not where rows are costly (`costly_rows`: int4 on the CPU, ~2.7 ms a row on a ~12 ms step;
+# always drafting 8 made free text with failing drafts slower, 30 vs 47 tokens/s).
 ACCEPTANCE_WEIGHT = 0.3
 PAUSE_STEPS = 16
 # Adaptive drafting in a batch: drafts per request at most (benchmarks/spec_decode.py, batches
@@ -49,13 +56,16 @@ class SpecDecodeManager:
         steer_to_budget: bool = True,
         proposer_has_kv: bool = False,
         jump_forward: bool = False,
+        costly_rows: bool = False,
     ) -> None:
         """`proposer`: None for the 'grammar' method (drafts are the grammar's forced
         tokens). `proposer_has_kv`: the proposer (the draft model) writes KV into the
         request's blocks for its draft positions; their slots are allocated here first.
-        `jump_forward`: the scheduler appends the tokens a grammar forces unsampled, so a
-        draft that reaches forced tokens is cut there and ends with them (accepted with the
-        draft before them, as jump-forward would append them)."""
+        `jump_forward`: the scheduler appends the tokens a grammar forces unsampled, so
+        they join a draft where it reaches them (accepted with the drafts before them, as
+        jump-forward would append them). `costly_rows`: a row costs
+        real time even in a step of one request (the CPU's int4/int8 kernels), so a request
+        alone drafts fewer tokens while its drafts are rejected, as in a batch."""
         self.config = config
         self.proposer = proposer
         self.kv = kv
@@ -63,6 +73,7 @@ class SpecDecodeManager:
         self.steer_to_budget = steer_to_budget
         self.proposer_has_kv = proposer_has_kv
         self.jump_forward = jump_forward
+        self.costly_rows = costly_rows
         self._adaptive: dict[str, _Adaptive] = {}
 
     def propose(self, requests: list[Request], num_running: int) -> None:
@@ -102,9 +113,10 @@ class SpecDecodeManager:
             if state.paused_steps:
                 state.paused_steps -= 1
                 return 0
-            if num_running > 1:
-                num = min(num, BATCH_MAX_DRAFTS)  # in a batch every row costs compute
-            num = max(1, round(num * state.acceptance))
+            if num_running > 1:  # in a batch every row costs compute
+                num = min(num, BATCH_MAX_DRAFTS)
+            if num_running > 1 or self.costly_rows:
+                num = max(1, round(num * state.acceptance))
         # One more token follows the drafts: all of them must fit in max_tokens and the context.
         num = min(
             num,
@@ -125,7 +137,7 @@ class SpecDecodeManager:
         num_slots = request.num_tokens + num_drafts - 1 - request.num_computed_tokens
         return self.kv.allocate_slots(request, 0, num_lookahead_tokens=num_slots) is not None
 
-    def _context(self, request: Request) -> DraftContext:
+    def _context(self, request: Request, draft_ids: list[int] | None = None) -> DraftContext:
         structured = request.structured
         spec = structured.matcher.grammar.spec if structured is not None else None
         return DraftContext(
@@ -133,25 +145,40 @@ class SpecDecodeManager:
             token_ids=request.all_token_ids,
             num_prompt_tokens=request.num_prompt_tokens,
             cache_key=(spec, tuple(request.prompt_token_ids[:CACHE_KEY_PROMPT_TOKENS])),
+            structured=structured is not None,
             block_ids=self.kv.block_ids(request.req_id),
             num_preemptions=request.num_preemptions,
+            draft_ids=draft_ids or (),
         )
 
     def _set_drafts(self, request: Request, draft: list[int], max_tokens: int) -> None:
         """Keep the draft up to the first token the grammar refuses, and nothing after a
-        stop token (EOS or a stop id: the output would end there); with jump-forward, cut
-        it where the grammar forces tokens and end it with them."""
+        stop token (EOS or a stop id: the output would end there). With jump-forward, the
+        tokens the grammar forces after a draft token join the draft (flagged forced), and
+        the proposer drafts again after them where its draft has nothing for what follows
+        (not the draft model: its KV holds the positions of its own draft only)."""
         stops = request.eos_token_ids | set(request.sampling_params.stop_token_ids)
-        end = next((i + 1 for i, t in enumerate(draft) if t in stops), len(draft))
-        draft = list(draft[: min(end, max_tokens)])
-        num_forced = 0
+
+        def cut(tokens: list[int]) -> list[int]:
+            end = next((i + 1 for i, t in enumerate(tokens) if t in stops), len(tokens))
+            return list(tokens[:end])
+
+        draft = cut(draft[:max_tokens])
+        forced: list[bool] = []
         if request.structured is not None:
             matcher = request.structured.matcher
             if self.jump_forward:
-                draft, num_forced = matcher.draft_with_forced(draft, max_tokens)
+                more = None
+                if self.proposer is not None and not self.proposer_has_kv:
+
+                    def more(drafted: list[int]) -> list[int]:
+                        context = self._context(request, drafted)
+                        return cut(self.proposer.propose([context], [max_tokens - len(drafted)])[0])
+
+                draft, forced = matcher.draft_with_forced(draft, max_tokens, more)
             else:
                 del draft[matcher.num_valid_prefix(draft) :]
-        request.spec_token_ids, request.spec_num_forced = draft, num_forced
+        request.spec_token_ids, request.spec_forced = draft, forced
 
     def verified(self, request: Request, num_drafts: int, num_accepted: int) -> None:
         """Adaptive drafting learns from one verification step."""

@@ -31,9 +31,11 @@ class TokenArrays:
         self._arrays: dict[str, tuple[Sequence[int], np.ndarray, int]] = {}
 
     def get(self, context: DraftContext) -> np.ndarray:
-        """`context.token_ids` as an int64 array (a view, valid until the next call)."""
+        """`context.token_ids` then its `draft_ids` as an int64 array (a view, valid until
+        the next call). The drafts are written after the request's tokens, not kept."""
         token_ids = context.token_ids
         length = len(token_ids)
+        total = length + len(context.draft_ids)
         source, buffer, known = self._arrays.get(context.req_id, (None, None, 0))
         # A request's list only ever grows. Another list under the same req_id, a shorter one
         # or a changed last known token means it is not the same request: read it anew.
@@ -42,15 +44,16 @@ class TokenArrays:
             or known > length
             or (known and buffer[known - 1] != token_ids[known - 1])
         ):
-            buffer, known = np.empty(max(2 * length, 16), dtype=np.int64), 0
-        elif length > buffer.shape[0]:
-            grown = np.empty(2 * length, dtype=np.int64)
+            buffer, known = np.empty(max(2 * total, 16), dtype=np.int64), 0
+        elif total > buffer.shape[0]:
+            grown = np.empty(2 * total, dtype=np.int64)
             grown[:known] = buffer[:known]
             buffer = grown
         if length > known:
             buffer[known:length] = token_ids[known:length]
+        buffer[length:total] = context.draft_ids
         self._arrays[context.req_id] = (token_ids, buffer, length)
-        return buffer[:length]
+        return buffer[:total]
 
     def drop(self, req_id: str) -> None:
         self._arrays.pop(req_id, None)
@@ -97,11 +100,14 @@ class NgramProposer:
         return [self._propose_one(c, n) for c, n in zip(contexts, max_tokens, strict=True)]
 
     def _propose_one(self, context: DraftContext, max_tokens: int) -> list[int]:
-        if max_tokens <= 0 or len(context.token_ids) <= self.min_n:
+        if max_tokens <= 0 or context.num_tokens <= self.min_n:
             return []
         tokens = self._tokens.get(context)
         n, ends = earlier_matches(tokens, self.max_n)
-        if n < MIN_TRUSTED_MATCH and self._text is not None:
+        # A structured output copying from the prompt: its value ends where the text lookup
+        # sees it end.
+        copied = n > 0 and context.structured and int(ends[-1]) < context.num_prompt_tokens
+        if (n < MIN_TRUSTED_MATCH or copied) and self._text is not None:
             draft = self._text.propose(context, max_tokens)
             if draft:
                 return draft

@@ -36,7 +36,7 @@ def rejection_sample(
     greedy: list[bool],
     draft_probs: list[torch.Tensor | None],
     generators: list[torch.Generator | None],
-    num_forced: list[int] | None = None,
+    forced: list[list[bool]] | None = None,
 ) -> list[list[int]]:
     """Per request, the accepted drafts followed by one more token (see the module docstring).
 
@@ -47,8 +47,8 @@ def rejection_sample(
     `draft_probs[i]` `[k_i, V]`: the distribution each draft was drawn from (need not be
     normalised, on `probs`' device), or None for one-hot drafts. `generators[i]`: the
     request's own generator when it is seeded, else None (torch's default generator).
-    `num_forced[i]`: the last drafts of request i are tokens its grammar forces after the
-    others (jump-forward's): they are accepted whenever every draft before them is.
+    `forced[i][j]`: draft j of request i is a token its grammar forces after the drafts before
+    it (jump-forward's): it holds whenever they all do (a shorter list: the rest are not).
     Does not modify its inputs.
     """
     num_reqs = len(draft_token_ids)
@@ -67,7 +67,7 @@ def rejection_sample(
             for i, draft in enumerate(draft_token_ids)
             for j, token_id in enumerate(draft)
         ]
-        num_accepted = _count_accepted(accepted, num_drafts, num_forced)
+        num_accepted = _count_accepted(accepted, num_drafts, forced)
         return [
             draft[:n] + [best[start + n]]
             for draft, n, start in zip(draft_token_ids, num_accepted, starts[:-1], strict=True)
@@ -115,7 +115,7 @@ def rejection_sample(
     accepted = torch.where(draft_greedy, greedy_ok, random_ok).tolist()  # one sync
 
     # Per request: how many drafts hold, and the row its last token comes from.
-    num_accepted = _count_accepted(accepted, num_drafts, num_forced)
+    num_accepted = _count_accepted(accepted, num_drafts, forced)
     final_rows = [starts[i] + num_accepted[i] for i in range(num_reqs)]
     last_tokens = argmax[torch.tensor(final_rows, dtype=torch.long, device=device)]  # [R]
 
@@ -156,16 +156,15 @@ def rejection_sample(
 
 
 def _count_accepted(
-    accepted: list[bool], num_drafts: list[int], num_forced: list[int] | None
+    accepted: list[bool], num_drafts: list[int], forced: list[list[bool]] | None
 ) -> list[int]:
     """Per request, how many drafts hold in a row: `accepted` has one verdict per draft,
-    requests one after the other; a request's last `num_forced` drafts hold whenever the
-    drafts before them do."""
+    requests one after the other; a forced draft holds whenever the drafts before it do."""
     counts, offset = [], 0
     for i, k in enumerate(num_drafts):
-        free = k - (num_forced[i] if num_forced else 0)
+        flags = forced[i] if forced else []
         n = 0
-        while n < k and (n >= free or accepted[offset + n]):
+        while n < k and ((n < len(flags) and flags[n]) or accepted[offset + n]):
             n += 1
         counts.append(n)
         offset += k

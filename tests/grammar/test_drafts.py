@@ -111,9 +111,11 @@ def test_drafting_within_the_steering_free_rows_steers_as_drafting_off(synth_com
     assert drafting.num_steered == one_by_one.num_steered
 
 
-def test_a_draft_that_reaches_forced_tokens_ends_with_them(synth_compiler, synth_tok):
-    """With jump-forward, forced tokens are appended unsampled: a draft is cut after the
-    token that makes the grammar force some, and ends with those (capped)."""
+def test_forced_tokens_join_a_draft_which_goes_on_after_them(synth_compiler, synth_tok):
+    """With jump-forward, forced tokens are appended unsampled: they join a draft after the
+    token that makes the grammar force them (flagged forced). A draft that spells them the
+    same way goes on; one that spells them otherwise (or has nothing left) goes on with
+    `more`, drafted anew after them; without `more` it ends with them."""
     head = synth_tok.encode('{"a": "x"', add_special_tokens=False)
     draft = synth_tok.encode(', "zzz', add_special_tokens=False)
     matcher = compile_matcher(synth_compiler)
@@ -127,8 +129,25 @@ def test_a_draft_that_reaches_forced_tokens_ends_with_them(synth_compiler, synth
     )
     forced = reference.forced_tokens()
     assert forced  # the next key is forced after the comma
-    got, num_forced = matcher.draft_with_forced(draft, 20)
-    assert got == draft[:cut] + forced and num_forced == len(forced)
-    capped, num_capped = matcher.draft_with_forced(draft, cut + 1)
-    assert capped == draft[:cut] + forced[:1] and num_capped == 1
+    flags = [False] * cut + [True] * len(forced)
+
+    got, got_flags = matcher.draft_with_forced(draft, 20)
+    assert got == draft[:cut] + forced and got_flags == flags
+    capped, capped_flags = matcher.draft_with_forced(draft, cut + 1)
+    assert capped == draft[:cut] + forced[:1] and capped_flags == flags[: cut + 1]
+
+    value = synth_tok.encode("12}", add_special_tokens=False)
+    asked = []
+
+    def more(drafted: list[int]) -> list[int]:
+        asked.append(list(drafted))
+        return value + value  # the grammar refuses the second copy
+
+    got, got_flags = matcher.draft_with_forced(draft, 20, more)
+    assert asked == [draft[:cut] + forced]
+    assert got == draft[:cut] + forced + value
+    assert got_flags == flags + [False] * len(value)
+    same = draft[:cut] + forced + value
+    assert matcher.draft_with_forced(same, 20, more) == (got, got_flags)
+    assert len(asked) == 1  # spelt as forced: the draft went on without `more`
     assert matcher.num_tokens == len(head)

@@ -21,10 +21,12 @@ def make_request(req_id: str, max_tokens: int = 100) -> Request:
     return request
 
 
-def make_manager(**options) -> SpecDecodeManager:
+def make_manager(costly_rows: bool = False, **options) -> SpecDecodeManager:
     config = SpeculativeConfig(method="ngram", num_speculative_tokens=8, **options)
     kv = KVCacheManager(64, 16)
-    return SpecDecodeManager(config, NgramProposer(config), kv, max_model_len=1024)
+    return SpecDecodeManager(
+        config, NgramProposer(config), kv, max_model_len=1024, costly_rows=costly_rows
+    )
 
 
 def drafts(manager: SpecDecodeManager, requests: list[Request], num_running: int) -> list[int]:
@@ -37,26 +39,39 @@ def reject_all(manager: SpecDecodeManager, request: Request, times: int = 1) -> 
         manager.verified(request, 8, 0)
 
 
-def test_low_acceptance_shortens_drafts_and_a_batch_caps_them():
+def test_in_a_batch_low_acceptance_shortens_drafts_and_a_cap_applies():
+    """A row costs compute in a batch; a request alone keeps its length (a step's cost
+    hardly depends on its rows there) until its acceptance is low enough to pause it."""
     manager = make_manager()
     alone, batched = make_request("alone"), make_request("batched")
     assert drafts(manager, [alone], 1) == [8]
-    assert drafts(manager, [batched], 2) == [BATCH_MAX_DRAFTS]  # rows cost in a batch
+    assert drafts(manager, [batched], 2) == [BATCH_MAX_DRAFTS]
     reject_all(manager, alone, 2)  # acceptance 1.0 -> 0.49
     reject_all(manager, batched, 2)
-    assert drafts(manager, [alone], 1) == [4]  # round(8 * 0.49)
+    assert drafts(manager, [alone], 1) == [8]
     assert drafts(manager, [batched], 2) == [2]  # round(4 * 0.49)
     manager.verified(batched, 2, 2)  # acceptance recovers
     assert drafts(manager, [batched], 2) == [3]  # round(4 * 0.643)
 
 
+def test_where_rows_are_costly_low_acceptance_shortens_drafts_alone_too():
+    manager = make_manager(costly_rows=True)
+    alone = make_request("alone")
+    assert drafts(manager, [alone], 1) == [8]
+    reject_all(manager, alone, 2)  # acceptance 1.0 -> 0.49
+    assert drafts(manager, [alone], 1) == [4]  # round(8 * 0.49)
+
+
 def test_acceptance_below_the_minimum_pauses_drafting_then_retries():
     manager = make_manager(adaptive_min_acceptance=0.1)
-    request = make_request("r")
+    request, batched = make_request("r"), make_request("batched")
     reject_all(manager, request, 7)  # 0.7 ** 7 = 0.08 < 0.1
+    reject_all(manager, batched, 7)
     for _ in range(PAUSE_STEPS):
         assert drafts(manager, [request], 1) == [0]
-    assert drafts(manager, [request], 1) == [2]  # retried at 2 x the minimum: round(8 * 0.2)
+        assert drafts(manager, [batched], 2) == [0]
+    assert drafts(manager, [request], 1) == [8]  # retried
+    assert drafts(manager, [batched], 2) == [1]  # at 2 x the minimum: round(4 * 0.2)
 
 
 def test_without_adaptive_drafts_keep_their_length():

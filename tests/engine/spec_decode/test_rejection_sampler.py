@@ -189,13 +189,16 @@ def test_mixed_batch_and_seeded_requests_are_independent_of_the_batch():
 
 
 def test_forced_drafts_are_accepted_with_the_drafts_before_them():
-    """The last `num_forced` drafts (tokens jump-forward would append unsampled) hold
-    whenever every draft before them holds, whatever the model prefers there."""
-    vocab = 6
-    argmax = torch.tensor([1, 2, 5, 5, 3,  1, 4, 5, 0])  # fmt: skip
-    drafts = [[1, 2, 3, 4], [0, 5, 5]]  # request 2 is wrong at its first draft
-    for probs in (None, torch.rand(9, vocab)):
+    """Forced drafts (tokens jump-forward would append unsampled) hold whenever every draft
+    before them holds, whatever the model prefers there; the drafts after them are verified
+    as usual."""
+    vocab = 10
+    argmax = torch.tensor([1, 2, 5, 5, 3,  1, 4, 5, 0,  1, 5, 3, 0, 9])  # fmt: skip
+    # request 2 is wrong at its first draft; request 3 at its last, after a forced one
+    drafts = [[1, 2, 3, 4], [0, 5, 5], [1, 2, 3, 4]]
+    forced = [[False, False, True, True], [False, True, True], [False, True]]
+    for probs in (None, torch.rand(14, vocab)):
         out = rejection_sample(
-            probs, argmax, drafts, [True, True], [None, None], [None, None], num_forced=[2, 2]
+            probs, argmax, drafts, [True] * 3, [None] * 3, [None] * 3, forced=forced
         )
-        assert out == [[1, 2, 3, 4, 3], [1]]
+        assert out == [[1, 2, 3, 4, 3], [1], [1, 2, 3, 0]]

@@ -102,8 +102,19 @@ def assert_drafted(llm: LLM) -> None:
 @pytest.mark.parametrize("method", ["ngram", "suffix"])
 def test_embedded_model_same_tokens(method, baseline):
     llm = spec_llm(None, method, kv_cache_memory_gb=0.25)
+    manager = llm.engine.engine_core.spec
+    flags = []
+    set_drafts = manager._set_drafts
+
+    def recording(request, draft, max_tokens):
+        set_drafts(request, draft, max_tokens)
+        flags.append(list(request.spec_forced))
+
+    manager._set_drafts = recording
     assert run(llm, workload()) == baseline
     assert_drafted(llm)
+    # Drafts went on after tokens the grammar forced (jump-forward's), drafted anew.
+    assert any(True in f and False in f[f.index(True) :] for f in flags)
 
 
 def test_grammar_drafts_same_tokens_as_sampling_them(baseline_no_jump_forward):
