@@ -102,6 +102,8 @@ class NgramProposer:
     def _propose_one(self, context: DraftContext, max_tokens: int) -> list[int]:
         if max_tokens <= 0 or context.num_tokens <= self.min_n:
             return []
+        if self._text is not None and (labeled := self._text.propose_labeled(context, max_tokens)):
+            return labeled
         tokens = self._tokens.get(context)
         n, ends = earlier_matches(tokens, self.max_n)
         # A structured output copying from the prompt: its value ends where the text lookup

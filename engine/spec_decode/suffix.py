@@ -146,6 +146,8 @@ class SuffixProposer:
     def _propose_one(self, context: DraftContext, max_tokens: int) -> list[int]:
         if max_tokens <= 0:
             return []
+        if self._text is not None and (labeled := self._text.propose_labeled(context, max_tokens)):
+            return labeled
         n, draft, copied = self._walk(context, max_tokens)
         if self._text is not None and (n < MIN_TRUSTED_MATCH or (copied and context.structured)):
             return self._text.propose(context, max_tokens) or draft

@@ -30,6 +30,8 @@ CHARS_PER_TOKEN = 6
 VALUE_ENDS = ("\n", "\t", "  ", ", ", "; ")
 # A JSON string value's first characters (fewer than MIN_MATCH_CHARS), after `: "` or `["`.
 _VALUE_START = re.compile(r'[:\[,]\s*"(\w{1,2})$')
+# A key's value about to start: the output ends with `"key":`, a space maybe, a quote maybe.
+_KEY_VALUE_START = re.compile(r'"(\w+)":\s*(")?$')
 
 
 class TextLookup:
@@ -41,17 +43,64 @@ class TextLookup:
 
     def propose(self, context: DraftContext, max_tokens: int) -> list[int]:
         """Up to `max_tokens` tokens that follow, in the prompt's text, the longest tail of
-        the output's text found there (its most recent occurrence); [] without a match."""
-        num_output = context.num_tokens - context.num_prompt_tokens
-        if max_tokens <= 0 or num_output <= 0:
+        the output's text found there (its most recent occurrence; at least
+        MIN_MATCH_CHARS long), or, in a structured output, a string value's first one or
+        two characters where a word starts with them (`"El` -> `Elena`, not `Delft`); []
+        without a match."""
+        tail = self._tail(context, max_tokens)
+        if tail is None:
             return []
         prompt = self._prompt_text(context)
-        tail = self.tokenizer.decode(context.last_tokens(min(TAIL_TOKENS, num_output)))
-        begin = self._continuation(prompt, tail, context.structured)
-        if begin < 0:
+        for size in range(min(MAX_MATCH_CHARS, len(tail)), MIN_MATCH_CHARS - 1, -1):
+            start = prompt.rfind(tail[-size:])
+            if start >= 0:
+                return self._draft(prompt, start + size, "", context.structured, max_tokens)
+        value = _VALUE_START.search(tail) if context.structured else None
+        if value is None:
             return []
+        words = list(re.finditer(rf"(?<!\w){re.escape(value.group(1))}", prompt))
+        if not words:
+            return []
+        return self._draft(prompt, words[-1].end(), "", True, max_tokens)
+
+    def propose_labeled(self, context: DraftContext, max_tokens: int) -> list[int]:
+        """A structured output about to write a key's value (`"email": "`): what follows
+        that key's label in the prompt (`E-mail: `: the key's letters, any of `-_ ` between
+        them, up to 30 characters more to a colon; its most recent occurrence), the value's
+        opening quote first where the output has not written it (not before a number); []
+        elsewhere."""
+        tail = self._tail(context, max_tokens) if context.structured else None
+        key = _KEY_VALUE_START.search(tail) if tail is not None else None
+        if key is None:
+            return []
+        prompt = self._prompt_text(context)
+        label = r"[\s_-]?".join(re.escape(c) for c in key.group(1) if c.isalnum())
+        # A label is a bare word: a quoted key (`"email": the e-mail of...`) is an
+        # instruction about the output, not a value.
+        found = list(re.finditer(rf'(?i)(?<![\w"]){label}(?![\w"])[^:\n]{{0,30}}:[ \t]*', prompt))
+        if not found:
+            return []
+        begin = found[-1].end()
+        prefix = ""
+        if not key.group(2):  # the opening quote is not written yet
+            prefix = "" if tail.endswith(" ") else " "
+            prefix += "" if prompt[begin : begin + 1].isdigit() else '"'
+        return self._draft(prompt, begin, prefix, True, max_tokens)
+
+    def _tail(self, context: DraftContext, max_tokens: int) -> str | None:
+        """The text of the output's last TAIL_TOKENS tokens (None: no output, no room)."""
+        num_output = context.num_tokens - context.num_prompt_tokens
+        if max_tokens <= 0 or num_output <= 0:
+            return None
+        return self.tokenizer.decode(context.last_tokens(min(TAIL_TOKENS, num_output)))
+
+    def _draft(
+        self, prompt: str, begin: int, prefix: str, structured: bool, max_tokens: int
+    ) -> list[int]:
+        """`prefix`, then the prompt's text from `begin` to where a copied value ends,
+        tokenized: at most `max_tokens` tokens."""
         text = prompt[begin : begin + CHARS_PER_TOKEN * max_tokens]
-        ends = VALUE_ENDS if context.structured else ("\n",)
+        ends = VALUE_ENDS if structured else ("\n",)
         end = min((i for i in (text.find(sep) for sep in ends) if i >= 0), default=-1)
         if end >= 0:
             # A value copied from the document ends at its line's end or, in a structured
@@ -60,29 +109,13 @@ class TextLookup:
             # follows: one token (`",`), as the model writes them. Where the grammar refuses
             # it (after an object's last field) the draft is cut before it. Free text
             # copies the line and its end.
-            text = text[:end] + ('",' if context.structured else "\n")
+            text = text[:end] + ('",' if structured else "\n")
         elif not text:
             return []
-        draft = self.tokenizer.encode(text, add_special_tokens=False)
+        draft = self.tokenizer.encode(prefix + text, add_special_tokens=False)
         if end < 0 and begin + len(text) < len(prompt) and len(draft) > 1:
             draft = draft[:-1]  # cut mid-word: its last token may not be the model's
         return draft[:max_tokens]
-
-    @staticmethod
-    def _continuation(prompt: str, tail: str, structured: bool) -> int:
-        """Where the prompt's text goes on after the longest suffix of `tail` found in it
-        (its most recent occurrence), at least MIN_MATCH_CHARS long; -1 without one. A
-        structured output's string value that has only one or two characters so far
-        (`"El`, `"13`) is looked up where a word starts with them (`Elena`, not `Delft`)."""
-        for size in range(min(MAX_MATCH_CHARS, len(tail)), MIN_MATCH_CHARS - 1, -1):
-            start = prompt.rfind(tail[-size:])
-            if start >= 0:
-                return start + size
-        value = _VALUE_START.search(tail) if structured else None
-        if value is None:
-            return -1
-        words = list(re.finditer(rf"(?<!\w){re.escape(value.group(1))}", prompt))
-        return words[-1].end() if words else -1  # the most recent occurrence
 
     def _prompt_text(self, context: DraftContext) -> str:
         prompt_ids = context.token_ids[: context.num_prompt_tokens]

@@ -14,6 +14,7 @@ from agentrt.engine.spec_decode.text_lookup import TextLookup
 
 DOCUMENT = (
     "Invoice from Northwind Ltd\nContact: Kenji Haddad\nE-mail: kenji.haddad@northwind.com\n"
+    "Total due (incl. VAT): 1234.50 EUR\n"
     "Address: 134 Mill Lane, Porto, Portugal  Phone: +351 22 555\n"
 )
 
@@ -134,5 +135,36 @@ def test_proposers_use_it_where_tokens_match_less_than_two(tokenizer, make):
     ctx = context(tokenizer, '{"address": "134 Mill Lane, Porto')
     assert tokenizer.decode(tokens_only.propose([ctx], [8])[0]).startswith(", Portugal")
     assert tokenizer.decode(with_text.propose([ctx], [8])[0]) == '",'
+    # A value about to start after its key: the document's label for it comes first.
+    ctx = context(tokenizer, '{"name": "Kenji Haddad", "email": "')
+    assert tokenizer.decode(with_text.propose([ctx], [16])[0]) == 'kenji.haddad@northwind.com",'
     with_text.request_finished(ctx, completed=False)
     assert not with_text._text._prompts
+
+
+@pytest.mark.parametrize(
+    ("output", "draft"),
+    [
+        ('{"email": "', 'kenji.haddad@northwind.com",'),  # the label is `E-mail:`
+        ('{"e_mail":', ' "kenji.haddad@northwind.com",'),  # the quote is drafted too
+        ('{"phone": ', '"+351 22 555",'),
+        ('{"total":', ' 1234.50 EUR",'),  # a number: no quote (the grammar cuts ` EUR`)
+        ('{"contact": "', 'Kenji Haddad",'),
+    ],
+)
+def test_a_value_about_to_start_copies_what_follows_its_label(tokenizer, output, draft):
+    lookup = TextLookup(tokenizer)
+    got = lookup.propose_labeled(context(tokenizer, output), 16)
+    assert tokenizer.decode(got) == draft
+
+
+def test_no_labeled_draft_without_a_bare_label_or_outside_structured_outputs(tokenizer):
+    lookup = TextLookup(tokenizer)
+    assert lookup.propose_labeled(context(tokenizer, '{"city": "'), 16) == []
+    assert lookup.propose_labeled(context(tokenizer, '{"email": "', structured=False), 16) == []
+    assert lookup.propose_labeled(context(tokenizer, '{"email": "k'), 16) == []  # started
+    # A quoted key in the prompt is an instruction about the output, not a label.
+    prompt = tokenizer.encode('Reply with "email": the address.\n', add_special_tokens=False)
+    output = tokenizer.encode('{"email": "', add_special_tokens=False)
+    quoted = DraftContext("q", prompt + output, len(prompt), cache_key=None, structured=True)
+    assert lookup.propose_labeled(quoted, 16) == []
