@@ -4,7 +4,9 @@ Token n-grams miss the start of a copied value: in a JSON string a word loses th
 space it has in the document, so its first tokens differ (`"Ken` + `ji` in the output,
 ` Kenji` in the document) and a token lookup finds nothing until the value is half written.
 The text does not change: the output's last characters are found in the prompt's text, and
-the text that follows them there, tokenized, is the draft (`"Ken` -> `ji Haddad", ...`).
+the text that follows them there, to where the value ends, tokenized, is the draft (`"Ken`
+-> `ji Haddad",`). A value about to start is found by its key's label in the document
+(`"email": "` -> what follows `E-mail: `).
 
 A draft is only a guess that the model verifies, so a continuation tokenized differently
 from what the model writes costs one rejected draft, never a different output.
