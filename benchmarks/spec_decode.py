@@ -485,6 +485,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         args.single, args.batch, args.chat_single, args.turns, args.chat_tokens = 3, 8, 1, 2, 64
+    for name in ("single", "batch", "batch_size", "chat_single"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1")
     args.workloads = [w for w in args.workloads.split(",") if w]
     names = ["off"] + [c for c in args.configs.split(",") if c and c != "off"]
     unknown = [n for n in names if n not in CONFIGS]
