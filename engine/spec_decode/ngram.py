@@ -78,14 +78,9 @@ def earlier_matches(tokens: np.ndarray, max_n: int) -> tuple[int, np.ndarray]:
     return n, ends
 
 
-# A token match shorter than this defers to the text lookup (when there is a tokenizer): one
-# common token (`"`, ` the`) predicts little, a few characters of text predict more.
-MIN_TRUSTED_MATCH = 2
-
-
 class NgramProposer:
-    """Prompt lookup over each request's own tokens, and by text in its prompt (`TextLookup`,
-    given a tokenizer) where the tokens match less than MIN_TRUSTED_MATCH. Keeps a numpy copy
+    """Prompt lookup over each request's own tokens, and by text in its prompt where the text
+    knows better (`TextLookup.propose_with`, given a tokenizer). Keeps a numpy copy
     per running request (dropped in `request_finished`); learns nothing across requests."""
 
     method = "ngram"
@@ -102,21 +97,22 @@ class NgramProposer:
     def _propose_one(self, context: DraftContext, max_tokens: int) -> list[int]:
         if max_tokens <= 0 or context.num_tokens <= self.min_n:
             return []
-        if self._text is not None and (labeled := self._text.propose_labeled(context, max_tokens)):
-            return labeled
+        if self._text is None:
+            return self._match(context, max_tokens)[2]
+        return self._text.propose_with(
+            context, max_tokens, lambda: self._match(context, max_tokens)
+        )
+
+    def _match(self, context: DraftContext, max_tokens: int) -> tuple[int, bool, list[int]]:
+        """The longest n-gram match: its length, whether it lies in the prompt only, and the
+        tokens after its most recent occurrence ([] below `prompt_lookup_min`)."""
         tokens = self._tokens.get(context)
         n, ends = earlier_matches(tokens, self.max_n)
-        # A structured output copying from the prompt: its value ends where the text lookup
-        # sees it end.
-        copied = n > 0 and context.structured and int(ends[-1]) < context.num_prompt_tokens
-        if (n < MIN_TRUSTED_MATCH or copied) and self._text is not None:
-            draft = self._text.propose(context, max_tokens)
-            if draft:
-                return draft
+        copied = n > 0 and int(ends[-1]) < context.num_prompt_tokens
         if n < self.min_n:
-            return []
+            return n, copied, []
         start = int(ends[-1]) + 1  # the most recent occurrence
-        return tokens[start : start + max_tokens].tolist()
+        return n, copied, tokens[start : start + max_tokens].tolist()
 
     def request_finished(self, context: DraftContext, completed: bool) -> None:
         self._tokens.drop(context.req_id)

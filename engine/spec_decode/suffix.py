@@ -33,7 +33,7 @@ import numpy as np
 
 from agentrt.engine.config import SpeculativeConfig
 from agentrt.engine.spec_decode.base import DraftContext
-from agentrt.engine.spec_decode.ngram import MIN_TRUSTED_MATCH, TokenArrays
+from agentrt.engine.spec_decode.ngram import TokenArrays
 from agentrt.engine.spec_decode.text_lookup import TextLookup
 
 # Longest suffix matched (ArcticInference's default suffix-tree depth): longer matches rarely
@@ -146,21 +146,18 @@ class SuffixProposer:
     def _propose_one(self, context: DraftContext, max_tokens: int) -> list[int]:
         if max_tokens <= 0:
             return []
-        if self._text is not None and (labeled := self._text.propose_labeled(context, max_tokens)):
-            return labeled
-        n, draft, copied = self._walk(context, max_tokens)
-        if self._text is not None and (n < MIN_TRUSTED_MATCH or (copied and context.structured)):
-            return self._text.propose(context, max_tokens) or draft
-        return draft
+        if self._text is None:
+            return self._walk(context, max_tokens)[2]
+        return self._text.propose_with(context, max_tokens, lambda: self._walk(context, max_tokens))
 
-    def _walk(self, context: DraftContext, max_tokens: int) -> tuple[int, list[int], bool]:
-        """Steps 1 and 2 above: the match length in tokens, the draft (0, [] without a
-        match of at least `prompt_lookup_min`) and whether the match is in the prompt only
-        (the output copies it: a structured output's value then ends where the text lookup
-        sees it end)."""
+    def _walk(self, context: DraftContext, max_tokens: int) -> tuple[int, bool, list[int]]:
+        """Steps 1 and 2 above: the match length in tokens, whether the match is in the
+        prompt only (the output copies it: a structured output's value then ends where the
+        text lookup sees it end), and the draft (0, False, [] without a match of at least
+        `prompt_lookup_min`)."""
         length = context.num_tokens
         if length == 0 or length < self.min_n:
-            return 0, [], False
+            return 0, False, []
         own = self._tokens.get(context)
         last = own[length - 1]
         # 1. Occurrences of the last token, by end position: in the request (strictly before
@@ -175,14 +172,14 @@ class SuffixProposer:
             tokens = np.full(1, _SEPARATOR, dtype=np.int64)
             cached_ends = np.empty(0, dtype=np.int64)
         if own_ends.size == 0 and cached_ends.size == 0:
-            return 0, [], False
+            return 0, False, []
         # Keep the occurrences of the longest match.
         pattern = own[length - min(MAX_MATCH_TOKENS, length) :][::-1]  # the request, backwards
         own_lengths = _match_lengths(own, own_ends, pattern)
         cached_lengths = _match_lengths(tokens, cached_ends, pattern)
         n = max(own_lengths.max(initial=0), cached_lengths.max(initial=0))
         if n < self.min_n:
-            return 0, [], False
+            return 0, False, []
         own_ends, cached_ends = own_ends[own_lengths == n], cached_ends[cached_lengths == n]
         copied = cached_ends.size == 0 and bool(own_ends[-1] < context.num_prompt_tokens)
 
@@ -201,7 +198,7 @@ class SuffixProposer:
             draft.append(int(token))
             own_next = own_next[own[own_next] == token] + 1
             cached_next = cached_next[tokens[cached_next] == token] + 1
-        return int(n), draft, copied
+        return int(n), copied, draft
 
     def request_finished(self, context: DraftContext, completed: bool) -> None:
         """Forgets the request's own tokens; keeps its output for its key when it completed."""

@@ -15,7 +15,7 @@ from what the model writes costs one rejected draft, never a different output.
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from agentrt.engine.spec_decode.base import DraftContext
 
@@ -25,6 +25,9 @@ from agentrt.engine.spec_decode.base import DraftContext
 TAIL_TOKENS = 8
 MAX_MATCH_CHARS = 32
 MIN_MATCH_CHARS = 3
+# A token match shorter than this defers to the text lookup: one common token (`"`, ` the`)
+# predicts little, a few characters of text predict more.
+MIN_TRUSTED_MATCH = 2
 # Characters of continuation tokenized per draft token wanted (SmolLM2's tokens average
 # ~4 characters of English; the surplus is cut off with the last, maybe partial, token).
 CHARS_PER_TOKEN = 6
@@ -43,13 +46,37 @@ class TextLookup:
         self.tokenizer = tokenizer
         self._prompts: dict[str, tuple[Sequence[int], str]] = {}  # req_id -> (ids, text)
 
-    def propose(self, context: DraftContext, max_tokens: int) -> list[int]:
+    def propose_with(
+        self,
+        context: DraftContext,
+        max_tokens: int,
+        token_match: Callable[[], tuple[int, bool, list[int]]],
+    ) -> list[int]:
+        """A token proposer's draft, by text where the text knows better:
+        1. a structured output about to write a key's value: by the key's label
+           (`propose_labeled`);
+        2. else the proposer's token match (`token_match()`: its length in tokens, whether
+           it lies in the prompt only, its draft), unless it is shorter than
+           MIN_TRUSTED_MATCH or, in a structured output, a copy from the prompt (the text
+           knows where the value ends): then by text (`propose`), the token draft where the
+           text finds nothing.
+        The output's tail is decoded at most once."""
+        tail = self._tail(context, max_tokens) if context.structured else None
+        labeled = self.propose_labeled(context, max_tokens, tail) if tail is not None else []
+        if labeled:
+            return labeled
+        num_matched, copied, draft = token_match()
+        if num_matched < MIN_TRUSTED_MATCH or (copied and context.structured):
+            return self.propose(context, max_tokens, tail) or draft
+        return draft
+
+    def propose(self, context: DraftContext, max_tokens: int, tail: str | None = None) -> list[int]:
         """Up to `max_tokens` tokens that follow, in the prompt's text, the longest tail of
         the output's text found there (its most recent occurrence; at least
         MIN_MATCH_CHARS long), or, in a structured output, a string value's first one or
         two characters where a word starts with them (`"El` -> `Elena`, not `Delft`); []
-        without a match."""
-        tail = self._tail(context, max_tokens)
+        without a match. `tail`: the output's tail text, when the caller decoded it."""
+        tail = tail if tail is not None else self._tail(context, max_tokens)
         if tail is None:
             return []
         prompt = self._prompt_text(context)
@@ -65,13 +92,17 @@ class TextLookup:
             return []
         return self._draft(prompt, words[-1].end(), "", True, max_tokens)
 
-    def propose_labeled(self, context: DraftContext, max_tokens: int) -> list[int]:
+    def propose_labeled(
+        self, context: DraftContext, max_tokens: int, tail: str | None = None
+    ) -> list[int]:
         """A structured output about to write a key's value (`"email": "`): what follows
         that key's label in the prompt (`E-mail: `: the key's letters, any of `-_ ` between
         them, up to 30 characters more to a colon; its most recent occurrence), the value's
         opening quote first where the output has not written it (not before a number); []
-        elsewhere."""
-        tail = self._tail(context, max_tokens) if context.structured else None
+        elsewhere. `tail`: the output's tail text, when the caller decoded it."""
+        if not context.structured:
+            return []
+        tail = tail if tail is not None else self._tail(context, max_tokens)
         key = _KEY_VALUE_START.search(tail) if tail is not None else None
         if key is None:
             return []
