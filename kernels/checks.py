@@ -21,6 +21,30 @@ def version(t: torch.Tensor) -> int:
     return -1 if t.is_inference() else t._version
 
 
+class CheckedOnce:
+    """The tensors a check last passed, held (so no other tensor can take their ids), with a
+    key of what else it depended on (their version counters, layouts, bounds). A kernel
+    that every layer of a step calls with the same tensors checks them once per step."""
+
+    __slots__ = ("_key", "_tensors")
+
+    def __init__(self) -> None:
+        self._tensors: tuple[torch.Tensor, ...] = ()
+        self._key: object = None
+
+    def passed(self, tensors: tuple[torch.Tensor, ...], key: object) -> bool:
+        """These very tensors passed the check last, with this key."""
+        return (
+            bool(self._tensors)
+            and self._key == key
+            and len(tensors) == len(self._tensors)
+            and all(a is b for a, b in zip(tensors, self._tensors, strict=True))
+        )
+
+    def remember(self, tensors: tuple[torch.Tensor, ...], key: object) -> None:
+        self._tensors, self._key = tensors, key
+
+
 def check_dtype(name: str, t: torch.Tensor, allowed: tuple[torch.dtype, ...]) -> None:
     if t.dtype not in allowed:
         names = ", ".join(str(d).removeprefix("torch.") for d in allowed)

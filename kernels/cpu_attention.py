@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from .checks import check_dtype, check_paged_attention, version
+from .checks import CheckedOnce, check_dtype, check_paged_attention, version
 from .cpu_build import build_library
 from .errors import KernelInputError
 
@@ -63,7 +63,7 @@ class CpuAttention:
         # Inference tensors (the engine's) carry no version counter: for them the same
         # tensors count as checked; the engine builds each step's metadata anew and never
         # writes into it.
-        self._checked: tuple = ()
+        self._checked = CheckedOnce()
 
     def paged_attention(
         self,
@@ -82,9 +82,9 @@ class CpuAttention:
         query: (num_tokens, num_heads, head_dim), contiguous) and returns it."""
         metadata = (query_start_loc, seq_lens, block_tables)
         key = (*(_layout(t) for t in (query, kv_cache, out)), *(version(t) for t in metadata))
-        if not self._is_checked(metadata, key):
+        if not self._checked.passed(metadata, key):
             self._check(query, kv_cache, query_start_loc, seq_lens, block_tables, out)
-            self._checked = (metadata, key)
+            self._checked.remember(metadata, key)
         num_requests = seq_lens.shape[0]
         if num_requests == 0:
             return out
@@ -134,12 +134,6 @@ class CpuAttention:
             check_dtype(name, t, (torch.int32,))
         if seq_lens.shape[0]:
             _check_metadata(query, query_start_loc, seq_lens, block_tables, num_blocks, block_size)
-
-    def _is_checked(self, metadata: tuple, key: tuple) -> bool:
-        if not self._checked:
-            return False
-        checked, checked_key = self._checked
-        return checked_key == key and all(a is b for a, b in zip(checked, metadata, strict=True))
 
 
 def _layout(t: torch.Tensor) -> tuple:

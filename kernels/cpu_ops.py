@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .checks import version
+from .checks import CheckedOnce, version
 from .cpu_build import build_library
 from .errors import KernelInputError
 
@@ -53,8 +53,8 @@ class CpuOps:
             fn.restype = None
         self._lib = lib
         # The positions and key rows last checked, with their bounds and version counters:
-        # every layer of a step passes the same ones (see CpuAttention._checked).
-        self._checked: tuple = ()
+        # every layer of a step passes the same ones.
+        self._checked = CheckedOnce()
 
     def add_rms_norm(
         self, x: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor, eps: float
@@ -109,10 +109,7 @@ class CpuOps:
         # Out-of-range rows or positions would write or read outside the tensors.
         limits = (cos_sin.shape[0], num_blocks * 2 * block_size - block_size)
         key = (limits, version(positions), version(key_rows))
-        checked = self._checked
-        if not (
-            checked and checked[0] is positions and checked[1] is key_rows and checked[2] == key
-        ):
+        if not self._checked.passed((positions, key_rows), key):
             if tokens and (
                 int(positions.min()) < 0
                 or int(positions.max()) >= limits[0]
@@ -122,7 +119,7 @@ class CpuOps:
                 raise KernelInputError(
                     "positions or key_rows out of range of cos_sin / kv_cache.", arg="key_rows"
                 )
-            self._checked = (positions, key_rows, key)
+            self._checked.remember((positions, key_rows), key)
         query = torch.empty((tokens, num_heads, dim), dtype=_F32)
         self._lib.rope_qkv(
             qkv.data_ptr(),
