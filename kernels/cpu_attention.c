@@ -43,8 +43,6 @@ static inline vf load16(const void *p, int dtype) {
     return v;
 }
 
-static inline float exp_neg1(float x) { return exp_neg(splat(x))[0]; }
-
 // Lane t of the result = the sum of x[t]'s 16 lanes. Each level adds pairs of vectors after
 // interleaving their halves, which leaves the sums in bit-reversed lane order; the last
 // shuffle restores it.

@@ -106,8 +106,7 @@ void silu_mul(const uint16_t *gate_up, uint16_t *out, int64_t rows, int64_t size
         }
         for (; i < size; i++) {
             const float g = bf16_to_f32(gate[i]), u = bf16_to_f32(up[i]);
-            vf x = (vf){0} - __builtin_fabsf(g);
-            const float e = exp_neg(x)[0];
+            const float e = exp_neg1(-__builtin_fabsf(g));
             const float sig = g >= 0 ? 1.0f / (1.0f + e) : e / (1.0f + e);
             out[t * size + i] = f32_to_bf16(g * sig * u);
         }

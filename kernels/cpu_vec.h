@@ -31,4 +31,6 @@ static inline vf exp_neg(vf x) {
     return (vf)((vi)p + (__builtin_convertvector(n, vi) << 23));
 }
 
+static inline float exp_neg1(float x) { return exp_neg(splat(x))[0]; }
+
 #endif
