@@ -164,10 +164,18 @@ def agentrt_agent(llm: LLM) -> tuple[float, int]:
 
 
 def perplexity(llm: LLM, token_ids: list[int]) -> float:
-    """Teacher-forced perplexity of `token_ids`, straight through the model in chunks of
-    PPL_CHUNK tokens with a logits row per position (the runner's draft-verification rows):
-    steps of the size a decode or a verification has, so quantization "int4+dense" (auto)
-    is measured on its int4 weights, not on the dense ones a long prefill runs."""
+    """Teacher-forced perplexity of `token_ids` (see `teacher_forced_logits`)."""
+    logprobs = torch.log_softmax(teacher_forced_logits(llm, token_ids)[:-1].float(), dim=-1)
+    targets = torch.tensor(token_ids[1:])
+    return math.exp(-logprobs.gather(1, targets[:, None]).mean().item())
+
+
+def teacher_forced_logits(llm: LLM, token_ids: list[int]) -> torch.Tensor:
+    """(n, vocab) logits of `token_ids` (row i predicts token i + 1), straight through the
+    model in chunks of PPL_CHUNK tokens with a logits row per position (the runner's
+    draft-verification rows): steps of the size a decode or a verification has, so
+    quantization "int4+dense" (auto) is measured on its int4 weights, not on the dense ones
+    a long prefill runs."""
     engine = llm.engine
     block_size = engine.cache_config.block_size
     n = len(token_ids)
@@ -178,10 +186,7 @@ def perplexity(llm: LLM, token_ids: list[int]) -> float:
         chunk = ScheduledChunk("ppl", ids, start, blocks, True, num_draft_tokens=len(ids) - 1)
         rows.append(engine.runner.execute(SchedulerOutput([chunk], len(ids))))
     engine.reset_prefix_cache()  # those blocks now hold this text's KV
-    logits = torch.cat(rows)  # (n, vocab): row i predicts token i + 1
-    logprobs = torch.log_softmax(logits[:-1].float(), dim=-1)
-    targets = torch.tensor(token_ids[1:])
-    return math.exp(-logprobs.gather(1, targets[:, None]).mean().item())
+    return torch.cat(rows)  # (n, vocab)
 
 
 def greedy_ids(llm: LLM) -> list[list[int]]:
