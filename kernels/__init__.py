@@ -6,8 +6,10 @@ Public functions dispatch per call (Triton on CUDA tensors, the reference elsewh
 neither CUDA nor Triton; the Triton kernels live in the `triton_*` modules, which import
 Triton themselves and are loaded on first use. `load_cpu_attention(build_dir)` builds and
 loads the C paged-attention kernel that the engine's CPU attention backend uses;
-`load_cpu_ops(build_dir)` the fused glue of quantized layers on the CPU. This package
-imports nothing local.
+`load_cpu_ops(build_dir)` the fused glue of quantized layers on the CPU. `ggml_linear`
+(and `GGMLWeight`, `ggml_embedding`, ...) runs GGUF's quantized block types in their own
+format on the CPU: import it from `agentrt.kernels.ggml_linear` (not re-exported here, where
+the function's name would hide its module). This package imports nothing local.
 """
 
 from __future__ import annotations

@@ -30,18 +30,19 @@ def _cpu_flags() -> str:
         return ""
 
 
-def _compiler_flags() -> tuple[str, ...]:
-    return FLAGS + tuple(os.environ.get("AGENTRT_CPU_KERNEL_CFLAGS", "").split())
+def _compiler_flags(extra: tuple[str, ...] = ()) -> tuple[str, ...]:
+    return FLAGS + extra + tuple(os.environ.get("AGENTRT_CPU_KERNEL_CFLAGS", "").split())
 
 
-def build_library(source_path: Path, build_dir: Path) -> Path:
-    """The built library of `source_path` (compiled now unless built before); raises
-    KernelBuildError with the compiler's message when it cannot be built."""
+def build_library(source_path: Path, build_dir: Path, extra_flags: tuple[str, ...] = ()) -> Path:
+    """The built library of `source_path` (compiled now unless built before), with
+    `extra_flags` after the defaults (one source built per instruction set, e.g.
+    `("-mno-avx512f", "-DAGENTRT_ISA=1")`); raises KernelBuildError with the compiler's message
+    when it cannot be built."""
     compiler = os.environ.get("CC", "cc")
+    flags = _compiler_flags(extra_flags)
     texts = [path.read_bytes() for path in (source_path, *sorted(source_path.parent.glob("*.h")))]
-    key = hashlib.sha256(
-        b"\0".join([*texts, " ".join(_compiler_flags()).encode(), _cpu_flags().encode()])
-    )
+    key = hashlib.sha256(b"\0".join([*texts, " ".join(flags).encode(), _cpu_flags().encode()]))
     target = build_dir / f"{source_path.stem}-{key.hexdigest()[:16]}.so"
     if target.exists():
         return target
@@ -49,7 +50,7 @@ def build_library(source_path: Path, build_dir: Path) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=build_dir)
     os.close(fd)
     try:
-        _compile(compiler, source_path, tmp)
+        _compile(compiler, flags, source_path, tmp)
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
@@ -57,10 +58,10 @@ def build_library(source_path: Path, build_dir: Path) -> Path:
     return target
 
 
-def _compile(compiler: str, source: Path, output: str) -> None:
+def _compile(compiler: str, flags: tuple[str, ...], source: Path, output: str) -> None:
     try:
         done = subprocess.run(
-            [compiler, *_compiler_flags(), str(source), "-o", output],
+            [compiler, *flags, str(source), "-o", output],
             capture_output=True,
             text=True,
         )

@@ -1,0 +1,244 @@
+"""The GGML block-type kernels (kernels/ggml_linear.py, ggml_quants.c) against gguf-py's numpy
+dequantize, on random blocks, for every instruction set this CPU runs.
+
+Random bytes are valid blocks of every type once the fp16 d / dmin fields hold finite values.
+
+Tolerances. The kernel quantizes each activation row to int8 per block of 32
+(d = max|x| / 127, q = round(x / d)) and sums integer products, so it computes exactly
+x_hat @ W.T with x_hat = q * d, up to fp32 rounding of the per-group sums. Two checks:
+  * against x_hat @ W.T (the activation rounding replayed in torch): within 1e-5 of
+    |x_hat| @ |W|.T, fp32 summation-order noise;
+  * against x @ W.T (gguf's reference, unquantized x): within |W| @ (d / 2).T, the bound of
+    the rounding itself (|x_hat - x| <= d / 2 per element), plus that fp32 slack.
+Dequantization and the embedding lookup agree with gguf's dequantize bit for bit.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from agentrt.kernels import ggml_linear as G
+from agentrt.kernels.errors import KernelInputError
+
+Q = gguf.GGMLQuantizationType
+# Byte offsets of each type's fp16 scale fields within a block.
+FP16_FIELDS = {
+    Q.Q4_0: (0,),
+    Q.Q4_1: (0, 2),
+    Q.Q5_0: (0,),
+    Q.Q5_1: (0, 2),
+    Q.Q8_0: (0,),
+    Q.Q2_K: (80, 82),
+    Q.Q3_K: (108,),
+    Q.Q4_K: (0, 2),
+    Q.Q5_K: (0, 2),
+    Q.Q6_K: (208,),
+}
+TYPES = sorted(G.QUANTIZED_TYPES)
+ISAS = G.available_isas()
+N, K = 40, 512
+
+
+def random_weight(qtype: int, n: int, k: int, seed: int = 0) -> G.GGMLWeight:
+    elems, size = G.block_shape(qtype)
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, size=(n * k // elems, size), dtype=np.uint8)
+    for offset in FP16_FIELDS[qtype]:
+        scales = (rng.standard_normal(len(blocks)) * 0.01).astype(np.float16)
+        blocks[:, offset : offset + 2] = scales.view(np.uint8).reshape(-1, 2)
+    return G.GGMLWeight(torch.from_numpy(blocks.reshape(n, -1)), int(qtype), k)
+
+
+@pytest.fixture(scope="module")
+def weights():
+    """qtype -> (weight (N, K), gguf's dequantized (N, K) fp32)."""
+    out = {}
+    for i, qtype in enumerate(TYPES):
+        w = random_weight(qtype, N, K, seed=i)
+        out[qtype] = (w, G.dequantize_ref(w))
+    return out
+
+
+@pytest.fixture(params=ISAS)
+def isa(request, monkeypatch):
+    monkeypatch.setenv(G.ISA_ENV, request.param)
+    return request.param
+
+
+def quantize_rows_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's activation rounding in torch: (x_hat (T, K), d (T, K) per element)."""
+    blocks = x.float().view(x.shape[0], -1, 32)  # (T, K / 32, 32)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    # A true division (a Python scalar over a tensor would be reciprocal-then-multiply).
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
+    d = amax / 127.0
+    x_hat = torch.round(blocks * inv) * d
+    return x_hat.view_as(x), d.expand_as(blocks).reshape(x.shape)
+
+
+def check_product(y: torch.Tensor, x: torch.Tensor, dense: torch.Tensor) -> None:
+    x_hat, d = quantize_rows_ref(x)
+    slack = 1e-5 * (x_hat.abs() @ dense.abs().T) + 1e-30
+    assert ((y - x_hat @ dense.T).abs() <= slack).all()
+    bound = (d / 2) @ dense.abs().T + slack
+    assert ((y - x.float() @ dense.T).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: Q(t).name)
+def test_product_matches_gguf_reference(isa, weights, qtype):
+    w, dense = weights[qtype]
+    gen = torch.Generator().manual_seed(qtype)
+    for rows in (1, 3, 16, 64):
+        x = torch.randn(rows, K, generator=gen)
+        check_product(G.ggml_linear(x, w), x, dense)
+    # bf16 rows in, and the bf16-out variant (one more rounding, to bf16, of each sum)
+    xb = torch.randn(5, K, generator=gen).bfloat16()
+    check_product(G.ggml_linear(xb, w), xb, dense)
+    y = G.ggml_linear_bf16(xb, w)
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y, G.ggml_linear(xb, w).bfloat16(), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: Q(t).name)
+def test_dequantize_and_embedding_are_gguf_exactly(isa, weights, qtype):
+    w, dense = weights[qtype]
+    assert torch.equal(w.dequantize(), dense)
+    assert torch.equal(w.dequantize(torch.bfloat16), dense.bfloat16())
+    ids = torch.tensor([3, 0, 39, 3])
+    assert torch.equal(G.ggml_embedding(ids, w), dense[ids])
+
+
+def test_ggml_linear_ref_is_x_times_dequantized(weights):
+    w, dense = weights[Q.Q4_K]
+    x = torch.randn(2, K)
+    torch.testing.assert_close(G.ggml_linear_ref(x, w), x @ dense.T)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q8_0], ids=lambda t: Q(t).name)
+def test_large_step_path_is_the_dequantized_product(weights, qtype):
+    """From LARGE_STEP_ROWS rows on, dequantized tiles go to torch's fp32 GEMM: no activation
+    rounding, so it matches the reference to fp32 summation order."""
+    w, dense = weights[qtype]
+    x = torch.randn(G.LARGE_STEP_ROWS + 3, K)
+    torch.testing.assert_close(G.ggml_linear(x, w), x @ dense.T, atol=1e-4, rtol=1e-4)
+    wide = random_weight(qtype, G.LARGE_STEP_TILE + 5, K)  # more than one tile of rows
+    torch.testing.assert_close(
+        G.ggml_linear(x, wide), x @ G.dequantize_ref(wide).T, atol=1e-4, rtol=1e-4
+    )
+
+
+def test_out_as_a_column_slice_of_a_wider_tensor(isa, weights):
+    """Fused projections of mixed types (Q4_K_M's Q4_K and Q6_K) write side by side."""
+    (w1, d1), (w2, d2) = weights[Q.Q4_K], weights[Q.Q6_K]
+    for rows in (1, 7, G.LARGE_STEP_ROWS):
+        x = torch.randn(rows, K)
+        out = torch.full((rows, 2 * N + 3), float("nan"))
+        assert G.ggml_linear(x, w1, out[:, :N]).data_ptr() == out.data_ptr()
+        G.ggml_linear(x, w2, out[:, N : 2 * N])
+        if rows < G.LARGE_STEP_ROWS:
+            check_product(out[:, :N], x, d1)
+            check_product(out[:, N : 2 * N], x, d2)
+        else:
+            torch.testing.assert_close(out[:, :N], x @ d1.T, atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(out[:, N : 2 * N], x @ d2.T, atol=1e-4, rtol=1e-4)
+        assert out[:, 2 * N :].isnan().all()  # nothing written past the slices
+
+
+def test_select_rows(weights):
+    w, dense = weights[Q.Q5_0]
+    part = w.select_rows(slice(8, 24))
+    assert part.data.data_ptr() == w.data.data_ptr() + 8 * w.data.stride(0)  # a view
+    assert part.out_features == 16 and part.nbytes == 16 * w.data.shape[1]
+    assert torch.equal(part.dequantize(), dense[8:24])
+    perm = torch.randperm(N)
+    assert torch.equal(w.select_rows(perm).dequantize(), dense[perm])
+    x = torch.randn(3, K)
+    check_product(G.ggml_linear(x, part), x, dense[8:24])
+
+
+@pytest.mark.parametrize("qtype", [Q.F32, Q.F16, Q.BF16], ids=lambda t: Q(t).name)
+def test_dense_types(qtype):
+    dtype = G.DENSE_DTYPES[qtype]
+    dense = torch.randn(24, 64).to(dtype)
+    w = G.GGMLWeight(dense.view(torch.uint8), int(qtype), 64)
+    assert torch.equal(w.dequantize(), dense.float())
+    x = torch.randn(3, 64)
+    torch.testing.assert_close(G.ggml_linear(x, w), x @ dense.float().T)
+    torch.testing.assert_close(G.ggml_linear_ref(x, w), x @ dense.float().T)
+    assert torch.equal(G.ggml_embedding(torch.tensor([5, 1]), w), dense.float()[[5, 1]])
+
+
+@pytest.mark.parametrize("qtype", [Q.IQ2_XXS, Q.TQ1_0, Q.Q8_K], ids=lambda t: Q(t).name)
+def test_unsupported_type_names_tensor_type_and_supported_list(qtype):
+    with pytest.raises(G.UnsupportedGGMLType) as info:
+        G.check_ggml_type(int(qtype), "blk.3.ffn_down.weight")
+    message = str(info.value)
+    assert "blk.3.ffn_down.weight" in message and Q(qtype).name in message
+    assert "Q4_K" in message and "Q6_K" in message and "BF16" in message
+    assert isinstance(info.value, KernelInputError)
+    with pytest.raises(G.UnsupportedGGMLType):
+        G.GGMLWeight(torch.zeros(2, 66, dtype=torch.uint8), int(qtype), 256)
+
+
+def test_odd_shapes_refused(weights):
+    w, _ = weights[Q.Q4_0]
+    with pytest.raises(KernelInputError, match="multiple"):
+        G.GGMLWeight(torch.zeros(4, 18, dtype=torch.uint8), int(Q.Q4_0), 48)
+    with pytest.raises(KernelInputError, match="uint8"):
+        G.GGMLWeight(torch.zeros(4, 17, dtype=torch.uint8), int(Q.Q4_0), 32)
+    with pytest.raises(KernelInputError, match="uint8"):
+        G.GGMLWeight(torch.zeros(4, 18, dtype=torch.int8), int(Q.Q4_0), 32)
+    bad_x = [
+        torch.randn(2, K).half(),  # dtype
+        torch.randn(2, K + 32),  # K
+        torch.randn(K, 2).T,  # not contiguous
+        torch.randn(2, 2 * K)[:, ::2],  # strided
+        torch.randn(K),  # 1-D
+    ]
+    for x in bad_x:
+        with pytest.raises(KernelInputError) as info:
+            G.ggml_linear(x, w)
+        assert info.value.arg == "x"
+    with pytest.raises(KernelInputError):
+        G.ggml_linear_bf16(torch.randn(2, K), w)  # the bf16 variant takes bf16
+    x = torch.randn(2, K)
+    for out in (
+        torch.empty(2, N + 1),  # shape
+        torch.empty(3, N),
+        torch.empty(2, N, dtype=torch.bfloat16),  # dtype
+        torch.empty(N, 2).T,  # last stride not 1
+        torch.empty(2, 2 * N)[:, ::2],
+    ):
+        with pytest.raises(KernelInputError) as info:
+            G.ggml_linear(x, w, out)
+        assert info.value.arg == "out"
+    with pytest.raises(KernelInputError):
+        G.ggml_embedding(torch.tensor([N]), w)  # out of range
+    with pytest.raises(KernelInputError):
+        G.ggml_embedding(torch.tensor([1], dtype=torch.int32), w)
+
+
+def test_isa_flag_forces_the_path_in_a_fresh_process():
+    code = (
+        "import torch; from agentrt.kernels import ggml_linear as G;"
+        "print(G._kernels().isa, G.selected_isa())"
+    )
+    for isa in ISAS:
+        env = {**os.environ, G.ISA_ENV: isa}
+        done = subprocess.run(
+            [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+        )
+        assert done.stdout.split() == [isa, isa]
+
+
+def test_isa_flag_refuses_what_the_cpu_cannot_run(monkeypatch):
+    monkeypatch.setenv(G.ISA_ENV, "sse9")
+    with pytest.raises(KernelInputError, match="sse9"):
+        G.selected_isa()
