@@ -37,6 +37,7 @@ from agentrt.server.protocol import (
     TokenizeRequest,
 )
 from agentrt.server.responses import now
+from agentrt.server.responses_api import add_response_routes
 from agentrt.server.state import ServerConfig, ServerState
 
 logger = logging.getLogger("agentrt.server")
@@ -72,6 +73,7 @@ def create_app(config: ServerConfig, *, llm_engine: LLMEngine | None = None) -> 
     )
     install_error_handlers(app)
     _add_routes(app)
+    add_response_routes(app)
 
     def count_status(status: int) -> None:
         if "state" in holder:

@@ -17,6 +17,7 @@ from agentrt.engine.errors import InvalidRequestError
 from agentrt.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from agentrt.errors import SchemaError
 from agentrt.formats import OutputFormat, resolve_format, tools_format
+from agentrt.server.calls_or_answer import calls_or_answer
 from agentrt.server.errors import bad_request, from_exception
 from agentrt.server.protocol import (
     MAX_SEED,
@@ -134,7 +135,11 @@ def chat_constraint(request: ChatCompletionRequest, tool_style: str = "json") ->
         # SchemaError names the field at fault: tools or tool_choice.
         constraints.append(("tools", fmt.structured_outputs()))
     if request.response_format is not None and request.response_format.type != "text":
-        constraints.append(("response_format", _response_format(request)))
+        answer = _response_format(request)
+        if fmt is None:
+            constraints.append(("response_format", answer))
+        else:  # the format shapes the answer, the tools the calls (OpenAI takes both)
+            constraints[0] = ("tools", calls_or_answer(fmt, answer))
     if request.structured_outputs is not None:
         constraints.append(("structured_outputs", vllm_structured(request.structured_outputs)))
     if len(constraints) > 1:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
 # torch generators take seeds in [-2**63, 2**64).
 MIN_SEED = -(2**63)
@@ -195,3 +195,128 @@ class TokenizeRequest(_Closed):
 class DetokenizeRequest(_Closed):
     model: str | None = None
     tokens: list[TokenId]
+
+
+# -- responses (`POST /v1/responses`, agentrt.server.responses_api) -------------------------
+
+
+class _Open(BaseModel):
+    """Items clients echo back from earlier responses carry fields (`id`, `status`,
+    `annotations`, ...) that mean nothing here: accepted, not used."""
+
+    model_config = ConfigDict(extra="allow")
+
+
+class InputContent(_Open):
+    """A content part: `input_text`, `output_text` (assistant text echoed back) and
+    `refusal` are read; other types (images, files, audio) are refused by name."""
+
+    type: str
+    text: str | None = None
+    refusal: str | None = None
+
+
+class InputMessage(_Open):
+    type: Literal["message"] = "message"
+    role: Literal["user", "assistant", "system", "developer"]
+    content: str | list[InputContent]
+
+
+class FunctionCallItem(_Open):
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str
+
+
+class FunctionCallOutputItem(_Open):
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str | list[InputContent]
+
+
+class OtherInputItem(_Open):
+    """Any other item type: `reasoning` items are skipped, the rest refused by name."""
+
+    type: str
+
+
+_ITEM_TAGS = ("message", "function_call", "function_call_output")
+
+
+def _item_tag(value: Any) -> str:
+    kind = value.get("type", "message") if isinstance(value, dict) else value.type
+    return kind if kind in _ITEM_TAGS else "other"
+
+
+InputItem = Annotated[
+    Annotated[InputMessage, Tag("message")]
+    | Annotated[FunctionCallItem, Tag("function_call")]
+    | Annotated[FunctionCallOutputItem, Tag("function_call_output")]
+    | Annotated[OtherInputItem, Tag("other")],
+    Discriminator(_item_tag),
+]
+
+
+class ResponsesTool(_Open):
+    """A tool: `function` tools are served; other types (web search, file search, computer
+    use, MCP, ...) are refused by name."""
+
+    type: str
+    name: str | None = None
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ResponsesToolChoice(_Open):
+    type: str
+    name: str | None = None
+
+
+class TextFormat(_Closed):
+    type: Literal["text", "json_object", "json_schema"]
+    name: Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")] | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class TextConfig(_Closed):
+    format: TextFormat | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None
+
+
+class ResponsesStreamOptions(_Closed):
+    include_obfuscation: bool | None = None
+
+
+class ResponsesRequest(_Closed):
+    model: str | None = None
+    input: str | list[InputItem]
+    instructions: str | None = None
+    previous_response_id: str | None = None
+    store: bool | None = None
+    stream: bool | None = None
+    stream_options: ResponsesStreamOptions | None = None
+    max_output_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    tools: list[ResponsesTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | ResponsesToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    text: TextConfig | None = None
+    include: list[str] | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    truncation: Literal["auto", "disabled"] | None = None
+    # Accepted and echoed or ignored (they change nothing for a local model).
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    service_tier: str | None = None
+    reasoning: dict[str, Any] | None = None
+    # Refused when set: this server has no background runs, conversations or stored prompts.
+    background: bool | None = None
+    conversation: str | dict[str, Any] | None = None
+    prompt: dict[str, Any] | None = None

@@ -1,0 +1,528 @@
+"""`POST /v1/responses` (OpenAI's Responses API, what the OpenAI Agents SDK and
+`client.responses.parse` speak), `GET` and `DELETE /v1/responses/{id}`.
+
+A Responses request is served as the chat request it means (`responses_items`): its input
+items, after the stored conversation of `previous_response_id`, become chat messages that
+the chat template renders; tools, `tool_choice` and `text.format` become the chat
+constraint; sampling, limits, metrics and errors are the chat endpoint's. What differs is
+the shape of the reply: output items (a message, or function calls), and a stream of typed
+events with sequence numbers. Bodies and events are the `openai` package's own Responses
+types, so what this server sends is what the official client parses.
+
+Not served: built-in (hosted) tools, background runs, conversations and stored prompts are
+refused with a 400 naming the field. Reasoning items: none yet (no reasoning is separated
+from the reply); `ResponseView.items` is where they would join the output.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any, get_args
+
+import anyio
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from openai.types.responses import (
+    FunctionTool,
+    ResponseCompletedEvent,
+    ResponseContentPartAddedEvent,
+    ResponseContentPartDoneEvent,
+    ResponseCreatedEvent,
+    ResponseFailedEvent,
+    ResponseFormatTextJSONSchemaConfig,
+    ResponseFunctionCallArgumentsDeltaEvent,
+    ResponseFunctionCallArgumentsDoneEvent,
+    ResponseFunctionToolCall,
+    ResponseIncompleteEvent,
+    ResponseInProgressEvent,
+    ResponseOutputItemAddedEvent,
+    ResponseOutputItemDoneEvent,
+    ResponseOutputMessage,
+    ResponseOutputText,
+    ResponseTextConfig,
+    ResponseTextDeltaEvent,
+    ResponseTextDoneEvent,
+    ResponseUsage,
+    ToolChoiceFunction,
+)
+from openai.types.responses import Response as ResponseObject
+from openai.types.shared import ResponseFormatJSONObject, ResponseFormatText
+from pydantic import BaseModel
+from sse_starlette import EventSourceResponse, ServerSentEvent
+
+from agentrt.engine.outputs import CompletionOutput, RequestDelta, RequestOutput
+from agentrt.server.calls_or_answer import ReplyKind, is_calls, tool_names
+from agentrt.server.chat import chat_prompt
+from agentrt.server.errors import APIError, bad_request, failed_output, from_exception
+from agentrt.server.generation import Generation
+from agentrt.server.params import ChatConstraint, chat_constraint, choice_params
+from agentrt.server.protocol import ChatCompletionRequest, ResponsesRequest
+from agentrt.server.response_store import ResponseStore, StoredResponse
+from agentrt.server.responses import chat_logprobs
+from agentrt.server.responses_items import (
+    chat_request,
+    item_messages,
+    output_messages,
+    renamed,
+)
+from agentrt.server.state import ServerState
+from agentrt.server.tool_stream import ToolCallStreamer
+from agentrt.tool_calls import parse_tool_calls, tool_call_style
+
+_PARAM_NAMES = {"prompt": "input", "prompt_token_ids": "input", "max_tokens": "max_output_tokens"}
+
+
+def add_response_routes(app: FastAPI, store: ResponseStore | None = None) -> None:
+    """The Responses routes, over one store of responses (a new one by default)."""
+    store = store if store is not None else ResponseStore()
+
+    @app.post("/v1/responses")
+    async def create(body: ResponsesRequest, request: Request) -> Response:
+        return await create_response(request.app.state.server, store, body, request)
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve(response_id: str) -> dict:
+        return _stored(store, response_id).body
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete(response_id: str) -> dict:
+        _stored(store, response_id)
+        store.delete(response_id)
+        return {"id": response_id, "object": "response", "deleted": True}
+
+
+def _stored(store: ResponseStore, response_id: str, param: str | None = None) -> StoredResponse:
+    stored = store.get(response_id)
+    if stored is None:
+        what = "Previous response" if param else "Response"
+        raise APIError(
+            404,
+            f"{what} with id {response_id!r} not found: it was never stored (store=false), "
+            "was deleted, or has expired from this server's store.",
+            param=param,
+            code="previous_response_not_found" if param else "response_not_found",
+        )
+    return stored
+
+
+async def create_response(
+    state: ServerState, store: ResponseStore, request: ResponsesRequest, raw: Request
+) -> Response:
+    state.check_model(request.model)
+    _refuse_unsupported(request)
+    previous = None
+    if request.previous_response_id is not None:
+        previous = _stored(store, request.previous_response_id, "previous_response_id")
+    history = list(previous.conversation) if previous else []
+    conversation = history + item_messages(request.input)
+    system = [{"role": "system", "content": request.instructions}] if request.instructions else []
+    chat = chat_request(request, state.model_name, system + conversation)
+    tool_style = tool_call_style(state.engine.tokenizer)
+    try:
+        constraint = chat_constraint(chat, tool_style)
+        prompt_ids = chat_prompt(state, chat, constraint)
+        params = choice_params(
+            chat,
+            max_tokens=chat.max_completion_tokens,
+            max_tokens_field="max_output_tokens",
+            logprobs=chat.top_logprobs if chat.logprobs else None,
+            structured=constraint.structured,
+        )
+    except Exception as exc:
+        raise renamed(exc) from None
+    generation = Generation(
+        state.engine, state.metrics, [prompt_ids], params, param_names=_PARAM_NAMES
+    )
+    view = ResponseView(state.model_name, request, chat, constraint, tool_style)
+
+    def keep(body: dict[str, Any], output: list[BaseModel]) -> None:
+        if request.store is not False:
+            messages = conversation + output_messages(output)
+            store.put(view.id, body, messages, continues=previous)
+
+    if request.stream:
+        firsts = await generation.first_deltas(raw.receive)
+        failure = failed_output([d.output for d in firsts if d.output is not None])
+        if failure is not None:
+            raise failure
+        return _event_stream(
+            lambda emit: view.stream(generation, firsts[0], emit, keep), generation
+        )
+    outputs = await generation.collect(raw.receive)
+    failure = failed_output(outputs)
+    if failure is not None:
+        raise failure
+    output = view.items(outputs[0].outputs[0])
+    body = _dump(view.response(_status(outputs[0]), output, outputs[0]))
+    keep(body, output)
+    return JSONResponse(body)
+
+
+def _refuse_unsupported(request: ResponsesRequest) -> None:
+    for name, what in (
+        ("background", "background responses"),
+        ("conversation", "conversations (continue with previous_response_id)"),
+        ("prompt", "stored prompts"),
+    ):
+        if getattr(request, name):
+            raise bad_request(f"{what} are not supported by this server.", param=name)
+    if request.truncation == "auto":
+        raise bad_request(
+            "truncation='auto' is not supported: the conversation is never cut; an input "
+            "longer than the context is refused.",
+            param="truncation",
+        )
+
+
+def _status(output: RequestOutput) -> str:
+    return "incomplete" if output.outputs[0].finish_reason == "length" else "completed"
+
+
+def _dump(model: BaseModel) -> dict[str, Any]:
+    return model.model_dump(mode="json", by_alias=True, exclude_unset=True)
+
+
+def _item_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+class ResponseView:
+    """The Response object of one request and its stream of events."""
+
+    def __init__(
+        self,
+        model: str,
+        request: ResponsesRequest,
+        chat: ChatCompletionRequest,
+        constraint: ChatConstraint,
+        tool_style: str,
+    ) -> None:
+        self.model = model
+        self.request = request
+        self.tool_style = tool_style
+        self.id = _item_id("resp")
+        self.created_at = time.time()
+        self.tools_active = constraint.tools is not None
+        chat_tools = [t.model_dump() for t in chat.tools] if chat.tools else None
+        self.tool_names = tool_names(chat_tools)
+        # Calls or the answer of `text.format` (agentrt.server.calls_or_answer).
+        self.answer_too = (
+            self.tools_active
+            and chat.response_format is not None
+            and chat.tool_choice in (None, "auto")
+        )
+        self.top_n = chat.top_logprobs if chat.logprobs else None
+
+    # -- bodies ---------------------------------------------------------------------------
+
+    def response(
+        self,
+        status: str,
+        output: list[BaseModel],
+        result: RequestOutput | None = None,
+        error: APIError | None = None,
+    ) -> ResponseObject:
+        request = self.request
+        fields: dict[str, Any] = {
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created_at,
+            "model": self.model,
+            "status": status,
+            "output": output,
+            "parallel_tool_calls": request.parallel_tool_calls is not False,
+            "tool_choice": self._tool_choice(),
+            "tools": [self._tool(t) for t in request.tools or () if t.type == "function"],
+            "text": self._text_config(),
+            "instructions": request.instructions,
+            "previous_response_id": request.previous_response_id,
+            "max_output_tokens": request.max_output_tokens,
+            "temperature": request.temperature,
+            "top_p": request.top_p,
+            "metadata": request.metadata or {},
+            "truncation": "disabled",
+            "error": None,
+            "incomplete_details": None,
+        }
+        for name in ("user", "safety_identifier", "prompt_cache_key", "top_logprobs"):
+            if getattr(request, name) is not None:
+                fields[name] = getattr(request, name)
+        if status == "incomplete":
+            fields["incomplete_details"] = {"reason": "max_output_tokens"}
+        if error is not None:
+            code = "server_error" if error.status >= 500 else "invalid_prompt"
+            fields["error"] = {"code": code, "message": error.message}
+        if result is not None:
+            fields["usage"] = _usage(result)
+            fields["completed_at"] = time.time()
+        return ResponseObject(**fields)
+
+    def _tool_choice(self) -> Any:
+        choice = self.request.tool_choice
+        if choice is None or isinstance(choice, str):
+            return choice or "auto"
+        return ToolChoiceFunction(type="function", name=choice.name)
+
+    @staticmethod
+    def _tool(tool) -> FunctionTool:
+        fields = {"type": "function", "name": tool.name}
+        for key in ("description", "parameters", "strict"):
+            if getattr(tool, key) is not None:
+                fields[key] = getattr(tool, key)
+        return FunctionTool(**fields)
+
+    def _text_config(self) -> ResponseTextConfig:
+        text_format = self.request.text.format if self.request.text else None
+        if text_format is None or text_format.type == "text":
+            return ResponseTextConfig(format=ResponseFormatText(type="text"))
+        if text_format.type == "json_object":
+            return ResponseTextConfig(format=ResponseFormatJSONObject(type="json_object"))
+        return ResponseTextConfig(
+            format=ResponseFormatTextJSONSchemaConfig(
+                **text_format.model_dump(by_alias=True, exclude_none=True)
+            )
+        )
+
+    def items(self, completion: CompletionOutput) -> list[BaseModel]:
+        """The output items of a finished reply: its function calls, or one message."""
+        calls = parse_tool_calls(completion.text) if self.tools_active else None
+        if calls and (not self.answer_too or is_calls(calls, self.tool_names)):
+            return [
+                ResponseFunctionToolCall(
+                    type="function_call",
+                    id=_item_id("fc"),
+                    call_id=call.id,
+                    name=call.name,
+                    arguments=json.dumps(call.arguments, ensure_ascii=False),
+                    status="completed",
+                )
+                for call in calls
+            ]
+        logprobs = None
+        if self.top_n is not None:
+            logprobs = chat_logprobs(completion.logprobs or [], self.top_n)
+        status = "incomplete" if completion.finish_reason == "length" else "completed"
+        return [_message(_item_id("msg"), completion.text, status, logprobs)]
+
+    # -- the stream -----------------------------------------------------------------------
+
+    async def stream(self, generation: Generation, first: RequestDelta, emit, keep) -> None:
+        """Emit the events of the response as the reply streams, then `keep(body, output)`
+        the completed response. A failure after the first event is a `response.failed`."""
+        events = _Events(self, emit)
+        await events.send(ResponseCreatedEvent, response=self.response("in_progress", []))
+        await events.send(ResponseInProgressEvent, response=self.response("in_progress", []))
+        try:
+            delta = first
+            await events.on_delta(delta)
+            while delta.output is None:
+                delta = await generation.next_delta(0)
+                await events.on_delta(delta)
+        except Exception as exc:
+            await events.failed(from_exception(exc))
+            return
+        failure = failed_output([delta.output])
+        if failure is not None:
+            await events.failed(failure)
+            return
+        output = await events.close(delta.output.outputs[0].finish_reason)
+        status = _status(delta.output)
+        response = self.response(status, output, delta.output)
+        done = ResponseCompletedEvent if status == "completed" else ResponseIncompleteEvent
+        await events.send(done, response=response)
+        keep(_dump(response), output)
+
+
+def _message(item_id: str, text: str, status: str, logprobs: list | None) -> ResponseOutputMessage:
+    part: dict[str, Any] = {"type": "output_text", "text": text, "annotations": []}
+    if logprobs is not None:
+        part["logprobs"] = logprobs
+    return ResponseOutputMessage(
+        type="message",
+        id=item_id,
+        role="assistant",
+        status=status,
+        content=[ResponseOutputText(**part)],
+    )
+
+
+def _usage(result: RequestOutput) -> ResponseUsage:
+    input_tokens = len(result.prompt_token_ids)
+    cached = result.num_cached_tokens
+    output_tokens = len(result.outputs[0].token_ids)
+    return ResponseUsage(
+        input_tokens=input_tokens,
+        # The prompt tokens computed here enter the prefix cache (in full blocks).
+        input_tokens_details={"cached_tokens": cached, "cache_write_tokens": input_tokens - cached},
+        output_tokens=output_tokens,
+        output_tokens_details={"reasoning_tokens": 0},
+        total_tokens=input_tokens + output_tokens,
+    )
+
+
+class _Events:
+    """The typed events of one streamed response, numbered in the order they are sent, and
+    the output items they open and close (a message, or function calls)."""
+
+    def __init__(self, view: ResponseView, emit) -> None:
+        self.view = view
+        self.emit = emit
+        self.sequence_number = 0
+        self.output: list[BaseModel] = []  # the items done so far
+        self.message: dict[str, Any] | None = None  # the open message: id, text, logprobs
+        self.call: dict[str, Any] | None = None  # the open call: id, call_id, name, arguments
+        self.kind = ReplyKind(view.tool_style, view.tool_names) if view.answer_too else None
+        self.held = ""  # text held back until `kind` tells calls from the answer
+        self.calls = ToolCallStreamer(view.tool_style) if view.tools_active else None
+
+    async def send(self, cls: type[BaseModel], **fields) -> None:
+        event = cls(type=_event_type(cls), sequence_number=self.sequence_number, **fields)
+        self.sequence_number += 1
+        await self.emit(ServerSentEvent(json.dumps(_dump(event)), event=event.type))
+
+    async def on_delta(self, delta: RequestDelta) -> None:
+        logprobs = None
+        if self.view.top_n is not None and delta.logprobs:
+            logprobs = chat_logprobs(delta.logprobs, self.view.top_n)
+        text = delta.text
+        if self.kind is not None:  # calls or the answer: hold the text until it tells
+            self.held += text
+            kind = self.kind.feed(text)
+            if kind is None:
+                return
+            text, self.held = self.held, ""
+            if kind == "answer":
+                self.calls = None
+            self.kind = None
+        if self.calls is None:
+            if text:
+                await self._text(text, logprobs)
+            return
+        content, call_deltas = self.calls.feed(text)
+        if content:
+            await self._text(content, logprobs)
+        for call_delta in call_deltas:
+            await self._call(call_delta)
+
+    async def _text(self, text: str, logprobs: list | None) -> None:
+        if self.message is None:
+            self.message = {"id": _item_id("msg"), "text": "", "logprobs": []}
+            item = _message(self.message["id"], "", "in_progress", None)
+            item.content = []
+            await self.send(ResponseOutputItemAddedEvent, output_index=self._index, item=item)
+            await self.send(
+                ResponseContentPartAddedEvent,
+                item_id=self.message["id"],
+                output_index=self._index,
+                content_index=0,
+                part=ResponseOutputText(type="output_text", text="", annotations=[]),
+            )
+        self.message["text"] += text
+        self.message["logprobs"] += logprobs or []
+        await self.send(
+            ResponseTextDeltaEvent,
+            item_id=self.message["id"],
+            output_index=self._index,
+            content_index=0,
+            delta=text,
+            logprobs=logprobs or [],
+        )
+
+    async def _call(self, call_delta: dict[str, Any]) -> None:
+        """A chat tool-call delta (`ToolCallStreamer`): a header opens a call, a fragment
+        adds to its arguments."""
+        if "id" in call_delta:
+            await self._close_call("completed")
+            self.call = {
+                "id": _item_id("fc"),
+                "call_id": call_delta["id"],
+                "name": call_delta["function"]["name"],
+                "arguments": "",
+            }
+            await self.send(
+                ResponseOutputItemAddedEvent,
+                output_index=self._index,
+                item=self._call_item("in_progress"),
+            )
+        fragment = call_delta["function"].get("arguments")
+        if fragment:
+            self.call["arguments"] += fragment
+            await self.send(
+                ResponseFunctionCallArgumentsDeltaEvent,
+                item_id=self.call["id"],
+                output_index=self._index,
+                delta=fragment,
+            )
+
+    @property
+    def _index(self) -> int:
+        """The output index of the open item (the next one when none is open)."""
+        return len(self.output)
+
+    def _call_item(self, status: str) -> ResponseFunctionToolCall:
+        return ResponseFunctionToolCall(type="function_call", status=status, **self.call)
+
+    async def _close_call(self, status: str) -> None:
+        if self.call is None:
+            return
+        item = self._call_item(status)
+        await self.send(
+            ResponseFunctionCallArgumentsDoneEvent,
+            item_id=item.id,
+            output_index=self._index,
+            arguments=item.arguments,
+        )
+        await self.send(ResponseOutputItemDoneEvent, output_index=self._index, item=item)
+        self.output.append(item)
+        self.call = None
+
+    async def close(self, finish_reason: str | None) -> list[BaseModel]:
+        """Close the open items at the end of the reply (a reply that is nothing yet is an
+        empty message); returns the output."""
+        status = "incomplete" if finish_reason == "length" else "completed"
+        if self.held:
+            await self._text(self.held, None)
+        if self.call is not None:
+            await self._close_call(status)
+        if self.message is None and not self.output:
+            await self._text("", None)
+        if self.message is not None:
+            message = self.message
+            logprobs = message["logprobs"] if self.view.top_n is not None else None
+            item = _message(message["id"], message["text"], status, logprobs)
+            fields = {"item_id": message["id"], "output_index": self._index, "content_index": 0}
+            await self.send(
+                ResponseTextDoneEvent, text=message["text"], logprobs=message["logprobs"], **fields
+            )
+            await self.send(ResponseContentPartDoneEvent, part=item.content[0], **fields)
+            await self.send(ResponseOutputItemDoneEvent, output_index=self._index, item=item)
+            self.output.append(item)
+            self.message = None
+        return self.output
+
+    async def failed(self, error: APIError) -> None:
+        response = self.view.response("failed", self.output, error=error)
+        await self.send(ResponseFailedEvent, response=response)
+
+
+def _event_type(cls: type[BaseModel]) -> str:
+    (event_type,) = get_args(cls.model_fields["type"].annotation)
+    return event_type
+
+
+def _event_stream(produce, generation: Generation) -> EventSourceResponse:
+    """`text/event-stream` of named events (`event: <type>`, `data: <json>`), as OpenAI sends
+    them (no `[DONE]`). `produce(emit)` runs in the response's task group, so a client
+    disconnect cancels it; the engine request is aborted however it ends."""
+    send, receive = anyio.create_memory_object_stream[ServerSentEvent]()  # unbuffered
+
+    async def run() -> None:
+        async with send:
+            try:
+                await produce(send.send)
+            finally:
+                generation.abort()
+
+    return EventSourceResponse(receive, data_sender_callable=run, sep="\n")
