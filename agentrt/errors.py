@@ -112,9 +112,9 @@ class ErrorKind:
 ERROR_KINDS: dict[ErrorCode, ErrorKind] = {
     ErrorCode.INVALID_REQUEST: ErrorKind(400, "invalid_request_error", InvalidRequestError),
     ErrorCode.INVALID_SCHEMA: ErrorKind(400, "invalid_request_error", SchemaError, True),
-    ErrorCode.STRUCTURED_OUTPUT_FAILED: ErrorKind(
-        400, "invalid_request_error", OutputValidationError, True
-    ),
+    # The model's output, not the client's request, failed (a grammar dead end): a 500, as
+    # OpenAI answers "the model produced invalid content".
+    ErrorCode.STRUCTURED_OUTPUT_FAILED: ErrorKind(500, "server_error", OutputValidationError, True),
     ErrorCode.OVERLOADED: ErrorKind(429, "requests", EngineOverloadedError),
     ErrorCode.ENGINE_DEAD: ErrorKind(503, "server_error", EngineDeadError),
     ErrorCode.INTERNAL: ErrorKind(500, "server_error", GenerationError, True),

@@ -73,7 +73,7 @@ class OutputFormat:
     tools: tuple[dict, ...] | None = None
     tool_choice: str | dict = "auto"
     parallel_tool_calls: bool = True
-    tool_style: str = "json"  # or "hermes" (see agentrt.tool_calls)
+    tool_style: str = "json"  # or "hermes" / "hermes_tokens" (see agentrt.tool_calls)
 
     def structured_outputs(self) -> StructuredOutputsParams | None:
         """The engine's constraint for this format (None for plain text)."""
@@ -96,8 +96,13 @@ class OutputFormat:
         except GrammarSpecError as exc:
             raise SchemaError(f"the tools are invalid: {exc}", field="tools") from None
         try:
-            if self.tool_style == "hermes":
-                spec = hermes_spec(tools, self.tool_choice, parallel=self.parallel_tool_calls)
+            if self.tool_style.startswith("hermes"):
+                spec = hermes_spec(
+                    tools,
+                    self.tool_choice,
+                    parallel=self.parallel_tool_calls,
+                    special=self.tool_style == "hermes_tokens",
+                )
             else:
                 spec = GrammarSpec.from_tools(
                     tools, self.tool_choice, parallel_tool_calls=self.parallel_tool_calls
@@ -143,7 +148,7 @@ class OutputFormat:
         for "text" and under tool_choice "none"; under "auto" when it starts no call."""
         if self.kind == "tools":
             return self.tool_choice == "none" or (
-                self.tool_choice == "auto" and not starts_tool_calls(text)
+                self.tool_choice == "auto" and not starts_tool_calls(text, self.tool_style)
             )
         return self.kind == "text"
 
@@ -156,7 +161,7 @@ class OutputFormat:
     def _parse_tool_calls(self, text: str) -> list[ToolCall] | str:
         if self.tool_choice == "none":
             return text
-        calls = parse_tool_calls(text)
+        calls = parse_tool_calls(text, self.tool_style)
         if calls is not None:
             return calls
         if self.tool_choice == "auto":

@@ -1,8 +1,11 @@
 """Tool calls in chat, shared by the SDK and the server.
 
-Two reply styles, chosen from the chat template:
+Reply styles, chosen from the chat template and the tokenizer:
 - "hermes", when the template defines `<tool_call>` (Qwen 2.5 / 3, Hermes): the model's own
   format, one `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>` block per call.
+  "hermes_tokens" is the same format where the tokenizer has both tags as single tokens (Qwen's
+  151657 / 151658): the grammar then names those tokens, the ones the model was trained to
+  write, and the tags come back in the decoded text (they are not skipped as special).
 - "json" otherwise (the grammar layer's `GrammarSpec.from_tools`): one call
   `{"name": ..., "arguments": {...}}`, or with parallel calls a JSON list of them.
 With `tool_choice="auto"` plain text is the other option. Chat templates that take `tools`
@@ -21,12 +24,12 @@ from typing import Any
 from agentrt.grammar import GrammarSpec
 from agentrt.grammar.tools import (
     EXCLUDED_ARGUMENTS,
-    allows_many,
-    compact,
+    CallTags,
+    tagged_calls_lark,
     tool_call_spec_text,
-    tool_calls_schema,
 )
 
+OPEN_TAG, CLOSE_TAG = "<tool_call>", "</tool_call>"
 _HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 
 
@@ -53,49 +56,64 @@ def template_supports_tools(tokenizer) -> bool:
 
 
 def tool_call_style(tokenizer) -> str:
-    """The reply style for this tokenizer's chat template: "hermes" or "json"."""
+    """The reply style for this tokenizer's chat template: "hermes_tokens", "hermes" or
+    "json"."""
+    if OPEN_TAG not in (getattr(tokenizer, "chat_template", None) or ""):
+        return "json"
     return (
-        "hermes" if "<tool_call>" in (getattr(tokenizer, "chat_template", None) or "") else "json"
+        "hermes_tokens"
+        if all(_single_token(tokenizer, t) for t in (OPEN_TAG, CLOSE_TAG))
+        else ("hermes")
     )
 
 
-def hermes_spec(tools: list[dict[str, Any]], tool_choice: Any, *, parallel: bool) -> GrammarSpec:
+def single_token_id(tokenizer, text: str) -> int | None:
+    """The id of `text` when the tokenizer has it as one added token (a special or control
+    token such as `<tool_call>` or `</think>`), else None."""
+    added = tokenizer.get_added_vocab() if hasattr(tokenizer, "get_added_vocab") else {}
+    token_id = added.get(text)
+    if token_id is None or tokenizer.encode(text, add_special_tokens=False) != [token_id]:
+        return None
+    return token_id
+
+
+def _single_token(tokenizer, text: str) -> bool:
+    return single_token_id(tokenizer, text) is not None
+
+
+def hermes_spec(
+    tools: list[dict[str, Any]], tool_choice: Any, *, parallel: bool, special: bool = False
+) -> GrammarSpec:
     """The grammar of `<tool_call>` blocks (llguidance Lark with an embedded JSON schema per
-    call); under "auto", plain text not starting with `<` is the alternative. Raises the
-    grammar layer's GrammarSpecError for bad tools or an unknown tool_choice."""
+    call; `special`: the tags are the tokenizer's own single tokens); under "auto", plain
+    text that does not start with `<tool_call>` is the alternative. Raises the grammar
+    layer's GrammarSpecError for bad tools or an unknown tool_choice."""
     canonical, choice = tool_call_spec_text(tools, tool_choice)
     if choice == "none":
         return GrammarSpec.any_text()
-    call_schema = compact(tool_calls_schema(canonical, choice, parallel=False))
-    calls = "call+" if allows_many(choice, parallel) else "call"
-    lines = [
-        f"calls: {calls}",
-        f'call: "<tool_call>\\n" %json {json.dumps(call_schema)} "\\n</tool_call>" "\\n"?',
-    ]
-    if choice == "auto":
-        lines.insert(0, "start: calls | text")
-        lines.append("text: /([^< \\t\\r\\n][\\s\\S]*)?/")
-    else:
-        lines.insert(0, "start: calls")
-    return GrammarSpec.from_ebnf("\n".join(lines) + "\n")
+    tags = CallTags(OPEN_TAG, CLOSE_TAG, open_special=special, close_special=special)
+    return GrammarSpec.from_ebnf(tagged_calls_lark(canonical, choice, parallel=parallel, tags=tags))
 
 
-def starts_tool_calls(text: str) -> bool:
-    """Whether a reply begins like a call payload (either style) rather than plain text."""
-    return text.lstrip().startswith(("{", "[", "<tool_call>"))
+def starts_tool_calls(text: str, style: str = "json") -> bool:
+    """Whether a reply begins like a call payload of `style` rather than plain text."""
+    openers = (OPEN_TAG,) if style.startswith("hermes") else ("{", "[", OPEN_TAG)
+    return text.lstrip().startswith(openers)
 
 
-def parse_tool_calls(text: str) -> list[ToolCall] | None:
-    """The calls in a constrained reply (either style), or None when it is plain text."""
+def parse_tool_calls(text: str, style: str = "json") -> list[ToolCall] | None:
+    """The calls in a constrained reply, or None when it is plain text. Under a hermes
+    style only `<tool_call>` blocks are calls (plain text may start with `{`); the "json"
+    style reads either."""
     stripped = text.strip()
-    blocks = _HERMES_CALL.findall(stripped) if stripped.startswith("<tool_call>") else None
+    blocks = _HERMES_CALL.findall(stripped) if stripped.startswith(OPEN_TAG) else None
     if blocks:
         try:
             items = [json.loads(block) for block in blocks]
         except json.JSONDecodeError:
             return None
         return _to_calls(items)
-    if not stripped.startswith(("{", "[")):
+    if style.startswith("hermes") or not stripped.startswith(("{", "[")):
         return None
     try:
         payload = json.loads(stripped)

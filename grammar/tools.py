@@ -10,6 +10,12 @@ N) = exactly one call, to N (never a list, as OpenAI and vLLM answer a named cho
 either plain text (not starting with "{" or "[") or a call; "none" = plain text only (no
 constraint).
 
+Tagged calls (`tagged_calls_lark`, the format of Qwen 2.5 / 3 and Hermes templates): one
+`<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>` block per call. Where the
+tokenizer has a tag as one special token, the grammar names that token (llguidance's
+`<tool_call>` syntax), which only that token matches: the model writes its own call token,
+not the tag spelled out in ordinary tokens.
+
 A function definition may carry `"excluded_arguments": [{...}, ...]`: argument objects the
 grammar must not produce (an agent's calls already answered). They are compiled into the
 tool's parameters schema by `exclude.exclude_arguments`; a tool with no call left is not
@@ -20,6 +26,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import dataclass
 from typing import Any
 
 from .errors import GrammarSpecError
@@ -168,3 +175,52 @@ def tool_calls_lark(schema: dict[str, Any]) -> str:
         # Plain text must not start like a payload, so the two branches never overlap.
         "text: /([^\\[{ \\t\\r\\n][\\s\\S]*)?/\n"
     )
+
+
+@dataclass(frozen=True, slots=True)
+class CallTags:
+    """The text around each tagged call, and whether the tokenizer has each tag as one
+    special token (then the grammar names the token; else it spells the text)."""
+
+    open: str = "<tool_call>"
+    close: str = "</tool_call>"
+    open_special: bool = False
+    close_special: bool = False
+
+    def __post_init__(self) -> None:
+        for tag in (self.open, self.close):
+            if not _TAG_RE.match(tag):
+                raise GrammarSpecError(f"call tag {tag!r} must look like <name> or </name>")
+
+
+_TAG_RE = re.compile(r"^</?[A-Za-z0-9_|.\-]{1,64}>$")
+
+
+def tagged_calls_lark(
+    tools: list[dict[str, Any]], choice: str, *, parallel: bool, tags: CallTags
+) -> str:
+    """Lark grammar (llguidance dialect) of tagged calls for canonical `tools` and `choice`
+    ("auto", "required" or "name:<tool>"): `<open>\n<call JSON>\n<close>` per call, several
+    (one newline apart) when `allows_many`. Under "auto" the other branch is plain text,
+    which may hold anything (a leading `<` too) but cannot start, after spaces, with the
+    opening tag's text: a reply that begins like a call is a call, so parsing the text and
+    the grammar agree (a special token cannot occur in text at all)."""
+    call_schema = compact(tool_calls_schema(tools, choice, parallel=False))
+    many = 'call ("\\n" call)*' if allows_many(choice, parallel) else "call"
+    lines = [
+        f"calls: {many}",
+        f'call: {_tag(tags.open, tags.open_special)} "\\n" '
+        f"%json {json.dumps(call_schema, ensure_ascii=False)} "
+        f'"\\n" {_tag(tags.close, tags.close_special)}',
+    ]
+    if choice == "auto":
+        opening = re.escape(tags.open).replace("/", "\\/")
+        lines.insert(0, "start: calls | text")
+        lines += ["text: TEXT", f"TEXT: /(?s:.*)/ & ~/[ \\t\\r\\n]*{opening}(?s:.*)/"]
+    else:
+        lines.insert(0, "start: calls")
+    return "\n".join(lines) + "\n"
+
+
+def _tag(tag: str, special: bool) -> str:
+    return tag if special else json.dumps(tag)

@@ -44,3 +44,19 @@ def tiny_checkpoint(
         return built[arch]
 
     return build
+
+
+QWEN_TOKENIZER_DIR = Path(__file__).parent / "data" / "qwen2.5-instruct"
+
+
+@pytest.fixture(scope="session")
+def qwen_tokenizer_dir() -> Path:
+    """The real Qwen2.5 Instruct tokenizer and chat template (`<tool_call>` is one token)."""
+    return QWEN_TOKENIZER_DIR
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Qwen2 checkpoint with the real Qwen2.5 tokenizer (vocab 151,665)."""
+    root = tmp_path_factory.mktemp("tiny-qwen")
+    return make_tiny_checkpoint("qwen2", root, tokenizer_from=QWEN_TOKENIZER_DIR)

@@ -142,7 +142,7 @@ class _ChatView:
         }
 
     def _message(self, completion: CompletionOutput) -> tuple[dict[str, Any], str | None]:
-        calls = parse_tool_calls(completion.text) if self.tools_active else None
+        calls = parse_tool_calls(completion.text, self.tool_style) if self.tools_active else None
         if calls:
             message = {
                 "role": "assistant",
@@ -197,7 +197,11 @@ class _ChatView:
                 await emit(self.chunk([_choice(index, body, logprobs)], **extra))
 
         async def on_finish(index: int, output: RequestOutput) -> None:
-            tool_calls = streamers[index] is not None and streamers[index].is_tool_calls
+            streamer = streamers[index]
+            held = streamer.finish() if streamer is not None else ""
+            if held:
+                await emit(self.chunk([_choice(index, {"content": held})], **extra))
+            tool_calls = streamer is not None and streamer.is_tool_calls
             finish = _finish(output.outputs[0].finish_reason, tool_calls=tool_calls)
             await emit(self.chunk([_choice(index, {}, None, finish)], **extra))
 

@@ -1,9 +1,11 @@
 """Tool calls as OpenAI stream deltas, read from the text of a constrained reply as it grows.
 
 The grammar makes a reply either plain text (under `tool_choice="auto"`) or calls, in one
-of the two styles of `agentrt.tool_calls`: "json", one call `{"name": ..., "arguments":
-{...}}` or a list of them (text then never starts with `{` or `[`); "hermes", one
-`<tool_call>\n{...}\n</tool_call>` block per call (text never starts with `<`).
+of the styles of `agentrt.tool_calls`: "json", one call `{"name": ..., "arguments":
+{...}}` or a list of them (text then never starts with `{` or `[`); "hermes" and
+"hermes_tokens", one `<tool_call>\n{...}\n</tool_call>` block per call (text never starts
+with `<tool_call>`; it may start with `<`, so the mode waits while the text so far could
+still become that tag).
 `ToolCallStreamer` scans the JSON incrementally — strings, escapes and nesting depth; the
 tags between hermes blocks hold no JSON punctuation, so they pass through the same scan —
 and turns it into OpenAI's deltas: the first delta of a call carries its `id`, `type` and
@@ -17,7 +19,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from agentrt.tool_calls import new_call_id
+from agentrt.tool_calls import OPEN_TAG, new_call_id
 
 
 @dataclass(slots=True)
@@ -34,7 +36,7 @@ class ToolCallStreamer:
     """Feed text deltas; get content deltas (plain-text replies) or tool-call deltas."""
 
     def __init__(self, style: str = "json") -> None:
-        self.openers = "<" if style == "hermes" else "{["
+        self.opening = OPEN_TAG if style.startswith("hermes") else None
         self.text = ""
         self.mode: str | None = None  # None until the first non-space character: "text" / "json"
         self.calls: list[_Call] = []
@@ -55,7 +57,14 @@ class ToolCallStreamer:
             stripped = self.text.lstrip()
             if not stripped:
                 return "", []
-            self.mode = "json" if stripped[0] in self.openers else "text"
+            if self.opening is None:
+                self.mode = "json" if stripped[0] in "{[" else "text"
+            elif stripped.startswith(self.opening):
+                self.mode = "json"
+            elif self.opening.startswith(stripped):
+                return "", []  # `<tool` may still become the tag
+            else:
+                self.mode = "text"
             if self.mode == "text":
                 return self.text, []
             if stripped[0] == "[":
@@ -64,6 +73,14 @@ class ToolCallStreamer:
             return text, []
         self._scan()
         return "", self._deltas()
+
+    def finish(self) -> str:
+        """At the reply's end: the content still held back (a reply that stopped while it
+        could still have become a call, `<tool` or spaces only), as plain text."""
+        if self.mode is not None:
+            return ""
+        self.mode = "text"
+        return self.text
 
     @property
     def is_tool_calls(self) -> bool:

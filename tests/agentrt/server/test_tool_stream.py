@@ -69,3 +69,14 @@ def test_plain_text_replies_stream_as_content(style, reply):
     streamer = ToolCallStreamer(style)
     content, calls = _assemble(streamer, [" ", reply[:3], reply[3:]])
     assert content == " " + reply and calls == {} and not streamer.is_tool_calls
+
+
+@pytest.mark.parametrize("text", ["<b>bold</b> text", "<tool", "  <tool_c", '{"a": 1}', " "])
+@given(cuts=st.lists(st.integers(min_value=0, max_value=20), max_size=8))
+def test_hermes_text_may_start_with_a_bracket(text, cuts):
+    """Under a hermes style, text that is not the `<tool_call>` tag is content, whatever the
+    split: held while it could still become the tag, released at the end."""
+    streamer = ToolCallStreamer("hermes_tokens")
+    content, calls = _assemble(streamer, _split(text, cuts))
+    assert calls == {}
+    assert content + streamer.finish() == text and not streamer.is_tool_calls
