@@ -72,43 +72,32 @@ def _chat(args) -> int:
 
 
 def _extract(args) -> int:
-    import json
+    from agentrt.extract_job import ExtractJob, run_job
 
-    import anyio
-
-    from agentrt.extract import load_schema, read_documents, write_results
-    from agentrt.runtime import Runtime
-
-    schema = load_schema(args.schema)
-    texts = read_documents(args.input, args.text_field)
-    instructions = args.instructions or (
-        "Extract the fields of the JSON schema below from the user's document. Reply with "
-        f"JSON only.\nSchema: {json.dumps(_schema_json(schema))}"
+    job = ExtractJob(
+        schema=args.schema,
+        input=args.input,
+        output=args.output,
+        instructions=args.instructions,
+        text_field=args.text_field,
+        id_field=args.id_field,
+        limit=args.limit,
+        resume=args.resume,
+        retry_failed=args.retry_failed,
+        overwrite=args.overwrite,
+        value_column=args.value_column,
+        concurrency=args.concurrency,
+        progress=not args.quiet,
+        report_json=args.report_json,
+        drain_timeout_s=args.drain_timeout,
+        sampling={"max_tokens": args.max_tokens, "temperature": args.temperature},
+        engine_options=_engine_options(args),
+        ray_address=args.ray,
+        num_actors=args.num_actors,
+        batch_size=args.batch_size,
     )
-
-    async def run():
-        async with Runtime(**_engine_options(args)) as rt:
-            return await rt.extract_many(
-                texts,
-                schema,
-                instructions=instructions,
-                concurrency=args.concurrency,
-                progress=not args.quiet,
-                max_tokens=args.max_tokens,
-                temperature=args.temperature,
-            )
-
-    results = anyio.run(run)
-    write_results(args.output, results)
-    failed = sum(not r.ok for r in results)
-    print(f"{len(results) - failed}/{len(results)} extracted -> {args.output}", file=sys.stderr)
-    return 0 if failed == 0 else 1
-
-
-def _schema_json(schema) -> dict:
-    from agentrt.formats import resolve_format
-
-    return resolve_format(schema).json_schema or {}
+    _, status = run_job(job)
+    return status
 
 
 def _serve(args) -> int:
@@ -145,15 +134,50 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--system", default=None, help="system prompt")
     _add_engine_args(chat)
     extract = commands.add_parser(
-        "extract", help="extract a schema from every document of a JSONL file"
+        "extract",
+        help="extract a schema from every document of a JSONL, CSV or Parquet file",
+        description="Streams the input, appends each result to the output as it finishes, "
+        "and resumes where a stopped run left off (see docs/sdk.md, Pipelines).",
     )
     extract.add_argument("--schema", required=True, help="pkg.module:Model or a JSON-schema file")
-    extract.add_argument("--input", required=True, help="JSONL: strings or objects with a text")
-    extract.add_argument("--output", required=True, help="JSONL: one result per input line")
+    extract.add_argument(
+        "--input", required=True, help=".jsonl (strings or objects), .csv or .parquet"
+    )
+    extract.add_argument(
+        "--output", required=True, help=".jsonl, .csv or .parquet: one result per document"
+    )
     extract.add_argument("--text-field", default="text", help="field holding the document")
+    extract.add_argument(
+        "--id-field", default=None, help="field holding the document's id (default: row number)"
+    )
+    extract.add_argument("--limit", type=int, default=None, help="only the first N documents")
+    extract.add_argument("--resume", action="store_true", help="skip the ids already in the output")
+    extract.add_argument(
+        "--retry-failed", action="store_true", help="redo the output's failed results only"
+    )
+    extract.add_argument("--overwrite", action="store_true", help="replace an existing output")
+    extract.add_argument(
+        "--value-column",
+        choices=("flat", "json"),
+        default="flat",
+        help="CSV/Parquet output: a column per schema property (flat) or one JSON column",
+    )
+    extract.add_argument("--report-json", default=None, help="also write the report here")
+    extract.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        help="seconds in-flight requests may finish after SIGINT/SIGTERM before being aborted",
+    )
     extract.add_argument("--instructions", default=None, help="the shared instruction")
     extract.add_argument("--concurrency", type=int, default=32)
     extract.add_argument("--quiet", action="store_true", help="no progress bar")
+    ray = extract.add_argument_group("ray")
+    ray.add_argument(
+        "--ray", default=None, metavar="ADDRESS", help="run on a Ray cluster ('auto' or host:port)"
+    )
+    ray.add_argument("--num-actors", type=int, default=1, help="engines (Ray actors), one each")
+    ray.add_argument("--batch-size", type=int, default=16, help="documents per Ray batch")
     _add_engine_args(extract)
     from agentrt.server.cli import add_serve_args
 

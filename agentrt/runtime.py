@@ -6,7 +6,7 @@ hands out Sessions, one-shot `generate`, `extract_many` and Agents on top of it.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Iterable
 from typing import Any
 
 from agentrt.backend import Backend, LocalBackend
@@ -14,7 +14,7 @@ from agentrt.engine.args import EngineArgs
 from agentrt.engine.async_engine import AsyncEngine
 from agentrt.engine.errors import ConfigError
 from agentrt.engine.llm_engine import LLMEngine
-from agentrt.extract import ExtractResult, extract_many
+from agentrt.extract import Document, ExtractResult, extract_iter, extract_many
 from agentrt.session import Session
 
 
@@ -99,7 +99,7 @@ class Runtime:
 
     async def extract_many(
         self,
-        texts: Sequence[str],
+        texts: Iterable[str | Document] | AsyncIterable[str | Document],
         schema: Any,
         *,
         instructions: str = "Extract the requested fields from the document as JSON.",
@@ -115,6 +115,26 @@ class Runtime:
             instructions=instructions,
             concurrency=concurrency,
             progress=progress,
+            **sampling,
+        )
+
+    def extract_iter(
+        self,
+        documents: Iterable[str | Document] | AsyncIterable[str | Document],
+        schema: Any,
+        *,
+        instructions: str = "Extract the requested fields from the document as JSON.",
+        concurrency: int = 32,
+        **sampling: Any,
+    ) -> AsyncIterator[ExtractResult]:
+        """`async for result in rt.extract_iter(docs, schema)`: results as they finish, the
+        documents read lazily (see `agentrt.extract.extract_iter`)."""
+        return extract_iter(
+            self.backend,
+            documents,
+            schema,
+            instructions=instructions,
+            concurrency=concurrency,
             **sampling,
         )
 

@@ -12,7 +12,8 @@ import pytest
 from pydantic import BaseModel, Field
 
 from agentrt import SchemaError, TruncatedOutputError
-from agentrt.extract import ExtractResult, write_results
+from agentrt.extract import ExtractResult
+from agentrt.extract_io import result_record
 
 pytestmark = pytest.mark.anyio
 ROOT = Path(__file__).resolve().parents[2]
@@ -92,7 +93,7 @@ def test_extract_command(tmp_path: Path, smollm2_dir):
     result = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-2000:]
     lines = [json.loads(line) for line in output.read_text().splitlines()]
-    assert [line["index"] for line in lines] == [0, 1, 2]
+    assert sorted(line["id"] for line in lines) == [1, 2, 4]  # ids: the line numbers
     assert all(line["error"] is None for line in lines)
     for line in lines:
         Contact.model_validate(line["value"])
@@ -107,17 +108,16 @@ def test_extract_command(tmp_path: Path, smollm2_dir):
     assert bad.returncode == 2 and "cannot load the schema" in bad.stderr
 
 
-def test_results_file_carries_the_error_code(tmp_path: Path):
-    path = tmp_path / "out.jsonl"
-    write_results(
-        str(path),
-        [
+def test_result_records_carry_the_error_code():
+    first, second = (
+        result_record(result)
+        for result in [
             ExtractResult(0, value=Contact(name="Ann", email="a@b.c", age=30)),
-            ExtractResult(1, error=TruncatedOutputError("cut short", text="{")),
-        ],
+            ExtractResult(1, id="x", error=TruncatedOutputError("cut short", text="{")),
+        ]
     )
-    first, second = (json.loads(line) for line in path.read_text().splitlines())
-    assert first["error"] is None and first["value"]["name"] == "Ann"
+    assert first["id"] == 0 and first["error"] is None and first["value"]["name"] == "Ann"
+    assert second["id"] == "x"
     assert second["error"] == {
         "type": "TruncatedOutputError",
         "code": "structured_output_failed",
