@@ -5,8 +5,8 @@ and its tools on every turn).
 Under `tool_choice="auto"` the grammar is the union of the two: the calls in the served
 model's style (`agentrt.tool_calls`) or one JSON value of the answer's schema. Under
 "required" or a named tool the calls alone (this turn gives no answer); under "none" the
-answer alone. A reply that parses as calls of the tools is calls, any other is the answer
-(`is_calls`), and `ReplyKind` tells the two apart while a reply streams.
+answer alone. `ReplyKind` tells the two apart as a reply streams: one that starts like a
+call of the tools is calls, any other is the answer.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from agentrt.engine.sampling_params import StructuredOutputsParams
 from agentrt.formats import OutputFormat
 from agentrt.grammar import GrammarSpec
 from agentrt.grammar.tools import compact, tool_call_spec_text, tool_calls_schema
-from agentrt.tool_calls import ToolCall, hermes_spec
+from agentrt.tool_calls import hermes_spec
 
 # A compact call in the "json" style starts with exactly this (`COMPACT_JSON` separators).
 _CALL_HEAD = '{"name": "'
@@ -58,11 +58,6 @@ def calls_or_answer(
         raise AssertionError(f"a tagged calls grammar starts with its start rule: {tagged!r}")
     grammar = "start: tagged | answer\ntagged:" + tagged[len("start:") :] + answer_rule
     return StructuredOutputsParams(spec=GrammarSpec.from_ebnf(grammar))
-
-
-def is_calls(calls: list[ToolCall] | None, tool_names: set[str]) -> bool:
-    """Whether parsed calls are calls of these tools (an answer may parse like a call)."""
-    return bool(calls) and all(call.name in tool_names for call in calls)
 
 
 class ReplyKind:

@@ -52,8 +52,8 @@ from openai.types.shared import ResponseFormatJSONObject, ResponseFormatText
 from pydantic import BaseModel
 from sse_starlette import EventSourceResponse, ServerSentEvent
 
-from agentrt.engine.outputs import CompletionOutput, RequestDelta, RequestOutput
-from agentrt.server.calls_or_answer import ReplyKind, is_calls, tool_names
+from agentrt.engine.outputs import CompletionOutput, Logprob, RequestDelta, RequestOutput
+from agentrt.server.calls_or_answer import ReplyKind, tool_names
 from agentrt.server.chat import chat_prompt
 from agentrt.server.errors import APIError, bad_request, failed_output, from_exception
 from agentrt.server.generation import Generation
@@ -69,7 +69,7 @@ from agentrt.server.responses_items import (
 )
 from agentrt.server.state import ServerState
 from agentrt.server.tool_stream import ToolCallStreamer
-from agentrt.tool_calls import parse_tool_calls, tool_call_style
+from agentrt.tool_calls import tool_call_style
 
 _PARAM_NAMES = {"prompt": "input", "prompt_token_ids": "input", "max_tokens": "max_output_tokens"}
 
@@ -116,7 +116,7 @@ async def create_response(
     if request.previous_response_id is not None:
         previous = _stored(store, request.previous_response_id, "previous_response_id")
     history = list(previous.conversation) if previous else []
-    conversation = history + item_messages(request.input)
+    conversation = history + item_messages(request.input, history)
     system = [{"role": "system", "content": request.instructions}] if request.instructions else []
     chat = chat_request(request, state.model_name, system + conversation)
     tool_style = tool_call_style(state.engine.tokenizer)
@@ -154,7 +154,7 @@ async def create_response(
     failure = failed_output(outputs)
     if failure is not None:
         raise failure
-    output = view.items(outputs[0].outputs[0])
+    output = await view.items(outputs[0].outputs[0])
     body = _dump(view.response(_status(outputs[0]), output, outputs[0]))
     keep(body, output)
     return JSONResponse(body)
@@ -285,26 +285,13 @@ class ResponseView:
             )
         )
 
-    def items(self, completion: CompletionOutput) -> list[BaseModel]:
-        """The output items of a finished reply: its function calls, or one message."""
-        calls = parse_tool_calls(completion.text) if self.tools_active else None
-        if calls and (not self.answer_too or is_calls(calls, self.tool_names)):
-            return [
-                ResponseFunctionToolCall(
-                    type="function_call",
-                    id=_item_id("fc"),
-                    call_id=call.id,
-                    name=call.name,
-                    arguments=json.dumps(call.arguments, ensure_ascii=False),
-                    status="completed",
-                )
-                for call in calls
-            ]
-        logprobs = None
-        if self.top_n is not None:
-            logprobs = chat_logprobs(completion.logprobs or [], self.top_n)
-        status = "incomplete" if completion.finish_reason == "length" else "completed"
-        return [_message(_item_id("msg"), completion.text, status, logprobs)]
+    async def items(self, completion: CompletionOutput) -> list[BaseModel]:
+        """The output items of a finished reply: its function calls, or one message. They
+        are read as a stream is (`_Events`, sending nothing), so a reply streamed and one
+        answered in full have the same items."""
+        events = _Events(self, _discard)
+        await events.feed(completion.text, completion.logprobs)
+        return await events.close(completion.finish_reason)
 
     # -- the stream -----------------------------------------------------------------------
 
@@ -316,10 +303,10 @@ class ResponseView:
         await events.send(ResponseInProgressEvent, response=self.response("in_progress", []))
         try:
             delta = first
-            await events.on_delta(delta)
+            await events.feed(delta.text, delta.logprobs)
             while delta.output is None:
                 delta = await generation.next_delta(0)
-                await events.on_delta(delta)
+                await events.feed(delta.text, delta.logprobs)
         except Exception as exc:
             await events.failed(from_exception(exc))
             return
@@ -382,11 +369,11 @@ class _Events:
         self.sequence_number += 1
         await self.emit(ServerSentEvent(json.dumps(_dump(event)), event=event.type))
 
-    async def on_delta(self, delta: RequestDelta) -> None:
+    async def feed(self, text: str, entries: list[dict[int, Logprob]] | None) -> None:
+        """What the reply adds: its text and the logprobs of its tokens."""
         logprobs = None
-        if self.view.top_n is not None and delta.logprobs:
-            logprobs = chat_logprobs(delta.logprobs, self.view.top_n)
-        text = delta.text
+        if self.view.top_n is not None and entries:
+            logprobs = chat_logprobs(entries, self.view.top_n)
         if self.kind is not None:  # calls or the answer: hold the text until it tells
             self.held += text
             kind = self.kind.feed(text)
@@ -505,6 +492,10 @@ class _Events:
     async def failed(self, error: APIError) -> None:
         response = self.view.response("failed", self.output, error=error)
         await self.send(ResponseFailedEvent, response=response)
+
+
+async def _discard(event: ServerSentEvent) -> None:
+    pass
 
 
 def _event_type(cls: type[BaseModel]) -> str:

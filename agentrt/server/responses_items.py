@@ -62,14 +62,24 @@ def renamed(exc: BaseException) -> APIError:
     return error
 
 
-def item_messages(items: str | Sequence[Any], *, field: str = "input") -> list[dict[str, Any]]:
-    """Chat messages for input items (a string is one user message). Consecutive function
-    calls are one assistant message with several tool calls; a call's output is a tool
-    message that names the function. Reasoning items are not shown to the model again (as
-    chat templates of reasoning models drop earlier turns' reasoning)."""
+def item_messages(
+    items: str | Sequence[Any],
+    history: Sequence[dict[str, Any]] = (),
+    *,
+    field: str = "input",
+) -> list[dict[str, Any]]:
+    """Chat messages for input items (a string is one user message) that follow the
+    messages of `history`. Consecutive function calls are one assistant message with several
+    tool calls; a call's output is a tool message that names the function (called here or
+    in `history`). Reasoning items are not shown to the model again (as chat templates of
+    reasoning models drop earlier turns' reasoning)."""
     if isinstance(items, str):
         return [{"role": "user", "content": items}]
-    names: dict[str, str] = {}
+    names = {
+        call["id"]: call["function"]["name"]
+        for message in history
+        for call in message.get("tool_calls") or ()
+    }
     messages: list[dict[str, Any]] = []
     for index, item in enumerate(items):
         where = f"{field}.{index}"
