@@ -6,7 +6,8 @@ never copied unless asked). `ggml_linear(x, weight)` computes x @ W.T through gg
 the activations quantized to int8 per block of 32 and integer dot products against the
 unpacked weight blocks (ggml's approach), each weight block read once for all the rows of a
 step. The C library is built on first use for the best instruction set of this CPU
-(AVX-512 VNNI, AVX2, or portable C); `AGENTRT_GGML_ISA=scalar|avx2|avx512` forces one.
+(AVX-512 VNNI, AVX2, or portable C); `AGENTRT_GGML_ISA=scalar|avx2|avx512` forces one (read once, on first use); every function
+also takes `kernels=load_ggml_kernels(build_dir, isa)` to run another build.
 
 Types: SUPPORTED_TYPES. F32 / F16 / BF16 pass through torch (dense); any other type raises
 `UnsupportedGGMLType` naming the tensor. References: `ggml_linear_ref` (gguf-py's numpy
@@ -130,12 +131,15 @@ class GGMLWeight:
         stays a view of the same bytes, an index tensor gathers a copy."""
         return GGMLWeight(self.data[index], self.qtype, self.in_features)
 
-    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """(N, K) in `dtype`, through the C kernel (bit for bit gguf-py's dequantize)."""
+    def dequantize(
+        self, dtype: torch.dtype = torch.float32, kernels: GGMLKernels | None = None
+    ) -> torch.Tensor:
+        """(N, K) in `dtype`, through the C kernel (bit for bit gguf-py's dequantize);
+        `kernels` (default: `default_kernels()`) picks another build."""
         if self.qtype in DENSE_DTYPES:
             return self._dense().to(dtype)
         out = torch.empty((self.out_features, self.in_features), dtype=torch.float32)
-        _kernels().dequantize(self, out)
+        (kernels or default_kernels()).dequantize(self, out)
         return out if dtype == torch.float32 else out.to(dtype)
 
     def _dense(self) -> torch.Tensor:
@@ -179,27 +183,39 @@ def _check_out(out: torch.Tensor | None, rows: int, cols: int, dtype: torch.dtyp
 
 
 def ggml_linear(
-    x: torch.Tensor, weight: GGMLWeight, out: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: GGMLWeight,
+    out: torch.Tensor | None = None,
+    kernels: GGMLKernels | None = None,
 ) -> torch.Tensor:
     """x (T, K) fp32 or bf16, contiguous, CPU -> out (T, N) fp32 = x @ W.T. `out` may be a
     column slice of a wider fp32 tensor (its row stride >= N, last stride 1): the parts of a
-    fused projection with different types write side by side."""
-    rows = _check_x(x, weight, (torch.float32, torch.bfloat16))
+    fused projection with different types write side by side. `kernels`: another build
+    than `default_kernels()` (tests run each instruction set so)."""
+    rows = _check_x(x, weight, _X_DTYPES)
     out = _check_out(out, rows, weight.out_features, torch.float32)
-    return _product(x, weight, out)
+    return _product(x, weight, out, kernels)
 
 
 def ggml_linear_bf16(
-    x: torch.Tensor, weight: GGMLWeight, out: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: GGMLWeight,
+    out: torch.Tensor | None = None,
+    kernels: GGMLKernels | None = None,
 ) -> torch.Tensor:
     """As ggml_linear, for the fused CPU glue (kernels/cpu_ops.py hands bf16 rows between
     products): x bf16 (T, K) -> out bf16 (T, N), each sum rounded once from fp32."""
-    rows = _check_x(x, weight, (torch.bfloat16,))
+    rows = _check_x(x, weight, _BF16_ONLY)
     out = _check_out(out, rows, weight.out_features, torch.bfloat16)
-    return _product(x, weight, out)
+    return _product(x, weight, out, kernels)
 
 
-def _product(x: torch.Tensor, weight: GGMLWeight, out: torch.Tensor) -> torch.Tensor:
+_X_DTYPES, _BF16_ONLY = (torch.float32, torch.bfloat16), (torch.bfloat16,)
+
+
+def _product(
+    x: torch.Tensor, weight: GGMLWeight, out: torch.Tensor, kernels: GGMLKernels | None
+) -> torch.Tensor:
     rows = x.shape[0]
     if weight.qtype in DENSE_DTYPES or rows >= LARGE_STEP_ROWS:
         # Dense, or a long step: dequantized tiles into torch's GEMM (faster than the int8
@@ -208,15 +224,18 @@ def _product(x: torch.Tensor, weight: GGMLWeight, out: torch.Tensor) -> torch.Te
         tile = weight.out_features if weight.qtype in DENSE_DTYPES else LARGE_STEP_TILE
         for n0 in range(0, weight.out_features, tile):
             part = weight.select_rows(slice(n0, n0 + tile))
-            w = part._dense().float() if weight.qtype in DENSE_DTYPES else part.dequantize()
+            dense = weight.qtype in DENSE_DTYPES
+            w = part._dense().float() if dense else part.dequantize(kernels=kernels)
             out[:, n0 : n0 + part.out_features].copy_(xf @ w.T)
         return out
     if rows:
-        _kernels().linear(x, weight, out)
+        (kernels or default_kernels()).linear(x, weight, out)
     return out
 
 
-def ggml_embedding(ids: torch.Tensor, weight: GGMLWeight) -> torch.Tensor:
+def ggml_embedding(
+    ids: torch.Tensor, weight: GGMLWeight, kernels: GGMLKernels | None = None
+) -> torch.Tensor:
     """ids int64 (T,) -> (T, K) fp32: those rows of a (vocab, K) weight, dequantized."""
     if ids.dtype != torch.int64 or ids.dim() != 1 or ids.is_cuda:
         raise KernelInputError(
@@ -229,7 +248,35 @@ def ggml_embedding(ids: torch.Tensor, weight: GGMLWeight) -> torch.Tensor:
             f"ids must lie in [0, {weight.out_features}); got {int(ids.min())}..{int(ids.max())}.",
             arg="ids",
         )
-    return weight.select_rows(ids).dequantize()
+    return weight.select_rows(ids).dequantize(kernels=kernels)
+
+
+# Byte offsets of each quantized type's fp16 scale fields (d, dmin) within its block.
+FP16_FIELDS = {
+    _Q.Q4_0: (0,),
+    _Q.Q4_1: (0, 2),
+    _Q.Q5_0: (0,),
+    _Q.Q5_1: (0, 2),
+    _Q.Q8_0: (0,),
+    _Q.Q2_K: (80, 82),
+    _Q.Q3_K: (108,),
+    _Q.Q4_K: (0, 2),
+    _Q.Q5_K: (0, 2),
+    _Q.Q6_K: (208,),
+}
+
+
+def random_weight(qtype: int, n: int, k: int, seed: int = 0, scale: float = 0.01) -> GGMLWeight:
+    """Random blocks of a quantized type (tests, benchmarks, synthetic files): random bytes
+    are valid blocks of every type once the fp16 scale fields hold finite values, here
+    normal with std `scale`."""
+    elems, size = block_shape(qtype)
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, size=(n * k // elems, size), dtype=np.uint8)
+    for offset in FP16_FIELDS[_Q(qtype)]:
+        scales = (rng.standard_normal(len(blocks)) * scale).astype(np.float16)
+        blocks[:, offset : offset + 2] = scales.view(np.uint8).reshape(-1, 2)
+    return GGMLWeight(torch.from_numpy(blocks.reshape(n, -1)), int(qtype), k)
 
 
 def dequantize_ref(weight: GGMLWeight) -> torch.Tensor:
@@ -355,5 +402,8 @@ def load_ggml_kernels(build_dir: Path, isa: str) -> GGMLKernels:
     return GGMLKernels(build_library(SOURCE, Path(build_dir), flags), isa)
 
 
-def _kernels() -> GGMLKernels:
+@functools.cache
+def default_kernels() -> GGMLKernels:
+    """The library of `selected_isa()` in `default_build_dir()`, chosen on first use (the
+    environment is read once per process)."""
     return load_ggml_kernels(default_build_dir(), selected_isa())

@@ -280,9 +280,28 @@ int ggml_dequantize(const uint8_t *w, int64_t w_stride, int qtype, int64_t rows,
 
 // ---- Activations: int8 blocks of 32 -------------------------------------------------------
 
-// One row x (K fp32, or bf16 when `bf16`) -> q (K int8), da (K / 16: each group's scale d,
-// twice per block of 32) and fsum (K / 16: d * the group's sum of q).
-static void quantize_row(const void *x, int bf16, int64_t k, int8_t *q, float *da, float *fsum) {
+// A quantized activation row, zero-padded to kp = K rounded up to CHUNK_ELEMS: q int8; per
+// group of 16, d16 (its block's d, so twice per block) and s16 (d * the group's sum of q);
+// per block of 32, d32 and s32 likewise; per 4 elements (an int32 lane of vpdpbusd), dlane
+// (its block's d). One allocation holds every row's (act_row_bytes).
+typedef struct {
+    int8_t *q;
+    float *d16, *s16, *d32, *s32, *dlane;
+} ActRow;
+
+static inline int64_t act_row_bytes(int64_t kp) {
+    return kp + (kp / 16 * 2 + kp / 32 * 2 + kp / 4) * 4;
+}
+
+static inline ActRow act_row(uint8_t *base, int64_t kp, int64_t t) {
+    uint8_t *p = base + t * act_row_bytes(kp);
+    float *f = (float *)(p + kp);
+    return (ActRow){(int8_t *)p,     f, f + kp / 16, f + kp / 8, f + kp / 8 + kp / 32,
+                    f + kp / 8 + kp / 16};
+}
+
+// One row x (K fp32, or bf16 when `bf16`) -> r (see ActRow), its padding zeroed.
+static void quantize_row(const void *x, int bf16, int64_t k, int64_t kp, ActRow r) {
     float v[ACT_BLOCK];
     for (int64_t b = 0; b < k / ACT_BLOCK; b++) {
         if (bf16)
@@ -291,177 +310,385 @@ static void quantize_row(const void *x, int bf16, int64_t k, int8_t *q, float *d
         else
             memcpy(v, (const float *)x + b * ACT_BLOCK, sizeof v);
         float amax = 0.0f;
-        for (int i = 0; i < ACT_BLOCK; i++) amax = fmaxf(amax, fabsf(v[i]));
+        for (int i = 0; i < ACT_BLOCK; i++) {
+            const float f = fabsf(v[i]);
+            amax = f > amax ? f : amax;
+        }
         const float d = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
         int sum[2] = {0, 0};
         for (int i = 0; i < ACT_BLOCK; i++) {
-            const int r = (int)rintf(v[i] * id);
-            q[b * ACT_BLOCK + i] = (int8_t)r;
-            sum[i / GROUP] += r;
+            const int q = (int)rintf(v[i] * id);
+            r.q[b * ACT_BLOCK + i] = (int8_t)q;
+            sum[i / GROUP] += q;
         }
         for (int h = 0; h < 2; h++) {
-            da[2 * b + h] = d;
-            fsum[2 * b + h] = d * (float)sum[h];
+            r.d16[2 * b + h] = d;
+            r.s16[2 * b + h] = d * (float)sum[h];
         }
+        r.d32[b] = d;
+        r.s32[b] = d * (float)(sum[0] + sum[1]);
+        for (int i = 0; i < ACT_BLOCK / 4; i++) r.dlane[b * ACT_BLOCK / 4 + i] = d;
     }
+    memset(r.q + k, 0, kp - k);
+    for (int64_t g = k / GROUP; g < kp / GROUP; g++) r.d16[g] = r.s16[g] = 0.0f;
+    for (int64_t b = k / ACT_BLOCK; b < kp / ACT_BLOCK; b++) r.d32[b] = r.s32[b] = 0.0f;
+    for (int64_t i = k / 4; i < kp / 4; i++) r.dlane[i] = 0.0f;
 }
 
-// ---- The dot product of an unpacked weight chunk with one quantized activation row --------
+// ---- Chunks: 256 weights of a row in the canonical form ----------------------------------
 //
-// u, a: n elements (n a multiple of 32); scale, bias, da, fsum: n / 16 groups. `wide`: the
-// type's u spans 0..255 (Q8_0), which pmaddubsw's int16 sums cannot hold; the AVX2 path then
-// multiplies signed (u - 128) instead, and its caller's bias counts OFFSET - 128.
+// The product walks each weight row a chunk at a time: CHUNK_ELEMS weights (one K-quant
+// block, or 8 legacy blocks; the row's last chunk may hold fewer legacy blocks, the rest
+// zero) decoded into u, scale and bias = min - OFFSET * scale per group of 16, then dotted
+// with every activation row. Activation rows are zero-padded to whole chunks, so a dot
+// always spans a full chunk.
 
-__attribute__((unused)) static float dot_scalar(const uint8_t *u, const float *scale, const float *bias, const int8_t *a,
-                        const float *da, const float *fsum, int64_t n) {
-    float acc = 0.0f;
-    for (int64_t g = 0; g < n / GROUP; g++) {
-        int32_t isum = 0;
-        for (int i = 0; i < GROUP; i++) isum += (int32_t)u[g * GROUP + i] * a[g * GROUP + i];
-        acc += scale[g] * da[g] * (float)isum + bias[g] * fsum[g];
+#define CHUNK_ELEMS 256
+#define CHUNK_GROUPS (CHUNK_ELEMS / GROUP)
+
+typedef struct {
+    uint8_t u[CHUNK_ELEMS];
+    float scale[CHUNK_GROUPS], bias[CHUNK_GROUPS];
+} __attribute__((aligned(64))) Chunk;
+
+// Any type: the portable unpacking, `num_blocks` blocks from `blocks`.
+static void decode_generic(int qtype, const BlockType *bt, const uint8_t *blocks, int num_blocks,
+                           int offset, Chunk *c) {
+    float min[CHUNK_GROUPS] = {0};
+    const int elems = num_blocks * bt->block_elems, groups = elems / GROUP;
+    unpack_row(qtype, bt, blocks, num_blocks, c->u, c->scale, min);
+    for (int g = 0; g < groups; g++) c->bias[g] = min[g] - (float)offset * c->scale[g];
+    if (elems < CHUNK_ELEMS) {
+        memset(c->u + elems, 0, CHUNK_ELEMS - elems);
+        memset(c->scale + groups, 0, (CHUNK_GROUPS - groups) * sizeof(float));
+        memset(c->bias + groups, 0, (CHUNK_GROUPS - groups) * sizeof(float));
     }
-    return acc;
-}
-
-__attribute__((unused)) static float bias_term(const float *bias, const float *fsum, int64_t groups) {
-    float acc = 0.0f;
-    for (int64_t g = 0; g < groups; g++) acc += bias[g] * fsum[g];
-    return acc;
 }
 
 #if AGENTRT_ISA == 2
-// 64 elements (4 groups) a step: vpdpbusd sums 4 products per int32 lane, so lanes 4g..4g+3
-// hold group g; each lane is scaled by its group's scale * da in fp32.
-static float dot_avx512(const uint8_t *u, const float *scale, const float *bias, const int8_t *a,
-                        const float *da, const float *fsum, int64_t n, int wide) {
-    (void)wide;
-    const __m512i spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
-    const __m512i four = _mm512_set1_epi32(4);
-    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
-    int64_t i = 0;
-    for (; i + 256 <= n; i += 256) {
-        const int64_t g = i / GROUP;
-        const __m512 s = _mm512_mul_ps(_mm512_loadu_ps(scale + g), _mm512_loadu_ps(da + g));
-        __m512i idx = spread;
-        for (int k = 0; k < 4; k++) {
-            const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(),
-                                                  _mm512_loadu_si512(u + i + 64 * k),
-                                                  _mm512_loadu_si512(a + i + 64 * k));
-            const __m512 sv = _mm512_permutexvar_ps(idx, s);
-            if (k & 1)
-                acc1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), sv, acc1);
-            else
-                acc0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), sv, acc0);
-            idx = _mm512_add_epi32(idx, four);
+// Each scale repeated twice: 8 per-32 values -> 16 per-16 groups.
+static inline __m512 twice(__m256 v) {
+    const __m512i idx = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+    return _mm512_permutexvar_ps(idx, _mm512_castps256_ps512(v));
+}
+
+// The 8 fp16 values at byte `pos` of `num_blocks` (<= 8) blocks `bytes` apart (0 past them).
+static inline __m256 fp16_fields(const uint8_t *blocks, int bytes, int num_blocks, int pos) {
+    const __m256i idx = _mm256_mullo_epi32(_mm256_set_epi32(7, 6, 5, 4, 3, 2, 1, 0),
+                                           _mm256_set1_epi32(bytes));
+    const __mmask8 live = (__mmask8)((1u << num_blocks) - 1);
+    const __m256i raw =
+        _mm256_mmask_i32gather_epi32(_mm256_setzero_si256(), live, idx, blocks + pos, 1);
+    return _mm256_cvtph_ps(_mm256_cvtepi32_epi16(raw));
+}
+
+// Legacy types (blocks of 32), two blocks per 64 bytes of u.
+static void decode_legacy_avx512(int qtype, const BlockType *bt, const uint8_t *blocks,
+                                 int num_blocks, Chunk *c) {
+    const int bytes = bt->block_bytes, has_min = bt->has_min;
+    const __m256 d = fp16_fields(blocks, bytes, num_blocks, 0);
+    const __m256 m = has_min ? fp16_fields(blocks, bytes, num_blocks, 2) : _mm256_setzero_ps();
+    _mm512_store_ps(c->scale, twice(d));
+    _mm512_store_ps(c->bias, twice(_mm256_fnmadd_ps(_mm256_set1_ps((float)bt->offset), d, m)));
+    const __m512i low4 = _mm512_set1_epi8(0x0f), pairs = _mm512_set_epi64(3, 2, 3, 2, 1, 0, 1, 0);
+    for (int j = 0; j < 4; j++) {
+        const int left = num_blocks - 2 * j; // blocks in this 64: 2, 1, or none
+        __m512i u = _mm512_setzero_si512();
+        const uint8_t *a = blocks + 2 * j * bytes, *b = a + bytes;
+        if (left <= 0) {
+        } else if (qtype == T_Q8_0) {
+            const __m256i qa = _mm256_loadu_si256((const __m256i *)(a + 2));
+            const __m256i qb =
+                left > 1 ? _mm256_loadu_si256((const __m256i *)(b + 2)) : _mm256_set1_epi8(-128);
+            u = _mm512_xor_si512(_mm512_inserti64x4(_mm512_castsi256_si512(qa), qb, 1),
+                                 _mm512_set1_epi8((char)0x80));
+        } else {
+            // qs after d (Q4_0), d m (Q4_1), d qh (Q5_0), d m qh (Q5_1)
+            const int qs = bytes - 16;
+            const __m128i qa = _mm_loadu_si128((const __m128i *)(a + qs));
+            const __m128i qb = left > 1 ? _mm_loadu_si128((const __m128i *)(b + qs))
+                                        : _mm_setzero_si128();
+            // [a, a, b, b] by 16 bytes; the second copy of each shifted to its high nibbles
+            __m512i z = _mm512_castsi256_si512(
+                _mm256_inserti128_si256(_mm256_castsi128_si256(qa), qb, 1));
+            z = _mm512_permutexvar_epi64(pairs, z);
+            u = _mm512_and_si512(_mm512_mask_srli_epi32(z, 0xf0f0, z, 4), low4);
+            if (qtype == T_Q5_0 || qtype == T_Q5_1) {
+                uint32_t ha, hb = 0;
+                memcpy(&ha, a + qs - 4, 4);
+                if (left > 1) memcpy(&hb, b + qs - 4, 4);
+                const __mmask64 high = (__mmask64)ha | ((__mmask64)hb << 32);
+                u = _mm512_or_si512(u, _mm512_maskz_mov_epi8(high, _mm512_set1_epi8(16)));
+            }
+        }
+        _mm512_store_si512((__m512i *)(c->u + 64 * j), u);
+    }
+}
+
+// Q4_K / Q5_K: one block. The 12 bytes of 6-bit (scale, min) pairs -> 8 scales, 8 mins.
+static void decode_q45k_avx512(int qtype, const uint8_t *b, Chunk *c) {
+    uint32_t s[4];
+    memcpy(s, b + 4, 12);
+    const uint32_t m6 = 0x3f3f3f3fu, m4 = 0x0f0f0f0fu, m2 = 0x03030303u;
+    const uint32_t mins_hi = ((s[2] >> 4) & m4) | (((s[1] >> 6) & m2) << 4);
+    const uint32_t mins_lo = s[1] & m6;
+    s[1] = (s[2] & m4) | (((s[0] >> 6) & m2) << 4);
+    s[0] &= m6;
+    s[2] = mins_lo;
+    s[3] = mins_hi; // bytes 0..7: the 8 scales, 8..15: the 8 mins
+    const __m512 both = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)s)));
+    const __m512 d = _mm512_set1_ps(fp16_to_f32(b)), dmin = _mm512_set1_ps(fp16_to_f32(b + 2));
+    const __m512 dup_lo = _mm512_permutexvar_ps(
+        _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0), both);
+    const __m512 dup_hi = _mm512_permutexvar_ps(
+        _mm512_set_epi32(15, 15, 14, 14, 13, 13, 12, 12, 11, 11, 10, 10, 9, 9, 8, 8), both);
+    _mm512_store_ps(c->scale, _mm512_mul_ps(d, dup_lo));
+    _mm512_store_ps(c->bias, _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(dmin, dup_hi)));
+    const uint8_t *qs = b + (qtype == T_Q4_K ? 16 : 48);
+    const __m512i low4 = _mm512_set1_epi8(0x0f);
+    const __m512i qh = qtype == T_Q5_K ? _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(b + 16)))
+                                       : _mm512_setzero_si512();
+    for (int j = 0; j < 4; j++) {
+        __m512i z = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(qs + 32 * j)));
+        __m512i u = _mm512_and_si512(_mm512_mask_srli_epi32(z, 0xff00, z, 4), low4);
+        if (qtype == T_Q5_K) { // bit 2j of qh[l] for the low half, 2j + 1 for the high half
+            const __m512i shift = _mm512_set_epi64(2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1,
+                                                   2 * j, 2 * j, 2 * j, 2 * j);
+            const __m512i bit = _mm512_and_si512(_mm512_srlv_epi64(qh, shift), _mm512_set1_epi8(1));
+            u = _mm512_or_si512(u, _mm512_slli_epi64(bit, 4));
+        }
+        _mm512_store_si512((__m512i *)(c->u + 64 * j), u);
+    }
+}
+
+// Q6_K: one block. u of elements 128h + 32k + l: ql's nibbles (low for k = 0, 1, high for
+// k = 2, 3) | two bits of qh[32h + l] (bits 2k, 2k + 1) << 4.
+static void decode_q6k_avx512(const uint8_t *b, Chunk *c) {
+    const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 192))));
+    const __m512 scale = _mm512_mul_ps(_mm512_set1_ps(fp16_to_f32(b + 208)), sc);
+    _mm512_store_ps(c->scale, scale);
+    _mm512_store_ps(c->bias, _mm512_mul_ps(_mm512_set1_ps(-32.0f), scale));
+    const __m512i low4 = _mm512_set1_epi8(0x0f), low2 = _mm512_set1_epi8(0x03);
+    for (int h = 0; h < 2; h++) {
+        const __m512i ql = _mm512_loadu_si512(b + 64 * h);
+        const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h)));
+        for (int odd = 0; odd < 2; odd++) {
+            const __m512i lo = _mm512_and_si512(odd ? _mm512_srli_epi16(ql, 4) : ql, low4);
+            const __m512i shift = _mm512_set_epi64(4 * odd + 2, 4 * odd + 2, 4 * odd + 2, 4 * odd + 2,
+                                                   4 * odd, 4 * odd, 4 * odd, 4 * odd);
+            const __m512i hi = _mm512_and_si512(_mm512_srlv_epi64(qh, shift), low2);
+            _mm512_store_si512((__m512i *)(c->u + 128 * h + 64 * odd),
+                               _mm512_or_si512(lo, _mm512_slli_epi64(hi, 4)));
         }
     }
-    for (; i + 64 <= n; i += 64) {
-        const int64_t g = i / GROUP;
-        const __m512 s =
-            _mm512_zextps128_ps512(_mm_mul_ps(_mm_loadu_ps(scale + g), _mm_loadu_ps(da + g)));
-        const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_loadu_si512(u + i),
-                                              _mm512_loadu_si512(a + i));
-        acc0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_permutexvar_ps(spread, s), acc0);
-    }
-    if (i < n) { // 32 left: two groups, in the low half of the lanes
-        const int64_t g = i / GROUP;
-        const __mmask16 half = 0x00ff;
-        const __m512 s = _mm512_zextps128_ps512(
-            _mm_mul_ps(_mm_castpd_ps(_mm_load_sd((const double *)(scale + g))),
-                       _mm_castpd_ps(_mm_load_sd((const double *)(da + g)))));
-        const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(),
-                                              _mm512_maskz_loadu_epi32(half, u + i),
-                                              _mm512_maskz_loadu_epi32(half, a + i));
-        acc1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_permutexvar_ps(spread, s), acc1);
-    }
-    const int64_t groups = n / GROUP;
-    int64_t g = 0;
-    for (; g + 16 <= groups; g += 16)
-        acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(bias + g), _mm512_loadu_ps(fsum + g), acc0);
-    if (g < groups) {
-        const __mmask16 m = (__mmask16)((1u << (groups - g)) - 1);
-        acc1 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, bias + g), _mm512_maskz_loadu_ps(m, fsum + g),
-                               acc1);
-    }
-    return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
 }
 #endif
 
-#if AGENTRT_ISA == 1
-static inline float hsum256(__m256 v) {
+// `num_blocks` blocks from `blocks` (one K-quant block, or up to 8 legacy ones) -> c.
+static inline void decode_chunk(int qtype, const BlockType *bt, const uint8_t *blocks,
+                                int num_blocks, int offset, Chunk *c) {
+#if AGENTRT_ISA == 2
+    switch (qtype) {
+    case T_Q4_0:
+    case T_Q4_1:
+    case T_Q5_0:
+    case T_Q5_1:
+    case T_Q8_0: decode_legacy_avx512(qtype, bt, blocks, num_blocks, c); return;
+    case T_Q4_K:
+    case T_Q5_K: decode_q45k_avx512(qtype, blocks, c); return;
+    case T_Q6_K: decode_q6k_avx512(blocks, c); return;
+    }
+#endif
+    decode_generic(qtype, bt, blocks, num_blocks, offset, c);
+}
+
+// ---- One chunk dotted with one activation row -----------------------------------------------
+//
+// a: the row's CHUNK_ELEMS int8 at the chunk; da, fsum: its CHUNK_GROUPS group values. Adds
+// sum_g da[g] (scale[g] sum_{i in g} u[i] a[i] + bias[g] sum_{i in g} a[i]) into `acc`
+// (a vector of partial sums on SIMD builds, summed at the end of the row).
+
+#if AGENTRT_ISA == 2
+typedef __m512 Acc;
+static inline Acc acc_zero(void) { return _mm512_setzero_ps(); }
+static inline float acc_sum(Acc a) { return _mm512_reduce_add_ps(a); }
+
+// vpdpbusd sums 4 products (u unsigned, a signed) per int32 lane: lanes 4g..4g+3 of each 64
+// hold group g, scaled in fp32 by its scale * da.
+static inline Acc dot_chunk(const Chunk *c, const int8_t *a, const float *da, const float *fsum,
+                            Acc acc, int wide) {
+    (void)wide;
+    const __m512 s = _mm512_mul_ps(_mm512_load_ps(c->scale), _mm512_loadu_ps(da));
+    const __m512i four = _mm512_set1_epi32(4);
+    __m512i idx = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+    __m512 part[2] = {_mm512_mul_ps(_mm512_load_ps(c->bias), _mm512_loadu_ps(fsum)),
+                      _mm512_setzero_ps()};
+    for (int k = 0; k < 4; k++) {
+        const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(),
+                                              _mm512_load_si512((const __m512i *)(c->u + 64 * k)),
+                                              _mm512_loadu_si512(a + 64 * k));
+        part[k & 1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_permutexvar_ps(idx, s),
+                                      part[k & 1]);
+        idx = _mm512_add_epi32(idx, four);
+    }
+    return _mm512_add_ps(acc, _mm512_add_ps(part[0], part[1]));
+}
+#elif AGENTRT_ISA == 1
+typedef __m256 Acc;
+static inline Acc acc_zero(void) { return _mm256_setzero_ps(); }
+static inline float acc_sum(Acc v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
 }
 
-// 32 elements (2 groups) a step: pmaddubsw (pairs, int16) then pmaddwd by ones (int32 lanes of
-// 4 products), lanes 4g..4g+3 holding group g.
-static float dot_avx2(const uint8_t *u, const float *scale, const float *bias, const int8_t *a,
-                      const float *da, const float *fsum, int64_t n, int wide) {
+// pmaddubsw (pairs, int16) then pmaddwd by ones: int32 lanes of 4 products, lanes 4g..4g+3
+// of each 32 holding group g. `wide` (Q8_0, u up to 255): pmaddubsw's int16 pair sums would
+// saturate, so it multiplies signed w = u - 128 (|w| times a with w's sign) and the bias
+// counts OFFSET - 128.
+static inline Acc dot_chunk(const Chunk *c, const int8_t *a, const float *da, const float *fsum,
+                            Acc acc, int wide) {
     const __m256i ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8((char)0x80);
-    const __m256i spread = _mm256_set_epi32(1, 1, 1, 1, 0, 0, 0, 0);
     const __m256i two = _mm256_set1_epi32(2);
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-    int64_t i = 0;
-    for (; i + 128 <= n; i += 128) {
-        const int64_t g = i / GROUP;
-        const __m256 s = _mm256_mul_ps(_mm256_loadu_ps(scale + g), _mm256_loadu_ps(da + g));
-        __m256i idx = spread;
+    __m256 part[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int h = 0; h < 2; h++) {
+        const __m256 s = _mm256_mul_ps(_mm256_load_ps(c->scale + 8 * h), _mm256_loadu_ps(da + 8 * h));
+        part[h] = _mm256_fmadd_ps(_mm256_load_ps(c->bias + 8 * h), _mm256_loadu_ps(fsum + 8 * h), part[h]);
+        __m256i idx = _mm256_set_epi32(1, 1, 1, 1, 0, 0, 0, 0);
         for (int k = 0; k < 4; k++) {
-            __m256i w = _mm256_loadu_si256((const __m256i *)(u + i + 32 * k));
-            __m256i x = _mm256_loadu_si256((const __m256i *)(a + i + 32 * k));
-            if (wide) { // signed w = u - 128: |w| times a with w's sign
+            __m256i w = _mm256_load_si256((const __m256i *)(c->u + 128 * h + 32 * k));
+            __m256i x = _mm256_loadu_si256((const __m256i *)(a + 128 * h + 32 * k));
+            if (wide) {
                 w = _mm256_xor_si256(w, flip);
                 x = _mm256_sign_epi8(x, w);
                 w = _mm256_abs_epi8(w);
             }
             const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), ones);
-            const __m256 sv = _mm256_permutevar8x32_ps(s, idx);
-            if (k & 1)
-                acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), sv, acc1);
-            else
-                acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), sv, acc0);
+            part[k & 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_permutevar8x32_ps(s, idx),
+                                          part[k & 1]);
             idx = _mm256_add_epi32(idx, two);
         }
     }
-    for (; i < n; i += 32) {
-        const int64_t g = i / GROUP;
-        const __m256 s = _mm256_castps128_ps256(
-            _mm_mul_ps(_mm_castpd_ps(_mm_load_sd((const double *)(scale + g))),
-                       _mm_castpd_ps(_mm_load_sd((const double *)(da + g)))));
-        __m256i w = _mm256_loadu_si256((const __m256i *)(u + i));
-        __m256i x = _mm256_loadu_si256((const __m256i *)(a + i));
-        if (wide) {
-            w = _mm256_xor_si256(w, flip);
-            x = _mm256_sign_epi8(x, w);
-            w = _mm256_abs_epi8(w);
-        }
-        const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), ones);
-        acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_permutevar8x32_ps(s, spread), acc0);
-    }
-    const int64_t groups = n / GROUP;
-    int64_t g = 0;
-    for (; g + 8 <= groups; g += 8)
-        acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(bias + g), _mm256_loadu_ps(fsum + g), acc1);
-    return hsum256(_mm256_add_ps(acc0, acc1)) + bias_term(bias + g, fsum + g, groups - g);
+    return _mm256_add_ps(acc, _mm256_add_ps(part[0], part[1]));
 }
-#endif
-
-static inline float dot(const uint8_t *u, const float *scale, const float *bias, const int8_t *a,
-                        const float *da, const float *fsum, int64_t n, int wide) {
-#if AGENTRT_ISA == 2
-    return dot_avx512(u, scale, bias, a, da, fsum, n, wide);
-#elif AGENTRT_ISA == 1
-    return dot_avx2(u, scale, bias, a, da, fsum, n, wide);
 #else
+typedef float Acc;
+static inline Acc acc_zero(void) { return 0.0f; }
+static inline float acc_sum(Acc a) { return a; }
+
+static inline Acc dot_chunk(const Chunk *c, const int8_t *a, const float *da, const float *fsum,
+                            Acc acc, int wide) {
     (void)wide;
-    return dot_scalar(u, scale, bias, a, da, fsum, n);
-#endif
+    for (int g = 0; g < CHUNK_GROUPS; g++) {
+        int32_t isum = 0;
+        for (int i = 0; i < GROUP; i++) isum += (int32_t)c->u[g * GROUP + i] * a[g * GROUP + i];
+        acc += c->scale[g] * da[g] * (float)isum + c->bias[g] * fsum[g];
+    }
+    return acc;
 }
+#endif
 
 // Whether this build's dot multiplies u - 128 (see above): Q8_0 on AVX2.
 static inline int signed_wide(int qtype) { return AGENTRT_ISA == 1 && qtype == T_Q8_0; }
+
+// ---- The legacy types on AVX-512, fused -----------------------------------------------------
+//
+// Blocks of 32 carry one fp16 scale each: decoding them into a chunk's per-group arrays
+// would assemble vectors of scales from scattered fp16 fields (gathers: slow, on AMD
+// especially). Here each pair of blocks is decoded into one register of 64 u, and its two
+// scales multiply the two activation scales of each row directly. Rows of the step go TT at
+// a time, their sums in registers; each pair is decoded once per TT rows (from L1).
+
+#if AGENTRT_ISA == 2
+// Blocks a and (when `two`) b = a + bytes -> 64 u (b's 32 zero without it).
+static inline __m512i legacy_pair(int qtype, const uint8_t *a, int bytes, int two) {
+    const uint8_t *b = a + bytes;
+    if (qtype == T_Q8_0) {
+        const __m256i qa = _mm256_loadu_si256((const __m256i *)(a + 2));
+        const __m256i qb =
+            two ? _mm256_loadu_si256((const __m256i *)(b + 2)) : _mm256_set1_epi8(-128);
+        return _mm512_xor_si512(_mm512_inserti64x4(_mm512_castsi256_si512(qa), qb, 1),
+                                _mm512_set1_epi8((char)0x80));
+    }
+    const int qs = bytes - 16; // after d (Q4_0), d m (Q4_1), d qh (Q5_0), d m qh (Q5_1)
+    const __m128i qa = _mm_loadu_si128((const __m128i *)(a + qs));
+    const __m128i qb = two ? _mm_loadu_si128((const __m128i *)(b + qs)) : _mm_setzero_si128();
+    // [a, a, b, b] by 16 bytes, the second copy of each shifted to its high nibbles
+    __m512i z =
+        _mm512_castsi256_si512(_mm256_inserti128_si256(_mm256_castsi128_si256(qa), qb, 1));
+    z = _mm512_permutexvar_epi64(_mm512_set_epi64(3, 2, 3, 2, 1, 0, 1, 0), z);
+    __m512i u = _mm512_and_si512(_mm512_mask_srli_epi32(z, 0xf0f0, z, 4), _mm512_set1_epi8(0x0f));
+    if (qtype == T_Q5_0 || qtype == T_Q5_1) { // bit j of the block's qh: element j's fifth bit
+        uint32_t ha, hb = 0;
+        memcpy(&ha, a + qs - 4, 4);
+        if (two) memcpy(&hb, b + qs - 4, 4);
+        const __mmask64 high = (__mmask64)ha | ((__mmask64)hb << 32);
+        u = _mm512_or_si512(u, _mm512_maskz_mov_epi8(high, _mm512_set1_epi8(16)));
+    }
+    return u;
+}
+
+// out[t][n] for rows t0 .. t0 + TT of one weight row (TT a constant once inlined).
+static inline __attribute__((always_inline)) void legacy_rows(
+    int qtype, const BlockType *bt, const uint8_t *row, int64_t num_blocks, uint8_t *act,
+    int64_t kp, int64_t t0, const int TT, float *sums) {
+    const int bytes = bt->block_bytes;
+    const __m128 offset = _mm_set1_ps((float)bt->offset);
+    const __m512i halves = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    ActRow r[4];
+    __m512 acc[4];
+    __m128 bias_acc[4];
+    for (int tt = 0; tt < TT; tt++) {
+        r[tt] = act_row(act, kp, t0 + tt);
+        acc[tt] = _mm512_setzero_ps();
+        bias_acc[tt] = _mm_setzero_ps();
+    }
+    for (int64_t i = 0; i < num_blocks; i += 2) {
+        const uint8_t *a = row + i * bytes;
+        const int two = i + 1 < num_blocks;
+        const __m512i u = legacy_pair(qtype, a, bytes, two);
+        // The first 4 bytes of each block (d, and m for Q4_1 / Q5_1) as fp16 -> [da ma db mb]
+        uint32_t ha, hb = 0;
+        memcpy(&ha, a, 4);
+        if (two) memcpy(&hb, a + bytes, 4);
+        const __m128 dm = _mm_cvtph_ps(_mm_cvtsi64_si128((int64_t)(((uint64_t)hb << 32) | ha)));
+        const __m128 d = _mm_shuffle_ps(dm, dm, _MM_SHUFFLE(3, 3, 2, 0)); // [da db . .]
+        const __m128 m = bt->has_min ? _mm_shuffle_ps(dm, dm, _MM_SHUFFLE(3, 3, 3, 1))
+                                     : _mm_setzero_ps();
+        const __m128 bias = _mm_fnmadd_ps(offset, d, m);
+        const __m512 wd = _mm512_permutexvar_ps(halves, _mm512_zextps128_ps512(d));
+        for (int tt = 0; tt < TT; tt++) {
+            const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u,
+                                                  _mm512_loadu_si512(r[tt].q + 32 * i));
+            const __m512 s = _mm512_mul_ps(wd, _mm512_load_ps(r[tt].dlane + 8 * i));
+            acc[tt] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), s, acc[tt]);
+            const __m128 as = _mm_castpd_ps(_mm_load_sd((const double *)(r[tt].s32 + i)));
+            bias_acc[tt] = _mm_fmadd_ps(bias, as, bias_acc[tt]);
+        }
+    }
+    for (int tt = 0; tt < TT; tt++) {
+        const __m128 b = bias_acc[tt];
+        sums[tt] = _mm512_reduce_add_ps(acc[tt]) + _mm_cvtss_f32(_mm_add_ps(b, _mm_movehdup_ps(b)));
+    }
+}
+
+static void legacy_row(int qtype, const BlockType *bt, const uint8_t *row, int64_t num_blocks,
+                       uint8_t *act, int64_t kp, int64_t rows, float *sums) {
+    int64_t t = 0;
+    for (; t + 4 <= rows; t += 4)
+        legacy_rows(qtype, bt, row, num_blocks, act, kp, t, 4, sums + t);
+    switch (rows - t) {
+    case 3: legacy_rows(qtype, bt, row, num_blocks, act, kp, t, 3, sums + t); break;
+    case 2: legacy_rows(qtype, bt, row, num_blocks, act, kp, t, 2, sums + t); break;
+    case 1: legacy_rows(qtype, bt, row, num_blocks, act, kp, t, 1, sums + t); break;
+    }
+}
+#endif
+static inline int fused_legacy(int qtype) {
+    return AGENTRT_ISA == 2 && (qtype == T_Q4_0 || qtype == T_Q4_1 || qtype == T_Q5_0 ||
+                                qtype == T_Q5_1 || qtype == T_Q8_0);
+}
 
 // ---- The product --------------------------------------------------------------------------
 
@@ -474,67 +701,64 @@ int ggml_linear(const void *x, int x_bf16, int64_t rows, int64_t k, const uint8_
                 int out_bf16, int num_threads) {
     BlockType bt;
     if (!block_type(qtype, &bt) || k % bt.block_elems) return -1;
-    const int64_t groups = k / GROUP;
-    // Quantized activations: per row, K int8 then K / 16 da and K / 16 fsum floats.
-    int8_t *aq = malloc((size_t)rows * (size_t)k);
-    float *ada = malloc((size_t)rows * (size_t)groups * 2 * sizeof(float));
-    if (!aq || !ada) {
-        free(aq);
-        free(ada);
-        return -2;
-    }
+    const int64_t kp = (k + CHUNK_ELEMS - 1) / CHUNK_ELEMS * CHUNK_ELEMS;
+    uint8_t *act = aligned_alloc(64, (size_t)(rows * act_row_bytes(kp)));
+    if (!act) return -2;
     const int wide = signed_wide(qtype);
     const int offset = bt.offset - (wide ? 128 : 0);
-    const int64_t chunk = CHUNK;
+    const int blocks_per_chunk = CHUNK_ELEMS / bt.block_elems;
+    const int64_t row_blocks = k / bt.block_elems;
     int failed = 0;
     if (n_out * k < PARALLEL_WORK) num_threads = 1;
 #pragma omp parallel num_threads(num_threads)
     {
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < rows; t++)
-            quantize_row((const char *)x + t * k * (x_bf16 ? 2 : 4), x_bf16, k, aq + t * k,
-                         ada + t * groups * 2, ada + t * groups * 2 + groups);
-        // Per thread: one unpacked chunk of a weight row, and the T sums of the row. Every
-        // thread runs the loop below (a work-shared loop must be met by all), so one whose
-        // buffers could not be had only marks the failure.
-        uint8_t *u = malloc(chunk);
-        float *scale = malloc(3 * (chunk / GROUP) * sizeof(float));
-        float *acc = malloc(rows * sizeof(float));
-        const int ok = u && scale && acc;
-        if (!ok) {
+            quantize_row((const char *)x + t * k * (x_bf16 ? 2 : 4), x_bf16, k, kp,
+                         act_row(act, kp, t));
+        // Per thread: one decoded chunk, the T partial sums of the row and their totals.
+        // Every thread runs the loop below (a work-shared loop must be met by all), so one
+        // whose buffer could not be had only marks the failure.
+        Chunk chunk;
+        Acc *acc = aligned_alloc(64, ((rows * sizeof(Acc) + 63) / 64) * 64);
+        float *sums = malloc(rows * sizeof(float));
+        if (!acc || !sums) {
 #pragma omp atomic write
             failed = 1;
         }
-        float *min = ok ? scale + chunk / GROUP : NULL, *bias = ok ? min + chunk / GROUP : NULL;
-        if (ok) memset(min, 0, (chunk / GROUP) * sizeof(float));
 #pragma omp for schedule(static)
         for (int64_t nn = 0; nn < n_out; nn++) {
-            if (!ok) continue;
+            if (!acc || !sums) continue;
             const uint8_t *row = w + nn * w_stride;
-            for (int64_t t = 0; t < rows; t++) acc[t] = 0.0f;
-            for (int64_t k0 = 0; k0 < k; k0 += chunk) {
-                const int64_t len = k - k0 < chunk ? k - k0 : chunk, g0 = k0 / GROUP;
-                unpack_row(qtype, &bt, row + (k0 / bt.block_elems) * bt.block_bytes,
-                           len / bt.block_elems, u, scale, min);
-                for (int64_t g = 0; g < len / GROUP; g++) bias[g] = min[g] - offset * scale[g];
-                for (int64_t t = 0; t < rows; t++) {
-                    const float *da = ada + t * groups * 2;
-                    acc[t] += dot(u, scale, bias, aq + t * k + k0, da + g0, da + groups + g0, len,
-                                  wide);
+#if AGENTRT_ISA == 2
+            if (fused_legacy(qtype)) {
+                legacy_row(qtype, &bt, row, row_blocks, act, kp, rows, sums);
+            } else
+#endif
+            {
+                for (int64_t t = 0; t < rows; t++) acc[t] = acc_zero();
+                for (int64_t b0 = 0; b0 < row_blocks; b0 += blocks_per_chunk) {
+                    const int nb = row_blocks - b0 < blocks_per_chunk ? (int)(row_blocks - b0)
+                                                                      : blocks_per_chunk;
+                    decode_chunk(qtype, &bt, row + b0 * bt.block_bytes, nb, offset, &chunk);
+                    const int64_t e0 = b0 * bt.block_elems, g0 = e0 / GROUP;
+                    for (int64_t t = 0; t < rows; t++) {
+                        const ActRow r = act_row(act, kp, t);
+                        acc[t] = dot_chunk(&chunk, r.q + e0, r.d16 + g0, r.s16 + g0, acc[t], wide);
+                    }
                 }
+                for (int64_t t = 0; t < rows; t++) sums[t] = acc_sum(acc[t]);
             }
             if (out_bf16)
                 for (int64_t t = 0; t < rows; t++)
-                    ((uint16_t *)out)[t * out_stride + nn] = f32_to_bf16(acc[t]);
+                    ((uint16_t *)out)[t * out_stride + nn] = f32_to_bf16(sums[t]);
             else
-                for (int64_t t = 0; t < rows; t++) ((float *)out)[t * out_stride + nn] = acc[t];
+                for (int64_t t = 0; t < rows; t++) ((float *)out)[t * out_stride + nn] = sums[t];
         }
-        free(u);
-        free(scale);
         free(acc);
+        free(sums);
     }
-    free(aq);
-    free(ada);
+    free(act);
     return failed ? -2 : 0;
 }
 

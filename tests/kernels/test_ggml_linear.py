@@ -1,7 +1,8 @@
 """The GGML block-type kernels (kernels/ggml_linear.py, ggml_quants.c) against gguf-py's numpy
 dequantize, on random blocks, for every instruction set this CPU runs.
 
-Random bytes are valid blocks of every type once the fp16 d / dmin fields hold finite values.
+Random bytes are valid blocks of every type once the fp16 d / dmin fields hold finite values
+(`G.random_weight`).
 
 Tolerances. The kernel quantizes each activation row to int8 per block of 32
 (d = max|x| / 127, q = round(x / d)) and sums integer products, so it computes exactly
@@ -20,7 +21,6 @@ import subprocess
 import sys
 
 import gguf
-import numpy as np
 import pytest
 import torch
 
@@ -28,32 +28,9 @@ from agentrt.kernels import ggml_linear as G
 from agentrt.kernels.errors import KernelInputError
 
 Q = gguf.GGMLQuantizationType
-# Byte offsets of each type's fp16 scale fields within a block.
-FP16_FIELDS = {
-    Q.Q4_0: (0,),
-    Q.Q4_1: (0, 2),
-    Q.Q5_0: (0,),
-    Q.Q5_1: (0, 2),
-    Q.Q8_0: (0,),
-    Q.Q2_K: (80, 82),
-    Q.Q3_K: (108,),
-    Q.Q4_K: (0, 2),
-    Q.Q5_K: (0, 2),
-    Q.Q6_K: (208,),
-}
 TYPES = sorted(G.QUANTIZED_TYPES)
 ISAS = G.available_isas()
 N, K = 40, 512
-
-
-def random_weight(qtype: int, n: int, k: int, seed: int = 0) -> G.GGMLWeight:
-    elems, size = G.block_shape(qtype)
-    rng = np.random.default_rng(seed)
-    blocks = rng.integers(0, 256, size=(n * k // elems, size), dtype=np.uint8)
-    for offset in FP16_FIELDS[qtype]:
-        scales = (rng.standard_normal(len(blocks)) * 0.01).astype(np.float16)
-        blocks[:, offset : offset + 2] = scales.view(np.uint8).reshape(-1, 2)
-    return G.GGMLWeight(torch.from_numpy(blocks.reshape(n, -1)), int(qtype), k)
 
 
 @pytest.fixture(scope="module")
@@ -61,15 +38,15 @@ def weights():
     """qtype -> (weight (N, K), gguf's dequantized (N, K) fp32)."""
     out = {}
     for i, qtype in enumerate(TYPES):
-        w = random_weight(qtype, N, K, seed=i)
+        w = G.random_weight(qtype, N, K, seed=i)
         out[qtype] = (w, G.dequantize_ref(w))
     return out
 
 
 @pytest.fixture(params=ISAS)
-def isa(request, monkeypatch):
-    monkeypatch.setenv(G.ISA_ENV, request.param)
-    return request.param
+def kern(request):
+    """Each build this CPU runs (AGENTRT_GGML_ISA picks one per process; see the last tests)."""
+    return G.load_ggml_kernels(G.default_build_dir(), request.param)
 
 
 def quantize_rows_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -92,27 +69,27 @@ def check_product(y: torch.Tensor, x: torch.Tensor, dense: torch.Tensor) -> None
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: Q(t).name)
-def test_product_matches_gguf_reference(isa, weights, qtype):
+def test_product_matches_gguf_reference(kern, weights, qtype):
     w, dense = weights[qtype]
     gen = torch.Generator().manual_seed(qtype)
     for rows in (1, 3, 16, 64):
         x = torch.randn(rows, K, generator=gen)
-        check_product(G.ggml_linear(x, w), x, dense)
+        check_product(G.ggml_linear(x, w, kernels=kern), x, dense)
     # bf16 rows in, and the bf16-out variant (one more rounding, to bf16, of each sum)
     xb = torch.randn(5, K, generator=gen).bfloat16()
-    check_product(G.ggml_linear(xb, w), xb, dense)
-    y = G.ggml_linear_bf16(xb, w)
+    check_product(G.ggml_linear(xb, w, kernels=kern), xb, dense)
+    y = G.ggml_linear_bf16(xb, w, kernels=kern)
     assert y.dtype == torch.bfloat16
-    torch.testing.assert_close(y, G.ggml_linear(xb, w).bfloat16(), atol=0, rtol=0)
+    torch.testing.assert_close(y, G.ggml_linear(xb, w, kernels=kern).bfloat16(), atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: Q(t).name)
-def test_dequantize_and_embedding_are_gguf_exactly(isa, weights, qtype):
+def test_dequantize_and_embedding_are_gguf_exactly(kern, weights, qtype):
     w, dense = weights[qtype]
-    assert torch.equal(w.dequantize(), dense)
-    assert torch.equal(w.dequantize(torch.bfloat16), dense.bfloat16())
+    assert torch.equal(w.dequantize(kernels=kern), dense)
+    assert torch.equal(w.dequantize(torch.bfloat16, kernels=kern), dense.bfloat16())
     ids = torch.tensor([3, 0, 39, 3])
-    assert torch.equal(G.ggml_embedding(ids, w), dense[ids])
+    assert torch.equal(G.ggml_embedding(ids, w, kernels=kern), dense[ids])
 
 
 def test_ggml_linear_ref_is_x_times_dequantized(weights):
@@ -128,20 +105,20 @@ def test_large_step_path_is_the_dequantized_product(weights, qtype):
     w, dense = weights[qtype]
     x = torch.randn(G.LARGE_STEP_ROWS + 3, K)
     torch.testing.assert_close(G.ggml_linear(x, w), x @ dense.T, atol=1e-4, rtol=1e-4)
-    wide = random_weight(qtype, G.LARGE_STEP_TILE + 5, K)  # more than one tile of rows
+    wide = G.random_weight(qtype, G.LARGE_STEP_TILE + 5, K)  # more than one tile of rows
     torch.testing.assert_close(
         G.ggml_linear(x, wide), x @ G.dequantize_ref(wide).T, atol=1e-4, rtol=1e-4
     )
 
 
-def test_out_as_a_column_slice_of_a_wider_tensor(isa, weights):
+def test_out_as_a_column_slice_of_a_wider_tensor(kern, weights):
     """Fused projections of mixed types (Q4_K_M's Q4_K and Q6_K) write side by side."""
     (w1, d1), (w2, d2) = weights[Q.Q4_K], weights[Q.Q6_K]
     for rows in (1, 7, G.LARGE_STEP_ROWS):
         x = torch.randn(rows, K)
         out = torch.full((rows, 2 * N + 3), float("nan"))
-        assert G.ggml_linear(x, w1, out[:, :N]).data_ptr() == out.data_ptr()
-        G.ggml_linear(x, w2, out[:, N : 2 * N])
+        assert G.ggml_linear(x, w1, out[:, :N], kern).data_ptr() == out.data_ptr()
+        G.ggml_linear(x, w2, out[:, N : 2 * N], kern)
         if rows < G.LARGE_STEP_ROWS:
             check_product(out[:, :N], x, d1)
             check_product(out[:, N : 2 * N], x, d2)
@@ -228,7 +205,7 @@ def test_odd_shapes_refused(weights):
 def test_isa_flag_forces_the_path_in_a_fresh_process():
     code = (
         "import torch; from agentrt.kernels import ggml_linear as G;"
-        "print(G._kernels().isa, G.selected_isa())"
+        "print(G.default_kernels().isa, G.selected_isa())"
     )
     for isa in ISAS:
         env = {**os.environ, G.ISA_ENV: isa}
