@@ -61,7 +61,9 @@ class ExtractJob:
 
 @dataclass(slots=True)
 class JobReport:
-    """Counts of one run; `docs_per_s` counts this run's results over its wall time."""
+    """Counts of one run. `docs_per_s`: this run's results over `elapsed_s`, the time from the
+    first document sent to the last result; `startup_s` (loading the engine, or starting
+    the Ray job) comes before it."""
 
     output: str
     num_read: int = 0  # documents read from the input (up to --limit)
@@ -75,8 +77,10 @@ class JobReport:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
+    startup_s: float = 0.0
     elapsed_s: float = 0.0
     docs_per_s: float = 0.0
+    started_at: float | None = field(default=None, repr=False)  # first document sent
     stopped_by: str | None = None  # the signal's name when a signal stopped the run
 
     def add(self, result: ExtractResult) -> None:
@@ -105,7 +109,8 @@ class JobReport:
             f"{self.num_ok}/{n} extracted{share} -> {self.output}",
             f"failed: {self.num_failed}" + (f" ({codes})" if codes else ""),
             f"skipped (already done): {self.num_skipped}, duplicate ids: {self.num_duplicates}",
-            f"{self.docs_per_s:.2f} docs/s over {self.elapsed_s:.1f} s; tokens: prompt "
+            f"{self.docs_per_s:.2f} docs/s over {self.elapsed_s:.1f} s (after "
+            f"{self.startup_s:.1f} s of start-up); tokens: prompt "
             f"{self.prompt_tokens} (cached {self.cached_tokens}), completion "
             f"{self.completion_tokens}",
         ]
@@ -171,7 +176,9 @@ def run_job(job: ExtractJob) -> tuple[JobReport, int]:
         sink.close()
         if bar is not None:
             bar.close()
-        report.elapsed_s = time.perf_counter() - start
+        end = time.perf_counter()
+        first = report.started_at if report.started_at is not None else end
+        report.startup_s, report.elapsed_s = first - start, end - first
         report.docs_per_s = report.num_results / report.elapsed_s if report.elapsed_s else 0.0
         report.stopped_by = stop.signal_name
         admitted = report.num_read - report.num_skipped - report.num_duplicates
@@ -179,7 +186,9 @@ def run_job(job: ExtractJob) -> tuple[JobReport, int]:
         print(report.summary(), file=sys.stderr)
         if job.report_json is not None:
             with open(job.report_json, "w") as f:
-                json.dump(asdict(report), f, indent=2)
+                fields = asdict(report)
+                del fields["started_at"]
+                json.dump(fields, f, indent=2)
     if stop.signal_name is not None:
         return report, 128 + signal.Signals[stop.signal_name].value
     return report, 0 if report.num_failed == 0 else 1
@@ -265,6 +274,8 @@ def _pending(
         if key in state.done:
             report.num_skipped += 1
             continue
+        if report.started_at is None:
+            report.started_at = time.perf_counter()
         yield document
 
 

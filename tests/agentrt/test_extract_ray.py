@@ -1,0 +1,120 @@
+"""agentrt.ray on a real local Ray cluster (2 CPUs): two Extractor actors, each with its own
+engine, give the single-process results (greedy, fp32); an actor killed mid-job has its
+batch retried and the output still holds every id once; `agentrt extract --ray` writes the
+same results as a local run."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import ray
+
+from agentrt.extract_job import ExtractJob, run_job
+from agentrt.ray import Extractor
+from tests.agentrt.test_extract import DOCS, INSTRUCTIONS, Contact
+
+pytestmark = [pytest.mark.slow, pytest.mark.anyio]
+ENGINE = {"dtype": "float32", "kv_cache_memory_gb": 0.25}
+MAX_TOKENS = 48
+KILLED_ROW = 5
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR")
+    yield
+    ray.shutdown()
+
+
+class KillOnce:
+    """An Extractor whose actor dies (os._exit) on the batch holding KILLED_ROW, once: the
+    process that removes the marker file first is the one that dies."""
+
+    def __init__(self, marker: str, **options) -> None:
+        self.marker = marker
+        self.extractor = Extractor(**options)
+
+    async def __call__(self, batch):
+        if KILLED_ROW in list(batch["row"]):
+            try:
+                os.unlink(self.marker)
+            except FileNotFoundError:
+                pass
+            else:
+                os._exit(1)
+        return await self.extractor(batch)
+
+
+async def test_two_actors_match_one_process_and_survive_a_killed_actor(
+    cluster, rt, tmp_path: Path
+):
+    texts = [f"{doc} (note {i})" for i, doc in enumerate(DOCS + DOCS[:3])]
+    local = await rt.extract_many(
+        texts, Contact, instructions=INSTRUCTIONS, progress=False, max_tokens=MAX_TOKENS
+    )
+    marker = tmp_path / "kill-once"
+    marker.touch()
+    ds = ray.data.from_items([{"row": i, "text": text} for i, text in enumerate(texts)])
+    out = ds.map_batches(
+        KillOnce,
+        fn_constructor_kwargs={
+            "marker": str(marker),
+            "schema": Contact,
+            "instructions": INSTRUCTIONS,
+            "engine_options": ENGINE,
+            "sampling": {"max_tokens": MAX_TOKENS},
+        },
+        concurrency=2,
+        batch_size=2,
+        num_cpus=1,
+    )
+    rows = out.take_all()
+    assert not marker.exists()  # an actor did die
+    assert sorted(row["row"] for row in rows) == list(range(len(texts)))  # each id once
+    for row in rows:
+        expected = local[row["row"]]
+        assert row["error_code"] is None and expected.ok, row
+        assert json.loads(row["value"]) == expected.value.model_dump(mode="json")
+        assert row["completion_tokens"] == expected.usage.completion_tokens
+        assert "text" not in row  # the document is not carried to the output
+
+
+def test_extract_command_on_ray_writes_what_a_local_run_writes(
+    cluster, tiny_checkpoint, tmp_path: Path
+):
+    tiny_dir = str(tiny_checkpoint("llama"))
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps({"type": "object", "properties": {"ok": {"type": "boolean"}}}))
+    source = tmp_path / "in.jsonl"
+    rows = [{"text": f"Document {i}."} for i in range(20)]
+    rows[7] = {"body": "no text"}  # a bad row: an error the driver writes itself
+    source.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    def run(output: Path, **options):
+        return run_job(
+            ExtractJob(
+                schema=str(schema),
+                input=str(source),
+                output=str(output),
+                instructions="Reply with JSON.",
+                progress=False,
+                sampling={"max_tokens": 12},
+                engine_options={"model": tiny_dir, "dtype": "float32"},
+                **options,
+            )
+        )
+
+    local_report, _ = run(tmp_path / "local.jsonl")
+    ray_report, status = run(tmp_path / "ray.jsonl", ray_address="local", num_actors=2)
+    assert status == 1 and ray_report.num_failed == 1 and ray_report.num_ok == 19
+    assert ray_report.completion_tokens == local_report.completion_tokens
+
+    def by_id(path: Path) -> dict:
+        records = [json.loads(line) for line in path.read_text().splitlines()]
+        assert len(records) == len({r["id"] for r in records}) == 20
+        return {r["id"]: (r["value"], r["error"] and r["error"]["code"]) for r in records}
+
+    assert by_id(tmp_path / "ray.jsonl") == by_id(tmp_path / "local.jsonl")
