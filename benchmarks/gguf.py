@@ -1,0 +1,586 @@
+"""GGUF files as users download them: agentrt vs llama-cpp-python, side by side in one run,
+2 threads each, on a synthetic GGUF of a real 1B shape quantized by llama.cpp to Q4_K_M, Q4_0
+and Q8_0, and on the embedded SmolLM2-135M-Instruct (Q4_1). Defaults on both sides.
+
+Files. The synthetic model has TinyLlama-1.1B's shape (llama, hidden 2048, 22 layers, FFN
+5632, 32 heads, 4 KV heads, rope theta 10000, context 2048, output not tied to the
+embeddings) and the embedded model's tokenizer (49,152 tokens): 1.17B parameters, random
+(2-D weights normal with std 0.02, norms 1, seeded), written as F16 by gguf-py's
+`GGUFWriter`, then quantized by llama.cpp's own quantizer (`llama_cpp.llama_model_quantize`,
+no importance matrix). They are cached in --files-dir (default ~/.cache/agentrt-bench/gguf,
+~4.9 GB with the F16 source) and reused. On random weights the perplexity is near the
+vocabulary size: it compares the engines and the quantizations of one model, nothing more;
+the embedded model gives the figure on real weights.
+
+Per file, each engine in its own subprocess (its own memory), the file in the page cache:
+  load      first load: wall time of the constructor (agentrt with an empty model cache in
+            --agentrt-cache-dir; its C kernels are built beforehand, by a warm-up run)
+  peak RSS  VmHWM after the load, one request and the prefill (the work both sides do);
+            agentrt's after 16 concurrent requests as well (`peak_rss_batch_mib`)
+  written   /proc/self/io write_bytes during the load (agentrt: also its cache's growth)
+  decode    one request, a short chat prompt, 128 tokens greedy, EOS ignored: tokens/s from
+            the first token to the last
+  prefill   a 512-token prompt, nothing cached, best of 2: prompt tokens/s
+  batch16   agentrt: 16 concurrent requests of 128 tokens, output tokens/s; llama-cpp-python
+            serves one request at a time: its figure is its decode rate
+  quality   perplexity of latency.PPL_TEXT, teacher forced (the same token ids on every
+            side; agentrt in steps of latency.PPL_CHUNK rows), and the share of positions
+            whose top token is the reference's; the reference is HF transformers on the
+            GGUF dequantized to fp32 (`from_pretrained(dir, gguf_file=..., dtype=float32)`)
+Ratios are agentrt / llama.cpp measured in the same run, printed beside the issue's targets
+(decode and prefill >= 1.0x, peak RSS <= 1.2x, written <= 1% of the file, perplexity within
+1% of the reference's). Last line: JSON with every figure.
+
+llama-cpp-python is optional and may live in another interpreter, `--llama-python` (it needs
+only numpy and llama_cpp there; the agentrt side runs in this one). It also makes the files
+(the quantizer), so without it they must be cached. Build it for this CPU in its own venv:
+    python3 -m venv /work/bench-venv
+    CMAKE_ARGS="-DGGML_NATIVE=ON" /work/bench-venv/bin/pip install llama-cpp-python==0.3.36
+(~10 minutes on 2 cores; latency.py says how to build it where the CPU reports AMX but the
+VM does not grant it).
+
+    .venv/bin/python benchmarks/gguf.py --llama-python /work/bench-venv/bin/python
+    .venv/bin/python benchmarks/gguf.py --llama-python ... --types Q4_0 --no-embedded
+    .venv/bin/python benchmarks/gguf.py --no-llama-cpp --no-reference    # agentrt alone
+A full run takes ~30-60 minutes on 2 cores (agentrt today converts each 1B file to fp32).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+# This file's folder goes last on the module path: first, this file would hide gguf-py (which
+# `import gguf` means here, and in transformers); `import latency` still finds its neighbour.
+_HERE = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE] + [str(_HERE)]
+
+TYPES = ("Q4_K_M", "Q4_0", "Q8_0")
+EMBEDDED = "embedded"
+DECODE_TOKENS = 128
+PREFILL_TOKENS = 512
+BATCH = 16
+LLAMA_N_CTX = 2048
+# The issue's targets: agentrt / llama.cpp ratios, and the share of the file written.
+TARGETS = {"decode": 1.0, "prefill": 1.0, "peak_rss": 1.2, "written": 0.01, "perplexity": 0.01}
+SYNTHETIC_VERSION = 1  # in the file names: bump when the generator changes
+WEIGHT_STD = 0.02
+
+
+@dataclass(frozen=True, slots=True)
+class Shape:
+    hidden: int
+    num_layers: int
+    ffn: int
+    num_heads: int
+    num_kv_heads: int
+    rope_theta: float
+    context: int
+
+
+TINYLLAMA_1B = Shape(2048, 22, 5632, 32, 4, 10000.0, 2048)
+
+
+class BenchError(RuntimeError):
+    """A worker failed or the setup cannot run; the message says what to do."""
+
+
+# -- the synthetic files -----------------------------------------------------------------------
+
+
+def synthetic_tensors(shape: Shape, vocab: int) -> list[tuple[str, tuple[int, ...]]]:
+    """(GGUF name, numpy shape (out_features, in_features)) of every tensor of a llama model."""
+    h, f = shape.hidden, shape.ffn
+    kv = shape.num_kv_heads * (h // shape.num_heads)
+    tensors = [("token_embd.weight", (vocab, h))]
+    for i in range(shape.num_layers):
+        tensors += [
+            (f"blk.{i}.attn_norm.weight", (h,)),
+            (f"blk.{i}.attn_q.weight", (h, h)),
+            (f"blk.{i}.attn_k.weight", (kv, h)),
+            (f"blk.{i}.attn_v.weight", (kv, h)),
+            (f"blk.{i}.attn_output.weight", (h, h)),
+            (f"blk.{i}.ffn_norm.weight", (h,)),
+            (f"blk.{i}.ffn_gate.weight", (f, h)),
+            (f"blk.{i}.ffn_up.weight", (f, h)),
+            (f"blk.{i}.ffn_down.weight", (h, f)),
+        ]
+    return tensors + [("output_norm.weight", (h,)), ("output.weight", (vocab, h))]
+
+
+def write_synthetic(path: Path, shape: Shape, tokenizer_gguf: Path, seed: int) -> None:
+    """An F16 llama GGUF of `shape` with the tokenizer of `tokenizer_gguf`: 2-D weights
+    normal(0, WEIGHT_STD), norms F32 ones. Tensors are generated and written one at a time
+    (the whole model is never in memory). Not atomic: the caller renames a finished file."""
+    import gguf
+
+    source = gguf.GGUFReader(tokenizer_gguf)
+    vocab = len(source.fields["tokenizer.ggml.tokens"].data)
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_name(f"agentrt-bench synthetic llama (TinyLlama-1.1B shape, seed {seed})")
+    for name, field in source.fields.items():
+        if name.startswith("tokenizer."):
+            array = field.types[0] == gguf.GGUFValueType.ARRAY
+            sub_type = field.types[-1] if array else None
+            writer.add_key_value(name, field.contents(), field.types[0], sub_type=sub_type)
+    writer.add_vocab_size(vocab)
+    writer.add_context_length(shape.context)
+    writer.add_embedding_length(shape.hidden)
+    writer.add_block_count(shape.num_layers)
+    writer.add_feed_forward_length(shape.ffn)
+    writer.add_head_count(shape.num_heads)
+    writer.add_head_count_kv(shape.num_kv_heads)
+    writer.add_rope_dimension_count(shape.hidden // shape.num_heads)
+    writer.add_rope_freq_base(shape.rope_theta)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    tensors = synthetic_tensors(shape, vocab)
+    for name, dims in tensors:
+        dtype = np.dtype(np.float32 if len(dims) == 1 else np.float16)
+        writer.add_tensor_info(name, dims, dtype, math.prod(dims) * dtype.itemsize)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    rng = np.random.default_rng(seed)
+    for _, dims in tensors:
+        if len(dims) == 1:
+            writer.write_tensor_data(np.ones(dims, np.float32))
+        else:
+            weights = rng.standard_normal(dims, dtype=np.float32) * WEIGHT_STD
+            writer.write_tensor_data(weights.astype(np.float16))
+    writer.close()
+
+
+def prepare_files(args: argparse.Namespace) -> dict[str, Path]:
+    """The GGUF file of each benchmarked kind, made once (F16, then llama.cpp's quantizer)
+    and cached in --files-dir; every file appears there complete or not at all."""
+    from agentrt.engine.model.checkpoint import gguf_source
+
+    files: dict[str, Path] = {EMBEDDED: gguf_source(None)} if args.embedded else {}
+    args.files_dir.mkdir(parents=True, exist_ok=True)
+    stem = f"synthetic-tinyllama-1.1b-v{SYNTHETIC_VERSION}-s{args.seed}"
+    source = args.files_dir / f"{stem}-F16.gguf"
+    for kind in args.types:
+        path = args.files_dir / f"{stem}-{kind}.gguf"
+        if not path.is_file():
+            if args.llama_python is None:
+                raise BenchError(
+                    f"{path} is not made yet, and making it needs llama.cpp's quantizer: pass "
+                    "--llama-python PATH (an interpreter with llama_cpp), once."
+                )
+            if not source.is_file():
+                print(f"writing {source} (F16, ~2.3 GB)", flush=True)
+                write_synthetic(_partial(source), TINYLLAMA_1B, gguf_source(None), args.seed)
+                _partial(source).rename(source)
+            print(f"quantizing to {path.name} with llama.cpp", flush=True)
+            job = {"source": str(source), "target": str(_partial(path)), "kind": kind}
+            run_worker(args.llama_python, "quantize", job | {"threads": args.threads})
+            _partial(path).rename(path)
+        files[kind] = path
+    return files
+
+
+def _partial(path: Path) -> Path:
+    return path.with_name(f".partial-{path.name}")
+
+
+# -- measurements shared by the workers ----------------------------------------------------------
+
+
+def peak_rss_mib() -> float:
+    """This process's peak resident set (VmHWM) so far, MiB."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    raise BenchError("/proc/self/status has no VmHWM: this benchmark needs Linux")
+
+
+def written_bytes() -> int:
+    """Bytes this process (and its reaped children) sent to storage so far."""
+    for line in Path("/proc/self/io").read_text().splitlines():
+        if line.startswith("write_bytes:"):
+            return int(line.split()[1])
+    raise BenchError("/proc/self/io has no write_bytes: this benchmark needs Linux")
+
+
+def token_scores(logits: np.ndarray, token_ids: list[int]) -> dict:
+    """Teacher-forced scores: logits (n, vocab), row i predicting token i + 1."""
+    rows = logits[:-1].astype(np.float64)
+    top = rows.max(axis=1)
+    log_norm = top + np.log(np.exp(rows - top[:, None]).sum(axis=1))
+    targets = np.asarray(token_ids[1:])
+    logprobs = rows[np.arange(len(targets)), targets] - log_norm
+    return {
+        "perplexity": float(np.exp(-logprobs.mean())),
+        "top_ids": rows.argmax(axis=1).tolist(),
+    }
+
+
+# -- workers (each in its own process) -----------------------------------------------------------
+
+
+def quantize_worker(job: dict) -> dict:
+    import ctypes
+
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{job['kind']}")
+    params.nthread = job["threads"]
+    status = llama_cpp.llama_model_quantize(
+        job["source"].encode(), job["target"].encode(), ctypes.byref(params)
+    )
+    if status != 0:
+        raise BenchError(f"llama_model_quantize to {job['kind']} failed with status {status}")
+    return {}
+
+
+def llama_worker(job: dict) -> dict:
+    from llama_cpp import Llama
+
+    threads = job["threads"]
+    options = dict(n_threads=threads, n_threads_batch=threads, verbose=False, seed=0)
+    written, start = written_bytes(), time.perf_counter()
+    llm = Llama(job["file"], n_ctx=LLAMA_N_CTX, **options)
+    result = {
+        "load_s": time.perf_counter() - start,
+        "written_bytes": written_bytes() - written,
+        "peak_rss_load_mib": peak_rss_mib(),
+    }
+    _llama_tokens(llm, job["prompt_ids"], 8)  # warm-up
+    llm.reset()
+    start = time.perf_counter()
+    times = _llama_tokens(llm, job["prompt_ids"], DECODE_TOKENS)
+    result["decode_tok_s"] = (DECODE_TOKENS - 1) / (times[-1] - times[0])
+    result["e2e_tok_s"] = DECODE_TOKENS / (times[-1] - start)
+    prefill_s = []
+    for _ in range(2):
+        llm.reset()  # else llama-cpp-python reuses the prefix it already holds
+        start = time.perf_counter()
+        llm.eval(job["prefill_ids"])
+        prefill_s.append(time.perf_counter() - start)
+    result["prefill_tok_s"] = len(job["prefill_ids"]) / min(prefill_s)
+    result["batch_tok_s"] = result["decode_tok_s"]  # one request at a time
+    result["peak_rss_mib"] = peak_rss_mib()
+    del llm  # a second instance keeps every position's logits (the perplexity)
+    ppl_ids = job["ppl_ids"]
+    llm = Llama(job["file"], n_ctx=len(ppl_ids), n_batch=len(ppl_ids), logits_all=True, **options)
+    llm.eval(ppl_ids)
+    logits = np.array(llm.scores[: len(ppl_ids)], dtype=np.float32)  # (n, vocab)
+    return result | token_scores(logits, ppl_ids)
+
+
+def _llama_tokens(llm, prompt_ids: list[int], num_tokens: int) -> list[float]:
+    """Greedy tokens after `prompt_ids` (llama-cpp-python's `generate` never stops on EOS:
+    the caller stops it); the time each one came."""
+    times = []
+    for _, _token in zip(range(num_tokens), llm.generate(prompt_ids, temp=0.0), strict=False):
+        times.append(time.perf_counter())
+    return times
+
+
+def agentrt_worker(job: dict) -> dict:
+    import torch
+    from latency import AGREEMENT_PROMPTS, teacher_forced_logits
+
+    from agentrt.engine.llm import LLM
+    from agentrt.engine.sampling_params import SamplingParams
+
+    torch.set_num_threads(job["threads"])
+    models = Path(os.environ["AGENTRT_CACHE_DIR"]) / "models"
+    written, start = written_bytes(), time.perf_counter()
+    llm = LLM(job["file"], kv_cache_memory_gb=job["kv_cache_memory_gb"])
+    result = {
+        "load_s": time.perf_counter() - start,
+        "written_bytes": written_bytes() - written,
+        "cache_growth_bytes": sum(p.stat().st_size for p in models.rglob("*") if p.is_file()),
+        "peak_rss_load_mib": peak_rss_mib(),
+        "dtype": str(llm.engine.model_config.dtype),
+        "quantization": llm.engine.model_config.quantization,
+    }
+
+    def greedy(num_tokens: int) -> SamplingParams:
+        return SamplingParams(temperature=0.0, max_tokens=num_tokens, ignore_eos=True)
+
+    llm.generate([job["prompt_ids"]], greedy(8))  # warm-up
+    if job.get("warm_up_only"):
+        return {}
+    metrics = llm.generate([job["prompt_ids"]], greedy(DECODE_TOKENS))[0].metrics
+    result["decode_tok_s"] = 1 / metrics.time_per_output_token
+    result["e2e_tok_s"] = DECODE_TOKENS / (metrics.finished_time - metrics.arrival_time)
+    prefill_s = []
+    for _ in range(2):
+        llm.engine.reset_prefix_cache()
+        start = time.perf_counter()
+        llm.generate([job["prefill_ids"]], greedy(1))
+        prefill_s.append(time.perf_counter() - start)
+    result["prefill_tok_s"] = len(job["prefill_ids"]) / min(prefill_s)
+    result["peak_rss_mib"] = peak_rss_mib()
+    logits = teacher_forced_logits(llm, job["ppl_ids"]).float().numpy()
+    result |= token_scores(logits, job["ppl_ids"])
+    prompts = [f"{p} ({i})" for i, p in enumerate(AGREEMENT_PROMPTS * 2)][:BATCH]
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, greedy(DECODE_TOKENS))
+    num_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    result["batch_tok_s"] = num_tokens / (time.perf_counter() - start)
+    result["peak_rss_batch_mib"] = peak_rss_mib()
+    return result
+
+
+def reference_worker(job: dict) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(job["threads"])
+    path = Path(job["file"])
+    model = AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    ).eval()
+    with torch.inference_mode():
+        logits = model(torch.tensor([job["ppl_ids"]])).logits[0].numpy()  # (n, vocab)
+    return token_scores(logits, job["ppl_ids"])
+
+
+WORKERS = {
+    "quantize": quantize_worker,
+    "llama": llama_worker,
+    "agentrt": agentrt_worker,
+    "reference": reference_worker,
+}
+
+
+def run_worker(python: str, worker: str, job: dict, env: dict | None = None) -> dict:
+    """`job` through `worker` in a fresh `python` process; its result (its last stdout line)."""
+    done = subprocess.run(
+        [python, __file__, "--worker", worker],
+        input=json.dumps(job),
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    if done.returncode != 0:
+        tail = "\n".join(done.stderr.strip().splitlines()[-25:])
+        raise BenchError(f"the {worker} worker ({python}) exited {done.returncode}:\n{tail}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+# -- one file, both engines -----------------------------------------------------------------------
+
+
+def bench_file(path: Path, args: argparse.Namespace, ids: dict, env: dict) -> dict:
+    """Every figure of one file: llama.cpp, agentrt, the reference, and the comparisons."""
+    with path.open("rb") as f:  # into the page cache: both engines start from it
+        while f.read(1 << 24):
+            pass
+    job = ids | {"file": str(path), "threads": args.threads}
+    result: dict = {"file": str(path), "size_bytes": path.stat().st_size}
+    if args.llama_python:
+        result["llama_cpp"] = run_worker(args.llama_python, "llama", job)
+    shutil.rmtree(args.agentrt_cache_dir / "models", ignore_errors=True)
+    job["kv_cache_memory_gb"] = args.kv_cache_memory_gb
+    result["agentrt"] = run_worker(sys.executable, "agentrt", job, env)
+    shutil.rmtree(args.agentrt_cache_dir / "models", ignore_errors=True)  # the fp32 copies
+    if args.reference:
+        result["reference"] = run_worker(sys.executable, "reference", job)
+    return compare(result)
+
+
+def compare(result: dict) -> dict:
+    """Ratios against llama.cpp, quality against the reference, each target met or not."""
+    ours, theirs, ref = (result.get(k) for k in ("agentrt", "llama_cpp", "reference"))
+    targets: dict[str, bool] = {}
+    share = ours["written_bytes"] / result["size_bytes"]
+    result["written_share"] = share
+    targets["written"] = share <= TARGETS["written"]
+    if theirs:
+        result["vs_llama_cpp"] = {
+            "load": ours["load_s"] / theirs["load_s"],
+            "peak_rss": ours["peak_rss_mib"] / theirs["peak_rss_mib"],
+            "decode": ours["decode_tok_s"] / theirs["decode_tok_s"],
+            "prefill": ours["prefill_tok_s"] / theirs["prefill_tok_s"],
+            "batch": ours["batch_tok_s"] / theirs["batch_tok_s"],
+        }
+        ratios = result["vs_llama_cpp"]
+        targets["decode"] = ratios["decode"] >= TARGETS["decode"]
+        targets["prefill"] = ratios["prefill"] >= TARGETS["prefill"]
+        targets["peak_rss"] = ratios["peak_rss"] <= TARGETS["peak_rss"]
+    for side in (ours, theirs):
+        if side and ref:
+            same = sum(a == b for a, b in zip(side["top_ids"], ref["top_ids"], strict=True))
+            side["top1_agreement"] = same / len(ref["top_ids"])
+            side["perplexity_vs_reference"] = side["perplexity"] / ref["perplexity"] - 1
+    if ref:
+        targets["perplexity"] = abs(ours["perplexity_vs_reference"]) <= TARGETS["perplexity"]
+    for side in (ours, theirs, ref):
+        if side:
+            side.pop("top_ids")
+    result["targets_met"] = targets
+    return result
+
+
+def print_file(kind: str, r: dict) -> None:
+    ours, theirs = r["agentrt"], r.get("llama_cpp") or {}
+    ratios, met = r.get("vs_llama_cpp", {}), r["targets_met"]
+
+    def row(label, key, fmt, ratio=None, target=""):
+        a = format(theirs[key], fmt) if key in theirs else "-"
+        b = format(ours[key], fmt)
+        x = f"{ratios[ratio]:.2f}x" if ratio in ratios else ""
+        verdict = ("met" if met[ratio] else "MISSED") if ratio in met else ""
+        print(f"  {label:22s} {a:>12s} {b:>12s} {x:>9s}  {target:16s} {verdict}")
+
+    quant = f"{ours['quantization']}, {ours['dtype'].removeprefix('torch.')}"
+    print(f"\n== {kind}: {Path(r['file']).name} ({r['size_bytes'] / 2**20:,.0f} MiB)")
+    print(f"  {'':22s} {'llama.cpp':>12s} {'agentrt':>12s} {'ratio':>9s}  target")
+    print(f"  {'agentrt runs':22s} {'':>12s} {quant:>12s}")
+    row("first load (s)", "load_s", ".2f", "load")
+    row("peak RSS (MiB)", "peak_rss_mib", ",.0f", "peak_rss", "<= 1.2x")
+    row("  after load (MiB)", "peak_rss_load_mib", ",.0f")
+    written = f"{r['written_share']:.1%}"  # of the file
+    print(
+        f"  {'written on load (MiB)':22s} {theirs.get('written_bytes', 0) / 2**20:>12,.1f} "
+        f"{ours['written_bytes'] / 2**20:>12,.1f} {written:>9s}  {'<= 1% of file':16s} "
+        f"{'met' if met['written'] else 'MISSED'}"
+    )
+    row("decode 1 req (tok/s)", "decode_tok_s", ".2f", "decode", ">= 1.0x")
+    row("  end to end (tok/s)", "e2e_tok_s", ".2f")
+    row(f"prefill {PREFILL_TOKENS} (tok/s)", "prefill_tok_s", ".1f", "prefill", ">= 1.0x")
+    row(f"batch {BATCH} (out tok/s)", "batch_tok_s", ".2f", "batch", "(llama.cpp: 1 req)")
+    print(f"  {'  peak RSS (MiB)':22s} {'':>12s} {ours['peak_rss_batch_mib']:>12,.0f}")
+    ref = r.get("reference")
+    if ref:
+        for name, side in (("llama.cpp", theirs), ("agentrt", ours)):
+            if side:
+                print(
+                    f"  perplexity {name:10s} {side['perplexity']:12.2f} vs fp32 reference "
+                    f"{ref['perplexity']:.2f}: {side['perplexity_vs_reference']:+.2%}, top-1 "
+                    f"agreement {side['top1_agreement']:.1%}"
+                )
+        print(f"  {'':22s} agentrt target: within 1%: {'met' if met['perplexity'] else 'MISSED'}")
+    else:
+        print(
+            f"  perplexity: llama.cpp {theirs.get('perplexity', math.nan):.2f}, agentrt "
+            f"{ours['perplexity']:.2f} (no reference)"
+        )
+
+
+# -- main -------------------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "agentrt-bench"
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--types", nargs="*", default=list(TYPES), choices=TYPES + ("F16",))
+    parser.add_argument("--no-embedded", dest="embedded", action="store_false")
+    parser.add_argument("--llama-python", default=sys.executable, help="has llama_cpp")
+    parser.add_argument("--no-llama-cpp", action="store_true", help="agentrt alone")
+    parser.add_argument("--no-reference", dest="reference", action="store_false")
+    parser.add_argument("--files-dir", type=Path, default=cache / "gguf")
+    parser.add_argument("--agentrt-cache-dir", type=Path, help="default: FILES_DIR/agentrt-cache")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--kv-cache-memory-gb", type=float, default=0.25, help="agentrt's")
+    parser.add_argument("--seed", type=int, default=0, help="of the synthetic weights")
+    parser.add_argument("--worker", choices=WORKERS, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        return args
+    if args.threads < 1:
+        parser.error(f"--threads {args.threads}: expected at least 1")
+    if not args.kv_cache_memory_gb > 0:
+        parser.error(f"--kv-cache-memory-gb {args.kv_cache_memory_gb}: expected more than 0")
+    if not args.types and not args.embedded:
+        parser.error("nothing to run: --types is empty and --no-embedded is given")
+    args.agentrt_cache_dir = args.agentrt_cache_dir or args.files_dir / "agentrt-cache"
+    args.llama_version = None
+    if args.no_llama_cpp:
+        args.llama_python = None
+    else:
+        probe = [args.llama_python, "-c", "import llama_cpp; print(llama_cpp.__version__)"]
+        try:
+            done = subprocess.run(probe, capture_output=True, text=True)
+        except OSError as exc:
+            parser.error(f"--llama-python {args.llama_python}: cannot run it: {exc}")
+        if done.returncode != 0:
+            parser.error(
+                f"--llama-python {args.llama_python} cannot import llama_cpp. Build it in its "
+                'own venv (CMAKE_ARGS="-DGGML_NATIVE=ON" pip install llama-cpp-python==0.3.36) '
+                "and pass that venv's python, or pass --no-llama-cpp (the files must then be "
+                "made already)."
+            )
+        args.llama_version = done.stdout.strip()
+    return args
+
+
+def token_ids() -> dict[str, list[int]]:
+    """The prompts every side runs, as token ids of the embedded tokenizer (every file's)."""
+    from latency import DECODE_PROMPT, PPL_TEXT
+    from transformers import AutoTokenizer
+
+    from agentrt.engine.model.checkpoint import gguf_source
+
+    path = gguf_source(None)
+    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    messages = [{"role": "user", "content": DECODE_PROMPT}]
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    ppl_ids = tokenizer.encode(PPL_TEXT, add_special_tokens=False)
+    long_text = " ".join([PPL_TEXT] * (PREFILL_TOKENS // len(ppl_ids) + 1))
+    return {
+        "prompt_ids": tokenizer.encode(text, add_special_tokens=False),
+        "prefill_ids": tokenizer.encode(long_text, add_special_tokens=False)[:PREFILL_TOKENS],
+        "ppl_ids": ppl_ids,
+    }
+
+
+def main() -> None:
+    args = parse_args()
+    if args.worker:
+        print(json.dumps(WORKERS[args.worker](json.loads(sys.stdin.read()))))
+        return
+    load_before = os.getloadavg()
+    files = prepare_files(args)
+    ids = token_ids()
+    env = os.environ | {
+        "AGENTRT_CACHE_DIR": str(args.agentrt_cache_dir),
+        "AGENTRT_NUM_THREADS": str(args.threads),
+    }
+    # The first run builds agentrt's C kernels into the cache: not in any measured load.
+    warm_up = ids | {"file": None, "threads": args.threads, "warm_up_only": True}
+    run_worker(sys.executable, "agentrt", warm_up | {"kv_cache_memory_gb": 0.1}, env)
+    shutil.rmtree(args.agentrt_cache_dir / "models", ignore_errors=True)
+    results = {}
+    for kind, path in files.items():
+        results[kind] = bench_file(path, args, ids, env)
+        print_file(kind, results[kind])
+    commit = subprocess.run(
+        ["git", "-C", str(Path(__file__).parent), "rev-parse", "HEAD"],
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+    summary = {
+        "threads": args.threads,
+        "commit": commit or None,
+        "llama_cpp_python": args.llama_version,
+        "kv_cache_memory_gb": args.kv_cache_memory_gb,
+        "load_avg_before": load_before,
+        "load_avg_after": os.getloadavg(),
+        "targets": TARGETS,
+        "files": results,
+    }
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except BenchError as exc:
+        sys.exit(f"error: {exc}")
