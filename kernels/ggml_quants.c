@@ -502,6 +502,50 @@ static inline void decode_chunk(int qtype, const BlockType *bt, const uint8_t *b
     decode_generic(qtype, bt, blocks, num_blocks, offset, c);
 }
 
+// w (N rows, `w_stride` bytes apart, K elements each) -> out (N, K) rows `out_stride`
+// elements apart, fp32 (bf16 when out_bf16): scale * u + bias from the decoded chunks, for
+// the large-step path (tiles into a GEMM). Not gguf's order of operations (`dequantize` is),
+// so within an fp32 rounding of it. Returns 0, or -1 for an unknown type.
+int ggml_dequantize_tile(const uint8_t *w, int64_t w_stride, int qtype, int64_t rows, int64_t k,
+                         void *out, int64_t out_stride, int out_bf16, int num_threads) {
+    BlockType bt;
+    if (!block_type(qtype, &bt) || k % bt.block_elems) return -1;
+    const int blocks_per_chunk = CHUNK_ELEMS / bt.block_elems;
+    const int64_t row_blocks = k / bt.block_elems;
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (rows * k >= PARALLEL_WORK)
+    for (int64_t n = 0; n < rows; n++) {
+        Chunk c;
+        for (int64_t b0 = 0; b0 < row_blocks; b0 += blocks_per_chunk) {
+            const int nb = row_blocks - b0 < blocks_per_chunk ? (int)(row_blocks - b0)
+                                                              : blocks_per_chunk;
+            decode_chunk(qtype, &bt, w + n * w_stride + b0 * bt.block_bytes, nb, bt.offset, &c);
+            const int64_t e0 = b0 * bt.block_elems, groups = nb * bt.block_elems / GROUP;
+            for (int64_t g = 0; g < groups; g++) {
+                float v[GROUP];
+#if AGENTRT_ISA == 2 && defined(__AVX512BF16__)
+                const __m512 f = _mm512_fmadd_ps(
+                    _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_load_si128((const __m128i *)(c.u + g * GROUP)))),
+                    _mm512_set1_ps(c.scale[g]), _mm512_set1_ps(c.bias[g]));
+                if (out_bf16) {
+                    _mm256_storeu_si256((__m256i *)((uint16_t *)out + n * out_stride + e0 + g * GROUP),
+                                        (__m256i)_mm512_cvtneps_pbh(f));
+                    continue;
+                }
+                _mm512_storeu_ps(v, f);
+#else
+                for (int i = 0; i < GROUP; i++) v[i] = c.scale[g] * (float)c.u[g * GROUP + i] + c.bias[g];
+#endif
+                if (out_bf16)
+                    for (int i = 0; i < GROUP; i++)
+                        ((uint16_t *)out)[n * out_stride + e0 + g * GROUP + i] = f32_to_bf16(v[i]);
+                else
+                    memcpy((float *)out + n * out_stride + e0 + g * GROUP, v, sizeof v);
+            }
+        }
+    }
+    return 0;
+}
+
 // ---- One chunk dotted with one activation row -----------------------------------------------
 //
 // a: the row's CHUNK_ELEMS int8 at the chunk; da, fsum: its CHUNK_GROUPS group values. Adds
