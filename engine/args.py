@@ -155,6 +155,31 @@ class EngineArgs:
     kv_hold_timeout_s: float = _option(
         120.0, "p2p: how long a producer keeps a finished prefill's blocks for its consumer"
     )
+    kv_max_held_fraction: float = _option(
+        0.5,
+        "p2p: the share of the KV pool a producer may hold for consumers at once; past it a "
+        "prefill is not held (its response says so) and the consumer computes it",
+    )
+    kv_secret: str | None = field(
+        default=None,
+        repr=False,
+        metadata={
+            "help": "the secret shared by instances that exchange KV: signs the params a "
+            "producer hands out, authenticates p2p messages and storage files (required "
+            "for p2p; default: the AGENTRT_KV_SECRET environment variable, which unlike a "
+            "flag no other user sees in the process list)"
+        },
+    )
+    kv_allowed_producers: str | None = _option(
+        None,
+        "p2p: comma-separated host:port list a consumer fetches KV from (default: any "
+        "producer that signed its params with the shared secret)",
+    )
+    kv_storage_max_gb: float | None = _option(
+        None,
+        "storage: GiB the directory may hold; past it the least recently used blocks are "
+        "deleted (default: no cap)",
+    )
 
     def __post_init__(self) -> None:
         self.create_configs()  # every value is checked by the record that owns it
@@ -249,6 +274,12 @@ class EngineArgs:
                 port=self.kv_port,
                 timeout_s=self.kv_transfer_timeout_s,
                 hold_timeout_s=self.kv_hold_timeout_s,
+                max_held_fraction=self.kv_max_held_fraction,
+                secret=self.kv_secret or envs.kv_secret(),
+                allowed_producers=tuple(
+                    a.strip() for a in (self.kv_allowed_producers or "").split(",") if a.strip()
+                ),
+                storage_max_gb=self.kv_storage_max_gb,
             ),
         )
 

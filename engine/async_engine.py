@@ -187,6 +187,9 @@ class AsyncEngine:
             block_size=limits.block_size,
             num_kv_blocks=limits.num_kv_blocks,
             eos_token_ids=frozenset(limits.eos_token_ids),
+            kv_transfer=(self.engine.args if self.engine else self.args)
+            .create_configs()
+            .kv_transfer,
         )
         self._task_group = anyio.create_task_group()
         await self._task_group.__aenter__()

@@ -5,18 +5,34 @@ The free queue is a doubly linked list threaded through the blocks themselves, s
 block out of the middle (a prefix-cache hit) is O(1). Its order is the eviction order:
 the head is taken first. A freed block keeps its hash and stays findable until it is
 taken for new data (lazy eviction).
+
+An indexed block also keeps its parent's hash and its own token ids, so a lookup can check
+that a hit holds the tokens asked for (KVCacheManager never serves one that does not).
 """
 
 from __future__ import annotations
 
+from collections.abc import Hashable
+
 
 class KVCacheBlock:
-    __slots__ = ("block_id", "ref_cnt", "block_hash", "prev_free", "next_free")
+    __slots__ = (
+        "block_id",
+        "ref_cnt",
+        "block_hash",
+        "parent_hash",
+        "token_ids",
+        "prev_free",
+        "next_free",
+    )
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_cnt = 0
-        self.block_hash: int | None = None  # set once the block is full and indexed
+        # Set once the block is full and indexed: its hash, and what the hash names.
+        self.block_hash: Hashable | None = None
+        self.parent_hash: Hashable | None = None
+        self.token_ids: tuple[int, ...] | None = None
         self.prev_free: KVCacheBlock | None = None
         self.next_free: KVCacheBlock | None = None
 
@@ -75,7 +91,7 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
-        self.cached: dict[int, KVCacheBlock] = {}  # block hash -> the block holding it
+        self.cached: dict[Hashable, KVCacheBlock] = {}  # block hash -> the block holding it
 
     @property
     def num_free_blocks(self) -> int:
@@ -98,12 +114,22 @@ class BlockPool:
         if block.block_hash is not None:
             if self.cached.get(block.block_hash) is block:
                 del self.cached[block.block_hash]
-            block.block_hash = None
+            block.block_hash = block.parent_hash = block.token_ids = None
 
-    def cache_block(self, block: KVCacheBlock, block_hash: int) -> None:
-        """Index a full block under its chained hash (first writer wins)."""
+    def cache_block(
+        self,
+        block: KVCacheBlock,
+        block_hash: Hashable,
+        *,
+        parent_hash: Hashable | None = None,
+        token_ids: tuple[int, ...] | None = None,
+    ) -> None:
+        """Index a full block under its chained hash (first writer wins), with what the hash
+        names: the parent block's hash and the block's token ids."""
         if block.block_hash is None and block_hash not in self.cached:
             block.block_hash = block_hash
+            block.parent_hash = parent_hash
+            block.token_ids = token_ids
             self.cached[block_hash] = block
 
     def touch(self, blocks: list[KVCacheBlock]) -> None:
@@ -115,7 +141,7 @@ class BlockPool:
 
     def reset_prefix_cache(self) -> None:
         for block in self.cached.values():
-            block.block_hash = None
+            block.block_hash = block.parent_hash = block.token_ids = None
         self.cached.clear()
 
     def free_blocks(self, blocks: list[KVCacheBlock]) -> None:

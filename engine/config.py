@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import difflib
 import json
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -358,7 +358,12 @@ class KVTransferConfig:
     serves its blocks (port 0: a free one) and the address its peers are told. `timeout_s`:
     a transfer that has not arrived by then fails, and the request computes its prefill
     itself. `hold_timeout_s`: how long a p2p producer keeps a finished prefill's blocks for
-    a consumer that does not come."""
+    a consumer that does not come. `max_held_fraction`: the share of the pool a p2p
+    producer may hold for consumers at once (past it a prefill is not held). `secret`: what
+    instances that exchange KV share (kv_transfer/auth.py; required for p2p; never shown
+    in a repr). `allowed_producers`: the "host:port"s a p2p consumer fetches from (empty:
+    any producer that signed its params with the secret). `storage_max_gb`: the storage
+    connector's size cap (least recently used files go first; None: no cap)."""
 
     connector: str
     role: str
@@ -367,6 +372,10 @@ class KVTransferConfig:
     port: int
     timeout_s: float
     hold_timeout_s: float
+    max_held_fraction: float
+    secret: str | None = field(repr=False)
+    allowed_producers: tuple[str, ...]
+    storage_max_gb: float | None
 
     def __post_init__(self) -> None:
         _check(
@@ -388,6 +397,32 @@ class KVTransferConfig:
             "kv_hold_timeout_s",
             self.hold_timeout_s,
             "a positive number of seconds",
+        )
+        _check(
+            0 < self.max_held_fraction <= 1,
+            "kv_max_held_fraction",
+            self.max_held_fraction,
+            "a share of the KV pool in (0, 1]",
+        )
+        if self.connector == "p2p" and not self.secret:
+            raise ConfigError(
+                "kv_connector='p2p' needs a shared secret: set kv_secret (--kv-secret) or the "
+                "AGENTRT_KV_SECRET environment variable to the same value on every instance "
+                "that exchanges KV (e.g. `python -c 'import secrets; print(secrets.token_hex())'`)."
+            )
+        for address in self.allowed_producers:
+            host, _, port = address.rpartition(":")
+            _check(
+                bool(host) and port.isdigit() and 0 < int(port) < 65536,
+                "kv_allowed_producers",
+                address,
+                "host:port entries",
+            )
+        _check(
+            self.storage_max_gb is None or self.storage_max_gb > 0,
+            "kv_storage_max_gb",
+            self.storage_max_gb,
+            "a positive number of GiB, or None",
         )
 
     @property

@@ -3,7 +3,7 @@
 Two signals, as in vLLM's `DPLBAsyncMPClient` plus a prefix-cache affinity:
 - load: `4 * waiting + running`, from the queue lengths each core reports with every step's
   outputs, plus the requests sent to it since its last report (counted as waiting);
-- affinity: the chained hashes of full KV blocks of every sequence a replica served (its
+- affinity: the prefix cache's chained hashes (block_hash.py) of full KV blocks of every sequence a replica served (its
   prompts, and its finished sequences with their outputs) map to that replica. A session's
   next turn starts with the previous turn's prompt and reply, so its longest known prefix
   names the replica whose prefix cache holds the history.
@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
+
+from agentrt.engine.block_hash import BlockHash, extend_block_hashes
 
 _WAITING_WEIGHT = 4  # vLLM's: a waiting request costs four running ones
 _MIN_AFFINITY_FRACTION = 0.5
@@ -37,7 +39,7 @@ class DPRouter:
         self._num_owned = [0] * num_replicas
         self._reported = [(0, 0)] * num_replicas  # (waiting, running) at the last report
         self._unreported = [0] * num_replicas  # requests sent since the last report
-        self._prefixes: OrderedDict[int, int] = OrderedDict()  # block hash -> replica
+        self._prefixes: OrderedDict[BlockHash, int] = OrderedDict()  # block hash -> replica
         self._next_tie = 0
 
     def load(self, replica: int) -> int:
@@ -85,15 +87,11 @@ class DPRouter:
         if token_ids is not None:
             self._remember(self._block_hashes(token_ids), replica)
 
-    def _block_hashes(self, token_ids: Sequence[int]) -> list[int]:
-        """One chained hash per full block: hash i covers tokens [0, (i + 1) * block_size)."""
-        hashes, parent = [], 0
-        for start in range(0, len(token_ids) - self.block_size + 1, self.block_size):
-            parent = hash((parent, tuple(token_ids[start : start + self.block_size])))
-            hashes.append(parent)
-        return hashes
+    def _block_hashes(self, token_ids: Sequence[int]) -> list[BlockHash]:
+        """The prefix cache's chained hashes (block_hash.py) of the full blocks."""
+        return extend_block_hashes([], token_ids, self.block_size)
 
-    def _longest_known_prefix(self, hashes: list[int]) -> tuple[int | None, int]:
+    def _longest_known_prefix(self, hashes: list[BlockHash]) -> tuple[int | None, int]:
         """(replica, blocks) of the longest prefix some replica served; (None, 0) if none."""
         for num_blocks in range(len(hashes), 0, -1):
             replica = self._prefixes.get(hashes[num_blocks - 1])
@@ -101,7 +99,7 @@ class DPRouter:
                 return replica, num_blocks
         return None, 0
 
-    def _remember(self, hashes: list[int], replica: int) -> None:
+    def _remember(self, hashes: list[BlockHash], replica: int) -> None:
         for block_hash in hashes:
             self._prefixes[block_hash] = replica
             self._prefixes.move_to_end(block_hash)

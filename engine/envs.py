@@ -18,6 +18,12 @@ def cache_dir() -> Path:
     return base / "agentrt"
 
 
+def kv_secret() -> str | None:
+    """`AGENTRT_KV_SECRET`: the secret shared by instances that exchange KV (the kv_secret
+    option wins over it)."""
+    return os.environ.get("AGENTRT_KV_SECRET") or None
+
+
 def num_threads() -> int | None:
     """`AGENTRT_NUM_THREADS`: torch intra-op threads for the CPU engine (default: torch's)."""
     value = os.environ.get("AGENTRT_NUM_THREADS")

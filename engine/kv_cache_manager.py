@@ -1,10 +1,13 @@
 """KVCacheManager: which blocks each request holds, allocation for the next step, and
-prefix caching by chained block hashes."""
+prefix caching by chained block hashes (block_hash.py: SHA-256). A hit is served only when
+the indexed block holds the request's tokens after the request's parent hash: a collision
+of the hash could share no KV."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from agentrt.engine.block_hash import BlockHash, extend_block_hashes
 from agentrt.engine.block_pool import BlockPool, KVCacheBlock
 from agentrt.engine.request import Request
 
@@ -13,16 +16,11 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def hash_block(parent_hash: int | None, token_ids: tuple[int, ...], extra_keys: tuple) -> int:
-    """Chained hash of one full block: equal hashes mean equal token prefixes (and equal
-    extra keys, which cover anything else that changes the KV for the same tokens)."""
-    return hash((parent_hash, token_ids, extra_keys))
-
-
 @dataclass(slots=True)
 class PrefixCacheStats:
     num_queried_tokens: int = 0  # prompt tokens looked up
     num_hit_tokens: int = 0  # of those, found in the cache
+    num_collisions: int = 0  # lookups that found another prefix under a hash (never served)
 
 
 class KVCacheManager:
@@ -34,7 +32,7 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
-        self.req_to_hashes: dict[str, list[int]] = {}
+        self.req_to_hashes: dict[str, list[BlockHash]] = {}
         self.num_cached_blocks: dict[str, int] = {}  # per request: blocks already indexed
         self.stats = PrefixCacheStats()
 
@@ -42,15 +40,14 @@ class KVCacheManager:
     def num_blocks(self) -> int:
         return self.pool.num_blocks
 
-    def _block_hashes(self, request: Request) -> list[int]:
+    def _block_hashes(self, request: Request) -> list[BlockHash]:
         """Hashes of every full block of the request's known tokens (extended lazily)."""
         hashes = self.req_to_hashes.setdefault(request.req_id, [])
+        return extend_block_hashes(hashes, request.all_token_ids, self.block_size)
+
+    def _block_tokens(self, request: Request, index: int) -> tuple[int, ...]:
         bs = self.block_size
-        tokens = request.all_token_ids
-        for i in range(len(hashes), len(tokens) // bs):
-            parent = hashes[-1] if hashes else None
-            hashes.append(hash_block(parent, tuple(tokens[i * bs : (i + 1) * bs]), ()))
-        return hashes
+        return tuple(request.all_token_ids[index * bs : (index + 1) * bs])
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """The longest cached prefix of a request that has no blocks yet, in whole blocks,
@@ -60,11 +57,16 @@ class KVCacheManager:
             return [], 0
         max_blocks = (request.num_tokens - 1) // self.block_size
         hits = []
-        for block_hash in self._block_hashes(request)[:max_blocks]:
+        parent = None
+        for i, block_hash in enumerate(self._block_hashes(request)[:max_blocks]):
             block = self.pool.cached.get(block_hash)
             if block is None:
                 break
+            if block.parent_hash != parent or block.token_ids != self._block_tokens(request, i):
+                self.stats.num_collisions += 1  # another prefix under the same hash
+                break
             hits.append(block)
+            parent = block_hash
         return hits, len(hits) * self.block_size
 
     def allocate_slots(
@@ -138,7 +140,12 @@ class KVCacheManager:
             return
         hashes = self._block_hashes(request)
         for i in range(start, end):
-            self.pool.cache_block(blocks[i], hashes[i])
+            self.pool.cache_block(
+                blocks[i],
+                hashes[i],
+                parent_hash=hashes[i - 1] if i else None,
+                token_ids=self._block_tokens(request, i),
+            )
         self.num_cached_blocks[request.req_id] = end
 
     def free(self, request: Request) -> None:
@@ -183,3 +190,6 @@ class KVCacheManager:
             assert (block.ref_cnt == 0) == (block.block_id in queued), f"{block} free xor used"
         for block_hash, block in self.pool.cached.items():
             assert block.block_hash == block_hash, f"{block} indexed under a stale hash"
+            assert block.token_ids is not None and len(block.token_ids) == self.block_size, (
+                f"{block} indexed without its tokens"
+            )

@@ -237,6 +237,7 @@ class LLMEngine:
             block_size=self.cache_config.block_size,
             num_kv_blocks=self.kv_manager.num_blocks,
             eos_token_ids=self.eos_token_ids,
+            kv_transfer=self.connector.config if self.connector is not None else None,
         )
 
     def add_request(self, request: EngineCoreRequest, prompt: str | None) -> None:

@@ -9,7 +9,9 @@ import operator
 import time
 from collections.abc import Iterable, Sequence
 
+from agentrt.engine.config import KVTransferConfig
 from agentrt.engine.errors import ContextLengthError, InvalidRequestError
+from agentrt.engine.kv_transfer.auth import check_client_params
 from agentrt.engine.records import EngineCoreRequest
 from agentrt.engine.sampling_params import SamplingParams
 from agentrt.engine.structured_output import to_grammar_spec
@@ -27,7 +29,11 @@ class Processor:
         block_size: int,
         num_kv_blocks: int,
         eos_token_ids: frozenset[int],
+        kv_transfer: KVTransferConfig | None = None,
     ) -> None:
+        """`kv_transfer`: the engine's KV connector config, which decides what
+        `kv_transfer_params` a request may carry (kv_transfer/auth.py)."""
+        self.kv_transfer = kv_transfer
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
@@ -95,6 +101,8 @@ class Processor:
         max_tokens = self._check_length(len(token_ids), params.max_tokens)
         self._check_token_ids("stop_token_ids", params.stop_token_ids)
         self._check_token_ids("logit_bias", tuple(params.logit_bias or ()))
+        if params.kv_transfer_params is not None:
+            check_client_params(params.kv_transfer_params, self.kv_transfer)
         constraint = params.structured_outputs
         return EngineCoreRequest(
             req_id=req_id,

@@ -120,6 +120,7 @@ class KVTransferStats:
     # unreachable peer, a timeout, a corrupt or truncated block, another model's blocks).
     num_load_failures: int = 0
     num_saved_blocks: int = 0  # blocks written to storage, or sent to a peer
+    num_holds_refused: int = 0  # p2p prefills not held: the producer held its share already
 
 
 @dataclass(frozen=True, slots=True)

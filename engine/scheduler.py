@@ -136,6 +136,7 @@ class Scheduler:
 
     def _release(self, request: Request) -> dict | None:
         """`_free` for a request already forgotten (its blocks held or being loaded)."""
+        params = None
         if self.connector is not None:
             hold, params = self.connector.request_finished(
                 request, self.kv.block_ids(request.req_id)
@@ -144,7 +145,7 @@ class Scheduler:
                 self.held[request.req_id] = request
                 return params
         self.kv.free(request)
-        return None
+        return params  # a connector may say why it keeps nothing (a p2p hold refused)
 
     def _update_from_kv_transfer(self) -> None:
         """Take the connector's finished transfers: loaded requests may run (computing what

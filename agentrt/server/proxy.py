@@ -17,6 +17,11 @@ decoded. A decode instance that does not answer gives the client a 502 error obj
 
 The proxy keeps no state of its own besides the round-robin turns and its counters, and
 forwards only the `Authorization` header: the instances check API keys and validate bodies.
+With `api_key` it checks the key itself before forwarding anything (401), as `agentrt serve`
+does (the instances then take the same key); every body is limited to `max_request_bytes`
+(413), the server's default; `/health` (open, for load balancers) names no upstream. A
+client's own `kv_transfer_params` never pass: the field is the proxy's to set, and the decode
+instance accepts only what a producer signed (engine/kv_transfer/auth.py).
 
 Serving needs the `server` extra (fastapi, uvicorn, prometheus_client; httpx comes with
 openai). `add_proxy_args` needs none of them, so the CLI builds its parser without them.
@@ -27,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -41,6 +47,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger("agentrt.proxy")
 
 PREFILL_TIMEOUT_S = 60.0
+MAX_REQUEST_BYTES = 8 * 2**20  # agentrt serve's default (ServerConfig.max_request_bytes)
 DECODE_TIMEOUT_S = 600.0
 COMPLETION_PATHS = ("/v1/chat/completions", "/v1/completions")
 # Why a prefill failed; the label of `agentrt_proxy_prefill_fallbacks_total`.
@@ -301,9 +308,12 @@ def create_proxy_app(
     *,
     prefill_timeout_s: float = PREFILL_TIMEOUT_S,
     decode_timeout_s: float = DECODE_TIMEOUT_S,
+    api_key: str | None = None,
+    max_request_bytes: int = MAX_REQUEST_BYTES,
 ) -> FastAPI:
-    """The proxy's ASGI app. Raises ValueError for an empty URL list, a URL that is not
-    http(s) or a timeout that is not positive."""
+    """The proxy's ASGI app. `api_key`: required as 'Authorization: Bearer KEY' on every
+    route but /health. Raises ValueError for an empty URL list, a URL that is not http(s), a
+    timeout that is not positive or a body limit below 1."""
     try:
         from contextlib import asynccontextmanager
 
@@ -312,8 +322,12 @@ def create_proxy_app(
         from starlette.responses import JSONResponse, Response
 
         from agentrt.server.errors import install_error_handlers
+        from agentrt.server.middleware import GuardMiddleware
     except ImportError as exc:  # pragma: no cover - the hint is the point
         raise ImportError(_INSTALL_HINT) from exc
+
+    if max_request_bytes < 1:
+        raise ValueError(f"max_request_bytes must be at least 1, got {max_request_bytes}")
 
     proxy = DisaggProxy(
         prefill_urls,
@@ -349,11 +363,7 @@ def create_proxy_app(
         return await proxy.forward("GET", "/v1/models", _forwarded_headers(request))
 
     async def health(request: Request) -> Response:
-        urls = {
-            "prefill": list(proxy.prefill_instances.urls),
-            "decode": list(proxy.decode_instances.urls),
-        }
-        return JSONResponse({"status": "ok", **urls})
+        return JSONResponse({"status": "ok"})  # open to anyone: no upstream addresses
 
     async def metrics(request: Request) -> Response:
         return Response(proxy.metrics.render(), media_type=CONTENT_TYPE_PLAIN_0_0_4)
@@ -363,6 +373,7 @@ def create_proxy_app(
     app.add_route("/v1/models", models, methods=["GET"])
     app.add_route("/health", health, methods=["GET"])
     app.add_route("/metrics", metrics, methods=["GET"])
+    app.add_middleware(GuardMiddleware, api_key=api_key, max_request_bytes=max_request_bytes)
     return app
 
 
@@ -383,6 +394,13 @@ def add_proxy_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback)")
     parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("AGENTRT_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on every route but /health, checked before "
+        "anything is forwarded (default: $AGENTRT_API_KEY; none = open)",
+    )
+    parser.add_argument("--max-request-bytes", type=int, default=MAX_REQUEST_BYTES, help="else 413")
     parser.add_argument(
         "--prefill-timeout",
         type=float,
@@ -416,6 +434,8 @@ def run_proxy(args: argparse.Namespace) -> int:
             args.decode,
             prefill_timeout_s=args.prefill_timeout,
             decode_timeout_s=args.decode_timeout,
+            api_key=args.api_key or None,
+            max_request_bytes=args.max_request_bytes,
         )
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)

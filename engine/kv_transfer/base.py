@@ -26,15 +26,14 @@ import hashlib
 import json
 import logging
 import threading
-import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
+from agentrt.engine.block_hash import BlockHash, extend_block_hashes
 from agentrt.engine.config import KVTransferConfig
 from agentrt.engine.records import KVTransferStats, SchedulerOutput
 from agentrt.engine.request import Request
@@ -71,26 +70,16 @@ def engine_id(
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def extend_block_keys(keys: list[str], token_ids: list[int], block_size: int) -> list[str]:
-    """Chained content keys of a request's full blocks (extends `keys` in place): block i's
-    key names tokens 0 .. (i + 1) * block_size - 1, so equal keys mean equal prefixes. Unlike
-    the prefix cache's hashes they are the same in every process and on every machine."""
-    for i in range(len(keys), len(token_ids) // block_size):
-        block = np.asarray(token_ids[i * block_size : (i + 1) * block_size], dtype=np.int64)
-        parent = keys[-1] if keys else ""
-        keys.append(hashlib.sha256(parent.encode() + block.tobytes()).hexdigest()[:32])
-    return keys
-
-
-def checksum(data: torch.Tensor) -> int:
-    """CRC-32 of a contiguous tensor's bytes (detects a corrupt or truncated block)."""
-    return zlib.crc32(data.contiguous().view(torch.uint8).numpy())
+def content_key(token_ids: list[int], block_size: int) -> str:
+    """The name of a prefix of whole blocks: its last block's chained hash (block_hash.py,
+    the prefix cache's) in hex; equal keys mean equal tokens."""
+    return extend_block_hashes([], token_ids, block_size)[-1].hex()
 
 
 @dataclass(frozen=True, slots=True)
 class BlockSave:
     block_id: int
-    key: str
+    block_hash: BlockHash
     token_ids: tuple[int, ...]
 
 

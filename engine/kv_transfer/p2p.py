@@ -7,60 +7,97 @@ The flow is vLLM's (NIXL connector), driven by a proxy (`agentrt proxy`):
    `kv_transfer_params={"do_remote_decode": True}`. The producer computes the prompt and,
    when the request finishes, keeps its blocks and returns in `kv_transfer_params` where
    they are: its address, request id, block ids, how many tokens they hold (whole blocks,
-   all but the last prompt token) and the chained content key of those tokens.
-2. The proxy sends the same request to a consumer with those params. Its scheduler checks
-   them (same engine id, the same tokens by key) and parks the request in
-   `WAITING_FOR_REMOTE_KVS`; a connector thread asks the producer for the blocks (one
-   message; the answer carries the data and a CRC-32) and writes them into the blocks the
-   request was given. The request then computes only the rest of its prompt and decodes.
+   all but the last prompt token) and the content key of those tokens, signed with the
+   secret the instances share (auth.py). Past `max_held_fraction` of its pool it keeps
+   nothing and says so (`do_remote_prefill: false` and `hold_refused`).
+2. The proxy sends the same request to a consumer with those params. It checks them (the
+   signature and expiry, the engine id, this request's tokens by key, the producer among
+   `allowed_producers` if set) and parks the request in `WAITING_FOR_REMOTE_KVS`; a
+   connector thread asks the producer for the blocks (one authenticated message) and writes
+   what comes back into the blocks the request was given. The request then computes only
+   the rest of its prompt and decodes.
 3. The producer frees the blocks once it answered, or after `hold_timeout_s` if no consumer
    came.
 
 Anything that goes wrong on the way (params that do not match, a producer that is gone or
-does not answer within `timeout_s`, an unknown request, a checksum mismatch) makes the
+does not answer within `timeout_s`, an unknown request, a MAC or digest mismatch) makes the
 consumer compute the prefill itself; it is logged and counted, never raised.
+
+The wire (one request, one answer):
+- ask, consumer -> producer, one frame: JSON `{req_id, block_ids, engine_id, key, nonce,
+  mac}`, the MAC (under the secret's "wire" key) over the other fields.
+- answer, producer -> consumer, two frames: JSON `{ok, nonce, key, digest, mac}` and the
+  blocks' bytes; the MAC covers the ask's nonce (this answer is for this ask), the key and
+  the SHA-256 `digest` of the bytes. A refusal is `{ok: false, error}` and no bytes.
+The producer checks the MAC before anything else, then the engine id, the request id, the
+content key and the block ids against what it holds, and only then takes the held entry
+(an unauthenticated or wrong ask frees nothing and reads nothing). Messages above
+`MAX_ASK_BYTES` are cut off by ZMQ (MAXMSGSIZE); a malformed one is answered with an
+error, or dropped, and the loop goes on. The KV bytes are authenticated, not encrypted:
+keep producers and consumers on a private network.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import logging
+import math
+import secrets
 import threading
 import time
-import zlib
 from dataclasses import dataclass
 
 import torch
 import zmq
 
 from agentrt.engine.config import KVTransferConfig
-from agentrt.engine.kv_transfer.base import KVConnector, KVLayout, extend_block_keys
+from agentrt.engine.kv_transfer.auth import (
+    KVAuthError,
+    ParamsSigner,
+    canonical,
+    derive_key,
+    mac,
+    verify,
+)
+from agentrt.engine.kv_transfer.base import KVConnector, KVLayout, content_key
 from agentrt.engine.request import Request
 
 logger = logging.getLogger(__name__)
 
+MAX_ASK_BYTES = 1 << 20  # an ask names at most max_model_len / block_size block ids
+_ANSWER_SLACK_BYTES = 1 << 16  # the answer's JSON frame
+
 
 @dataclass(frozen=True, slots=True)
 class PullPlan:
-    """Fetch `remote_block_ids` of `remote_req_id` from host:port into `block_ids`."""
+    """Fetch `remote_block_ids` of `remote_req_id` (whose prefix has content `key`) from
+    host:port into `block_ids`."""
 
     host: str
     port: int
     remote_req_id: str
     remote_block_ids: list[int]
+    key: str
     block_ids: list[int]
     num_tokens: int
 
 
 @dataclass(frozen=True, slots=True)
 class _Held:
-    block_ids: list[int]
+    block_ids: list[int]  # the blocks a consumer may fetch
+    num_pinned: int  # the request's blocks, all kept until then
+    key: str  # content key of the tokens the blocks hold
     deadline: float  # time.monotonic() after which the blocks go back unsent
 
 
 class P2PConnector(KVConnector):
     def __init__(self, config: KVTransferConfig, layout: KVLayout) -> None:
         super().__init__(config, layout)
+        assert config.secret is not None  # KVTransferConfig requires it for p2p
+        self._signer = ParamsSigner(config.secret)
+        self._wire_key = derive_key(config.secret, "wire")
         self._context = zmq.Context()
         self._held: dict[str, _Held] = {}  # producer: finished prefills kept for a consumer
         self._sent: list[str] = []  # producer: requests whose blocks may be freed
@@ -71,6 +108,7 @@ class P2PConnector(KVConnector):
         if config.saves:
             socket = self._context.socket(zmq.ROUTER)
             socket.setsockopt(zmq.LINGER, 0)
+            socket.setsockopt(zmq.MAXMSGSIZE, MAX_ASK_BYTES)
             address = f"tcp://{config.host}"
             if config.port:
                 socket.bind(f"{address}:{config.port}")
@@ -97,20 +135,40 @@ class P2PConnector(KVConnector):
         num_blocks = min((request.num_prompt_tokens - 1) // bs, len(block_ids))
         if num_blocks == 0:
             return False, None  # less than a block: the consumer computes it all
-        tokens = request.prompt_token_ids[: num_blocks * bs]
-        deadline = time.monotonic() + self.config.hold_timeout_s
+        ttl = self.config.hold_timeout_s
         with self._lock:
-            self._held[request.req_id] = _Held(block_ids[:num_blocks], deadline)
-        return True, {
-            "do_remote_prefill": True,
-            "remote_engine_id": self.layout.engine_id,
-            "remote_host": self.config.host,
-            "remote_port": self.port,
-            "remote_request_id": request.req_id,
-            "remote_block_ids": block_ids[:num_blocks],
-            "remote_num_tokens": num_blocks * bs,
-            "remote_key": extend_block_keys([], tokens, bs)[-1],
-        }
+            num_held = sum(held.num_pinned for held in self._held.values())
+            max_held = int(self.config.max_held_fraction * len(self.kv_caches[0]))
+            if num_held + len(block_ids) > max_held:
+                self.stats.num_holds_refused += 1
+                refused = (
+                    f"{num_held} of the {max_held} blocks this producer may hold for consumers "
+                    f"are held; the consumer computes the prompt (kv_max_held_fraction)"
+                )
+            else:
+                key = content_key(request.prompt_token_ids[: num_blocks * bs], bs)
+                deadline = time.monotonic() + ttl
+                held = _Held(block_ids[:num_blocks], len(block_ids), key, deadline)
+                self._held[request.req_id] = held
+                refused = None
+        if refused is not None:
+            logger.warning("request %s's prefill is not held: %s", request.req_id, refused)
+            return False, self._signer.sign(
+                {"do_remote_prefill": False, "hold_refused": refused}, ttl
+            )
+        return True, self._signer.sign(
+            {
+                "do_remote_prefill": True,
+                "remote_engine_id": self.layout.engine_id,
+                "remote_host": self.config.host,
+                "remote_port": self.port,
+                "remote_request_id": request.req_id,
+                "remote_block_ids": block_ids[:num_blocks],
+                "remote_num_tokens": num_blocks * bs,
+                "remote_key": key,
+            },
+            ttl,
+        )
 
     def _take_finished_sends(self) -> list[str]:
         now = time.monotonic()
@@ -123,35 +181,68 @@ class P2PConnector(KVConnector):
         return sent
 
     def _serve(self, socket: zmq.Socket) -> None:
-        """Answer consumers until shutdown: each asks once for (a subset of) a request's
-        held blocks and gets them, or an error; the blocks are released either way."""
+        """Answer asks until shutdown. Nothing a peer sends ends this loop."""
         while not self._stop.is_set():
-            if not socket.poll(100):
-                continue
-            identity, message = socket.recv_multipart()
             try:
-                header, payload = self._answer(json.loads(message))
+                if not socket.poll(100):
+                    continue
+                frames = socket.recv_multipart(zmq.NOBLOCK)
+            except zmq.ZMQError:
+                continue
+            if len(frames) != 2:  # the peer's identity and one ask: anything else is dropped
+                logger.warning("dropped a KV ask of %d frames (expected 1)", len(frames) - 1)
+                continue
+            identity, message = frames
+            try:
+                header, payload = self._answer(message)
+            except KVAuthError as exc:
+                logger.warning("refused an unauthenticated KV ask: %s", exc)
+                header, payload = {"ok": False, "error": "not authenticated"}, b""
             except Exception as exc:  # noqa: BLE001 - the consumer falls back on any error
                 header, payload = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}, b""
-            socket.send_multipart([identity, json.dumps(header).encode(), payload])
+            try:
+                socket.send_multipart([identity, json.dumps(header).encode(), payload], zmq.NOBLOCK)
+            except zmq.ZMQError as exc:
+                logger.info("could not answer a KV ask: %s", exc)
         socket.close()
 
-    def _answer(self, ask: dict) -> tuple[dict, bytes]:
+    def _answer(self, message: bytes) -> tuple[dict, bytes]:
+        try:
+            ask = json.loads(message)
+        except ValueError:
+            raise KVAuthError("not JSON") from None
+        if not isinstance(ask, dict):
+            raise KVAuthError("not a JSON object")
+        fields = {k: v for k, v in ask.items() if k != "mac"}
+        if not verify(self._wire_key, ask.get("mac"), b"ask", canonical(fields)):
+            raise KVAuthError("no valid MAC (a peer without this instance's kv_secret)")
+        req_id, key, block_ids = fields["req_id"], fields["key"], fields["block_ids"]
+        if not isinstance(block_ids, list) or not all(type(b) is int for b in block_ids):
+            raise ValueError("block_ids must be a list of block ids")
         with self._lock:
-            held = self._held.pop(ask["req_id"], None)
+            held = self._held.get(req_id)
             if held is None:
-                raise KeyError(f"request {ask['req_id']} is not held (expired, or already sent)")
-            self._sent.append(ask["req_id"])
-            if ask["engine_id"] != self.layout.engine_id:
+                raise KeyError(f"request {req_id} is not held (expired, or already sent)")
+            if fields["engine_id"] != self.layout.engine_id:
                 raise ValueError("the consumer runs another model, dtype or block size")
-            if not set(ask["block_ids"]) <= set(held.block_ids):
+            if not isinstance(key, str) or not hmac.compare_digest(key, held.key):
+                raise ValueError("the consumer's prompt has other tokens")
+            if not set(block_ids) <= set(held.block_ids):
                 raise ValueError("asked for blocks the request does not hold")
-            if not ask["block_ids"]:
-                return {"ok": True, "crc32": 0}, b""  # the consumer had them all already
-            # The held blocks cannot change or be freed before the copy is taken.
-            data = self._read_blocks(ask["block_ids"]).view(torch.uint8).numpy()
-            self.stats.num_saved_blocks += len(ask["block_ids"])
-        return {"ok": True, "crc32": zlib.crc32(data)}, data.tobytes()
+            del self._held[req_id]
+            self._sent.append(req_id)
+            data = b""
+            if block_ids:  # none: the consumer had them all already
+                # The held blocks cannot change or be freed before the copy is taken.
+                data = self._read_blocks(block_ids).view(torch.uint8).numpy().tobytes()
+                self.stats.num_saved_blocks += len(block_ids)
+        answer = {
+            "ok": True,
+            "nonce": fields["nonce"],
+            "key": key,
+            "digest": hashlib.sha256(data).hexdigest(),
+        }
+        return {**answer, "mac": mac(self._wire_key, b"answer", canonical(answer))}, data
 
     # -- consumer ----------------------------------------------------------------------------
 
@@ -177,20 +268,26 @@ class P2PConnector(KVConnector):
         return num_remote - num_computed_tokens
 
     def _check(self, request: Request, params: dict) -> str | None:
+        """Why the request cannot load these params' blocks, or None. The Processor checked
+        the signature when the request came in; checked again here, where it is acted on."""
         bs = self.layout.block_size
         try:
+            self._signer.verify(params)
             num, block_ids = int(params["remote_num_tokens"]), list(params["remote_block_ids"])
             if params["remote_engine_id"] != self.layout.engine_id:
                 return "the producer runs another model, dtype, quantization or block size"
             if num % bs or len(block_ids) != num // bs or not 0 < num < request.num_tokens:
                 return f"remote_num_tokens={num} does not fit the prompt and block ids"
-            tokens = request.all_token_ids[:num]
-            if extend_block_keys([], tokens, bs)[-1] != params["remote_key"]:
+            if content_key(request.all_token_ids[:num], bs) != params["remote_key"]:
                 return "the producer's prompt has other tokens"
-            int(params["remote_port"])
-            missing = {"remote_host", "remote_request_id"} - params.keys()
-            if missing:
-                return f"kv_transfer_params lacks {sorted(missing)}"
+            address = f"{params['remote_host']}:{int(params['remote_port'])}"
+            allowed = self.config.allowed_producers
+            if allowed and address not in allowed:
+                return f"the producer {address} is not among kv_allowed_producers"
+            if not isinstance(params["remote_request_id"], str):
+                return "remote_request_id is not a string"
+        except KVAuthError as exc:
+            return f"kv_transfer_params refused: {exc}"
         except (KeyError, TypeError, ValueError) as exc:
             return f"malformed kv_transfer_params ({type(exc).__name__}: {exc})"
         return None
@@ -202,6 +299,7 @@ class P2PConnector(KVConnector):
             port=int(params["remote_port"]),
             remote_req_id=params["remote_request_id"],
             remote_block_ids=params["remote_block_ids"][first : first + n],
+            key=params["remote_key"],
             block_ids=block_ids,
             num_tokens=n * self.layout.block_size,
         )
@@ -225,33 +323,55 @@ class P2PConnector(KVConnector):
 
     def _load(self, req_id: str, plan: PullPlan) -> int:
         """Ask the producer for the blocks and write them into the pool."""
+        num_bytes = len(plan.block_ids) * self._block_bytes()
+        ask = {
+            "req_id": plan.remote_req_id,
+            "block_ids": plan.remote_block_ids,
+            "engine_id": self.layout.engine_id,
+            "key": plan.key,
+            "nonce": secrets.token_hex(16),
+        }
+        ask["mac"] = mac(self._wire_key, b"ask", canonical(ask))
         socket = self._context.socket(zmq.DEALER)
         socket.setsockopt(zmq.LINGER, 0)
+        socket.setsockopt(zmq.MAXMSGSIZE, num_bytes + _ANSWER_SLACK_BYTES)
         try:
             socket.connect(f"tcp://{plan.host}:{plan.port}")
-            ask = {
-                "req_id": plan.remote_req_id,
-                "block_ids": plan.remote_block_ids,
-                "engine_id": self.layout.engine_id,
-            }
             socket.send(json.dumps(ask).encode())
             if not socket.poll(int(self.config.timeout_s * 1000)):
                 raise TimeoutError(
                     f"no answer from {plan.host}:{plan.port} in {self.config.timeout_s:g} s"
                 )
-            header, payload = socket.recv_multipart()
+            frames = socket.recv_multipart()
         finally:
             socket.close()
-        answer = json.loads(header)
-        if not answer["ok"]:
-            raise RuntimeError(f"the producer refused: {answer['error']}")
-        if zlib.crc32(payload) != answer["crc32"]:
-            raise ValueError("checksum mismatch")
+        payload = self._checked_answer(frames, ask["nonce"], plan.key, num_bytes)
         if not plan.block_ids:
             return 0
         data = torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(self.layout.dtype)
         self._write_blocks(plan.block_ids, data.view(len(plan.block_ids), *self.layout.block_shape))
         return plan.num_tokens
+
+    def _checked_answer(self, frames: list[bytes], nonce: str, key: str, num_bytes: int) -> bytes:
+        """The blocks' bytes of an answer to the ask `nonce`; raises unless the producer
+        authenticated them."""
+        if len(frames) != 2:
+            raise ValueError(f"an answer of {len(frames)} frames")
+        header, payload = frames
+        answer = json.loads(header)
+        if not answer.get("ok"):
+            raise RuntimeError(f"the producer refused: {answer.get('error')}")
+        fields = {k: v for k, v in answer.items() if k != "mac"}
+        if not verify(self._wire_key, answer.get("mac"), b"answer", canonical(fields)):
+            raise KVAuthError("the answer has no valid MAC")
+        if fields.get("nonce") != nonce or fields.get("key") != key:
+            raise KVAuthError("the answer is for another ask")
+        if fields.get("digest") != hashlib.sha256(payload).hexdigest() or len(payload) != num_bytes:
+            raise ValueError("the data does not match its digest or size")
+        return payload
+
+    def _block_bytes(self) -> int:
+        return math.prod(self.layout.block_shape) * self.layout.dtype.itemsize
 
     def shutdown(self) -> None:
         self._stop.set()

@@ -56,6 +56,10 @@ NON_DEFAULTS = {
     "kv_port": (5555, ["--kv-port", "5555"]),
     "kv_transfer_timeout_s": (5.0, ["--kv-transfer-timeout-s", "5"]),
     "kv_hold_timeout_s": (60.0, ["--kv-hold-timeout-s", "60"]),
+    "kv_max_held_fraction": (0.25, ["--kv-max-held-fraction", "0.25"]),
+    "kv_secret": ("s3cret", ["--kv-secret", "s3cret"]),
+    "kv_allowed_producers": ("10.0.0.3:5555", ["--kv-allowed-producers", "10.0.0.3:5555"]),
+    "kv_storage_max_gb": (1.5, ["--kv-storage-max-gb", "1.5"]),
 }
 
 

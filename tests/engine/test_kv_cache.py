@@ -3,8 +3,12 @@ with ref counts, lazy LRU eviction, touch on hit, reset; and through the schedul
 
 from __future__ import annotations
 
+import hashlib
 import random
+import struct
 
+from agentrt.engine import block_hash
+from agentrt.engine.block_hash import ROOT_HASH, extend_block_hashes
 from agentrt.engine.kv_cache_manager import KVCacheManager
 from agentrt.engine.request import Request, RequestStatus
 from agentrt.engine.sampling_params import SamplingParams
@@ -145,3 +149,66 @@ def test_prefix_stats_count_each_admission_once():
     finish(kv, a)
     assert admit(kv, b) == 8
     assert kv.stats.num_queried_tokens == 18 and kv.stats.num_hit_tokens == 8
+
+
+# -- the block hash ---------------------------------------------------------------------------
+
+
+def test_one_sha256_chain_names_blocks_for_the_cache_the_router_and_the_connectors():
+    from agentrt.engine.dp_router import DPRouter
+    from agentrt.engine.kv_transfer.base import content_key
+
+    tokens = list(range(1000, 1013))  # three full blocks of 4 and one token
+    req = request("a", tokens)
+    kv = KVCacheManager(8, BS)
+    hashes = kv._block_hashes(req)
+    assert len(hashes) == 3 and all(len(h) == 32 for h in hashes)
+    # SHA-256 over the parent hash and the tokens, as documented (block_hash.py).
+    first = hashlib.sha256(ROOT_HASH + struct.pack("<4q", *tokens[:4])).digest()
+    assert hashes[0] == first
+    assert hashes[1] == hashlib.sha256(first + struct.pack("<4q", *tokens[4:8])).digest()
+    assert DPRouter(2, BS)._block_hashes(tokens) == hashes
+    assert content_key(tokens[:12], BS) == hashes[2].hex()
+    assert extend_block_hashes([], tokens, BS, extra_keys=("lora",)) != hashes
+
+
+def collide_every_block(monkeypatch) -> None:
+    """Every block of every prompt hashes alike: what a broken hash would allow."""
+    monkeypatch.setattr(block_hash, "hash_block", lambda parent, token_ids, extra=(): b"=" * 32)
+
+
+def test_a_hash_collision_is_never_served(monkeypatch):
+    collide_every_block(monkeypatch)
+    kv = KVCacheManager(16, BS)
+    admit(kv, request("a", list(range(9))))
+    # Other tokens under the same hash: no hit.
+    assert admit(kv, request("b", list(range(50, 59)))) == 0
+    # The same first block hits; the second one's hash names a block with another parent.
+    assert admit(kv, request("c", list(range(9)))) == BS
+    assert kv.stats.num_collisions == 2
+    assert kv.stats.num_hit_tokens == BS
+
+
+def test_colliding_prompts_keep_their_own_kv(monkeypatch, tiny_checkpoint):
+    from agentrt.engine.llm import LLM
+
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prompts = [[rng_token(i, j) for j in range(40)] for i in range(2)]
+    alone = LLM(
+        str(tiny_checkpoint("llama")),
+        dtype="float32",
+        num_kv_blocks=32,
+        enable_prefix_caching=False,
+    )
+    expected = [out.outputs[0].token_ids for out in alone.generate(prompts, params)]
+    collide_every_block(monkeypatch)
+    llm = LLM(str(tiny_checkpoint("llama")), dtype="float32", num_kv_blocks=32)
+    got = [llm.generate([p], params)[0] for p in prompts]  # one after the other: cached
+    assert [out.outputs[0].token_ids for out in got] == expected
+    assert got[1].num_cached_tokens == 0
+    assert llm.engine.kv_manager.stats.num_collisions >= 1
+    llm.engine.kv_manager.check_invariants()
+
+
+def rng_token(i: int, j: int) -> int:
+    return random.Random(i * 1000 + j).randrange(100, 40_000)

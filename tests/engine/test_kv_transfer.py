@@ -15,13 +15,12 @@ import sys
 import time
 
 import pytest
-from safetensors import safe_open
 
-from agentrt.engine.errors import ConfigError
+from agentrt.engine.block_hash import extend_block_hashes
+from agentrt.engine.errors import ConfigError, InvalidRequestError
 from agentrt.engine.llm import LLM
 from agentrt.engine.request import RequestStatus
 from agentrt.engine.sampling_params import SamplingParams, StructuredOutputsParams
-from tests.agentrt.server.helpers import free_port
 
 PROMPT = (
     "The history of London spans two thousand years. Founded by the Romans as Londinium, "
@@ -39,6 +38,7 @@ JSON = SamplingParams(
     temperature=0, max_tokens=40, structured_outputs=StructuredOutputsParams(json=SCHEMA)
 )
 OPTIONS = {"dtype": "float32", "kv_cache_memory_gb": 0.05}
+SECRET = "kv-secret-of-the-tests"
 
 
 def engine(**options) -> LLM:
@@ -62,6 +62,10 @@ def test_options_are_validated():
         LLM(None, kv_connector="p2p", kv_port=5555, data_parallel_size=2)
     with pytest.raises(ConfigError, match="tensor_parallel_size=1 only"):
         engine(kv_connector="storage", tensor_parallel_size=3)
+    with pytest.raises(ConfigError, match="p2p' needs a shared secret"):
+        engine(kv_connector="p2p")
+    with pytest.raises(ConfigError, match="kv_allowed_producers"):
+        engine(kv_connector="p2p", kv_secret=SECRET, kv_allowed_producers="localhost")
 
 
 # -- storage ----------------------------------------------------------------------------------
@@ -133,15 +137,12 @@ def test_a_damaged_block_is_detected_and_computed_again(tmp_path, reference, dam
     producer = engine(kv_connector="storage", kv_storage_path=str(tmp_path))
     producer.generate(PROMPT, GREEDY)
     producer.engine.shutdown()
-    # Damage the prompt's second block (blocks are named by content: find it by its tokens).
+    # Damage the prompt's second block (named by a MAC of its chained hash).
     prompt_ids = producer.engine.tokenizer.encode(PROMPT)
     assert len(prompt_ids) > 33  # at least two loadable blocks
-    second = None
-    for path in stored_blocks(tmp_path):
-        with safe_open(path, framework="pt") as f:
-            if json.loads(f.metadata()["token_ids"]) == prompt_ids[16:32]:
-                second = path
-    assert second is not None
+    second = producer.engine.connector.path(extend_block_hashes([], prompt_ids, 16)[1])
+    assert second in stored_blocks(tmp_path)
+    original = second.read_bytes()
     data = bytearray(second.read_bytes())
     if damage == "flip a byte":
         data[-100] ^= 0xFF
@@ -156,23 +157,26 @@ def test_a_damaged_block_is_detected_and_computed_again(tmp_path, reference, dam
     assert stats.num_load_failures == 1
     assert stats.num_loaded_tokens == out.num_cached_tokens == 16  # the block before it
     consumer.engine.shutdown()
-    # The damaged file was replaced by the recomputed block.
-    with safe_open(second, framework="pt") as f:
-        assert json.loads(f.metadata()["token_ids"]) == prompt_ids[16:32]
+    # The damaged file was replaced by the recomputed block (greedy fp32: the same bytes).
+    assert second.read_bytes() == original
     consumer.engine.kv_manager.check_invariants()
 
 
 # -- p2p ----------------------------------------------------------------------------------------
 
 
+def p2p(role: str, **options) -> LLM:
+    return engine(kv_connector="p2p", kv_role=role, kv_secret=SECRET, **options)
+
+
 @pytest.fixture(scope="module")
 def producer() -> LLM:
-    return engine(kv_connector="p2p", kv_role="producer")
+    return p2p("producer")
 
 
 @pytest.fixture(scope="module")
 def consumer() -> LLM:
-    return engine(kv_connector="p2p", kv_role="consumer", kv_transfer_timeout_s=1.0)
+    return p2p("consumer", kv_transfer_timeout_s=1.0)
 
 
 def prefill(producer: LLM, prompt: str = PROMPT) -> dict:
@@ -209,8 +213,9 @@ def test_prefill_on_one_instance_decode_on_another(producer, consumer, reference
 
 
 def test_a_dead_producer_means_a_local_prefill(consumer, reference):
-    kv = prefill(engine(kv_connector="p2p", kv_role="producer"))  # then garbage-collected
-    kv["remote_port"] = free_port()  # nothing listens there
+    llm = p2p("producer")
+    kv = prefill(llm)
+    llm.engine.shutdown()  # nothing listens at its port now
     before = consumer.engine.stats().kv_transfer.num_load_failures
     start = time.monotonic()
     out = consumer.generate(PROMPT, with_params(GREEDY, kv))[0]
@@ -235,23 +240,24 @@ def test_params_of_another_prompt_are_refused(producer, consumer):
 
 
 def test_an_unfetched_prefill_is_freed_after_the_hold_timeout(reference):
-    producer = engine(kv_connector="p2p", kv_role="producer", kv_hold_timeout_s=0.2)
+    producer = p2p("producer", kv_hold_timeout_s=0.5)
     kv = prefill(producer)
-    time.sleep(0.3)
+    time.sleep(0.6)
     producer.generate("Hello", SamplingParams(max_tokens=1))  # a step notices the expiry
     assert not producer.engine.scheduler.held
     assert producer.engine.kv_manager.usage() == 0
     # A consumer that comes late is told so and computes the prefill.
-    late = engine(kv_connector="p2p", kv_role="consumer")
-    out = late.generate(PROMPT, with_params(GREEDY, kv))[0]
-    assert out.outputs[0].token_ids == reference["plain"]
-    assert late.engine.stats().kv_transfer.num_load_failures == 1
+    late = p2p("consumer")
+    with pytest.raises(InvalidRequestError, match="expired"):  # its params are out of date
+        late.generate(PROMPT, with_params(GREEDY, kv))
+    assert late.engine.stats().kv_transfer.num_load_failures == 0
 
 
 def test_waiting_for_kv_blocks_nobody_and_an_abort_frees_the_blocks_after_the_load():
-    llm = engine(kv_connector="p2p", kv_role="consumer", kv_transfer_timeout_s=2.0)
-    kv = prefill(engine(kv_connector="p2p", kv_role="producer"))
-    kv["remote_port"] = free_port()  # the load waits out its 2 s timeout
+    llm = p2p("consumer", kv_transfer_timeout_s=2.0)
+    stopped = p2p("producer")
+    kv = prefill(stopped)
+    stopped.engine.shutdown()  # the load waits out its 2 s timeout
     core = llm.engine
     slow = core.processor.process("slow", PROMPT, with_params(GREEDY, kv))
     fast = core.processor.process("fast", "Hi!", SamplingParams(temperature=0, max_tokens=5))

@@ -16,7 +16,10 @@ import pytest
 
 from tests.agentrt.server.helpers import ServerProcess, metrics
 
-INSTANCE = ("--dtype", "float32", "--kv-cache-memory-gb", "0.1", "--kv-connector", "p2p")
+INSTANCE = (
+    *("--dtype", "float32", "--kv-cache-memory-gb", "0.1", "--kv-connector", "p2p"),
+    *("--kv-secret", "the-instances-shared-secret"),
+)
 SYSTEM = "You are a careful assistant who answers in one sentence."
 QUESTIONS = [  # one per request: each prompt is new to the consumer's prefix cache
     "Why do cities grow along rivers? Think of trade and water.",
