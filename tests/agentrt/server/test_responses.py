@@ -7,6 +7,7 @@ and events are validated against the `openai` package's own Responses types."""
 from __future__ import annotations
 
 import json
+import time
 from typing import Literal
 
 import httpx
@@ -16,7 +17,7 @@ import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import BaseModel, TypeAdapter
 
-from tests.agentrt.server.helpers import metrics
+from tests.agentrt.server.helpers import metrics, wait_idle
 
 MODEL = "SmolLM2-135M-Instruct"
 BLOCK_SIZE = 16  # the server's KV block size (the default): the prefix cache's unit
@@ -333,3 +334,28 @@ def test_the_api_key_and_metrics_cover_the_endpoint(server, http: httpx.Client):
     status = 'agentrt:http_responses_total{model_name="%s",status="%s"}'
     assert after[status % (MODEL, 401)] >= before.get(status % (MODEL, 401), 0) + 2
     assert after["agentrt:prompt_tokens_total"] > before["agentrt:prompt_tokens_total"]
+
+
+def test_reasoning_items_sent_back_are_accepted(client: openai.OpenAI):
+    reasoning = {"type": "reasoning", "id": "rs_1", "summary": []}
+    response = _ask(
+        client,
+        input=[{"role": "user", "content": "Hi."}, reasoning, {"role": "user", "content": "Bye."}],
+        max_output_tokens=4,
+    )
+    assert response.output[0].type == "message"
+
+
+def test_a_disconnect_mid_stream_aborts_the_request(http: httpx.Client):
+    baseline = wait_idle(http)["agentrt:kv_cache_usage_perc"]
+    body = {"model": MODEL, "input": "Count to a thousand.", "stream": True}
+    with http.stream("POST", "/v1/responses", json={**body, "max_output_tokens": 400}) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        while "response.output_text.delta" not in next(lines):
+            pass
+        assert metrics(http)["agentrt:num_requests_running"] == 1
+    started = time.monotonic()
+    after = wait_idle(http, timeout_s=10)  # 400 tokens would take far longer
+    assert time.monotonic() - started < 10
+    assert after["agentrt:kv_cache_usage_perc"] == baseline
