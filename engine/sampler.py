@@ -15,6 +15,12 @@ Order of operations on a step's logits `[B, V]` (one row per request, batch orde
 
 Per-row Python loops run only over seeded rows; everything else is batched. Penalties and
 biases touch only the (row, token) pairs they name, never a dense `[B, V]` mask.
+
+On a GPU the step must not wait for the device until its tokens are read back: which rows
+are random, which truncate and by how much is known on the host when the metadata is built,
+so the sampler never asks the device (`nonzero`, `.item()`, a branch on device data); the
+metadata's tensors travel through pinned memory without waiting. One data-dependent branch
+remains: top-p rows whose nucleus is wider than TOP_P_CANDIDATES.
 """
 
 from __future__ import annotations
@@ -62,6 +68,15 @@ class SparseLogits:
     values: torch.Tensor  # [N] f32
 
 
+@dataclass(frozen=True, slots=True)
+class LimitedRows:
+    """The random rows a truncation (top-k, top-p) applies to, found on the host when the
+    metadata is built: finding them on the device would wait for it."""
+
+    index: torch.Tensor | None  # [L] int64 positions among the random rows; None: all of them
+    max_top_k: int = 0  # top-k: the largest k among those rows
+
+
 @dataclass(slots=True)
 class SamplingMetadata:
     """Everything the sampler needs for one step, as tensors prepared once.
@@ -75,10 +90,15 @@ class SamplingMetadata:
     temperature: torch.Tensor  # [B] f32; greedy rows hold 0
     all_greedy: bool
     all_random: bool
-    greedy_rows: torch.Tensor | None  # [B] bool; None when all rows are greedy or all random
+    # [R] int64, ascending: the batch rows that sample at random; None when all rows are
+    # greedy or all random. `random_batch_rows` is the same on the host.
+    random_rows: torch.Tensor | None
+    random_batch_rows: tuple[int, ...]
     top_k: torch.Tensor | None  # [B] int64 in [1, vocab_size]
     top_p: torch.Tensor | None  # [B] f32 in (0, 1]
     min_p: torch.Tensor | None  # [B] f32 in [0, 1]
+    top_k_rows: LimitedRows | None  # the random rows whose k truncates (set with top_k)
+    top_p_rows: LimitedRows | None  # the random rows whose p truncates (set with top_p)
     generators: dict[int, torch.Generator]  # batch row -> generator, seeded random rows only
     blocked: SparseLogits | None  # values unused: these logits become -inf
     logit_bias: SparseLogits | None  # added
@@ -119,7 +139,7 @@ class SamplingMetadata:
                 raise ValueError(f"{name} has {len(column)} rows, expected {num_rows}")
 
         def tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype, device=device)
+            return to_device(torch.tensor(values, dtype=dtype), device)
 
         greedy = [p.greedy for p in params]
         random = [(i, p) for i, (p, g) in enumerate(zip(params, greedy, strict=True)) if not g]
@@ -139,12 +159,15 @@ class SamplingMetadata:
                 vocab_size,
             )
             per_row = tensor([p.repetition_penalty for p in params], torch.float32)  # [B]
-            repetition = SparseLogits(rows.to(device), ids.to(device), per_row[rows.to(device)])
+            rows, ids = to_device(rows, device), to_device(ids, device)
+            repetition = SparseLogits(rows, ids, per_row[rows])
         if output_rows:
-            rows, ids, counts = _unique_pairs(
-                output_rows, [output_token_ids[i] for i in output_rows], vocab_size
+            rows, ids, counts = (
+                to_device(t, device)
+                for t in _unique_pairs(
+                    output_rows, [output_token_ids[i] for i in output_rows], vocab_size
+                )
             )
-            rows, ids, counts = rows.to(device), ids.to(device), counts.to(device)
             frequency = tensor([p.frequency_penalty for p in params], torch.float32)  # [B]
             presence = tensor([p.presence_penalty for p in params], torch.float32)  # [B]
             values = frequency[rows] * counts + presence[rows]  # [M]
@@ -164,6 +187,16 @@ class SamplingMetadata:
                 tensor(rows, torch.int64), tensor(ids, torch.int64), tensor(values, torch.float32)
             )
 
+        def limited(rows: list[int], max_top_k: int = 0) -> LimitedRows | None:
+            """Positions `rows` among the random rows (None when there are none)."""
+            if not rows:
+                return None
+            index = None if len(rows) == len(random) else tensor(rows, torch.int64)
+            return LimitedRows(index, max_top_k)
+
+        random_batch_rows = tuple(i for i, _ in random)
+        top_k_rows = [j for j, i in enumerate(random_batch_rows) if top_k[i] < vocab_size]
+        top_p_rows = [j for j, i in enumerate(random_batch_rows) if top_p[i] < 1.0]
         wanted_logprobs = [p.logprobs for p in params if p.logprobs is not None]
         return cls(
             vocab_size=vocab_size,
@@ -173,10 +206,17 @@ class SamplingMetadata:
             ),
             all_greedy=not random,
             all_random=len(random) == num_rows,
-            greedy_rows=tensor(greedy, torch.bool) if 0 < len(random) < num_rows else None,
-            top_k=tensor(top_k, torch.int64) if any(k < vocab_size for k in top_k) else None,
-            top_p=tensor(top_p, torch.float32) if any(p < 1.0 for p in top_p) else None,
+            random_rows=(
+                tensor(list(random_batch_rows), torch.int64) if 0 < len(random) < num_rows else None
+            ),
+            random_batch_rows=random_batch_rows,
+            top_k=tensor(top_k, torch.int64) if top_k_rows else None,
+            top_p=tensor(top_p, torch.float32) if top_p_rows else None,
             min_p=tensor(min_p, torch.float32) if any(p > 0.0 for p in min_p) else None,
+            top_k_rows=limited(top_k_rows, max(top_k[random_batch_rows[j]] for j in top_k_rows))
+            if top_k_rows
+            else None,
+            top_p_rows=limited(top_p_rows),
             generators={i: generators[i] for i, _ in random if generators[i] is not None},
             blocked=sparse(blocked),
             logit_bias=sparse(bias),
@@ -184,6 +224,17 @@ class SamplingMetadata:
             output_penalty=output_penalty,
             max_num_logprobs=max(wanted_logprobs) if wanted_logprobs else None,
         )
+
+
+def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """Host tensor `t` on `device`. To a GPU through pinned memory, without waiting: a copy
+    from pageable memory would first wait for every kernel queued before it."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return t
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
 def _check_token_id(name: str, token_id: int, vocab_size: int) -> None:
@@ -260,7 +311,7 @@ class Sampler:
             return None, argmax
         if metadata.all_random:
             return random_probs(logits, metadata, None), argmax
-        random_rows = (~metadata.greedy_rows).nonzero().squeeze(1)  # [R]
+        random_rows = metadata.random_rows  # [R]
         probs = torch.zeros_like(logits)
         probs[random_rows] = random_probs(logits[random_rows], metadata, random_rows)
         return probs, argmax
@@ -272,7 +323,7 @@ class Sampler:
         if metadata.all_random:
             return sample_random(logits, metadata, None)
         sampled = logits.argmax(dim=-1)  # [B]
-        random_rows = (~metadata.greedy_rows).nonzero().squeeze(1)  # [R]
+        random_rows = metadata.random_rows  # [R]
         # Only random rows do the truncation and draw work: [R, V] copy.
         sampled[random_rows] = sample_random(logits[random_rows], metadata, random_rows)
         return sampled
@@ -312,8 +363,8 @@ def random_probs(
 
     logits.div_(select(metadata.temperature).unsqueeze(1))
     probs = logits.softmax(dim=-1)  # [R, V]
-    apply_top_k(probs, select(metadata.top_k), metadata.vocab_size)
-    apply_top_p(probs, select(metadata.top_p))
+    apply_top_k(probs, select(metadata.top_k), metadata.vocab_size, metadata.top_k_rows)
+    apply_top_p(probs, select(metadata.top_p), metadata.top_p_rows)
     if metadata.min_p is not None:
         # The most likely token survives top-k / top-p, so the max is the untruncated one.
         threshold = select(metadata.min_p).unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
@@ -330,10 +381,16 @@ def sample_random(
     # draw is the same whatever device the logits are on, and is copied there).
     uniform = torch.rand(probs.shape[0], 1, device=probs.device)  # [R, 1]
     if metadata.generators:
-        local = {r: j for j, r in enumerate(rows.tolist())} if rows is not None else None
-        for row, generator in metadata.generators.items():
-            j = row if local is None else local[row]
-            uniform[j] = torch.rand(1, generator=generator, device=generator.device)
+        position = {r: j for j, r in enumerate(metadata.random_batch_rows)}
+        seeded = [row if rows is None else position[row] for row in metadata.generators]  # [S]
+        draws = torch.cat(
+            [
+                torch.rand(1, generator=g, device=g.device).cpu()
+                for g in metadata.generators.values()
+            ]
+        )  # [S], one copy to the device for all of them
+        index = to_device(torch.tensor(seeded, dtype=torch.int64), probs.device)
+        uniform[index, 0] = to_device(draws, probs.device)
     return draw_inverse_cdf(probs, uniform)
 
 
@@ -345,7 +402,8 @@ def draw_inverse_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor
     target = uniform * cdf[:, -1:]  # [R, 1]
     sampled = torch.searchsorted(cdf, target, right=True).clamp_max_(probs.shape[1] - 1)
     bad = probs.gather(1, sampled) <= 0  # [R, 1]
-    if bad.any():
+    # On a GPU the repair always runs: branching on `bad` would wait for the device.
+    if probs.device.type != "cpu" or bad.any():
         # `target` rounded up to the total: take the last token with nonzero probability.
         last = probs.shape[1] - 1 - (probs > 0).flip(1).int().argmax(dim=1, keepdim=True)
         sampled = torch.where(bad, last, sampled)
@@ -353,12 +411,19 @@ def draw_inverse_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor
 
 
 def _limited_rows(
-    probs: torch.Tensor, limits: torch.Tensor | None, mask: torch.Tensor | None
+    probs: torch.Tensor,
+    limits: torch.Tensor | None,
+    mask: torch.Tensor | None,
+    known: LimitedRows | None,
 ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor] | None:
-    """Rows where `mask` holds: (their indices or None for all, their probs, their limits).
-    Avoids an indexing copy in the common case where every row uses the feature."""
+    """Rows where `mask` holds, or the `known` ones: (their indices or None for all, their
+    probs, their limits). Avoids an indexing copy in the common case where every row uses
+    the feature; with `known` (from the metadata) it does not ask the device."""
     if limits is None:
         return None
+    if known is not None:
+        index = known.index
+        return (None, probs, limits) if index is None else (index, probs[index], limits[index])
     index = mask.nonzero().squeeze(1)  # [L]
     if index.numel() == 0:
         return None
@@ -367,29 +432,41 @@ def _limited_rows(
     return index, probs[index], limits[index]
 
 
-def apply_top_k(probs: torch.Tensor, top_k: torch.Tensor | None, vocab_size: int) -> None:
+def apply_top_k(
+    probs: torch.Tensor,
+    top_k: torch.Tensor | None,
+    vocab_size: int,
+    known: LimitedRows | None = None,
+) -> None:
     """Zero (in place) probabilities below each row's k-th largest (ties with it are kept).
-    `topk` costs grow with k, so it runs only on rows whose k truncates (k < vocab_size)."""
-    limited = _limited_rows(probs, top_k, None if top_k is None else top_k < vocab_size)
+    `topk` costs grow with k, so it runs only on rows whose k truncates (k < vocab_size):
+    `known` names them (found on the host), else they are found from `top_k`."""
+    mask = None if top_k is None or known is not None else top_k < vocab_size
+    limited = _limited_rows(probs, top_k, mask, known)
     if limited is None:
         return
     index, rows, k = limited  # rows: [L, V], k: [L]
-    top_values = rows.topk(int(k.max()), dim=-1).values  # [L, max_k], descending
+    max_k = known.max_top_k if known is not None else int(k.max())
+    top_values = rows.topk(max_k, dim=-1).values  # [L, max_k], descending
     kth = top_values.gather(1, (k - 1).unsqueeze(1))  # [L, 1]
     rows.masked_fill_(rows < kth, 0.0)
     if index is not None:
         probs[index] = rows
 
 
-def apply_top_p(probs: torch.Tensor, top_p: torch.Tensor | None) -> None:
+def apply_top_p(
+    probs: torch.Tensor, top_p: torch.Tensor | None, known: LimitedRows | None = None
+) -> None:
     """Keep, per row, the smallest set of most likely tokens whose (renormalised) probability
     reaches top_p, the most likely token always; zero the rest, in place.
 
     The nucleus is first looked for among the `TOP_P_CANDIDATES` most likely tokens (a cheap
-    `topk`); rows whose nucleus is wider are redone with one full stable sort.
+    `topk`); rows whose nucleus is wider are redone with one full stable sort. `known`
+    names the rows with p < 1 (found on the host), else they are found from `top_p`.
     """
     # p == 1 rows are skipped: fp32 rounding of the cumulative sum must not trim them.
-    limited = _limited_rows(probs, top_p, None if top_p is None else top_p < 1.0)
+    mask = None if top_p is None or known is not None else top_p < 1.0
+    limited = _limited_rows(probs, top_p, mask, known)
     if limited is None:
         return
     index, rows, p = limited  # rows: [P, V], p: [P]
