@@ -11,15 +11,13 @@ types, so what this server sends is what the official client parses.
 
 Not served: built-in (hosted) tools, background runs, conversations and stored prompts are
 refused with a 400 naming the field. Reasoning items: none yet (no reasoning is separated
-from the reply); `ResponseView.items` is where they would join the output.
+from the reply); they would open before the message in `responses_output.OutputItems`.
 """
 
 from __future__ import annotations
 
-import json
 import time
-import uuid
-from typing import Any, get_args
+from typing import Any
 
 import anyio
 from fastapi import FastAPI, Request
@@ -27,23 +25,12 @@ from fastapi.responses import JSONResponse, Response
 from openai.types.responses import (
     FunctionTool,
     ResponseCompletedEvent,
-    ResponseContentPartAddedEvent,
-    ResponseContentPartDoneEvent,
     ResponseCreatedEvent,
     ResponseFailedEvent,
     ResponseFormatTextJSONSchemaConfig,
-    ResponseFunctionCallArgumentsDeltaEvent,
-    ResponseFunctionCallArgumentsDoneEvent,
-    ResponseFunctionToolCall,
     ResponseIncompleteEvent,
     ResponseInProgressEvent,
-    ResponseOutputItemAddedEvent,
-    ResponseOutputItemDoneEvent,
-    ResponseOutputMessage,
-    ResponseOutputText,
     ResponseTextConfig,
-    ResponseTextDeltaEvent,
-    ResponseTextDoneEvent,
     ResponseUsage,
     ToolChoiceFunction,
 )
@@ -52,23 +39,22 @@ from openai.types.shared import ResponseFormatJSONObject, ResponseFormatText
 from pydantic import BaseModel
 from sse_starlette import EventSourceResponse, ServerSentEvent
 
-from agentrt.engine.outputs import CompletionOutput, Logprob, RequestDelta, RequestOutput
-from agentrt.server.calls_or_answer import ReplyKind, tool_names
+from agentrt.engine.outputs import CompletionOutput, RequestDelta, RequestOutput
+from agentrt.server.calls_or_answer import tool_names
 from agentrt.server.chat import chat_prompt
 from agentrt.server.errors import APIError, bad_request, failed_output, from_exception
 from agentrt.server.generation import Generation
 from agentrt.server.params import ChatConstraint, chat_constraint, choice_params
 from agentrt.server.protocol import ChatCompletionRequest, ResponsesRequest
 from agentrt.server.response_store import ResponseStore, StoredResponse
-from agentrt.server.responses import chat_logprobs
 from agentrt.server.responses_items import (
     chat_request,
     item_messages,
     output_messages,
     renamed,
 )
+from agentrt.server.responses_output import OutputItems, ReplyShape, discard, dump, item_id
 from agentrt.server.state import ServerState
-from agentrt.server.tool_stream import ToolCallStreamer
 from agentrt.tool_calls import tool_call_style
 
 _PARAM_NAMES = {"prompt": "input", "prompt_token_ids": "input", "max_tokens": "max_output_tokens"}
@@ -155,7 +141,7 @@ async def create_response(
     if failure is not None:
         raise failure
     output = await view.items(outputs[0].outputs[0])
-    body = _dump(view.response(_status(outputs[0]), output, outputs[0]))
+    body = dump(view.response(_status(outputs[0]), output, outputs[0]))
     keep(body, output)
     return JSONResponse(body)
 
@@ -180,14 +166,6 @@ def _status(output: RequestOutput) -> str:
     return "incomplete" if output.outputs[0].finish_reason == "length" else "completed"
 
 
-def _dump(model: BaseModel) -> dict[str, Any]:
-    return model.model_dump(mode="json", by_alias=True, exclude_unset=True)
-
-
-def _item_id(prefix: str) -> str:
-    return f"{prefix}_{uuid.uuid4().hex}"
-
-
 class ResponseView:
     """The Response object of one request and its stream of events."""
 
@@ -201,19 +179,20 @@ class ResponseView:
     ) -> None:
         self.model = model
         self.request = request
-        self.tool_style = tool_style
-        self.id = _item_id("resp")
+        self.id = item_id("resp")
         self.created_at = time.time()
-        self.tools_active = constraint.tools is not None
+        tools_active = constraint.tools is not None
         chat_tools = [t.model_dump() for t in chat.tools] if chat.tools else None
-        self.tool_names = tool_names(chat_tools)
-        # Calls or the answer of `text.format` (agentrt.server.calls_or_answer).
-        self.answer_too = (
-            self.tools_active
+        self.shape = ReplyShape(
+            tool_style=tool_style,
+            tools_active=tools_active,
+            # Calls or the answer of `text.format` (agentrt.server.calls_or_answer).
+            answer_too=tools_active
             and chat.response_format is not None
-            and chat.tool_choice in (None, "auto")
+            and chat.tool_choice in (None, "auto"),
+            tool_names=frozenset(tool_names(chat_tools)),
+            top_n=chat.top_logprobs if chat.logprobs else None,
         )
-        self.top_n = chat.top_logprobs if chat.logprobs else None
 
     # -- bodies ---------------------------------------------------------------------------
 
@@ -287,18 +266,18 @@ class ResponseView:
 
     async def items(self, completion: CompletionOutput) -> list[BaseModel]:
         """The output items of a finished reply: its function calls, or one message. They
-        are read as a stream is (`_Events`, sending nothing), so a reply streamed and one
-        answered in full have the same items."""
-        events = _Events(self, _discard)
-        await events.feed(completion.text, completion.logprobs)
-        return await events.close(completion.finish_reason)
+        are read as a stream is (`OutputItems`, sending nothing), so a reply streamed and
+        one answered in full have the same items."""
+        items = OutputItems(self.shape, discard)
+        await items.feed(completion.text, completion.logprobs)
+        return await items.close(completion.finish_reason)
 
     # -- the stream -----------------------------------------------------------------------
 
     async def stream(self, generation: Generation, first: RequestDelta, emit, keep) -> None:
         """Emit the events of the response as the reply streams, then `keep(body, output)`
         the completed response. A failure after the first event is a `response.failed`."""
-        events = _Events(self, emit)
+        events = OutputItems(self.shape, emit)
         await events.send(ResponseCreatedEvent, response=self.response("in_progress", []))
         await events.send(ResponseInProgressEvent, response=self.response("in_progress", []))
         try:
@@ -308,31 +287,19 @@ class ResponseView:
                 delta = await generation.next_delta(0)
                 await events.feed(delta.text, delta.logprobs)
         except Exception as exc:
-            await events.failed(from_exception(exc))
-            return
-        failure = failed_output([delta.output])
+            failure = from_exception(exc)
+        else:
+            failure = failed_output([delta.output])
         if failure is not None:
-            await events.failed(failure)
+            response = self.response("failed", events.output, error=failure)
+            await events.send(ResponseFailedEvent, response=response)
             return
         output = await events.close(delta.output.outputs[0].finish_reason)
         status = _status(delta.output)
         response = self.response(status, output, delta.output)
         done = ResponseCompletedEvent if status == "completed" else ResponseIncompleteEvent
         await events.send(done, response=response)
-        keep(_dump(response), output)
-
-
-def _message(item_id: str, text: str, status: str, logprobs: list | None) -> ResponseOutputMessage:
-    part: dict[str, Any] = {"type": "output_text", "text": text, "annotations": []}
-    if logprobs is not None:
-        part["logprobs"] = logprobs
-    return ResponseOutputMessage(
-        type="message",
-        id=item_id,
-        role="assistant",
-        status=status,
-        content=[ResponseOutputText(**part)],
-    )
+        keep(dump(response), output)
 
 
 def _usage(result: RequestOutput) -> ResponseUsage:
@@ -347,160 +314,6 @@ def _usage(result: RequestOutput) -> ResponseUsage:
         output_tokens_details={"reasoning_tokens": 0},
         total_tokens=input_tokens + output_tokens,
     )
-
-
-class _Events:
-    """The typed events of one streamed response, numbered in the order they are sent, and
-    the output items they open and close (a message, or function calls)."""
-
-    def __init__(self, view: ResponseView, emit) -> None:
-        self.view = view
-        self.emit = emit
-        self.sequence_number = 0
-        self.output: list[BaseModel] = []  # the items done so far
-        self.message: dict[str, Any] | None = None  # the open message: id, text, logprobs
-        self.call: dict[str, Any] | None = None  # the open call: id, call_id, name, arguments
-        self.kind = ReplyKind(view.tool_style, view.tool_names) if view.answer_too else None
-        self.held = ""  # text held back until `kind` tells calls from the answer
-        self.calls = ToolCallStreamer(view.tool_style) if view.tools_active else None
-
-    async def send(self, cls: type[BaseModel], **fields) -> None:
-        event = cls(type=_event_type(cls), sequence_number=self.sequence_number, **fields)
-        self.sequence_number += 1
-        await self.emit(ServerSentEvent(json.dumps(_dump(event)), event=event.type))
-
-    async def feed(self, text: str, entries: list[dict[int, Logprob]] | None) -> None:
-        """What the reply adds: its text and the logprobs of its tokens."""
-        logprobs = None
-        if self.view.top_n is not None and entries:
-            logprobs = chat_logprobs(entries, self.view.top_n)
-        if self.kind is not None:  # calls or the answer: hold the text until it tells
-            self.held += text
-            kind = self.kind.feed(text)
-            if kind is None:
-                return
-            text, self.held = self.held, ""
-            if kind == "answer":
-                self.calls = None
-            self.kind = None
-        if self.calls is None:
-            if text:
-                await self._text(text, logprobs)
-            return
-        content, call_deltas = self.calls.feed(text)
-        if content:
-            await self._text(content, logprobs)
-        for call_delta in call_deltas:
-            await self._call(call_delta)
-
-    async def _text(self, text: str, logprobs: list | None) -> None:
-        if self.message is None:
-            self.message = {"id": _item_id("msg"), "text": "", "logprobs": []}
-            item = _message(self.message["id"], "", "in_progress", None)
-            item.content = []
-            await self.send(ResponseOutputItemAddedEvent, output_index=self._index, item=item)
-            await self.send(
-                ResponseContentPartAddedEvent,
-                item_id=self.message["id"],
-                output_index=self._index,
-                content_index=0,
-                part=ResponseOutputText(type="output_text", text="", annotations=[]),
-            )
-        self.message["text"] += text
-        self.message["logprobs"] += logprobs or []
-        await self.send(
-            ResponseTextDeltaEvent,
-            item_id=self.message["id"],
-            output_index=self._index,
-            content_index=0,
-            delta=text,
-            logprobs=logprobs or [],
-        )
-
-    async def _call(self, call_delta: dict[str, Any]) -> None:
-        """A chat tool-call delta (`ToolCallStreamer`): a header opens a call, a fragment
-        adds to its arguments."""
-        if "id" in call_delta:
-            await self._close_call("completed")
-            self.call = {
-                "id": _item_id("fc"),
-                "call_id": call_delta["id"],
-                "name": call_delta["function"]["name"],
-                "arguments": "",
-            }
-            await self.send(
-                ResponseOutputItemAddedEvent,
-                output_index=self._index,
-                item=self._call_item("in_progress"),
-            )
-        fragment = call_delta["function"].get("arguments")
-        if fragment:
-            self.call["arguments"] += fragment
-            await self.send(
-                ResponseFunctionCallArgumentsDeltaEvent,
-                item_id=self.call["id"],
-                output_index=self._index,
-                delta=fragment,
-            )
-
-    @property
-    def _index(self) -> int:
-        """The output index of the open item (the next one when none is open)."""
-        return len(self.output)
-
-    def _call_item(self, status: str) -> ResponseFunctionToolCall:
-        return ResponseFunctionToolCall(type="function_call", status=status, **self.call)
-
-    async def _close_call(self, status: str) -> None:
-        if self.call is None:
-            return
-        item = self._call_item(status)
-        await self.send(
-            ResponseFunctionCallArgumentsDoneEvent,
-            item_id=item.id,
-            output_index=self._index,
-            arguments=item.arguments,
-        )
-        await self.send(ResponseOutputItemDoneEvent, output_index=self._index, item=item)
-        self.output.append(item)
-        self.call = None
-
-    async def close(self, finish_reason: str | None) -> list[BaseModel]:
-        """Close the open items at the end of the reply (a reply that is nothing yet is an
-        empty message); returns the output."""
-        status = "incomplete" if finish_reason == "length" else "completed"
-        if self.held:
-            await self._text(self.held, None)
-        if self.call is not None:
-            await self._close_call(status)
-        if self.message is None and not self.output:
-            await self._text("", None)
-        if self.message is not None:
-            message = self.message
-            logprobs = message["logprobs"] if self.view.top_n is not None else None
-            item = _message(message["id"], message["text"], status, logprobs)
-            fields = {"item_id": message["id"], "output_index": self._index, "content_index": 0}
-            await self.send(
-                ResponseTextDoneEvent, text=message["text"], logprobs=message["logprobs"], **fields
-            )
-            await self.send(ResponseContentPartDoneEvent, part=item.content[0], **fields)
-            await self.send(ResponseOutputItemDoneEvent, output_index=self._index, item=item)
-            self.output.append(item)
-            self.message = None
-        return self.output
-
-    async def failed(self, error: APIError) -> None:
-        response = self.view.response("failed", self.output, error=error)
-        await self.send(ResponseFailedEvent, response=response)
-
-
-async def _discard(event: ServerSentEvent) -> None:
-    pass
-
-
-def _event_type(cls: type[BaseModel]) -> str:
-    (event_type,) = get_args(cls.model_fields["type"].annotation)
-    return event_type
 
 
 def _event_stream(produce, generation: Generation) -> EventSourceResponse:

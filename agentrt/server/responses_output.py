@@ -1,0 +1,224 @@
+"""The output items of a reply, built from its text as it streams, with the typed events
+that announce them (`openai.types.responses`): a message (`output_item.added`,
+`content_part.added`, `output_text.delta`..., then the `.done` events), or function calls
+(`output_item.added`, `function_call_arguments.delta`..., then the `.done` events).
+
+A whole reply goes through the same `OutputItems`, its events discarded, so a streamed
+reply and a whole one have the same items. Which a reply is comes from the chat
+constraint: calls in the model's style (`ToolCallStreamer`), plain text, or, with tools and
+an answer format together, whichever `ReplyKind` tells.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass
+from typing import Any, get_args
+
+from openai.types.responses import (
+    ResponseContentPartAddedEvent,
+    ResponseContentPartDoneEvent,
+    ResponseFunctionCallArgumentsDeltaEvent,
+    ResponseFunctionCallArgumentsDoneEvent,
+    ResponseFunctionToolCall,
+    ResponseOutputItemAddedEvent,
+    ResponseOutputItemDoneEvent,
+    ResponseOutputMessage,
+    ResponseOutputText,
+    ResponseTextDeltaEvent,
+    ResponseTextDoneEvent,
+)
+from pydantic import BaseModel
+from sse_starlette import ServerSentEvent
+
+from agentrt.engine.outputs import Logprob
+from agentrt.server.calls_or_answer import ReplyKind
+from agentrt.server.responses import chat_logprobs
+from agentrt.server.tool_stream import ToolCallStreamer
+
+
+def dump(model: BaseModel) -> dict[str, Any]:
+    return model.model_dump(mode="json", by_alias=True, exclude_unset=True)
+
+
+def item_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def message_item(
+    message_id: str, text: str, status: str, logprobs: list | None
+) -> ResponseOutputMessage:
+    part: dict[str, Any] = {"type": "output_text", "text": text, "annotations": []}
+    if logprobs is not None:
+        part["logprobs"] = logprobs
+    return ResponseOutputMessage(
+        type="message",
+        id=message_id,
+        role="assistant",
+        status=status,
+        content=[ResponseOutputText(**part)],
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class ReplyShape:
+    """What a reply can be, from the chat constraint: calls in `tool_style` when
+    `tools_active` (else text), or, with `answer_too`, calls or the answer in its format."""
+
+    tool_style: str
+    tools_active: bool
+    answer_too: bool
+    tool_names: frozenset[str]
+    top_n: int | None  # top logprobs per token (None: no logprobs)
+
+
+class OutputItems:
+    """The output items of one reply as its text arrives, and the typed events that open,
+    grow and close them, numbered in the order they are sent (`emit`: an async callable
+    taking a `ServerSentEvent`)."""
+
+    def __init__(self, shape: ReplyShape, emit) -> None:
+        self.shape = shape
+        self.emit = emit
+        self.sequence_number = 0
+        self.output: list[BaseModel] = []  # the items done so far
+        self.message: dict[str, Any] | None = None  # the open message: id, text, logprobs
+        self.call: dict[str, Any] | None = None  # the open call: id, call_id, name, arguments
+        self.kind = ReplyKind(shape.tool_style, shape.tool_names) if shape.answer_too else None
+        self.held = ""  # text held back until `kind` tells calls from the answer
+        self.calls = ToolCallStreamer(shape.tool_style) if shape.tools_active else None
+
+    async def send(self, cls: type[BaseModel], **fields) -> None:
+        event = cls(type=event_type(cls), sequence_number=self.sequence_number, **fields)
+        self.sequence_number += 1
+        await self.emit(ServerSentEvent(json.dumps(dump(event)), event=event.type))
+
+    async def feed(self, text: str, entries: list[dict[int, Logprob]] | None) -> None:
+        """What the reply adds: its text and the logprobs of its tokens."""
+        logprobs = None
+        if self.shape.top_n is not None and entries:
+            logprobs = chat_logprobs(entries, self.shape.top_n)
+        if self.kind is not None:  # calls or the answer: hold the text until it tells
+            self.held += text
+            kind = self.kind.feed(text)
+            if kind is None:
+                return
+            text, self.held = self.held, ""
+            if kind == "answer":
+                self.calls = None
+            self.kind = None
+        if self.calls is None:
+            if text:
+                await self._text(text, logprobs)
+            return
+        content, call_deltas = self.calls.feed(text)
+        if content:
+            await self._text(content, logprobs)
+        for call_delta in call_deltas:
+            await self._call(call_delta)
+
+    async def _text(self, text: str, logprobs: list | None) -> None:
+        if self.message is None:
+            self.message = {"id": item_id("msg"), "text": "", "logprobs": []}
+            item = message_item(self.message["id"], "", "in_progress", None)
+            item.content = []
+            await self.send(ResponseOutputItemAddedEvent, output_index=self._index, item=item)
+            await self.send(
+                ResponseContentPartAddedEvent,
+                item_id=self.message["id"],
+                output_index=self._index,
+                content_index=0,
+                part=ResponseOutputText(type="output_text", text="", annotations=[]),
+            )
+        self.message["text"] += text
+        self.message["logprobs"] += logprobs or []
+        await self.send(
+            ResponseTextDeltaEvent,
+            item_id=self.message["id"],
+            output_index=self._index,
+            content_index=0,
+            delta=text,
+            logprobs=logprobs or [],
+        )
+
+    async def _call(self, call_delta: dict[str, Any]) -> None:
+        """A chat tool-call delta (`ToolCallStreamer`): a header opens a call, a fragment
+        adds to its arguments."""
+        if "id" in call_delta:
+            await self._close_call("completed")
+            self.call = {
+                "id": item_id("fc"),
+                "call_id": call_delta["id"],
+                "name": call_delta["function"]["name"],
+                "arguments": "",
+            }
+            await self.send(
+                ResponseOutputItemAddedEvent,
+                output_index=self._index,
+                item=self._call_item("in_progress"),
+            )
+        fragment = call_delta["function"].get("arguments")
+        if fragment:
+            self.call["arguments"] += fragment
+            await self.send(
+                ResponseFunctionCallArgumentsDeltaEvent,
+                item_id=self.call["id"],
+                output_index=self._index,
+                delta=fragment,
+            )
+
+    @property
+    def _index(self) -> int:
+        """The output index of the open item (the next one when none is open)."""
+        return len(self.output)
+
+    def _call_item(self, status: str) -> ResponseFunctionToolCall:
+        return ResponseFunctionToolCall(type="function_call", status=status, **self.call)
+
+    async def _close_call(self, status: str) -> None:
+        if self.call is None:
+            return
+        item = self._call_item(status)
+        await self.send(
+            ResponseFunctionCallArgumentsDoneEvent,
+            item_id=item.id,
+            output_index=self._index,
+            arguments=item.arguments,
+        )
+        await self.send(ResponseOutputItemDoneEvent, output_index=self._index, item=item)
+        self.output.append(item)
+        self.call = None
+
+    async def close(self, finish_reason: str | None) -> list[BaseModel]:
+        """Close the open items at the end of the reply (a reply that is nothing yet is an
+        empty message); returns the output."""
+        status = "incomplete" if finish_reason == "length" else "completed"
+        if self.held:
+            await self._text(self.held, None)
+        if self.call is not None:
+            await self._close_call(status)
+        if self.message is None and not self.output:
+            await self._text("", None)
+        if self.message is not None:
+            message = self.message
+            logprobs = message["logprobs"] if self.shape.top_n is not None else None
+            item = message_item(message["id"], message["text"], status, logprobs)
+            fields = {"item_id": message["id"], "output_index": self._index, "content_index": 0}
+            await self.send(
+                ResponseTextDoneEvent, text=message["text"], logprobs=message["logprobs"], **fields
+            )
+            await self.send(ResponseContentPartDoneEvent, part=item.content[0], **fields)
+            await self.send(ResponseOutputItemDoneEvent, output_index=self._index, item=item)
+            self.output.append(item)
+            self.message = None
+        return self.output
+
+
+async def discard(event: ServerSentEvent) -> None:
+    pass
+
+
+def event_type(cls: type[BaseModel]) -> str:
+    (event_type,) = get_args(cls.model_fields["type"].annotation)
+    return event_type
