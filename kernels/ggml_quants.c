@@ -302,6 +302,33 @@ static inline ActRow act_row(uint8_t *base, int64_t kp, int64_t t) {
 
 // One row x (K fp32, or bf16 when `bf16`) -> r (see ActRow), its padding zeroed.
 static void quantize_row(const void *x, int bf16, int64_t k, int64_t kp, ActRow r) {
+#if AGENTRT_ISA == 2
+    for (int64_t b = 0; b < k / ACT_BLOCK; b++) { // as below, 32 lanes at a time
+        __m512 v0, v1;
+        if (bf16) {
+            const __m512i h = _mm512_loadu_si512((const uint16_t *)x + b * ACT_BLOCK);
+            v0 = _mm512_castsi512_ps(_mm512_slli_epi32(
+                _mm512_cvtepu16_epi32(_mm512_castsi512_si256(h)), 16));
+            v1 = _mm512_castsi512_ps(_mm512_slli_epi32(
+                _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(h, 1)), 16));
+        } else {
+            v0 = _mm512_loadu_ps((const float *)x + b * ACT_BLOCK);
+            v1 = _mm512_loadu_ps((const float *)x + b * ACT_BLOCK + 16);
+        }
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+        const float d = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
+        const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, _mm512_set1_ps(id)));
+        const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, _mm512_set1_ps(id)));
+        _mm_storeu_si128((__m128i *)(r.q + b * ACT_BLOCK), _mm512_cvtepi32_epi8(q0));
+        _mm_storeu_si128((__m128i *)(r.q + b * ACT_BLOCK + 16), _mm512_cvtepi32_epi8(q1));
+        const int sum0 = _mm512_reduce_add_epi32(q0), sum1 = _mm512_reduce_add_epi32(q1);
+        r.d16[2 * b] = r.d16[2 * b + 1] = r.d32[b] = d;
+        r.s16[2 * b] = d * (float)sum0;
+        r.s16[2 * b + 1] = d * (float)sum1;
+        r.s32[b] = d * (float)(sum0 + sum1);
+        _mm256_storeu_ps(r.dlane + b * ACT_BLOCK / 4, _mm256_set1_ps(d));
+    }
+#else
     float v[ACT_BLOCK];
     for (int64_t b = 0; b < k / ACT_BLOCK; b++) {
         if (bf16)
@@ -329,6 +356,7 @@ static void quantize_row(const void *x, int bf16, int64_t k, int64_t kp, ActRow 
         r.s32[b] = d * (float)(sum[0] + sum[1]);
         for (int i = 0; i < ACT_BLOCK / 4; i++) r.dlane[b * ACT_BLOCK / 4 + i] = d;
     }
+#endif
     memset(r.q + k, 0, kp - k);
     for (int64_t g = k / GROUP; g < kp / GROUP; g++) r.d16[g] = r.s16[g] = 0.0f;
     for (int64_t b = k / ACT_BLOCK; b < kp / ACT_BLOCK; b++) r.d32[b] = r.s32[b] = 0.0f;
@@ -645,6 +673,8 @@ static inline int signed_wide(int qtype) { return AGENTRT_ISA == 1 && qtype == T
 // a time, their sums in registers; each pair is decoded once per TT rows (from L1).
 
 #if AGENTRT_ISA == 2
+#define TT_MAX 8 // activation rows a pass: their sums stay in registers
+
 // Blocks a and (when `two`) b = a + bytes -> 64 u (b's 32 zero without it).
 static inline __m512i legacy_pair(int qtype, const uint8_t *a, int bytes, int two) {
     const uint8_t *b = a + bytes;
@@ -680,11 +710,13 @@ static inline __attribute__((always_inline)) void legacy_rows(
     const int bytes = bt->block_bytes;
     const __m128 offset = _mm_set1_ps((float)bt->offset);
     const __m512i halves = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-    ActRow r[4];
-    __m512 acc[4];
-    __m128 bias_acc[4];
+    // Row tt's q, dlane and s32 at fixed offsets from its base (see act_row).
+    const int64_t stride = act_row_bytes(kp), dlane_at = kp + (kp / 8 + kp / 16) * 4;
+    const int64_t s32_at = kp + (kp / 8 + kp / 32) * 4;
+    const uint8_t *base = act + t0 * stride;
+    __m512 acc[TT_MAX];
+    __m128 bias_acc[TT_MAX];
     for (int tt = 0; tt < TT; tt++) {
-        r[tt] = act_row(act, kp, t0 + tt);
         acc[tt] = _mm512_setzero_ps();
         bias_acc[tt] = _mm_setzero_ps();
     }
@@ -702,12 +734,13 @@ static inline __attribute__((always_inline)) void legacy_rows(
                                      : _mm_setzero_ps();
         const __m128 bias = _mm_fnmadd_ps(offset, d, m);
         const __m512 wd = _mm512_permutexvar_ps(halves, _mm512_zextps128_ps512(d));
-        for (int tt = 0; tt < TT; tt++) {
-            const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u,
-                                                  _mm512_loadu_si512(r[tt].q + 32 * i));
-            const __m512 s = _mm512_mul_ps(wd, _mm512_load_ps(r[tt].dlane + 8 * i));
+        const uint8_t *at = base + 32 * i;
+        for (int tt = 0; tt < TT; tt++, at += stride) {
+            const __m512i p =
+                _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, _mm512_loadu_si512(at));
+            const __m512 s = _mm512_mul_ps(wd, _mm512_load_ps((const float *)(at + dlane_at)));
             acc[tt] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), s, acc[tt]);
-            const __m128 as = _mm_castpd_ps(_mm_load_sd((const double *)(r[tt].s32 + i)));
+            const __m128 as = _mm_castpd_ps(_mm_load_sd((const double *)(at + s32_at - 28 * i)));
             bias_acc[tt] = _mm_fmadd_ps(bias, as, bias_acc[tt]);
         }
     }
@@ -720,15 +753,23 @@ static inline __attribute__((always_inline)) void legacy_rows(
 static void legacy_row(int qtype, const BlockType *bt, const uint8_t *row, int64_t num_blocks,
                        uint8_t *act, int64_t kp, int64_t rows, float *sums) {
     int64_t t = 0;
-    for (; t + 4 <= rows; t += 4)
-        legacy_rows(qtype, bt, row, num_blocks, act, kp, t, 4, sums + t);
+    for (; t + TT_MAX <= rows; t += TT_MAX)
+        legacy_rows(qtype, bt, row, num_blocks, act, kp, t, TT_MAX, sums + t);
     switch (rows - t) {
-    case 3: legacy_rows(qtype, bt, row, num_blocks, act, kp, t, 3, sums + t); break;
-    case 2: legacy_rows(qtype, bt, row, num_blocks, act, kp, t, 2, sums + t); break;
-    case 1: legacy_rows(qtype, bt, row, num_blocks, act, kp, t, 1, sums + t); break;
+#define LEGACY_TAIL(n)                                                                             \
+    case n: legacy_rows(qtype, bt, row, num_blocks, act, kp, t, n, sums + t); break;
+        LEGACY_TAIL(7)
+        LEGACY_TAIL(6)
+        LEGACY_TAIL(5)
+        LEGACY_TAIL(4)
+        LEGACY_TAIL(3)
+        LEGACY_TAIL(2)
+        LEGACY_TAIL(1)
+#undef LEGACY_TAIL
     }
 }
 #endif
+
 static inline int fused_legacy(int qtype) {
     return AGENTRT_ISA == 2 && (qtype == T_Q4_0 || qtype == T_Q4_1 || qtype == T_Q5_0 ||
                                 qtype == T_Q5_1 || qtype == T_Q8_0);
@@ -754,7 +795,7 @@ int ggml_linear(const void *x, int x_bf16, int64_t rows, int64_t k, const uint8_
     const int64_t row_blocks = k / bt.block_elems;
     int failed = 0;
     if (n_out * k < PARALLEL_WORK) num_threads = 1;
-#pragma omp parallel num_threads(num_threads)
+#pragma omp parallel num_threads(num_threads) if (num_threads > 1)
     {
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < rows; t++)
