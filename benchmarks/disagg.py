@@ -25,6 +25,7 @@ import argparse
 import itertools
 import json
 import os
+import secrets
 import socket
 import statistics
 import subprocess
@@ -54,11 +55,16 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+SECRET = secrets.token_hex(16)
+
+
 @contextmanager
 def process(command: str, *args: str, threads: int | None = None):
     """`python -m agentrt <command>` on a free port; yields its URL once /health answers."""
     port = free_port()
     env = dict(os.environ)
+    # The KV secret the p2p instances share, in the environment (not in the process list).
+    env.setdefault("AGENTRT_KV_SECRET", SECRET)
     if threads is not None:
         env.update(AGENTRT_NUM_THREADS=str(threads), OMP_NUM_THREADS=str(threads))
     proc = subprocess.Popen(

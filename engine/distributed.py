@@ -19,6 +19,8 @@ peer"), and a stuck one fails after `timeout_s`; both raise `EngineDeadError` he
 from __future__ import annotations
 
 import datetime
+import ipaddress
+import socket
 
 import torch
 import torch.distributed as dist
@@ -35,7 +37,14 @@ def connect_store(
     rank: int, world_size: int, host: str, port: int, timeout_s: float
 ) -> dist.TCPStore:
     """Rank 0 hosts the store (`port=0`: any free port; read it back from `store.port`);
-    the others connect to it, retrying until `timeout_s`."""
+    the others connect to it, retrying until `timeout_s`. A store on a loopback `host` listens
+    on loopback only (TCPStore alone would listen on every interface); one at a rendezvous
+    address (MASTER_ADDR) listens where torch puts it, for the other machines."""
+    listen_fd = None
+    if rank == 0 and ipaddress.ip_address(socket.gethostbyname(host)).is_loopback:
+        listener = socket.create_server((host, port), backlog=max(64, world_size))
+        port = listener.getsockname()[1]
+        listen_fd = listener.detach()  # the store owns the socket from here
     return dist.TCPStore(
         host,
         port,
@@ -43,6 +52,7 @@ def connect_store(
         is_master=rank == 0,
         timeout=datetime.timedelta(seconds=timeout_s),
         wait_for_workers=False,
+        master_listen_fd=listen_fd,
     )
 
 
