@@ -16,11 +16,12 @@ dequantize, then an fp32 product), which the tests hold the kernels to.
 
 from __future__ import annotations
 
+import array
 import ctypes
 import functools
 import os
 import platform
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import gguf
@@ -101,6 +102,8 @@ class GGMLWeight:
     data: torch.Tensor
     qtype: int
     in_features: int
+    # What the C kernel takes of it, read once: (data address, row stride, qtype, N, K).
+    _c_args: tuple[int, int, int, int, int] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         check_ggml_type(self.qtype, "GGMLWeight")
@@ -125,6 +128,8 @@ class GGMLWeight:
                 f"GGMLWeight data has strides {d.stride()}; each row's bytes must be contiguous.",
                 arg="data",
             )
+        args = (d.data_ptr(), d.stride(0), int(self.qtype), d.shape[0], self.in_features)
+        object.__setattr__(self, "_c_args", args)
 
     @property
     def out_features(self) -> int:
@@ -365,6 +370,9 @@ class GGMLKernels:
         lib.ggml_dequantize_tile.argtypes = [ptr, i64, cint, i64, i64, ptr, i64, cint, cint]
         for fn in (lib.ggml_linear, lib.ggml_dequantize, lib.ggml_dequantize_tile, lib.ggml_isa):
             fn.restype = cint
+        lib.ggml_linear_packed.argtypes = [ctypes.c_void_p]
+        lib.ggml_linear_packed.restype = cint
+        self._linear_packed = lib.ggml_linear_packed
         built = ["scalar", "avx2", "avx512"][lib.ggml_isa()]
         if built != isa:
             raise KernelBuildError(f"{path} was built for {built}, not {isa}.")
@@ -373,20 +381,26 @@ class GGMLKernels:
     def linear(self, x: torch.Tensor, weight: GGMLWeight, out: torch.Tensor) -> None:
         """out (T, N) (fp32 or bf16, row stride >= N) = x (T, K) @ W.T; the caller has
         checked the shapes (ggml_linear)."""
-        rc = self._lib.ggml_linear(
-            x.data_ptr(),
-            int(x.dtype == torch.bfloat16),
-            x.shape[0],
-            weight.in_features,
-            weight.data.data_ptr(),
-            weight.data.stride(0),
-            int(weight.qtype),
-            weight.out_features,
-            out.data_ptr(),
-            out.stride(0),
-            int(out.dtype == torch.bfloat16),
-            torch.get_num_threads(),
+        ptr, stride, qtype, n, k = weight._c_args
+        bf16 = torch.bfloat16
+        args = array.array(
+            "q",
+            (
+                x.data_ptr(),
+                x.dtype is bf16,
+                x.shape[0],
+                k,
+                ptr,
+                stride,
+                qtype,
+                n,
+                out.data_ptr(),
+                out.stride(0),
+                out.dtype is bf16,
+                torch.get_num_threads(),
+            ),
         )
+        rc = self._linear_packed(args.buffer_info()[0])  # `args` lives through the call
         if rc == -2:
             raise MemoryError(f"ggml_linear: no memory for {x.shape[0]} quantized rows")
         if rc:
