@@ -33,8 +33,12 @@ The producer checks the MAC before anything else, then the engine id, the reques
 content key and the block ids against what it holds, and only then takes the held entry
 (an unauthenticated or wrong ask frees nothing and reads nothing). Messages above
 `MAX_ASK_BYTES` are cut off by ZMQ (MAXMSGSIZE); a malformed one is answered with an
-error, or dropped, and the loop goes on. The KV bytes are authenticated, not encrypted:
-keep producers and consumers on a private network.
+error, or dropped, and the loop goes on.
+
+Below the messages, the socket is ZMQ CURVE (encrypted, and the producer authenticated): the
+producer's key pair is derived from the secret, so only a peer that holds the secret knows
+the producer's public key and can complete the handshake at all; each consumer connection
+uses a fresh key pair. A peer without the secret reaches nothing but the handshake.
 """
 
 from __future__ import annotations
@@ -51,8 +55,10 @@ from dataclasses import dataclass
 
 import torch
 import zmq
+from zmq.utils import z85
 
 from agentrt.engine.config import KVTransferConfig
+from agentrt.engine.errors import ConfigError
 from agentrt.engine.kv_transfer.auth import (
     KVAuthError,
     ParamsSigner,
@@ -68,6 +74,12 @@ logger = logging.getLogger(__name__)
 
 MAX_ASK_BYTES = 1 << 20  # an ask names at most max_model_len / block_size block ids
 _ANSWER_SLACK_BYTES = 1 << 16  # the answer's JSON frame
+
+
+def curve_server_keys(secret: str) -> tuple[bytes, bytes]:
+    """The producer's CURVE key pair (public, secret; Z85), derived from the shared secret."""
+    secret_key = z85.encode(derive_key(secret, "wire curve"))
+    return zmq.curve_public(secret_key), secret_key
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,8 +108,14 @@ class P2PConnector(KVConnector):
     def __init__(self, config: KVTransferConfig, layout: KVLayout) -> None:
         super().__init__(config, layout)
         assert config.secret is not None  # KVTransferConfig requires it for p2p
+        if not zmq.has("curve"):
+            raise ConfigError(
+                "kv_connector='p2p' needs pyzmq built with CURVE (its wheels are): reinstall "
+                "pyzmq from a wheel."
+            )
         self._signer = ParamsSigner(config.secret)
         self._wire_key = derive_key(config.secret, "wire")
+        self._server_public, self._server_secret = curve_server_keys(config.secret)
         self._context = zmq.Context()
         self._held: dict[str, _Held] = {}  # producer: finished prefills kept for a consumer
         self._sent: list[str] = []  # producer: requests whose blocks may be freed
@@ -109,6 +127,9 @@ class P2PConnector(KVConnector):
             socket = self._context.socket(zmq.ROUTER)
             socket.setsockopt(zmq.LINGER, 0)
             socket.setsockopt(zmq.MAXMSGSIZE, MAX_ASK_BYTES)
+            socket.curve_secretkey = self._server_secret
+            socket.curve_publickey = self._server_public
+            socket.curve_server = True
             address = f"tcp://{config.host}"
             if config.port:
                 socket.bind(f"{address}:{config.port}")
@@ -335,6 +356,8 @@ class P2PConnector(KVConnector):
         socket = self._context.socket(zmq.DEALER)
         socket.setsockopt(zmq.LINGER, 0)
         socket.setsockopt(zmq.MAXMSGSIZE, num_bytes + _ANSWER_SLACK_BYTES)
+        socket.curve_publickey, socket.curve_secretkey = zmq.curve_keypair()
+        socket.curve_serverkey = self._server_public
         try:
             socket.connect(f"tcp://{plan.host}:{plan.port}")
             socket.send(json.dumps(ask).encode())

@@ -22,6 +22,7 @@ from safetensors.torch import save_file
 from agentrt.engine.block_hash import extend_block_hashes
 from agentrt.engine.errors import InvalidRequestError
 from agentrt.engine.kv_transfer.auth import ParamsSigner, canonical, derive_key, mac
+from agentrt.engine.kv_transfer.p2p import curve_server_keys
 from agentrt.engine.kv_transfer.storage import KEY_FILE
 from agentrt.engine.llm import LLM
 from agentrt.engine.sampling_params import SamplingParams
@@ -180,10 +181,16 @@ def test_a_consumer_fetches_only_from_allowed_producers(model, producer, solo):
 # -- the producer's socket --------------------------------------------------------------------
 
 
-def exchange(port: int, frames: list[bytes], timeout_ms: int = 2000) -> list[bytes] | None:
-    """Send `frames` from a fresh DEALER; the answer, or None after `timeout_ms`."""
+def exchange(
+    port: int, frames: list[bytes], timeout_ms: int = 2000, *, curve: str | None = SECRET
+) -> list[bytes] | None:
+    """Send `frames` from a fresh DEALER; the answer, or None after `timeout_ms`. `curve`:
+    the secret the peer derives the producer's CURVE key from (None: a plain socket)."""
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    if curve is not None:
+        sock.curve_publickey, sock.curve_secretkey = zmq.curve_keypair()
+        sock.curve_serverkey = curve_server_keys(curve)[0]
     try:
         sock.connect(f"tcp://127.0.0.1:{port}")
         sock.send_multipart(frames)
@@ -222,8 +229,12 @@ def test_a_peer_without_the_secret_gets_no_kv_and_frees_nothing(producer, consum
     kv = prefill(producer, token_ids)
     port = kv["remote_port"]
     sent_before = producer.engine.stats().kv_transfer.num_saved_blocks
-    guessed = [kv["remote_request_id"], *(str(i) for i in range(20))]
+    guessed = [kv["remote_request_id"], *(f"llm-{i}" for i in range(5))]
     for req_id in guessed:
+        # Without the secret the CURVE handshake fails: not even an answer comes back.
+        for curve in (None, "a guessed secret"):
+            assert exchange(port, [ask(kv, curve, req_id=req_id)], 150, curve=curve) is None
+        # Past the handshake (the secret's CURVE key), an ask without a valid MAC is refused.
         for secret in (None, "a guessed secret"):
             assert refused(exchange(port, [ask(kv, secret, req_id=req_id)]))
     assert kv["remote_request_id"] in held(producer)
@@ -268,9 +279,10 @@ def test_malformed_and_oversized_messages_do_not_stop_the_server(producer, consu
     ]
     garbage += [[rng.randbytes(rng.randrange(1, 300))] for _ in range(30)]
     garbage += [[rng.randbytes(20) for _ in range(rng.randrange(2, 5))] for _ in range(10)]
-    for frames in garbage:
+    for frames in garbage:  # from a peer past the CURVE handshake, and from one without it
         answer = exchange(port, frames, timeout_ms=300)
         assert answer is None or refused(answer)
+        assert exchange(port, frames, timeout_ms=50, curve=None) is None
     # Larger than MAXMSGSIZE: ZMQ drops the peer, nothing is answered.
     assert exchange(port, [b"x" * (2 << 20)], timeout_ms=300) is None
     assert producer.engine.connector._server.is_alive()
