@@ -71,7 +71,9 @@ class _SamplingFields(_Closed):
     structured_outputs: StructuredOutputsRequest | None = None
     priority: int | None = None
     # Disaggregated prefill/decode (vLLM's extension; `agentrt proxy` sets it): see
-    # SamplingParams.kv_transfer_params.
+    # SamplingParams.kv_transfer_params. Only `{"do_remote_decode": true}` on a p2p producer,
+    # or what a producer signed, unchanged, on a p2p consumer; anything else is a 400 from the
+    # engine's Processor (engine/kv_transfer/auth.py).
     kv_transfer_params: dict[str, Any] | None = None
 
 
