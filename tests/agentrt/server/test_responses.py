@@ -359,3 +359,44 @@ def test_a_disconnect_mid_stream_aborts_the_request(http: httpx.Client):
     after = wait_idle(http, timeout_s=10)  # 400 tokens would take far longer
     assert time.monotonic() - started < 10
     assert after["agentrt:kv_cache_usage_perc"] == baseline
+
+
+def test_chat_takes_tools_with_a_response_format_too(client: openai.OpenAI):
+    """What the Agents SDK's chat model sends for an agent with an output_type: under "auto"
+    the reply is a call of the tools or the answer in its schema."""
+    tool = {"type": "function", "function": {k: v for k, v in WEATHER.items() if k != "type"}}
+    reply = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "John Smith is 42 and feels happy today."}],
+        tools=[tool],
+        response_format={
+            "type": "json_schema",
+            "json_schema": {"name": "person", "schema": Person.model_json_schema()},
+        },
+        parallel_tool_calls=False,
+        max_tokens=40,
+        temperature=0,
+    )
+    message = reply.choices[0].message
+    if message.tool_calls:
+        [call] = message.tool_calls
+        jsonschema.validate(json.loads(call.function.arguments), WEATHER["parameters"])
+    else:
+        Person.model_validate_json(message.content)
+
+
+def test_logprobs_come_with_the_text_whole_and_streamed(client: openai.OpenAI):
+    body = {"input": "Hello!", "max_output_tokens": 4}
+    body |= {"include": ["message.output_text.logprobs"], "top_logprobs": 2}
+    whole = _ask(client, **body)
+    logprobs = whole.output[0].content[0].logprobs
+    assert len(logprobs) == whole.usage.output_tokens
+    assert all(len(lp.top_logprobs) == 2 for lp in logprobs)
+    assert "".join(lp.token for lp in logprobs) == whole.output_text
+    with client.responses.stream(model=MODEL, temperature=0, **body) as stream:
+        deltas = [e for e in stream if e.type == "response.output_text.delta"]
+    streamed = [lp for e in deltas for lp in e.logprobs]
+    assert [lp.token for lp in streamed] == [lp.token for lp in logprobs]
+    # The second run prefills less (the prefix cache), so the last bits may differ.
+    expected = [lp.logprob for lp in logprobs]
+    assert [lp.logprob for lp in streamed] == pytest.approx(expected, abs=1e-3)
