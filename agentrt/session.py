@@ -149,9 +149,11 @@ class Session:
         )
         if completion.num_steered_tokens:
             logger.warning(
-                "the reply reached max_tokens; its last %d tokens were steered to close it "
-                "validly, so it may be cut short (raise max_tokens for the full answer).",
+                "the reply ran out of room before max_tokens: %d of its %d tokens were "
+                "steered to close it validly, so it may be cut short (raise max_tokens for "
+                "the full answer).",
                 completion.num_steered_tokens,
+                completion.usage.completion_tokens,
             )
         self.usage = self.usage + usage
 

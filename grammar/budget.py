@@ -8,9 +8,14 @@ first, then the shortest allowed token, ending with a stop token) and narrows th
   - when the completion needs nearly every token left, only its first token is allowed
     (the next step finds the same completion, one token shorter, so the output ends
     within the budget);
-  - somewhat earlier, tokens that open something new (`{`, `[`, `,`) are refused while any
-    other token is allowed, so that one sampled token cannot make the completion much
-    longer than the tokens left.
+  - somewhat earlier (at most OPEN_SLACK tokens before that), tokens that open something
+    new (`{`, `[`, `,`) are refused while any other token is allowed, so that one sampled
+    token cannot make the completion longer than the tokens left.
+
+Lengths are counted in the tokenizer's own tokens (the completion is a path through its
+vocabulary), and nothing is narrowed while the tokens left can close the output with room
+to spare: a short reply far from max_tokens is never steered (its rows are the grammar's),
+so `num_steered` is nonzero only where the budget really bound.
 
 Nothing is narrowed while the output may end where it is (free text, a finished value):
 being cut there leaves it valid. The grammar and the EOS gate still apply to every token:
@@ -35,7 +40,10 @@ from .state import GrammarState
 STEER_WINDOW = 256
 # Force the completion once the tokens left are at most its length plus this.
 FORCE_SLACK = 4
-# Refuse opening tokens once the tokens left are at most twice its length plus this.
+# Refuse opening tokens once the tokens left are at most its length plus FORCE_SLACK plus
+# this: room for what one opener adds (a `,` and a short member, a `[` and its `]`) before
+# the completion is forced. (Was twice its length plus 16: a 13-token reply with 40 tokens
+# left had its openers refused, and counted as steered, while it wrote a name.)
 OPEN_SLACK = 16
 # Searches are at least this many tokens apart until openers are refused.
 RECHECK_STEPS = 8
@@ -199,12 +207,12 @@ class BudgetSteer:
             words[path[0] >> 5] = np.uint32(1 << (path[0] & 31))
             self.num_steered += 1
             self._search_at = tokens_left - 1
-        elif 2 * len(path) + OPEN_SLACK >= tokens_left:
+        elif len(path) + FORCE_SLACK + OPEN_SLACK >= tokens_left:
             self._refusing = True
             self._search_at = tokens_left - max(1, (tokens_left - len(path) - FORCE_SLACK) // 3)
             self._refuse_openers(state, bitmask, row)
         else:  # halve the distance to where openers are refused, at least RECHECK_STEPS
-            zone = 2 * len(path) + OPEN_SLACK
+            zone = len(path) + FORCE_SLACK + OPEN_SLACK
             self._search_at = max(zone, tokens_left - max(RECHECK_STEPS, (tokens_left - zone) // 2))
 
     def _refuse_openers(self, state: GrammarState, bitmask: np.ndarray, row: int) -> None:

@@ -8,7 +8,7 @@ import logging
 from typing import Literal
 
 import pytest
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 import agentrt
 from agentrt.engine.llm import LLM
@@ -92,3 +92,18 @@ def test_a_scripted_reply_parses_to_its_calls(qwen_llm):
         '{"name": "get_price", "arguments": {}}'
     )
     assert [c.name for c in hermes.parse(decoded)] == ["get_price", "final_answer"]
+
+
+class Short(BaseModel):
+    code: str = Field(max_length=6)
+    ok: Literal[True]
+
+
+async def test_a_short_reply_is_neither_steered_nor_warned_about(qwen_llm, caplog):
+    async with agentrt.Runtime(engine=qwen_llm.engine) as rt:
+        session = rt.session()
+        with caplog.at_level(logging.WARNING, logger="agentrt"):
+            value = await session.generate("A code, please.", schema=Short, max_tokens=40)
+    assert value.ok is True and session.last.finish_reason == "stop"
+    assert session.last.usage.completion_tokens < 25
+    assert session.last.num_steered_tokens == 0 and "steered" not in caplog.text

@@ -125,7 +125,7 @@ def _refusing_row(real_compiler, smollm2_tok, schema: dict, prefix: str) -> set[
     state = matcher._state
     path = completion(state, 256, allocate_bitmask(1, vocab))
     bitmask = allocate_bitmask(1, vocab)
-    matcher.fill_bitmask(bitmask, 0, tokens_left=2 * len(path) + 1)
+    matcher.fill_bitmask(bitmask, 0, tokens_left=len(path) + FORCE_SLACK + 1)
     assert matcher.num_steered == 1
     return {smollm2_tok.decode([t]) for t in allowed_token_ids(bitmask, 0, vocab)}
 

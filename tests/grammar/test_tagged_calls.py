@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from agentrt.engine.model.checkpoint import load_tokenizer
-from agentrt.grammar import GrammarCompiler, GrammarSpec, allocate_bitmask
+from agentrt.grammar import GenerationBounds, GrammarCompiler, GrammarSpec, allocate_bitmask
 from agentrt.grammar.tools import CallTags, tagged_calls_lark, tool_call_spec_text
 
 OPEN_ID, CLOSE_ID, EOS_ID = 151657, 151658, 151645
@@ -48,7 +48,7 @@ def qwen_tok(qwen_tokenizer_dir):
 
 @pytest.fixture(scope="module")
 def qwen_compiler(qwen_tok) -> GrammarCompiler:
-    return GrammarCompiler(qwen_tok)
+    return GrammarCompiler(qwen_tok, timeout_s=120)  # a loaded machine: no false timeouts
 
 
 def _grammar(compiler, tool_choice, *, parallel=True, tags=SPECIAL):
@@ -129,3 +129,27 @@ def test_tags_spelled_as_text_for_a_tokenizer_without_them(qwen_compiler, qwen_t
     spelled = [qwen_tok.convert_tokens_to_ids(t) for t in ("<", "tool", "_call", ">")]
     matcher = grammar.matcher()
     assert all(matcher.accept_token(t) for t in spelled)
+
+
+def test_a_short_reply_far_from_max_tokens_is_not_steered(qwen_compiler, qwen_tok):
+    """Regression (issue 27): a 13-token reply with max_tokens=40 had 4 rows steered (its
+    openers refused while it wrote the name) and was reported as cut short. Counted in
+    Qwen's own tokens, the completion never comes near the tokens left; a tight budget
+    still steers."""
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+        "required": ["name", "age"],
+    }
+    spec = GrammarSpec.from_json_schema(schema).with_bounds(GenerationBounds())
+    grammar = qwen_compiler.compile(spec)
+    ids = qwen_tok.encode('{"name": "John Smith", "age": 42}', add_special_tokens=False)
+    ids.append(EOS_ID)
+    bitmask = allocate_bitmask(1, qwen_compiler.vocab_size)
+    for max_tokens, steered in ((40, False), (len(ids) + 2, True)):
+        matcher = grammar.matcher()
+        for i, token_id in enumerate(ids):
+            matcher.fill_bitmask(bitmask, 0, tokens_left=max_tokens - i)
+            if not matcher.accept_token(token_id):
+                break  # steered away from the reply's own next token
+        assert (matcher.num_steered > 0) is steered, max_tokens
