@@ -166,7 +166,7 @@ def prepare_files(args: argparse.Namespace) -> dict[str, Path]:
     and cached in --files-dir; every file appears there complete or not at all."""
     from agentrt.engine.model.checkpoint import gguf_source
 
-    files: dict[str, Path] = {EMBEDDED: gguf_source(None)} if args.embedded else {}
+    files: dict[str, Path] = {}
     args.files_dir.mkdir(parents=True, exist_ok=True)
     stem = f"synthetic-tinyllama-1.1b-v{SYNTHETIC_VERSION}-s{args.seed}"
     source = args.files_dir / f"{stem}-F16.gguf"
@@ -187,6 +187,8 @@ def prepare_files(args: argparse.Namespace) -> dict[str, Path]:
             run_worker(args.llama_python, "quantize", job | {"threads": args.threads})
             _partial(path).rename(path)
         files[kind] = path
+    if args.embedded:
+        files[EMBEDDED] = gguf_source(None)
     return files
 
 
