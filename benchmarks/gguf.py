@@ -549,6 +549,9 @@ def main() -> None:
         print(json.dumps(WORKERS[args.worker](json.loads(sys.stdin.read()))))
         return
     load_before = os.getloadavg()
+    commit = subprocess.run(  # the workers run the tree as it is when each starts
+        ["git", "-C", str(_HERE), "rev-parse", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
     files = prepare_files(args)
     ids = token_ids()
     env = os.environ | {
@@ -563,11 +566,6 @@ def main() -> None:
     for kind, path in files.items():
         results[kind] = bench_file(path, args, ids, env)
         print_file(kind, results[kind])
-    commit = subprocess.run(
-        ["git", "-C", str(Path(__file__).parent), "rev-parse", "HEAD"],
-        capture_output=True,
-        text=True,
-    ).stdout.strip()
     summary = {
         "threads": args.threads,
         "commit": commit or None,
