@@ -1,0 +1,229 @@
+// AVX-512 (VNNI) parts of ggml_quants.c, included by it where AGENTRT_ISA == 2: the
+// decoders of the chunked path and the fused kernel of the legacy types. They use
+// ggml_quants.c's definitions above the point of inclusion; not a standalone header.
+
+#ifndef AGENTRT_GGML_AVX512_H
+#define AGENTRT_GGML_AVX512_H
+
+// Each scale repeated twice: 8 per-32 values -> 16 per-16 groups.
+static inline __m512 twice(__m256 v) {
+    const __m512i idx = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+    return _mm512_permutexvar_ps(idx, _mm512_castps256_ps512(v));
+}
+
+// The 8 fp16 values at byte `pos` of `num_blocks` (<= 8) blocks `bytes` apart (0 past them).
+static inline __m256 fp16_fields(const uint8_t *blocks, int bytes, int num_blocks, int pos) {
+    const __m256i idx = _mm256_mullo_epi32(_mm256_set_epi32(7, 6, 5, 4, 3, 2, 1, 0),
+                                           _mm256_set1_epi32(bytes));
+    const __mmask8 live = (__mmask8)((1u << num_blocks) - 1);
+    const __m256i raw =
+        _mm256_mmask_i32gather_epi32(_mm256_setzero_si256(), live, idx, blocks + pos, 1);
+    return _mm256_cvtph_ps(_mm256_cvtepi32_epi16(raw));
+}
+
+// Legacy types (blocks of 32), two blocks per 64 bytes of u.
+static void decode_legacy_avx512(int qtype, const BlockType *bt, const uint8_t *blocks,
+                                 int num_blocks, Chunk *c) {
+    const int bytes = bt->block_bytes, has_min = bt->has_min;
+    const __m256 d = fp16_fields(blocks, bytes, num_blocks, 0);
+    const __m256 m = has_min ? fp16_fields(blocks, bytes, num_blocks, 2) : _mm256_setzero_ps();
+    _mm512_store_ps(c->scale, twice(d));
+    _mm512_store_ps(c->bias, twice(_mm256_fnmadd_ps(_mm256_set1_ps((float)bt->offset), d, m)));
+    const __m512i low4 = _mm512_set1_epi8(0x0f), pairs = _mm512_set_epi64(3, 2, 3, 2, 1, 0, 1, 0);
+    for (int j = 0; j < 4; j++) {
+        const int left = num_blocks - 2 * j; // blocks in this 64: 2, 1, or none
+        __m512i u = _mm512_setzero_si512();
+        const uint8_t *a = blocks + 2 * j * bytes, *b = a + bytes;
+        if (left <= 0) {
+        } else if (qtype == T_Q8_0) {
+            const __m256i qa = _mm256_loadu_si256((const __m256i *)(a + 2));
+            const __m256i qb =
+                left > 1 ? _mm256_loadu_si256((const __m256i *)(b + 2)) : _mm256_set1_epi8(-128);
+            u = _mm512_xor_si512(_mm512_inserti64x4(_mm512_castsi256_si512(qa), qb, 1),
+                                 _mm512_set1_epi8((char)0x80));
+        } else {
+            // qs after d (Q4_0), d m (Q4_1), d qh (Q5_0), d m qh (Q5_1)
+            const int qs = bytes - 16;
+            const __m128i qa = _mm_loadu_si128((const __m128i *)(a + qs));
+            const __m128i qb = left > 1 ? _mm_loadu_si128((const __m128i *)(b + qs))
+                                        : _mm_setzero_si128();
+            // [a, a, b, b] by 16 bytes; the second copy of each shifted to its high nibbles
+            __m512i z = _mm512_castsi256_si512(
+                _mm256_inserti128_si256(_mm256_castsi128_si256(qa), qb, 1));
+            z = _mm512_permutexvar_epi64(pairs, z);
+            u = _mm512_and_si512(_mm512_mask_srli_epi32(z, 0xf0f0, z, 4), low4);
+            if (qtype == T_Q5_0 || qtype == T_Q5_1) {
+                uint32_t ha, hb = 0;
+                memcpy(&ha, a + qs - 4, 4);
+                if (left > 1) memcpy(&hb, b + qs - 4, 4);
+                const __mmask64 high = (__mmask64)ha | ((__mmask64)hb << 32);
+                u = _mm512_or_si512(u, _mm512_maskz_mov_epi8(high, _mm512_set1_epi8(16)));
+            }
+        }
+        _mm512_store_si512((__m512i *)(c->u + 64 * j), u);
+    }
+}
+
+// Q4_K / Q5_K: one block. The 12 bytes of 6-bit (scale, min) pairs -> 8 scales, 8 mins.
+static void decode_q45k_avx512(int qtype, const uint8_t *b, Chunk *c) {
+    uint32_t s[4];
+    memcpy(s, b + 4, 12);
+    const uint32_t m6 = 0x3f3f3f3fu, m4 = 0x0f0f0f0fu, m2 = 0x03030303u;
+    const uint32_t mins_hi = ((s[2] >> 4) & m4) | (((s[1] >> 6) & m2) << 4);
+    const uint32_t mins_lo = s[1] & m6;
+    s[1] = (s[2] & m4) | (((s[0] >> 6) & m2) << 4);
+    s[0] &= m6;
+    s[2] = mins_lo;
+    s[3] = mins_hi; // bytes 0..7: the 8 scales, 8..15: the 8 mins
+    const __m512 both = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)s)));
+    const __m512 d = _mm512_set1_ps(fp16_to_f32(b)), dmin = _mm512_set1_ps(fp16_to_f32(b + 2));
+    const __m512 dup_lo = _mm512_permutexvar_ps(
+        _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0), both);
+    const __m512 dup_hi = _mm512_permutexvar_ps(
+        _mm512_set_epi32(15, 15, 14, 14, 13, 13, 12, 12, 11, 11, 10, 10, 9, 9, 8, 8), both);
+    _mm512_store_ps(c->scale, _mm512_mul_ps(d, dup_lo));
+    _mm512_store_ps(c->bias, _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(dmin, dup_hi)));
+    const uint8_t *qs = b + (qtype == T_Q4_K ? 16 : 48);
+    const __m512i low4 = _mm512_set1_epi8(0x0f);
+    const __m512i qh = qtype == T_Q5_K ? _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(b + 16)))
+                                       : _mm512_setzero_si512();
+    for (int j = 0; j < 4; j++) {
+        __m512i z = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(qs + 32 * j)));
+        __m512i u = _mm512_and_si512(_mm512_mask_srli_epi32(z, 0xff00, z, 4), low4);
+        if (qtype == T_Q5_K) { // bit 2j of qh[l] for the low half, 2j + 1 for the high half
+            const __m512i shift = _mm512_set_epi64(2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1,
+                                                   2 * j, 2 * j, 2 * j, 2 * j);
+            const __m512i bit = _mm512_and_si512(_mm512_srlv_epi64(qh, shift), _mm512_set1_epi8(1));
+            u = _mm512_or_si512(u, _mm512_slli_epi64(bit, 4));
+        }
+        _mm512_store_si512((__m512i *)(c->u + 64 * j), u);
+    }
+}
+
+// Q6_K: one block. u of elements 128h + 32k + l: ql's nibbles (low for k = 0, 1, high for
+// k = 2, 3) | two bits of qh[32h + l] (bits 2k, 2k + 1) << 4.
+static void decode_q6k_avx512(const uint8_t *b, Chunk *c) {
+    const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 192))));
+    const __m512 scale = _mm512_mul_ps(_mm512_set1_ps(fp16_to_f32(b + 208)), sc);
+    _mm512_store_ps(c->scale, scale);
+    _mm512_store_ps(c->bias, _mm512_mul_ps(_mm512_set1_ps(-32.0f), scale));
+    const __m512i low4 = _mm512_set1_epi8(0x0f), low2 = _mm512_set1_epi8(0x03);
+    for (int h = 0; h < 2; h++) {
+        const __m512i ql = _mm512_loadu_si512(b + 64 * h);
+        const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h)));
+        for (int odd = 0; odd < 2; odd++) {
+            const __m512i lo = _mm512_and_si512(odd ? _mm512_srli_epi16(ql, 4) : ql, low4);
+            const __m512i shift = _mm512_set_epi64(4 * odd + 2, 4 * odd + 2, 4 * odd + 2, 4 * odd + 2,
+                                                   4 * odd, 4 * odd, 4 * odd, 4 * odd);
+            const __m512i hi = _mm512_and_si512(_mm512_srlv_epi64(qh, shift), low2);
+            _mm512_store_si512((__m512i *)(c->u + 128 * h + 64 * odd),
+                               _mm512_or_si512(lo, _mm512_slli_epi64(hi, 4)));
+        }
+    }
+}
+
+// ---- The legacy types on AVX-512, fused -----------------------------------------------------
+//
+// Blocks of 32 carry one fp16 scale each: decoding them into a chunk's per-group arrays
+// would assemble vectors of scales from scattered fp16 fields (gathers: slow, on AMD
+// especially). Here each pair of blocks is decoded into one register of 64 u, and its two
+// scales multiply the two activation scales of each row directly. Rows of the step go TT at
+// a time, their sums in registers; each pair is decoded once per TT rows (from L1).
+
+#define TT_MAX 8 // activation rows a pass: their sums stay in registers
+
+// Blocks a and (when `two`) b = a + bytes -> 64 u (b's 32 zero without it).
+static inline __m512i legacy_pair(int qtype, const uint8_t *a, int bytes, int two) {
+    const uint8_t *b = a + bytes;
+    if (qtype == T_Q8_0) {
+        const __m256i qa = _mm256_loadu_si256((const __m256i *)(a + 2));
+        const __m256i qb =
+            two ? _mm256_loadu_si256((const __m256i *)(b + 2)) : _mm256_set1_epi8(-128);
+        return _mm512_xor_si512(_mm512_inserti64x4(_mm512_castsi256_si512(qa), qb, 1),
+                                _mm512_set1_epi8((char)0x80));
+    }
+    const int qs = bytes - 16; // after d (Q4_0), d m (Q4_1), d qh (Q5_0), d m qh (Q5_1)
+    const __m128i qa = _mm_loadu_si128((const __m128i *)(a + qs));
+    const __m128i qb = two ? _mm_loadu_si128((const __m128i *)(b + qs)) : _mm_setzero_si128();
+    // [a, a, b, b] by 16 bytes, the second copy of each shifted to its high nibbles
+    __m512i z =
+        _mm512_castsi256_si512(_mm256_inserti128_si256(_mm256_castsi128_si256(qa), qb, 1));
+    z = _mm512_permutexvar_epi64(_mm512_set_epi64(3, 2, 3, 2, 1, 0, 1, 0), z);
+    __m512i u = _mm512_and_si512(_mm512_mask_srli_epi32(z, 0xf0f0, z, 4), _mm512_set1_epi8(0x0f));
+    if (qtype == T_Q5_0 || qtype == T_Q5_1) { // bit j of the block's qh: element j's fifth bit
+        uint32_t ha, hb = 0;
+        memcpy(&ha, a + qs - 4, 4);
+        if (two) memcpy(&hb, b + qs - 4, 4);
+        const __mmask64 high = (__mmask64)ha | ((__mmask64)hb << 32);
+        u = _mm512_or_si512(u, _mm512_maskz_mov_epi8(high, _mm512_set1_epi8(16)));
+    }
+    return u;
+}
+
+// out[t][n] for rows t0 .. t0 + TT of one weight row (TT a constant once inlined).
+static inline __attribute__((always_inline)) void legacy_rows(
+    int qtype, const BlockType *bt, const uint8_t *row, int64_t num_blocks, uint8_t *act,
+    int64_t kp, int64_t t0, const int TT, float *sums) {
+    const int bytes = bt->block_bytes;
+    const __m128 offset = _mm_set1_ps((float)bt->offset);
+    const __m512i halves = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    // Row tt's q, dlane and s32 at fixed offsets from its base (see act_row).
+    const int64_t stride = act_row_bytes(kp), dlane_at = kp + (kp / 8 + kp / 16) * 4;
+    const int64_t s32_at = kp + (kp / 8 + kp / 32) * 4;
+    const uint8_t *base = act + t0 * stride;
+    __m512 acc[TT_MAX];
+    __m128 bias_acc[TT_MAX];
+    for (int tt = 0; tt < TT; tt++) {
+        acc[tt] = _mm512_setzero_ps();
+        bias_acc[tt] = _mm_setzero_ps();
+    }
+    for (int64_t i = 0; i < num_blocks; i += 2) {
+        const uint8_t *a = row + i * bytes;
+        const int two = i + 1 < num_blocks;
+        const __m512i u = legacy_pair(qtype, a, bytes, two);
+        // The first 4 bytes of each block (d, and m for Q4_1 / Q5_1) as fp16 -> [da ma db mb]
+        uint32_t ha, hb = 0;
+        memcpy(&ha, a, 4);
+        if (two) memcpy(&hb, a + bytes, 4);
+        const __m128 dm = _mm_cvtph_ps(_mm_cvtsi64_si128((int64_t)(((uint64_t)hb << 32) | ha)));
+        const __m128 d = _mm_shuffle_ps(dm, dm, _MM_SHUFFLE(3, 3, 2, 0)); // [da db . .]
+        const __m128 m = bt->has_min ? _mm_shuffle_ps(dm, dm, _MM_SHUFFLE(3, 3, 3, 1))
+                                     : _mm_setzero_ps();
+        const __m128 bias = _mm_fnmadd_ps(offset, d, m);
+        const __m512 wd = _mm512_permutexvar_ps(halves, _mm512_zextps128_ps512(d));
+        const uint8_t *at = base + 32 * i;
+        for (int tt = 0; tt < TT; tt++, at += stride) {
+            const __m512i p =
+                _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, _mm512_loadu_si512(at));
+            const __m512 s = _mm512_mul_ps(wd, _mm512_load_ps((const float *)(at + dlane_at)));
+            acc[tt] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), s, acc[tt]);
+            const __m128 as = _mm_castpd_ps(_mm_load_sd((const double *)(at + s32_at - 28 * i)));
+            bias_acc[tt] = _mm_fmadd_ps(bias, as, bias_acc[tt]);
+        }
+    }
+    for (int tt = 0; tt < TT; tt++) {
+        const __m128 b = bias_acc[tt];
+        sums[tt] = _mm512_reduce_add_ps(acc[tt]) + _mm_cvtss_f32(_mm_add_ps(b, _mm_movehdup_ps(b)));
+    }
+}
+
+static void legacy_row(int qtype, const BlockType *bt, const uint8_t *row, int64_t num_blocks,
+                       uint8_t *act, int64_t kp, int64_t rows, float *sums) {
+    int64_t t = 0;
+    for (; t + TT_MAX <= rows; t += TT_MAX)
+        legacy_rows(qtype, bt, row, num_blocks, act, kp, t, TT_MAX, sums + t);
+    switch (rows - t) {
+#define LEGACY_TAIL(n)                                                                             \
+    case n: legacy_rows(qtype, bt, row, num_blocks, act, kp, t, n, sums + t); break;
+        LEGACY_TAIL(7)
+        LEGACY_TAIL(6)
+        LEGACY_TAIL(5)
+        LEGACY_TAIL(4)
+        LEGACY_TAIL(3)
+        LEGACY_TAIL(2)
+        LEGACY_TAIL(1)
+#undef LEGACY_TAIL
+    }
+}
+
+#endif
