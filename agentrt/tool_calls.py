@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from agentrt.grammar import GrammarSpec
+from agentrt.grammar.reasoning import single_token_id
 from agentrt.grammar.tools import (
     EXCLUDED_ARGUMENTS,
     CallTags,
@@ -65,16 +66,6 @@ def tool_call_style(tokenizer) -> str:
         if all(_single_token(tokenizer, t) for t in (OPEN_TAG, CLOSE_TAG))
         else ("hermes")
     )
-
-
-def single_token_id(tokenizer, text: str) -> int | None:
-    """The id of `text` when the tokenizer has it as one added token (a special or control
-    token such as `<tool_call>` or `</think>`), else None."""
-    added = tokenizer.get_added_vocab() if hasattr(tokenizer, "get_added_vocab") else {}
-    token_id = added.get(text)
-    if token_id is None or tokenizer.encode(text, add_special_tokens=False) != [token_id]:
-        return None
-    return token_id
 
 
 def _single_token(tokenizer, text: str) -> bool:

@@ -22,6 +22,14 @@ from .errors import GrammarCompileError, GrammarCompileTimeout, GrammarError, Gr
 from .limits import GenerationBounds, RunLimits, SchemaLimits
 from .matcher import Grammar
 from .pipeline import Runner, build, compile_spec, report_of, run_inline, with_runner
+from .reasoning import (
+    ReasoningGrammar,
+    ReasoningPlan,
+    plan_of,
+    single_token_id,
+    think_lark,
+    without_reasoning,
+)
 from .spec import GrammarSpec
 from .validate import FinalValidator
 from .workers import CompileWorkers, settle
@@ -149,6 +157,9 @@ class GrammarCompiler:
         return future
 
     def _compile_now(self, spec: GrammarSpec, key: str, runner: Runner = run_inline) -> Grammar:
+        plan = plan_of(spec)
+        if plan is not None:
+            return self._compile_reasoning(spec, plan, runner)
         start = time.perf_counter()
         routed = self.disk_cache.get(key) if self.disk_cache else None
         if routed is not None:
@@ -174,6 +185,42 @@ class GrammarCompiler:
             max_digit_run=self.run_limits.max_digit_run if spec.kind in _JSON_KINDS else 0,
             tok=self.tok,
             compile_seconds=time.perf_counter() - start,
+        )
+
+    def _compile_reasoning(self, spec: GrammarSpec, plan: ReasoningPlan, runner: Runner) -> Any:
+        """A reasoning block, then the answer's grammar (reasoning.py); each part is compiled
+        (and cached) as a spec of its own."""
+        hf = self.tok.hf_tokenizer
+        start_id, end_id = single_token_id(hf, plan.start), single_token_id(hf, plan.end)
+        if plan.optional and start_id is None:
+            raise GrammarSpecError(
+                f"an optional reasoning block needs {plan.start!r} to be one token of the "
+                "tokenizer; force it (reasoning=True) or leave it out"
+            )
+        think_spec = GrammarSpec.from_ebnf(
+            think_lark(plan, start_id is not None, end_id is not None)
+        )
+        parts = []
+        for part in (think_spec, without_reasoning(spec)):
+            key = self._key(part)
+            grammar = self.cache.get(key)
+            if grammar is None:
+                grammar = self._compile_now(part, key, runner)
+                self.cache.put(key, grammar, grammar.memory_bytes)
+            parts.append(grammar)
+        end_ids = (
+            (end_id,)
+            if end_id is not None
+            else tuple(hf.encode(plan.end, add_special_tokens=False))
+        )
+        if plan.opened:
+            num_start = 0
+        else:
+            num_start = (
+                1 if start_id is not None else len(hf.encode(plan.start, add_special_tokens=False))
+            )
+        return ReasoningGrammar(
+            spec, parts[0], parts[1], plan, end_ids, start_id if plan.optional else None, num_start
         )
 
     def _bounds_for(self, spec: GrammarSpec) -> GenerationBounds | None:

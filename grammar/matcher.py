@@ -136,32 +136,28 @@ class GrammarMatcher:
         has none left there or spells them otherwise, `more(tokens so far)` drafts what
         follows (walked the same way; without `more` the draft ends there).
         Returns the draft and, per token, whether it is forced. State and steering unchanged."""
-        draft: list[int] = []
-        forced: list[bool] = []
-        pending = list(token_ids)
-        try:
-            while pending and len(draft) < max_tokens:
-                token_id = pending.pop(0)
-                if not self._state.accept_token(token_id):
-                    break
-                draft.append(token_id)
-                forced.append(False)
-                jump = self._state.forced_tokens()[: max_tokens - len(draft)]
-                for token_id in jump:
-                    if not self._state.accept_token(token_id):
-                        break
-                    draft.append(token_id)
-                    forced.append(True)
-                if jump:
-                    if pending[: len(jump)] == jump:
-                        del pending[: len(jump)]
-                    else:
-                        pending = []
-                    if not pending and more is not None and len(draft) < max_tokens:
-                        pending = list(more(draft))
-        finally:
-            self._state.rollback(len(draft))
-        return draft, forced
+        return walk_draft(self._state, token_ids, max_tokens, more)
+
+    # -- lookahead without the steering (a reasoning request's answer part) -----------------
+
+    def check_layout(self, bitmask: np.ndarray) -> None:
+        """Raise ValueError unless `bitmask` is int32 `[rows, >= ceil(vocab/32)]`."""
+        if bitmask is not self._checked:
+            _check_bitmask(bitmask, self.grammar.tok.vocab_size)
+            self._checked = bitmask
+
+    def fill_row_unsteered(self, bitmask: np.ndarray, row: int) -> None:
+        """The grammar's row alone (a draft row: see `fill_draft_bitmasks`)."""
+        self.check_layout(bitmask)
+        self._state.fill_row(bitmask, row)
+
+    def accept_lookahead(self, token_id: int) -> bool:
+        """`accept_token` for a walk that `rollback_lookahead` undoes: the steering is left
+        as it is (a rollback would make it search again)."""
+        return self._state.accept_token(token_id)
+
+    def rollback_lookahead(self, num_tokens: int) -> None:
+        self._state.rollback(num_tokens)
 
     def steering_free_tokens(self, tokens_left: int) -> int:
         """How many more tokens the steering would pass by unchanged: a row filled with
@@ -217,6 +213,43 @@ class GrammarMatcher:
         Empty list = valid. Covers every keyword the report lists as post-checked.
         """
         return self._state.validate_final(text)
+
+
+def walk_draft(
+    state,
+    token_ids: list[int],
+    max_tokens: int,
+    more: Callable[[list[int]], list[int]] | None,
+) -> tuple[list[int], list[bool]]:
+    """`GrammarMatcher.draft_with_forced` on anything that accepts, rolls back and tells
+    its forced tokens (a `GrammarState`, a reasoning matcher's lookahead); `state` ends
+    where it started."""
+    draft: list[int] = []
+    forced: list[bool] = []
+    pending = list(token_ids)
+    try:
+        while pending and len(draft) < max_tokens:
+            token_id = pending.pop(0)
+            if not state.accept_token(token_id):
+                break
+            draft.append(token_id)
+            forced.append(False)
+            jump = state.forced_tokens()[: max_tokens - len(draft)]
+            for token_id in jump:
+                if not state.accept_token(token_id):
+                    break
+                draft.append(token_id)
+                forced.append(True)
+            if jump:
+                if pending[: len(jump)] == jump:
+                    del pending[: len(jump)]
+                else:
+                    pending = []
+                if not pending and more is not None and len(draft) < max_tokens:
+                    pending = list(more(draft))
+    finally:
+        state.rollback(len(draft))
+    return draft, forced
 
 
 def _check_bitmask(bitmask: np.ndarray, vocab_size: int) -> None:
