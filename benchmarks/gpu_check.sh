@@ -51,6 +51,8 @@ preflight_s=20                 # run.py SHELL_LIMITS_S
 install_s=40
 dry_flag=()
 ((dry_run)) && dry_flag=(--dry-run)
+# Nothing outside the GPU machine can be reached: no library may try (and wait).
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 PYTHONUNBUFFERED=1
 
 if ! command -v -- "$py" >/dev/null 2>&1; then
   echo "gpu_check: no Python at $py: set \$PYTHON to an interpreter with torch." >&2

@@ -38,10 +38,15 @@ class Context:
     repo: Path  # the repository root (tests/, benchmarks/)
     tokenizer: Path  # a folder with the embedded model's tokenizer files
     dry_run: bool  # no CUDA: the same stages, tiny, on the CPU
+    stage: str = ""  # the running stage
     stage_deadline: float = 0.0  # time.time() by which the running stage must end
 
     def seconds_left(self) -> float:
         return self.stage_deadline - time.time()
+
+    def save_partial(self, result: dict) -> None:
+        """What the stage has measured so far: kept in its record if it is killed."""
+        save_json(self.work / "partial" / f"{self.stage}.json", result)
 
     @property
     def device(self) -> str:

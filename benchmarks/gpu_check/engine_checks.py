@@ -128,6 +128,7 @@ def run(ctx: Context) -> dict:
         except Exception as exc:  # record it, run the other checks, fail the stage at the end
             result[name] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
         print(f"{name}: {json.dumps(result[name], default=str)}", flush=True)
+        ctx.save_partial(result)
     failed = [name for name, row in result.items() if not row.get("ok", True)]
     result["ok"] = not failed
     if failed:

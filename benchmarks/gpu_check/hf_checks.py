@@ -106,6 +106,7 @@ def run(ctx: Context) -> dict:
         reference_logits=lambda ids: hf_logprobs(hf32, ids)[-1],
     )  # fmt: skip
     engine = None
+    ctx.save_partial({"fp32_greedy_vs_hf": cmp})
     sequences = [p + e for p, e in zip(prompts, expected, strict=True)]
     reference = torch.cat([hf_logprobs(hf32, s)[prompt_tokens - 1 : -1] for s in sequences])
     hf32 = None  # free its memory before the bf16 models load

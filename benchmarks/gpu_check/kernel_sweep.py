@@ -135,6 +135,7 @@ def run(ctx: Context) -> dict:
                 rows.append(row)
                 if not err <= TOLERANCE[dtype]:
                     failures.append(row)
+        ctx.save_partial({"cases": len(rows), "failures": failures[:10]})
     cache_errors = {bs: check_reshape_and_cache(bs, device) for bs in (16, 128)}
     for bs, err in cache_errors.items():
         if err != 0.0:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import signal
 import subprocess
@@ -68,7 +69,7 @@ def total_limit_s() -> int:
 
 def run_in_child(stage: Stage, ctx: Context, index: int, limit_s: float) -> None:
     """Body of a stage's process: output into its log, its record written, then exit."""
-    ctx = dataclasses.replace(ctx, stage_deadline=time.time() + limit_s)
+    ctx = dataclasses.replace(ctx, stage=stage.name, stage_deadline=time.time() + limit_s)
     start = time.perf_counter()
     status, fields = "ok", {}
     try:
@@ -83,6 +84,12 @@ def run_in_child(stage: Stage, ctx: Context, index: int, limit_s: float) -> None
         traceback.print_exc()
         status, fields["error"] = "failed", f"{type(exc).__name__}: {exc}"
     print(f"{stage.name}: {status} {fields.get('error', '')}", flush=True)
+    # What the stage imported beyond the standard library: each must be in the GPU image
+    # or among the carried wheels (checked by reading a dry run's summary).
+    fields["imported"] = sorted(
+        {name.split(".")[0] for name in sys.modules if not name.startswith("_")}
+        - set(sys.stdlib_module_names)
+    )
     summary.record(ctx.work, index, stage.name, status, time.perf_counter() - start, **fields)
 
 
@@ -161,9 +168,11 @@ def run_stages(ctx: Context, deadline: float, only: set[str], spawn: bool) -> No
                 code, cpu_s = wait(spawn_stage(stage, ctx, index, limit), limit)
             seconds = time.perf_counter() - start
             if code is None:
+                partial = ctx.work / "partial" / f"{stage.name}.json"
                 summary.record(
-                    ctx.work, index, stage.name, "timed out", seconds, error=f"over {limit:.0f}s"
-                )
+                    ctx.work, index, stage.name, "timed out", seconds, error=f"over {limit:.0f}s",
+                    partial=json.loads(partial.read_text()) if partial.is_file() else None,
+                )  # fmt: skip
             elif not (ctx.work / "stages" / f"{index:02d}-{stage.name}.json").exists():
                 summary.record(ctx.work, index, stage.name, "failed", seconds, error=f"exit {code}")
             summary.amend(ctx.work, index, stage.name, cpu_s=round(cpu_s, 1))
@@ -182,18 +191,17 @@ def context_args(ctx: Context) -> list[str]:
     return args + (["--dry-run"] if ctx.dry_run else [])
 
 
-def preload(dry_run: bool) -> None:
-    """The imports every stage needs, paid once before the children are forked. None of
-    them touches CUDA."""
-    import torch  # noqa: F401
+def preload() -> bool:
+    """The imports every stage needs, paid once before the children are forked. Returns
+    whether forking stays safe: none of them may have initialised CUDA."""
+    import torch
     import transformers  # noqa: F401
     from transformers import AutoModelForCausalLM  # noqa: F401
 
     import agentrt.engine.llm  # noqa: F401
     import agentrt.engine.model.tiny  # noqa: F401
 
-    if not dry_run:
-        assert not torch.cuda.is_initialized(), "CUDA was initialised before the fork"
+    return not torch.cuda.is_initialized()
 
 
 def main() -> int:
@@ -230,9 +238,10 @@ def main() -> int:
     deadline = args.deadline or time.time() + TOTAL_BUDGET_S
     # torch then asks NVML whether CUDA is there: no CUDA state exists before the forks.
     os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
-    if not args.spawn:
-        preload(args.dry_run)
-    run_stages(ctx, deadline, set(args.only), args.spawn)
+    spawn = args.spawn or not preload()
+    if spawn and not args.spawn:
+        print("gpu_check: CUDA initialised by an import: a fresh interpreter per stage")
+    run_stages(ctx, deadline, set(args.only), spawn)
     return 0
 
 

@@ -86,6 +86,7 @@ import time
 
 def run(ctx):
     print("started", flush=True)
+    ctx.save_partial({"measured": 1})
     time.sleep(60)
     return {"ok": True}
 """
@@ -113,6 +114,7 @@ def test_a_stage_past_its_limit_is_killed_and_summarised(driver, tmp_path, monke
         "failing": ("failed", "OSError: disk"),
         "after": ("skipped", "sleepy failed"),
     }
+    assert summary["stages"][0]["partial"] == {"measured": 1}  # kept from the killed stage
     assert not summary["ok"]
     assert "=> FAILED: sleepy, failing, after" in summary["line"]
     log = (tmp_path / "out" / "gpu_check.log").read_text()
