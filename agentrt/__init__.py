@@ -16,6 +16,7 @@ _EXPORTS = {
     "Session": "agentrt.session",
     "Result": "agentrt.session",
     "Usage": "agentrt.backend",
+    "ReasoningText": "agentrt.reasoning",
     "Regex": "agentrt.formats",
     "Choice": "agentrt.formats",
     "tool": "agentrt.tools",
