@@ -1,0 +1,197 @@
+"""The C library of ggml_linear.py (ggml_quants.c and its headers), one build per instruction
+set, and the choice among them.
+
+A build is compiled by cpu_build.py on first use (-march=native, plus ISAS's flags: the
+portable build turns AVX off, the AVX2 build AVX-512) and loaded with ctypes. `selected_isa()`
+is the best this CPU runs, or `$AGENTRT_GGML_ISA` (scalar | avx2 | avx512) when set;
+`default_kernels()` loads that one once per process; `load_ggml_kernels(build_dir, isa)` any.
+The GGMLKernels methods take tensors their callers (ggml_linear.py) have checked: a wrong
+shape here reads out of bounds.
+"""
+
+from __future__ import annotations
+
+import array
+import ctypes
+import functools
+import os
+import platform
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import gguf
+import torch
+
+from .cpu_build import build_library
+from .errors import KernelBuildError, KernelInputError
+
+if TYPE_CHECKING:
+    from .ggml_linear import GGMLWeight
+
+SOURCE = Path(__file__).with_name("ggml_quants.c")
+# Instruction sets, best first: the name AGENTRT_GGML_ISA takes, the cpuinfo flags it needs,
+# and the build's extra flags (on top of -march=native; the portable build turns AVX off, so
+# the compiler cannot vectorize it past SSE).
+ISA_ENV = "AGENTRT_GGML_ISA"
+_X86 = platform.machine().lower() in ("x86_64", "amd64")
+ISAS = {
+    "avx512": (("avx512f", "avx512bw", "avx512vl", "avx512_vnni"), ("-DAGENTRT_ISA=2",)),
+    "avx2": (("avx2", "fma"), ("-mno-avx512f", "-DAGENTRT_ISA=1")),
+    "scalar": ((), ("-mno-avx", "-DAGENTRT_ISA=0") if _X86 else ("-DAGENTRT_ISA=0",)),
+}
+_EXTRA_FLAGS = ("-ffp-contract=off",)  # dequantize rounds as gguf-py's numpy does: no FMA
+
+
+def _type_name(qtype: int) -> str:
+    try:
+        return gguf.GGMLQuantizationType(qtype).name
+    except ValueError:
+        return f"unknown type {qtype}"
+
+
+@functools.cache
+def _cpu_flags() -> frozenset[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            line = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        line = ""
+    return frozenset(line.split(":", 1)[-1].split())
+
+
+def available_isas() -> list[str]:
+    """The instruction sets this CPU runs, best first ("scalar" always)."""
+    flags = _cpu_flags()
+    return [
+        isa for isa, (needs, _) in ISAS.items() if (_X86 or isa == "scalar") and flags >= set(needs)
+    ]
+
+
+def selected_isa() -> str:
+    """$AGENTRT_GGML_ISA when set (refused when this CPU cannot run it), else the best."""
+    forced = os.environ.get(ISA_ENV, "").strip().lower()
+    isas = available_isas()
+    if not forced:
+        return isas[0]
+    if forced not in isas:
+        raise KernelInputError(
+            f"{ISA_ENV}={forced!r}: this CPU runs {', '.join(isas)}; choose one of them or unset "
+            "it.",
+            arg=ISA_ENV,
+        )
+    return forced
+
+
+def default_build_dir() -> Path:
+    """Where engine.envs.cache_dir() puts the kernels: $AGENTRT_CACHE_DIR/kernels, else
+    $XDG_CACHE_HOME/agentrt/kernels, else ~/.cache/agentrt/kernels."""
+    explicit = os.environ.get("AGENTRT_CACHE_DIR")
+    if explicit:
+        return Path(explicit).expanduser() / "kernels"
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    return base / "agentrt" / "kernels"
+
+
+class GGMLKernels:
+    """The library of one instruction set. Get one with `load_ggml_kernels`; the module's
+    functions use the selected one."""
+
+    def __init__(self, path: Path, isa: str) -> None:
+        self.path, self.isa = path, isa
+        lib = ctypes.CDLL(str(path))  # CDLL releases the GIL during calls
+        ptr, i64, cint = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+        lib.ggml_linear.argtypes = [ptr, cint, i64, i64, ptr, i64, cint, i64, ptr, i64]
+        lib.ggml_linear.argtypes += [cint, cint]
+        lib.ggml_dequantize.argtypes = [ptr, i64, cint, i64, i64, ptr, i64, cint]
+        lib.ggml_dequantize_tile.argtypes = [ptr, i64, cint, i64, i64, ptr, i64, cint, cint]
+        for fn in (lib.ggml_linear, lib.ggml_dequantize, lib.ggml_dequantize_tile, lib.ggml_isa):
+            fn.restype = cint
+        lib.ggml_linear_packed.argtypes = [ctypes.c_void_p]
+        lib.ggml_linear_packed.restype = cint
+        self._linear_packed = lib.ggml_linear_packed
+        built = ["scalar", "avx2", "avx512"][lib.ggml_isa()]
+        if built != isa:
+            raise KernelBuildError(f"{path} was built for {built}, not {isa}.")
+        self._lib = lib
+
+    def linear(self, x: torch.Tensor, weight: GGMLWeight, out: torch.Tensor) -> None:
+        """out (T, N) (fp32 or bf16, row stride >= N) = x (T, K) @ W.T; the caller has
+        checked the shapes (ggml_linear)."""
+        ptr, stride, qtype, n, k = weight._c_args
+        bf16 = torch.bfloat16
+        args = array.array(
+            "q",
+            (
+                x.data_ptr(),
+                x.dtype is bf16,
+                x.shape[0],
+                k,
+                ptr,
+                stride,
+                qtype,
+                n,
+                out.data_ptr(),
+                out.stride(0),
+                out.dtype is bf16,
+                torch.get_num_threads(),
+            ),
+        )
+        rc = self._linear_packed(args.buffer_info()[0])  # `args` lives through the call
+        if rc == -2:
+            raise MemoryError(f"ggml_linear: no memory for {x.shape[0]} quantized rows")
+        if rc:
+            raise KernelInputError(f"ggml_linear: the C kernel refused {_type_name(weight.qtype)}")
+
+    def dequantize_rows(self, weight: GGMLWeight, first: int, out: torch.Tensor) -> None:
+        """out (R, K) fp32 or bf16, contiguous = rows first .. first + R of the weight as
+        scale * u + bias: within an fp32 rounding of `dequantize` (not gguf's order of
+        operations), for the large-step GEMM."""
+        rows = out.shape[0]
+        assert out.shape[1] == weight.in_features and out.is_contiguous()
+        assert 0 <= first and first + rows <= weight.out_features
+        data = weight.data
+        rc = self._lib.ggml_dequantize_tile(
+            data.data_ptr() + first * data.stride(0),
+            data.stride(0),
+            int(weight.qtype),
+            rows,
+            weight.in_features,
+            out.data_ptr(),
+            out.stride(0),
+            int(out.dtype == torch.bfloat16),
+            torch.get_num_threads(),
+        )
+        if rc:
+            raise KernelInputError(f"ggml_dequantize_tile: type {_type_name(weight.qtype)} refused")
+
+    def dequantize(self, weight: GGMLWeight, out: torch.Tensor) -> None:
+        """out (N, K) fp32 contiguous = the weight, dequantized."""
+        assert out.shape == (weight.out_features, weight.in_features) and out.is_contiguous()
+        rc = self._lib.ggml_dequantize(
+            weight.data.data_ptr(),
+            weight.data.stride(0),
+            int(weight.qtype),
+            weight.out_features,
+            weight.in_features,
+            out.data_ptr(),
+            out.stride(0),
+            torch.get_num_threads(),
+        )
+        if rc:
+            raise KernelInputError(f"ggml_dequantize: type {_type_name(weight.qtype)} refused")
+
+
+@functools.cache
+def load_ggml_kernels(build_dir: Path, isa: str) -> GGMLKernels:
+    """Build (once per source, flags and CPU) and load the library for `isa` (one of ISAS).
+    Raises KernelBuildError with the compiler's message when it cannot be built."""
+    flags = ISAS[isa][1] + _EXTRA_FLAGS
+    return GGMLKernels(build_library(SOURCE, Path(build_dir), flags), isa)
+
+
+@functools.cache
+def default_kernels() -> GGMLKernels:
+    """The library of `selected_isa()` in `default_build_dir()`, chosen on first use (the
+    environment is read once per process)."""
+    return load_ggml_kernels(default_build_dir(), selected_isa())
