@@ -20,6 +20,7 @@ Backends:
 
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -65,10 +66,23 @@ class AttentionMetadata:
     block_size: int
     # Derived once per step: by the torch and cpu backends (key_cache_rows, for write_kv)...
     key_rows: torch.Tensor | None = None  # (T,) row of each new K in the flat cache view
-    # ... and by the torch backend alone (prepare_torch).
+    # ... by the torch backend (prepare_torch): host values, so no layer reads the device...
     decode_groups: list[DecodeGroup] | None = None
     prefill_rows: list[int] | None = None
+    query_starts: list[int] | None = None  # (R + 1,) query_start_loc on the host
     prefill_masks: dict[int, torch.Tensor] = field(default_factory=dict)
+    # ... and by the triton backend.
+    max_query_len: int | None = None
+    # The attention output, allocated by the first layer of the step and reused by the
+    # others (output_like): a layer's output is consumed (o_proj) before the next one runs.
+    out: torch.Tensor | None = None
+
+    def output_like(self, query: torch.Tensor) -> torch.Tensor:
+        """This step's attention output buffer, shaped like `query` (T, H, D)."""
+        out = self.out
+        if out is None or out.shape != query.shape or out.dtype != query.dtype:
+            out = self.out = torch.empty_like(query)
+        return out
 
     def causal_mask(self, row: int, dtype: torch.dtype) -> torch.Tensor:
         """The additive mask (Tq, L) of a prefill chunk after cached context: 0 where query
@@ -98,6 +112,7 @@ class AttentionMetadata:
         `decode_groups` of similar length, the rest into `prefill_rows`."""
         self.key_rows = self.key_cache_rows()
         self.prefill_rows = [i for i, q in enumerate(self.query_lens) if q > 1]
+        self.query_starts = list(itertools.accumulate(self.query_lens, initial=0))
         seq_lens = [c + q for c, q in zip(self.context_lens, self.query_lens, strict=True)]
         decode = sorted(
             (i for i, q in enumerate(self.query_lens) if q == 1),
@@ -163,11 +178,11 @@ class TorchAttentionBackend:
         scale: float,
     ) -> torch.Tensor:
         write_kv(kv_cache, key, value, meta)
-        out = torch.empty_like(query)
+        out = meta.output_like(query)  # every row is written: each is a decode or a prefill
         for group in meta.decode_groups:
             out[group.token_index] = self._decode(query, kv_cache, group, scale)
         for row in meta.prefill_rows:
-            start = int(meta.query_start_loc[row])
+            start = meta.query_starts[row]
             end = start + meta.query_lens[row]
             q = query[start:end].transpose(0, 1)  # (H, Tq, D)
             context_len = meta.context_lens[row]
@@ -183,7 +198,7 @@ class TorchAttentionBackend:
 
     @staticmethod
     def _gather_context(kv_cache: torch.Tensor, meta: AttentionMetadata, row: int):
-        seq_len = int(meta.seq_lens[row])
+        seq_len = meta.context_lens[row] + meta.query_lens[row]  # seq_lens[row], on the host
         num_blocks = -(-seq_len // meta.block_size)
         blocks = meta.block_tables[row, :num_blocks].long()
         kv_heads, head_dim = kv_cache.shape[3], kv_cache.shape[4]
@@ -269,7 +284,8 @@ class KernelAttentionBackend:
                 raise ConfigError(f"attention_backend='triton' is unavailable: {exc}") from exc
 
     def prepare(self, meta: AttentionMetadata) -> None:
-        """Nothing to derive: the kernels read the metadata as it is."""
+        """The kernels read the metadata as it is; the longest query run is taken once."""
+        meta.max_query_len = max(meta.query_lens)
 
     def forward(self, query, key, value, kv_cache, meta: AttentionMetadata, scale: float):
         kernels.reshape_and_cache(key, value, kv_cache, meta.slot_mapping)
@@ -280,8 +296,10 @@ class KernelAttentionBackend:
             meta.seq_lens,
             meta.block_tables,
             scale,
-            max_query_len=max(meta.query_lens),
+            # Host values: the kernel would otherwise read them from the device.
+            max_query_len=meta.max_query_len or max(meta.query_lens),
             max_seq_len=meta.max_seq_len,
+            out=meta.output_like(query),
         )
 
 
