@@ -16,7 +16,7 @@
 # holds the table):
 #   preflight 20s    nvidia-smi, versions; without a CUDA device: exit 2, nothing written
 #   install 40s      the wheels and agentrt (--no-deps, --no-index) into a temp site
-#   kernel-sweep 45s kernel-tests 55s checkpoints 40s tiny-engine 50s big-vs-hf 60s
+#   kernel-sweep 55s kernel-tests 45s checkpoints 40s tiny-engine 50s big-vs-hf 60s
 #   throughput 100s  (see benchmarks/gpu_check/run.py)
 # Results: at most 3 files in the folder given as the argument, else $OUT, else
 # ./gpu-results: summary.json (every stage's status, time and figures), gpu_check.log

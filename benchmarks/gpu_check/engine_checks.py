@@ -112,6 +112,9 @@ def ngram_drafting(ctx: Context, tokenizer) -> dict:
 
 
 def run(ctx: Context) -> dict:
+    import torch
+
+    torch.backends.cuda.matmul.allow_tf32 = False  # fp32 means fp32 on both sides
     checks = []
     for arch in ("llama",) if ctx.dry_run else ("llama", "qwen3"):
         checks.append((f"greedy_{arch}", lambda arch=arch: greedy_check(ctx, arch)))

@@ -5,7 +5,7 @@ on a mixed batch (chunked prefill after cached context, a fresh prefill, decodes
 The KV-cache write kernel is checked at both block sizes too.
 
 Not a full cartesian product: every kernel specialisation costs a compile (about a second),
-so each axis is swept around a base case. Unused cache blocks and spare block-table
+so each axis is swept around a base case (tests/kernels covers 2 and 8 splits). Unused cache blocks and spare block-table
 entries hold NaN: a read past a context shows up in the output.
 """
 
@@ -16,25 +16,22 @@ import time
 import torch
 from common import Context
 
-# (head_dim, num_kv_heads, group, block_size, dtype)
-BASE = (128, 2, 4, 16, torch.bfloat16)
+# (head_dim, num_kv_heads, group, block_size, dtype): head dims 64 / 80 / 128, groups
+# 1 / 2 / 3 / 4 / 8, blocks 16 / 128, each dtype, in 8 cases of about 4 compiles each.
 CASES = [
-    BASE,
+    (128, 2, 4, 16, torch.bfloat16),
     (64, 2, 4, 16, torch.bfloat16),
     (80, 2, 4, 16, torch.bfloat16),
     (128, 4, 1, 16, torch.bfloat16),
-    (128, 2, 2, 16, torch.bfloat16),
-    (128, 2, 3, 16, torch.bfloat16),
     (128, 1, 8, 16, torch.bfloat16),
-    (128, 2, 4, 128, torch.bfloat16),
-    (64, 1, 8, 128, torch.bfloat16),
-    (80, 3, 1, 128, torch.bfloat16),
-    (64, 3, 3, 16, torch.float16),
-    (64, 2, 4, 16, torch.float32),
+    (64, 3, 3, 128, torch.float16),
+    (80, 2, 2, 128, torch.bfloat16),
+    (128, 2, 4, 128, torch.float32),
 ]
 DRY_CASES = [(80, 1, 4, 16, torch.bfloat16), (64, 1, 2, 128, torch.float32)]
-SPLITS = (1, 3, 8, None)  # None: the kernel's own choice
+SPLITS = (1, 3, None)  # None: the kernel's own choice (4 for DECODE on an H200)
 DRY_SPLITS = (1, 3)
+# atol = rtol per dtype, as tests/kernels/conftest.py's TOLERANCE.
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 
 # (seq_lens, query_lens): long decodes (splits matter), and a mixed step.
@@ -122,6 +119,8 @@ def run(ctx: Context) -> dict:
             for num_splits in splits if batch_name == "decode" else (1, None):
                 out = paged_attention_triton(*args, num_splits=num_splits).float()
                 err = float((out - ref).abs().max())  # NaN when a read went past a context
+                tol = TOLERANCE[dtype]
+                excess = float(((out - ref).abs() - tol * ref.abs()).max())  # vs atol
                 row = {
                     "head_dim": head_dim,
                     "group": group,
@@ -133,7 +132,7 @@ def run(ctx: Context) -> dict:
                     "max_abs": round(err, 6),
                 }
                 rows.append(row)
-                if not err <= TOLERANCE[dtype]:
+                if not excess <= tol:
                     failures.append(row)
         ctx.save_partial({"cases": len(rows), "failures": failures[:10]})
     cache_errors = {bs: check_reshape_and_cache(bs, device) for bs in (16, 128)}

@@ -50,8 +50,8 @@ class Stage:
 
 
 STAGES = (
-    Stage("kernel-sweep", "kernel_sweep", 45),
-    Stage("kernel-tests", "kernel_tests", 55),
+    Stage("kernel-sweep", "kernel_sweep", 55),
+    Stage("kernel-tests", "kernel_tests", 45),
     Stage("checkpoints", "checkpoints", 40),
     Stage("tiny-engine", "engine_checks", 50, needs="checkpoints"),
     Stage("big-vs-hf", "hf_checks", 60, needs="checkpoints"),
