@@ -15,9 +15,12 @@ import sys
 import time
 
 import pytest
+import zmq
 
 from agentrt.engine.block_hash import extend_block_hashes
 from agentrt.engine.errors import ConfigError, InvalidRequestError
+from agentrt.engine.kv_transfer.auth import ParamsSigner
+from agentrt.engine.kv_transfer.p2p import curve_server_keys
 from agentrt.engine.llm import LLM
 from agentrt.engine.request import RequestStatus
 from agentrt.engine.sampling_params import SamplingParams, StructuredOutputsParams
@@ -219,10 +222,16 @@ def test_a_dead_producer_means_a_local_prefill(consumer, reference):
     before = consumer.engine.stats().kv_transfer.num_load_failures
     start = time.monotonic()
     out = consumer.generate(PROMPT, with_params(GREEDY, kv))[0]
-    assert time.monotonic() - start < 10  # the 1 s transfer timeout, then the prefill
+    elapsed = time.monotonic() - start
     assert out.outputs[0].token_ids == reference["plain"]
     assert consumer.engine.stats().kv_transfer.num_load_failures == before + 1
     consumer.engine.kv_manager.check_invariants()
+    consumer.engine.reset_prefix_cache()
+    # The 1 s transfer timeout, then the prefill: no longer than a plain run plus the timeout
+    # (with slack: a shared machine's runs vary).
+    start = time.monotonic()
+    consumer.generate(PROMPT, GREEDY)
+    assert elapsed < time.monotonic() - start + 8
     consumer.engine.reset_prefix_cache()
 
 
@@ -253,11 +262,16 @@ def test_an_unfetched_prefill_is_freed_after_the_hold_timeout(reference):
     assert late.engine.stats().kv_transfer.num_load_failures == 0
 
 
-def test_waiting_for_kv_blocks_nobody_and_an_abort_frees_the_blocks_after_the_load():
-    llm = p2p("consumer", kv_transfer_timeout_s=2.0)
-    stopped = p2p("producer")
-    kv = prefill(stopped)
-    stopped.engine.shutdown()  # the load waits out its 2 s timeout
+def test_waiting_for_kv_blocks_nobody_and_an_abort_frees_the_blocks_after_the_load(producer):
+    llm = p2p("consumer", kv_transfer_timeout_s=120.0)
+    # A producer that answers only when the test lets it (it holds the secret, like the test).
+    silent = zmq.Context.instance().socket(zmq.ROUTER)
+    silent.setsockopt(zmq.LINGER, 0)
+    silent.curve_publickey, silent.curve_secretkey = curve_server_keys(SECRET)
+    silent.curve_server = True
+    port = silent.bind_to_random_port("tcp://127.0.0.1")
+    fields = {k: v for k, v in prefill(producer).items() if k not in ("signature", "expires")}
+    kv = ParamsSigner(SECRET).sign({**fields, "remote_port": port}, 60)
     core = llm.engine
     slow = core.processor.process("slow", PROMPT, with_params(GREEDY, kv))
     fast = core.processor.process("fast", "Hi!", SamplingParams(temperature=0, max_tokens=5))
@@ -269,9 +283,13 @@ def test_waiting_for_kv_blocks_nobody_and_an_abort_frees_the_blocks_after_the_lo
     while "fast" not in finished:
         finished.update((d.request_id, d.output) for d in core.step() if d.finished)
     assert "slow" in core.scheduler.loading  # the other request finished meanwhile
+    assert silent.poll(30_000)  # its ask is there, unanswered
+    identity, _ = silent.recv_multipart()
     core.abort_requests(["slow"])
     assert core.kv_manager.usage() > 0  # a connector thread may still write its blocks
+    silent.send_multipart([identity, json.dumps({"ok": False, "error": "gone"}).encode(), b""])
     while core.has_unfinished_requests():
         core.step()
     assert core.kv_manager.usage() == 0
     core.kv_manager.check_invariants()
+    silent.close()
