@@ -99,6 +99,10 @@ def test_dequantize_and_embedding_are_gguf_exactly(kern, weights, qtype):
     assert torch.equal(w.dequantize(torch.bfloat16, kernels=kern), dense.bfloat16())
     ids = torch.tensor([3, 0, 39, 3])
     assert torch.equal(G.ggml_embedding(ids, w, kernels=kern), dense[ids])
+    # the fast decoders: scale * u + bias, an fp32 rounding or two from gguf's order
+    fast = w.dequantize(kernels=kern, exact=False)
+    torch.testing.assert_close(fast, dense, atol=1e-6 * dense.abs().max().item(), rtol=1e-6)
+    assert torch.equal(w.dequantize(torch.bfloat16, kern, exact=False), fast.bfloat16())
 
 
 def test_ggml_linear_ref_is_x_times_dequantized(weights):
