@@ -163,6 +163,11 @@ class ChatCompletionRequest(_SamplingFields):
     service_tier: str | None = None
     # vLLM extensions for chat
     add_generation_prompt: bool | None = None
+    # Reasoning models (vLLM's names): template variables (`enable_thinking`), a cap on the
+    # reasoning's tokens (then its end is forced), and whether to return it.
+    chat_template_kwargs: dict[str, Any] | None = None
+    max_reasoning_tokens: Annotated[int, Field(ge=0)] | None = None
+    include_reasoning: bool = True
 
 
 # -- completions -----------------------------------------------------------------------------
