@@ -200,8 +200,9 @@ async def _run(job, schema, instructions, pending, on_result, stop: StopFlag) ->
         await tg.start(_watch_signals, stop, work, job.drain_timeout_s)
         try:
             if job.ray_address is not None:
-                from agentrt.ray import run_on_ray
+                from agentrt.ray import connect, run_on_ray
 
+                connect(job.ray_address)  # on this (the main) thread
                 await anyio.to_thread.run_sync(
                     run_on_ray, job, schema, instructions, pending, on_result, stop
                 )

@@ -171,6 +171,15 @@ def result_from_row(index: int, doc_id: str | int, row: dict[str, Any]) -> Extra
     return result
 
 
+def connect(address: str):
+    """`ray`, connected: "local" starts a cluster in this process, "auto" or host:port joins
+    one; a process already connected stays so. Call it from the main thread."""
+    ray = _import_ray()
+    if not ray.is_initialized():
+        ray.init(address=None if address == "local" else address, logging_level="ERROR")
+    return ray
+
+
 def run_on_ray(
     job,
     schema: Any,
@@ -183,9 +192,7 @@ def run_on_ray(
     Extractor actors. `job.ray_address`: "local" starts a cluster in this process, "auto"
     or host:port joins one. Returns when the input is done or `stop` is set (the batches in
     flight then have no result; a resume runs them again)."""
-    ray = _import_ray()
-    if not ray.is_initialized():
-        ray.init(address=None if job.ray_address == "local" else job.ray_address)
+    ray = connect(job.ray_address)
     engine_options = dict(job.engine_options)
     model = engine_options.pop("model", None)
     kwargs = {

@@ -303,7 +303,13 @@ finally:
 @pytest.mark.slow
 def test_memory_is_flat_in_the_input_size(tiny_checkpoint, tmp_path):
     """5,000 vs 1,000 documents (8 KB of other fields each: 40 MB vs 8 MB of input): the
-    peak memory of the command stays the same, and every id comes out exactly once."""
+    peak memory of the command stays the same, and every id comes out exactly once.
+
+    Two settings keep the measure to live memory: a small KV pool (5 MB), which the first
+    documents already touch whole (a pool's pages become resident as its blocks are first
+    written: 8 KB a block here, which would otherwise grow with the input up to the pool's
+    size), and glibc's mmap threshold at 64 KB, so freed large buffers (the logits of each
+    step) go back to the system instead of lingering at random in the peak."""
     tiny_dir = tiny_checkpoint("llama")
     schema = tmp_path / "schema.json"
     schema.write_text(json.dumps({"type": "boolean"}))  # one token: the cheapest request
@@ -311,11 +317,21 @@ def test_memory_is_flat_in_the_input_size(tiny_checkpoint, tmp_path):
     for count in (1000, 5000):
         source = write_jsonl(tmp_path / f"in{count}.jsonl", count, payload=8000)
         output = tmp_path / f"out{count}.jsonl"
-        argv = command(tiny_dir, schema, source, output, "--concurrency", "128")[3:]
+        argv = command(
+            tiny_dir,
+            schema,
+            source,
+            output,
+            "--concurrency",
+            "128",
+            "--kv-cache-memory-gb",
+            "0.005",
+        )[3:]
         argv[argv.index("--max-tokens") + 1] = "3"
         done = subprocess.run(
             [sys.executable, "-c", MEASURE, *argv],
             cwd=ROOT,
+            env={**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"},
             capture_output=True,
             text=True,
             timeout=600,
@@ -325,8 +341,9 @@ def test_memory_is_flat_in_the_input_size(tiny_checkpoint, tmp_path):
         ids = [r["id"] for r in read_records(output)]
         assert len(ids) == count and set(ids) == {f"doc-{i}" for i in range(count)}
         os.unlink(source)
+    print(f"peak RSS (MB): {peaks}")
     # Reading the whole file would add its 32 MB (and more as Python strings).
-    assert peaks[5000] - peaks[1000] < 16, peaks
+    assert peaks[5000] - peaks[1000] < 10, peaks
 
 
 def test_stopped_run_keeps_partial_table_readable(tiny_llm, schema_file, tmp_path):
