@@ -118,6 +118,7 @@ def complete(url: str, prompt: str, **fields) -> httpx.Response:
     return httpx.post(url + "/v1/completions", json=body, headers=headers, timeout=60)
 
 
+@pytest.mark.slow  # three server processes
 def test_params_a_client_altered_are_a_400_and_nothing_is_contacted(disagg):
     producer, consumer, proxy = disagg
     listener = socket.socket()
