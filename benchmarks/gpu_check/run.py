@@ -61,6 +61,7 @@ STAGES = (
 # table holds the whole budget (tests check it against the script).
 SHELL_LIMITS_S = {"preflight": 20, "install": 40}
 TOTAL_BUDGET_S = 420
+DRY_RUN_SLACK = 3  # the dry run's limits are these times the GPU run's
 
 
 def total_limit_s() -> int:
@@ -156,7 +157,7 @@ def run_stages(ctx: Context, deadline: float, only: set[str], spawn: bool) -> No
         elif left < MIN_STAGE_S:
             summary.record(ctx.work, index, stage.name, "skipped", 0, error="no time left")
         else:
-            limit = min(stage.limit_s, left)
+            limit = min(stage.limit_s * (DRY_RUN_SLACK if ctx.dry_run else 1), left)
             print(f"gpu_check: {stage.name} (at most {limit:.0f}s) ...", flush=True)
             start = time.perf_counter()
             pid = (spawn_stage if spawn else fork_stage)(stage, ctx, index, limit)
@@ -235,7 +236,9 @@ def main() -> int:
             stage, ctx, index, (args.deadline or time.time() + stage.limit_s) - time.time()
         )
         return 0
-    deadline = args.deadline or time.time() + TOTAL_BUDGET_S
+    deadline = args.deadline or time.time() + TOTAL_BUDGET_S * (
+        DRY_RUN_SLACK if args.dry_run else 1
+    )
     # torch then asks NVML whether CUDA is there: no CUDA state exists before the forks.
     os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
     spawn = args.spawn or not preload()
