@@ -86,7 +86,7 @@ def torch_baseline(qtype: int, weight: G.GGMLWeight, dense: torch.Tensor):
     return None
 
 
-def run(types: list[str], rows_list: list[int], repeats: int) -> list[dict]:
+def run(types: list[str], rows_list: list[int], repeats: int, projs: set[str]) -> list[dict]:
     results = []
     cases = [(t, "smol", SMOL) for t in ("Q4_1",) if t in types]
     cases += [(t, "smol", SMOL_HEAD) for t in ("Q8_0",) if t in types]
@@ -94,6 +94,8 @@ def run(types: list[str], rows_list: list[int], repeats: int) -> list[dict]:
     for type_name, model, shapes in cases:
         qtype = int(Q[type_name])
         for proj, (n, k) in shapes.items():
+            if projs and proj not in projs:
+                continue
             weight = realistic_weight(qtype, n, k)
             dense = G.dequantize_ref(weight)
             baseline = torch_baseline(qtype, weight, dense) if model == "smol" else None
@@ -135,12 +137,14 @@ def main() -> None:
     parser.add_argument("--rows", default="1,16,64")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--projs", default="", help="only these projections, e.g. qkv,lm_head")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     types = [t.strip().upper() for t in args.types.split(",") if t.strip()]
     rows_list = [int(r) for r in args.rows.split(",")]
     print(f"isa {G.selected_isa()}, {args.threads} threads, torch {torch.__version__}")
-    results = run(types, rows_list, args.repeats)
+    projs = {p.strip() for p in args.projs.split(",") if p.strip()}
+    results = run(types, rows_list, args.repeats, projs)
     print(json.dumps({"isa": G.selected_isa(), "threads": args.threads, "results": results}))
 
 

@@ -100,6 +100,49 @@ static void decode_q45k_avx512(int qtype, const uint8_t *b, Chunk *c) {
     }
 }
 
+// Q2_K / Q3_K: one block. Two bits of qs[32h + l] (bits 2j, 2j + 1) for element
+// 128h + 32j + l; Q3_K adds bit 4h + j of hmask[l] as the third (u = q + 4).
+static void decode_q23k_avx512(int qtype, const uint8_t *b, Chunk *c) {
+    const int q3 = qtype == T_Q3_K;
+    const uint8_t *qs = b + (q3 ? 32 : 16);
+    const __m512i low2 = _mm512_set1_epi8(0x03), one = _mm512_set1_epi8(0x01);
+    const __m512i hm = q3 ? _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)b))
+                          : _mm512_setzero_si512();
+    for (int k = 0; k < 4; k++) { // elements 64k..: h = k / 2, j = 2 (k % 2) and 2 (k % 2) + 1
+        const int h = k / 2, j0 = 2 * (k % 2);
+        const __m512i q = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(qs + 32 * h)));
+        const __m512i shift = _mm512_set_epi64(2 * j0 + 2, 2 * j0 + 2, 2 * j0 + 2, 2 * j0 + 2,
+                                               2 * j0, 2 * j0, 2 * j0, 2 * j0);
+        __m512i u = _mm512_and_si512(_mm512_srlv_epi64(q, shift), low2);
+        if (q3) {
+            const __m512i hshift = _mm512_set_epi64(4 * h + j0 + 1, 4 * h + j0 + 1, 4 * h + j0 + 1,
+                                                    4 * h + j0 + 1, 4 * h + j0, 4 * h + j0,
+                                                    4 * h + j0, 4 * h + j0);
+            const __m512i bit = _mm512_and_si512(_mm512_srlv_epi64(hm, hshift), one);
+            u = _mm512_or_si512(u, _mm512_slli_epi64(bit, 2));
+        }
+        _mm512_store_si512((__m512i *)(c->u + 64 * k), u);
+    }
+    if (q3) { // 16 6-bit scales, less 32; no min
+        const uint8_t *sc = b + 96;
+        int8_t v[16];
+        for (int g = 0; g < 16; g++)
+            v[g] = (int8_t)((((sc[g % 8] >> (4 * (g / 8))) & 15) |
+                             (((sc[8 + g % 4] >> (2 * (g / 4))) & 3) << 4)) - 32);
+        const __m512 s = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)v)));
+        const __m512 scale = _mm512_mul_ps(_mm512_set1_ps(fp16_to_f32(b + 108)), s);
+        _mm512_store_ps(c->scale, scale);
+        _mm512_store_ps(c->bias, _mm512_mul_ps(_mm512_set1_ps(-4.0f), scale));
+    } else { // scales[16]: the scale in the low nibble, the min in the high one
+        const __m512i sc = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)b));
+        const __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(sc, _mm512_set1_epi32(15)));
+        const __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(sc, 4));
+        _mm512_store_ps(c->scale, _mm512_mul_ps(_mm512_set1_ps(fp16_to_f32(b + 80)), lo));
+        _mm512_store_ps(c->bias, _mm512_sub_ps(_mm512_setzero_ps(),
+                                               _mm512_mul_ps(_mm512_set1_ps(fp16_to_f32(b + 82)), hi)));
+    }
+}
+
 // Q6_K: one block. u of elements 128h + 32k + l: ql's nibbles (low for k = 0, 1, high for
 // k = 2, 3) | two bits of qh[32h + l] (bits 2k, 2k + 1) << 4.
 static void decode_q6k_avx512(const uint8_t *b, Chunk *c) {

@@ -417,6 +417,8 @@ static inline void decode_chunk(int qtype, const BlockType *bt, const uint8_t *b
     case T_Q4_K:
     case T_Q5_K: decode_q45k_avx512(qtype, blocks, c); return;
     case T_Q6_K: decode_q6k_avx512(blocks, c); return;
+    case T_Q2_K:
+    case T_Q3_K: decode_q23k_avx512(qtype, blocks, c); return;
     }
 #endif
 #if AGENTRT_ISA == 1
