@@ -33,7 +33,7 @@ bench: setup
 
 # The first-GPU check (issue 32; benchmarks/gpu_check.sh says what it runs). On the lent GPU
 # machine, with its image's python3 and the folder `make gpu-carry` fills here (.gpu_check/:
-# the missing wheels and the embedded tokenizer, about 14 MiB, gitignored), 420 s at most;
+# the missing wheels and the embedded tokenizer, 15 MB, gitignored), 420 s at most;
 # results in $(GPU_OUT), else $$OUT, else ./gpu-results. Exit 2 without a CUDA device.
 # gpu-check-dry: the same stages, tiny, on this CPU (as the tests run it).
 GPU_PYTHON ?= python3

@@ -2,7 +2,7 @@
 # The first-GPU check (`make gpu-check`, issue 32). It runs on the lent GPU machine with only
 # what a command carries there: the image's python3 (torch with CUDA, triton, transformers,
 # safetensors, pydantic, numpy, anyio ...), this working tree, and the carried folder
-# .gpu_check/ (gitignored; fill it here with `make gpu-carry`, about 14 MiB):
+# .gpu_check/ (gitignored; fill it here with `make gpu-carry`, 15 MB):
 #   .gpu_check/wheels/     the packages agentrt imports that the image lacks (gguf, xgrammar,
 #                          apache-tvm-ffi, llguidance, outlines-core, jsonschema and its
 #                          three, msgspec, pyzmq), for CPython 3.12 on manylinux x86-64
@@ -23,7 +23,9 @@
 # (every stage's log) and kernel-tests.xml (JUnit). The last line printed is the summary,
 # also when a stage fails or the Python driver dies.
 #
-#   bash benchmarks/gpu_check.sh [--dry-run] [OUT_DIR]
+#   bash benchmarks/gpu_check.sh [--dry-run] [--only STAGE ...] [OUT_DIR]
+# --only: preflight, install and the named Python stages (a rerun of what failed; a stage
+# needing checkpoints needs --only checkpoints too).
 # --dry-run: no CUDA needed; the same stages, tiny, on the CPU (Triton interpreted, limits x3): the
 # random checkpoints, the install into a temp site, the stage plumbing and the summary.
 # $PYTHON is the interpreter (default python3; the dry run here: .venv/bin/python),
@@ -33,12 +35,15 @@ set -uo pipefail
 
 dry_run=0
 out_arg=""
-for arg in "$@"; do
-  case "$arg" in
+only=()
+while (($#)); do
+  case "$1" in
     --dry-run) dry_run=1 ;;
-    -h | --help) sed -n '2,35p' "$0"; exit 0 ;;
-    *) out_arg=$arg ;;
+    --only) only+=(--only "${2:?--only needs a stage name}"); shift ;;
+    -h | --help) sed -n '2,37p' "$0"; exit 0 ;;
+    *) out_arg=$1 ;;
   esac
+  shift
 done
 repo="$(cd -- "$(dirname -- "$0")/.." && pwd)"
 out_dir="$(realpath -m -- "${out_arg:-${OUT:-./gpu-results}}")"
@@ -146,8 +151,16 @@ install() {
   # A copy of the sources: the build writes build/ and *.egg-info beside them.
   mkdir -p "$work/src" &&
     tar -C "$repo" --exclude=__pycache__ -cf - agentrt engine grammar kernels pyproject.toml \
-      README.md | tar -C "$work/src" -xf - &&
-    "$py" "${pip[@]}" --no-build-isolation --target "$site/project" "$work/src" || return
+      README.md | tar -C "$work/src" -xf - || return
+  if ! "$py" "${pip[@]}" --no-build-isolation --target "$site/project" "$work/src"; then
+    # No usable setuptools there: lay the package out as pyproject's package-dir maps it.
+    echo "the build failed: copying the package folders into $site/project instead"
+    rm -rf "$site/project" && mkdir -p "$site/project" &&
+      cp -r "$work/src/agentrt" "$site/project/agentrt" &&
+      for part in engine grammar kernels; do
+        cp -r "$work/src/$part" "$site/project/agentrt/$part" || return
+      done
+  fi
   export PYTHONPATH="$site/project:$site/deps"
   # -P: the current folder (a checkout whose agentrt/ lacks engine/) must not come first.
   "$py" -P - "$site" <<'EOF'
@@ -181,7 +194,7 @@ fi
 if ((rc == 0)); then
   timeout -k 5 $((deadline_s - $(date +%s))) "$py" "$repo/benchmarks/gpu_check/run.py" \
     --work "$work" --out "$out_dir" --tokenizer "$carry/tokenizer" --deadline "$deadline_s" \
-    "${dry_flag[@]}" 2>&1 | tee -a "$work/logs/99-driver.log"
+    "${dry_flag[@]}" "${only[@]}" 2>&1 | tee -a "$work/logs/99-driver.log"
   driver_rc=${PIPESTATUS[0]}
   ((driver_rc == 0)) || echo "gpu_check: the Python driver stopped (exit $driver_rc)"
 else

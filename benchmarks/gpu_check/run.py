@@ -142,7 +142,8 @@ def wait(pid: int, limit_s: float) -> tuple[int | None, float]:
 
 def cuda_lost_in_fork(ctx: Context, index: int, name: str) -> bool:
     text = summary.log_path(ctx.work, index, name).read_text(errors="replace")
-    return "forked subprocess" in text or "CUDA driver initialization failed" in text
+    signs = ("forked subprocess", "CUDA driver initialization failed", "initialization error")
+    return any(sign in text for sign in signs)
 
 
 def run_stages(ctx: Context, deadline: float, only: set[str], spawn: bool) -> None:
