@@ -70,7 +70,7 @@ class StorageLoad:
 
 def storage_secret(storage_path: Path) -> str:
     """The key file's secret, created (0600, atomically) if there is none. Raises
-    ConfigError if others may read or replace it."""
+    ConfigError if it is a link, not the user's, or others may read it."""
     path = storage_path / KEY_FILE
     if not path.exists():
         storage_path.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -84,11 +84,18 @@ def storage_secret(storage_path: Path) -> str:
             pass
         finally:
             partial.unlink()
-    info = path.stat()
-    if info.st_mode & 0o077 or info.st_uid != os.getuid():
+    info = path.lstat()
+    problem = None
+    if path.is_symlink():
+        problem = "is a link"
+    elif info.st_uid != os.getuid():
+        problem = "is not yours"
+    elif info.st_mode & 0o077:
+        problem = "is readable by others"
+    if problem is not None:
         raise ConfigError(
-            f"{path} (the storage connector's key) is readable by others or not yours: "
-            "delete it (a new one is made), or set kv_secret / AGENTRT_KV_SECRET."
+            f"{path} (the storage connector's key) {problem}: delete it (a new one is made), "
+            "or set kv_secret / AGENTRT_KV_SECRET."
         )
     return path.read_text().strip()
 
@@ -211,8 +218,10 @@ class StorageConnector(KVConnector):
             blob = save({"kv": block}, metadata=metadata)
             try:
                 path.parent.mkdir(mode=0o700, exist_ok=True)
-                partial = path.with_suffix(f".{os.getpid()}.part")
-                fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+                # A fresh name, never an existing file or link (someone else's planted one).
+                partial = path.with_suffix(f".{os.getpid()}.{secrets.token_hex(4)}.part")
+                flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+                fd = os.open(partial, flags, 0o600)
                 with os.fdopen(fd, "wb") as f:
                     f.write(blob)
                 os.replace(partial, path)

@@ -20,10 +20,10 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from agentrt.engine.block_hash import extend_block_hashes
-from agentrt.engine.errors import InvalidRequestError
+from agentrt.engine.errors import ConfigError, InvalidRequestError
 from agentrt.engine.kv_transfer.auth import ParamsSigner, canonical, derive_key, mac
 from agentrt.engine.kv_transfer.p2p import curve_server_keys
-from agentrt.engine.kv_transfer.storage import KEY_FILE
+from agentrt.engine.kv_transfer.storage import KEY_FILE, storage_secret
 from agentrt.engine.llm import LLM
 from agentrt.engine.sampling_params import SamplingParams
 
@@ -344,6 +344,22 @@ def test_stored_files_are_private_and_hold_no_tokens(model, tmp_path):
         with safe_open(path, framework="pt") as f:
             assert set(f.metadata()) == {"mac"}  # no token ids in the clear
         assert path.stem not in {h.hex() for h in extend_block_hashes([], token_ids, BS)}
+
+
+def test_a_key_file_others_could_read_or_replace_is_refused(tmp_path):
+    secret = storage_secret(tmp_path)
+    assert storage_secret(tmp_path) == secret and len(secret) == 64  # made once, then read
+    key = tmp_path / KEY_FILE
+    key.chmod(0o644)
+    with pytest.raises(ConfigError, match="readable by others"):
+        storage_secret(tmp_path)
+    key.unlink()
+    planted = tmp_path / "planted"
+    planted.write_text("a secret the attacker knows")
+    planted.chmod(0o600)
+    key.symlink_to(planted)
+    with pytest.raises(ConfigError, match="is a link"):
+        storage_secret(tmp_path)
 
 
 @pytest.mark.parametrize("attack", ["swap", "alter", "unsigned", "foreign secret"])
