@@ -11,7 +11,6 @@ tokenizer does, in the carried folder that `make gpu-carry` fills).
 
 from __future__ import annotations
 
-import shutil
 import time
 from pathlib import Path
 
@@ -42,17 +41,15 @@ DRY_BIG_SHAPE = {
 
 
 def export_tokenizer(dest: Path) -> Path:
-    """Copy the embedded model's tokenizer files into `dest` (converting the embedded GGUF
-    once if this machine has not yet). Run here, where the embedded model is installed."""
-    from agentrt.engine.model.checkpoint import resolve_model
+    """Write the embedded model's tokenizer files into `dest` (read from the embedded GGUF's
+    metadata). Run here, where the embedded model is installed."""
+    from agentrt.engine.model.checkpoint import load_tokenizer, resolve_model
 
     source = resolve_model(None)
     dest.mkdir(parents=True, exist_ok=True)
-    for name in TOKENIZER_FILES:
-        if (source / name).is_file():
-            shutil.copy2(source / name, dest / name)
+    load_tokenizer(source).save_pretrained(dest)
     if not (dest / "tokenizer.json").is_file():
-        raise FileNotFoundError(f"{source} has no tokenizer.json to export")
+        raise FileNotFoundError(f"{source}'s tokenizer wrote no tokenizer.json")
     return dest
 
 

@@ -84,6 +84,9 @@ def run_in_child(stage: Stage, ctx: Context, index: int, limit_s: float) -> None
     except BaseException as exc:  # any failure is this stage's, never the driver's
         traceback.print_exc()
         status, fields["error"] = "failed", f"{type(exc).__name__}: {exc}"
+        partial = ctx.work / "partial" / f"{stage.name}.json"
+        if partial.is_file():
+            fields["partial"] = json.loads(partial.read_text())
     print(f"{stage.name}: {status} {fields.get('error', '')}", flush=True)
     # What the stage imported beyond the standard library: each must be in the GPU image
     # or among the carried wheels (checked by reading a dry run's summary).

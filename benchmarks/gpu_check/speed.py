@@ -9,13 +9,16 @@ Then a profiled agentrt run of each shape splits the step time into scheduling
 its host-to-device copies), forward (the rest of `ModelRunner.execute`), sampling (bitmask,
 sampler, tokens back to the host) and other (output processing), with a device sync after
 each part: the profiled run is slower than the timed one, its shares are what it tells.
+Last, the host-device synchronisations per step, by the source line that asked for them.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
-from collections import defaultdict
+import warnings
+from collections import Counter, defaultdict
+from pathlib import Path
 
 import torch
 from common import Context, greedy, sync, text_prompts
@@ -131,6 +134,39 @@ def profile(llm, prompts, num_tokens: int, device: str) -> dict:
     }
 
 
+def count_syncs(llm, prompts, num_tokens: int, device: str) -> dict:
+    """Host-device synchronisations per engine step, by the source line that asked for them
+    (torch's sync debug mode: `.item()`, `.tolist()`, `nonzero`, copies from pageable
+    memory ...). One per step is the minimum: the sampled tokens come back to the host."""
+    if not device.startswith("cuda"):
+        return {"steps": 0, "note": "CUDA only"}
+    engine, steps = llm.engine, [0]
+    step = engine.step
+
+    def counted():
+        steps[0] += 1
+        return step()
+
+    engine.step = counted
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                greedy(llm, prompts, num_tokens)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+    finally:
+        del engine.step
+    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    by_source = Counter(f"{Path(w.filename).name}:{w.lineno}" for w in syncs)
+    return {
+        "steps": steps[0],
+        "syncs_per_step": round(len(syncs) / max(steps[0], 1), 2),
+        "by_source": dict(by_source.most_common(12)),
+    }
+
+
 def run(ctx: Context) -> dict:
     from transformers import AutoModelForCausalLM
 
@@ -174,4 +210,9 @@ def run(ctx: Context) -> dict:
     result["profile_single"] = profile(llm, prompts[:1], 2 * size["profile_new"], device)
     ctx.save_partial(result)
     result["profile_batch"] = profile(llm, prompts, size["profile_new"], device)
+    ctx.save_partial(result)
+    try:
+        result["syncs"] = count_syncs(llm, prompts[:8], 16, device)
+    except Exception as exc:  # a measurement, not a check: the figures above stand
+        result["syncs"] = {"error": f"{type(exc).__name__}: {exc}"}
     return result

@@ -95,7 +95,7 @@ def test_a_stage_past_its_limit_is_killed_and_summarised(driver, tmp_path, monke
     (tmp_path / "mods").mkdir()
     (tmp_path / "mods" / "sleepy_stage.py").write_text(SLEEPY_STAGE)
     (tmp_path / "mods" / "failing_stage.py").write_text(
-        "def run(ctx):\n    raise OSError('disk')\n"
+        "def run(ctx):\n    ctx.save_partial({'done': 2})\n    raise OSError('disk')\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path / "mods"))
     stages = (
@@ -114,6 +114,7 @@ def test_a_stage_past_its_limit_is_killed_and_summarised(driver, tmp_path, monke
         "after": ("skipped", "sleepy failed"),
     }
     assert summary["stages"][0]["partial"] == {"measured": 1}  # kept from the killed stage
+    assert summary["stages"][1]["partial"] == {"done": 2}  # and from the failed one
     assert not summary["ok"]
     assert "=> FAILED: sleepy, failing, after" in summary["line"]
     log = (tmp_path / "out" / "gpu_check.log").read_text()
