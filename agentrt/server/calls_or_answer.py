@@ -5,8 +5,9 @@ and its tools on every turn).
 Under `tool_choice="auto"` the grammar is the union of the two: the calls in the served
 model's style (`agentrt.tool_calls`) or one JSON value of the answer's schema. Under
 "required" or a named tool the calls alone (this turn gives no answer); under "none" the
-answer alone. `ReplyKind` tells the two apart as a reply streams: one that starts like a
-call of the tools is calls, any other is the answer.
+answer alone. `ReplyKind` tells the two apart as a reply streams (one that starts like a
+call of the tools is calls, any other is the answer); `CallsOrAnswerStreamer` streams such a
+reply as content or tool-call deltas. `answer_possible` says when a reply may be the answer.
 """
 
 from __future__ import annotations
@@ -18,10 +19,18 @@ from agentrt.engine.sampling_params import StructuredOutputsParams
 from agentrt.formats import OutputFormat
 from agentrt.grammar import GrammarSpec
 from agentrt.grammar.tools import compact, tool_call_spec_text, tool_calls_schema
+from agentrt.server.tool_stream import ToolCallStreamer
 from agentrt.tool_calls import hermes_spec
 
 # A compact call in the "json" style starts with exactly this (`COMPACT_JSON` separators).
 _CALL_HEAD = '{"name": "'
+
+
+def answer_possible(tools: OutputFormat) -> bool:
+    """Whether, with an answer format too, a reply under these tools may be the answer:
+    under tool_choice "auto", or "none" (given, or every call excluded)."""
+    _, choice = tool_call_spec_text(list(tools.tools), tools.tool_choice)
+    return choice in ("auto", "none")
 
 
 def calls_or_answer(
@@ -88,6 +97,42 @@ class ReplyKind:
     def finish(self) -> str:
         """The kind of a reply that ended before `feed` could tell."""
         return self.feed("") or "answer"
+
+
+class CallsOrAnswerStreamer:
+    """`ToolCallStreamer`'s interface for a reply that is calls or the answer: `feed(text)`
+    returns (content delta, tool-call deltas); the text is held until `ReplyKind` tells,
+    then the answer streams as content and calls as tool-call deltas. `finish()` releases
+    text still held when the reply ends (a reply cut before it could tell: the answer)."""
+
+    def __init__(self, tool_style: str, tool_names: set[str]) -> None:
+        self._kind = ReplyKind(tool_style, tool_names)
+        self._calls = ToolCallStreamer(tool_style)
+        self.kind: str | None = None  # "calls" or "answer", once told
+        self._held = ""
+
+    def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
+        if self.kind is None:
+            self._held += text
+            self.kind = self._kind.feed(text)
+            if self.kind is None:
+                return "", []
+            text, self._held = self._held, ""
+        if self.kind == "answer":
+            return text, []
+        return self._calls.feed(text)
+
+    def finish(self) -> str:
+        """At the reply's end: the content still held back, as `ToolCallStreamer.finish`."""
+        if self.kind is None:
+            self.kind = "answer"
+            held, self._held = self._held, ""
+            return held
+        return self._calls.finish() if self.kind == "calls" else ""
+
+    @property
+    def is_tool_calls(self) -> bool:
+        return self.kind == "calls" and self._calls.is_tool_calls
 
 
 def _closed_string(text: str) -> str | None:

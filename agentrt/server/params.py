@@ -17,7 +17,7 @@ from agentrt.engine.errors import InvalidRequestError
 from agentrt.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from agentrt.errors import SchemaError
 from agentrt.formats import OutputFormat, resolve_format, tools_format
-from agentrt.server.calls_or_answer import calls_or_answer
+from agentrt.server.calls_or_answer import answer_possible, calls_or_answer
 from agentrt.server.errors import bad_request, from_exception
 from agentrt.server.protocol import (
     MAX_SEED,
@@ -108,11 +108,14 @@ def vllm_structured(request: StructuredOutputsRequest) -> StructuredOutputsParam
 @dataclass(frozen=True, slots=True)
 class ChatConstraint:
     """What constrains a chat reply: `structured` for the engine; `tools` when the reply is
-    tool calls (or, under "auto", text); `tools_in_prompt` is what the prompt shows."""
+    tool calls (or, under "auto", text); `tools_in_prompt` is what the prompt shows;
+    `answer_too`: with tools, the reply may instead be the answer in `response_format`
+    (`calls_or_answer`)."""
 
     structured: StructuredOutputsParams | None
     tools: OutputFormat | None
     tools_in_prompt: list[dict] | None
+    answer_too: bool = False
 
 
 def chat_constraint(request: ChatCompletionRequest, tool_style: str = "json") -> ChatConstraint:
@@ -126,6 +129,7 @@ def chat_constraint(request: ChatCompletionRequest, tool_style: str = "json") ->
         )
     constraints = []
     fmt = None
+    answer_too = False
     if tools and choice != "none":
         tool_choice = choice.model_dump() if hasattr(choice, "model_dump") else choice or "auto"
         fmt = tools_format(
@@ -140,6 +144,7 @@ def chat_constraint(request: ChatCompletionRequest, tool_style: str = "json") ->
             constraints.append(("response_format", answer))
         else:  # the format shapes the answer, the tools the calls (OpenAI takes both)
             constraints[0] = ("tools", calls_or_answer(fmt, answer))
+            answer_too = answer_possible(fmt)
     if request.structured_outputs is not None:
         constraints.append(("structured_outputs", vllm_structured(request.structured_outputs)))
     if len(constraints) > 1:
@@ -150,7 +155,7 @@ def chat_constraint(request: ChatCompletionRequest, tool_style: str = "json") ->
             param=names[1],
         )
     structured = constraints[0][1] if constraints else None
-    return ChatConstraint(structured, fmt, tools)
+    return ChatConstraint(structured, fmt, tools, answer_too)
 
 
 def _response_format(request: ChatCompletionRequest) -> StructuredOutputsParams:

@@ -186,10 +186,7 @@ class ResponseView:
         self.shape = ReplyShape(
             tool_style=tool_style,
             tools_active=tools_active,
-            # Calls or the answer of `text.format` (agentrt.server.calls_or_answer).
-            answer_too=tools_active
-            and chat.response_format is not None
-            and chat.tool_choice in (None, "auto"),
+            answer_too=constraint.answer_too,  # calls or the answer of `text.format`
             tool_names=frozenset(tool_names(chat_tools)),
             top_n=chat.top_logprobs if chat.logprobs else None,
         )

@@ -33,7 +33,7 @@ from pydantic import BaseModel
 from sse_starlette import ServerSentEvent
 
 from agentrt.engine.outputs import Logprob
-from agentrt.server.calls_or_answer import ReplyKind
+from agentrt.server.calls_or_answer import CallsOrAnswerStreamer
 from agentrt.server.responses import chat_logprobs
 from agentrt.server.tool_stream import ToolCallStreamer
 
@@ -85,9 +85,12 @@ class OutputItems:
         self.output: list[BaseModel] = []  # the items done so far
         self.message: dict[str, Any] | None = None  # the open message: id, text, logprobs
         self.call: dict[str, Any] | None = None  # the open call: id, call_id, name, arguments
-        self.kind = ReplyKind(shape.tool_style, shape.tool_names) if shape.answer_too else None
-        self.held = ""  # text held back until `kind` tells calls from the answer
-        self.calls = ToolCallStreamer(shape.tool_style) if shape.tools_active else None
+        self.calls: ToolCallStreamer | CallsOrAnswerStreamer | None = None
+        if shape.answer_too:
+            self.calls = CallsOrAnswerStreamer(shape.tool_style, set(shape.tool_names))
+        elif shape.tools_active:
+            self.calls = ToolCallStreamer(shape.tool_style)
+        self.logprobs: list = []  # of text not yet sent (held until the reply's kind shows)
 
     async def send(self, cls: type[BaseModel], **fields) -> None:
         event = cls(type=event_type(cls), sequence_number=self.sequence_number, **fields)
@@ -96,29 +99,16 @@ class OutputItems:
 
     async def feed(self, text: str, entries: list[dict[int, Logprob]] | None) -> None:
         """What the reply adds: its text and the logprobs of its tokens."""
-        logprobs = None
         if self.shape.top_n is not None and entries:
-            logprobs = chat_logprobs(entries, self.shape.top_n)
-        if self.kind is not None:  # calls or the answer: hold the text until it tells
-            self.held += text
-            kind = self.kind.feed(text)
-            if kind is None:
-                return
-            text, self.held = self.held, ""
-            if kind == "answer":
-                self.calls = None
-            self.kind = None
-        if self.calls is None:
-            if text:
-                await self._text(text, logprobs)
-            return
-        content, call_deltas = self.calls.feed(text)
+            self.logprobs += chat_logprobs(entries, self.shape.top_n)
+        content, call_deltas = (text, []) if self.calls is None else self.calls.feed(text)
         if content:
-            await self._text(content, logprobs)
+            await self._text(content)
         for call_delta in call_deltas:
             await self._call(call_delta)
 
-    async def _text(self, text: str, logprobs: list | None) -> None:
+    async def _text(self, text: str) -> None:
+        logprobs, self.logprobs = self.logprobs, []
         if self.message is None:
             self.message = {"id": item_id("msg"), "text": "", "logprobs": []}
             item = message_item(self.message["id"], "", "in_progress", None)
@@ -131,15 +121,17 @@ class OutputItems:
                 content_index=0,
                 part=ResponseOutputText(type="output_text", text="", annotations=[]),
             )
+        if not text:  # an empty reply: the message alone
+            return
         self.message["text"] += text
-        self.message["logprobs"] += logprobs or []
+        self.message["logprobs"] += logprobs
         await self.send(
             ResponseTextDeltaEvent,
             item_id=self.message["id"],
             output_index=self._index,
             content_index=0,
             delta=text,
-            logprobs=logprobs or [],
+            logprobs=logprobs,
         )
 
     async def _call(self, call_delta: dict[str, Any]) -> None:
@@ -194,12 +186,13 @@ class OutputItems:
         """Close the open items at the end of the reply (a reply that is nothing yet is an
         empty message); returns the output."""
         status = "incomplete" if finish_reason == "length" else "completed"
-        if self.held:
-            await self._text(self.held, None)
+        held = self.calls.finish() if self.calls is not None else ""
+        if held:
+            await self._text(held)
         if self.call is not None:
             await self._close_call(status)
         if self.message is None and not self.output:
-            await self._text("", None)
+            await self._text("")
         if self.message is not None:
             message = self.message
             logprobs = message["logprobs"] if self.shape.top_n is not None else None

@@ -365,24 +365,31 @@ def test_chat_takes_tools_with_a_response_format_too(client: openai.OpenAI):
     """What the Agents SDK's chat model sends for an agent with an output_type: under "auto"
     the reply is a call of the tools or the answer in its schema."""
     tool = {"type": "function", "function": {k: v for k, v in WEATHER.items() if k != "type"}}
-    reply = client.chat.completions.create(
-        model=MODEL,
-        messages=[{"role": "user", "content": "John Smith is 42 and feels happy today."}],
-        tools=[tool],
-        response_format={
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "John Smith is 42 and feels happy today."}],
+        "tools": [tool],
+        "response_format": {
             "type": "json_schema",
             "json_schema": {"name": "person", "schema": Person.model_json_schema()},
         },
-        parallel_tool_calls=False,
-        max_tokens=40,
-        temperature=0,
-    )
-    message = reply.choices[0].message
+        "parallel_tool_calls": False,
+        "max_tokens": 40,
+        "temperature": 0,
+    }
+    message = client.chat.completions.create(**body).choices[0].message
+    content, calls = "", ""
+    for chunk in client.chat.completions.create(**body, stream=True):
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        calls += "".join(c.function.arguments or "" for c in delta.tool_calls or ())
     if message.tool_calls:
         [call] = message.tool_calls
         jsonschema.validate(json.loads(call.function.arguments), WEATHER["parameters"])
+        assert calls == call.function.arguments and content == ""
     else:
         Person.model_validate_json(message.content)
+        assert content == message.content and calls == ""
 
 
 def test_logprobs_come_with_the_text_whole_and_streamed(client: openai.OpenAI):

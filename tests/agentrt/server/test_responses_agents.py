@@ -13,6 +13,8 @@ import openai
 import pytest
 from pydantic import BaseModel
 
+from tests.agentrt.server.helpers import API_KEY
+
 agents = pytest.importorskip("agents")
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -36,10 +38,8 @@ def _no_tracing():
     agents.set_tracing_disabled(False)
 
 
-@pytest.fixture()
-def async_client(server) -> openai.AsyncOpenAI:
-    from tests.agentrt.server.helpers import API_KEY
-
+def _client(server) -> openai.AsyncOpenAI:
+    """A client for one test: `async with` closes it on that test's event loop."""
     return openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0)
 
 
@@ -66,10 +66,10 @@ def _weather_agent(model) -> tuple[agents.Agent, list[str]]:
 
 
 @pytest.mark.parametrize("model_class", ["OpenAIResponsesModel", "OpenAIChatCompletionsModel"])
-async def test_an_agent_runs_to_a_typed_output(async_client: openai.AsyncOpenAI, model_class):
-    model = getattr(agents, model_class)(MODEL, async_client)
-    agent, cities = _weather_agent(model)
-    result = await agents.Runner.run(agent, "What is the weather in Paris?", max_turns=3)
+async def test_an_agent_runs_to_a_typed_output(server, model_class):
+    async with _client(server) as client:
+        agent, cities = _weather_agent(getattr(agents, model_class)(MODEL, client))
+        result = await agents.Runner.run(agent, "What is the weather in Paris?", max_turns=3)
     assert isinstance(result.final_output, Weather)
     assert len(cities) == 1  # the tool ran once, on the model's call
     calls = [item for item in result.new_items if item.type == "tool_call_item"]
@@ -77,9 +77,10 @@ async def test_an_agent_runs_to_a_typed_output(async_client: openai.AsyncOpenAI,
     assert len(calls) == len(outputs) == 1
 
 
-async def test_a_streamed_agent_run_over_responses(async_client: openai.AsyncOpenAI):
-    agent, cities = _weather_agent(agents.OpenAIResponsesModel(MODEL, async_client))
-    result = agents.Runner.run_streamed(agent, "What is the weather in Paris?", max_turns=3)
-    kinds = [event.type async for event in result.stream_events()]
+async def test_a_streamed_agent_run_over_responses(server):
+    async with _client(server) as client:
+        agent, cities = _weather_agent(agents.OpenAIResponsesModel(MODEL, client))
+        result = agents.Runner.run_streamed(agent, "What is the weather in Paris?", max_turns=3)
+        kinds = [event.type async for event in result.stream_events()]
     assert "raw_response_event" in kinds and "run_item_stream_event" in kinds
     assert isinstance(result.final_output, Weather) and len(cities) == 1

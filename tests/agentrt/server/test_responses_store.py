@@ -1,5 +1,6 @@
 """The store behind `previous_response_id` (bounded in count, age and bytes, oldest out
-first) and `ReplyKind`, which tells calls from an answer as a reply streams."""
+first), and how a reply that is calls or an answer streams (`ReplyKind`,
+`CallsOrAnswerStreamer`)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import time
 
 import pytest
 
-from agentrt.server.calls_or_answer import ReplyKind
+from agentrt.server.calls_or_answer import CallsOrAnswerStreamer, ReplyKind
 from agentrt.server.response_store import ResponseStore
 
 
@@ -78,3 +79,33 @@ def test_reply_kind_tells_calls_from_the_answer_as_soon_as_it_can(style, text, k
         first = decided.index(kind)
         assert set(decided[:first]) <= {None} and set(decided[first:]) == {kind}
     assert reply.finish() == (kind or "answer")
+
+
+@pytest.mark.parametrize(
+    ("text", "is_calls"),
+    [
+        ('{"name": "Ada", "age": 36}', False),
+        ('{"name": "get_weather", "arguments": {"city": "Oslo"}}', True),
+    ],
+)
+def test_calls_or_an_answer_stream_as_content_or_call_deltas(text, is_calls):
+    streamer = CallsOrAnswerStreamer("json", {"get_weather"})
+    content, deltas = "", []
+    for ch in text:
+        more, calls = streamer.feed(ch)
+        content += more
+        deltas += calls
+    content += streamer.finish()
+    assert streamer.is_tool_calls == is_calls
+    if is_calls:
+        assert content == "" and deltas[0]["function"]["name"] == "get_weather"
+        arguments = "".join(d["function"]["arguments"] for d in deltas)
+        assert json.loads(arguments) == {"city": "Oslo"}
+    else:
+        assert content == text and deltas == []
+
+
+def test_a_reply_cut_before_it_tells_is_released_as_the_answer():
+    streamer = CallsOrAnswerStreamer("json", {"get_weather"})
+    assert streamer.feed('{"na') == ("", [])
+    assert streamer.finish() == '{"na' and not streamer.is_tool_calls
