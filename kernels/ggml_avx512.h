@@ -269,4 +269,168 @@ static void legacy_row(int qtype, const BlockType *bt, const uint8_t *row, int64
     }
 }
 
+
+// ---- Q4_K, Q5_K and Q6_K with activations in blocks of 256 (ggml's Q8_K) ------------------
+//
+// One activation scale per 256 lets a K-quant block's integer sums be scaled in integers:
+// pmaddubsw (u times a, pairs into int16: at most 2 * 63 * 127) then pmaddwd by the group's
+// integer scale (6-bit, or Q6_K's int8) into int32, one fp32 multiply-add per block for the
+// scales and one for the mins (sum_g min_g * the group's activation sum, in pmaddwd too).
+// Activation rows (act8k_row): q int8 (kp), d (kp / 256 floats), and per 16 elements the sum
+// of q (int16), each part 64-byte aligned.
+
+static inline int64_t act8k_bytes(int64_t kp) {
+    return (kp + kp / 256 * 4 + 63) / 64 * 64 + (kp / 16 * 2 + 63) / 64 * 64;
+}
+
+static void quantize_row_q8k(const void *x, int bf16, int64_t k, uint8_t *out) {
+    int8_t *q = (int8_t *)out;
+    float *d = (float *)(out + k);
+    int16_t *bsum = (int16_t *)(out + (k + k / 256 * 4 + 63) / 64 * 64);
+    for (int64_t b = 0; b < k / 256; b++) {
+        __m512 v[16];
+        __m512 m = _mm512_setzero_ps();
+        for (int i = 0; i < 16; i++) {
+            const int64_t at = b * 256 + 16 * i;
+            v[i] = bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(
+                              _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)x + at))), 16))
+                        : _mm512_loadu_ps((const float *)x + at);
+            m = _mm512_max_ps(m, _mm512_abs_ps(v[i]));
+        }
+        const float amax = _mm512_reduce_max_ps(m);
+        const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+        d[b] = amax / 127.0f;
+        for (int i = 0; i < 16; i++) {
+            const __m512i qi = _mm512_cvtps_epi32(_mm512_mul_ps(v[i], _mm512_set1_ps(id)));
+            _mm_storeu_si128((__m128i *)(q + b * 256 + 16 * i), _mm512_cvtepi32_epi8(qi));
+            bsum[b * 16 + i] = (int16_t)_mm512_reduce_add_epi32(qi);
+        }
+    }
+}
+
+typedef struct {
+    __m512i u[4], scale[4]; // u of 64 elements each; int16 scales of their pmaddubsw lanes
+    __m256i mins;           // int16 per group of 16: what multiplies its activation sum
+    float d, dmin;          // y = d * da * sum(scale u a) - dmin * da * sum(mins bsum)
+} KBlock;
+
+static inline void kblock_q45k(int qtype, const uint8_t *b, KBlock *kb) {
+    uint32_t s[4];
+    memcpy(s, b + 4, 12);
+    const uint32_t m6 = 0x3f3f3f3fu, m4 = 0x0f0f0f0fu, m2 = 0x03030303u;
+    const uint32_t mins_hi = ((s[2] >> 4) & m4) | (((s[1] >> 6) & m2) << 4);
+    const uint32_t mins_lo = s[1] & m6;
+    s[1] = (s[2] & m4) | (((s[0] >> 6) & m2) << 4);
+    s[0] &= m6;
+    s[2] = mins_lo;
+    s[3] = mins_hi; // bytes 0..7: the 8 scales (one per 32), 8..15: the 8 mins
+    const __m512i both = _mm512_castsi256_si512(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)s)));
+    for (int k = 0; k < 4; k++) // lanes 0..15: sub-block 2k, 16..31: 2k + 1
+        kb->scale[k] = _mm512_permutexvar_epi16(
+            _mm512_set_epi16(2 * k + 1, 2 * k + 1, 2 * k + 1, 2 * k + 1, 2 * k + 1, 2 * k + 1,
+                             2 * k + 1, 2 * k + 1, 2 * k + 1, 2 * k + 1, 2 * k + 1, 2 * k + 1,
+                             2 * k + 1, 2 * k + 1, 2 * k + 1, 2 * k + 1, 2 * k, 2 * k, 2 * k,
+                             2 * k, 2 * k, 2 * k, 2 * k, 2 * k, 2 * k, 2 * k, 2 * k, 2 * k,
+                             2 * k, 2 * k, 2 * k, 2 * k),
+            both);
+    kb->mins = _mm512_castsi512_si256(_mm512_permutexvar_epi16(
+        _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 15, 15, 14, 14, 13, 13,
+                         12, 12, 11, 11, 10, 10, 9, 9, 8, 8),
+        both));
+    kb->d = fp16_to_f32(b);
+    kb->dmin = fp16_to_f32(b + 2);
+    const uint8_t *qs = b + (qtype == T_Q4_K ? 16 : 48);
+    const __m512i low4 = _mm512_set1_epi8(0x0f);
+    const __m512i qh = qtype == T_Q5_K ? _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(b + 16)))
+                                       : _mm512_setzero_si512();
+    for (int j = 0; j < 4; j++) {
+        const __m512i z = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(qs + 32 * j)));
+        __m512i u = _mm512_and_si512(_mm512_mask_srli_epi32(z, 0xff00, z, 4), low4);
+        if (qtype == T_Q5_K) {
+            const __m512i shift = _mm512_set_epi64(2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1,
+                                                   2 * j, 2 * j, 2 * j, 2 * j);
+            const __m512i bit = _mm512_and_si512(_mm512_srlv_epi64(qh, shift), _mm512_set1_epi8(1));
+            u = _mm512_or_si512(u, _mm512_slli_epi64(bit, 4));
+        }
+        kb->u[j] = u;
+    }
+}
+
+static inline void kblock_q6k(const uint8_t *b, KBlock *kb) {
+    const __m512i sc = _mm512_castsi256_si512(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(b + 192))));
+    for (int k = 0; k < 4; k++) { // lanes 8j..8j + 7: group 4k + j
+        const short g = (short)(4 * k);
+        kb->scale[k] = _mm512_permutexvar_epi16(
+            _mm512_set_epi16(g + 3, g + 3, g + 3, g + 3, g + 3, g + 3, g + 3, g + 3, g + 2, g + 2,
+                             g + 2, g + 2, g + 2, g + 2, g + 2, g + 2, g + 1, g + 1, g + 1, g + 1,
+                             g + 1, g + 1, g + 1, g + 1, g, g, g, g, g, g, g, g),
+            sc);
+    }
+    kb->mins = _mm256_slli_epi16(_mm512_castsi512_si256(sc), 5); // OFFSET 32 times the scale
+    kb->d = kb->dmin = fp16_to_f32(b + 208);
+    const __m512i low4 = _mm512_set1_epi8(0x0f), low2 = _mm512_set1_epi8(0x03);
+    for (int h = 0; h < 2; h++) {
+        const __m512i ql = _mm512_loadu_si512(b + 64 * h);
+        const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h)));
+        for (int odd = 0; odd < 2; odd++) {
+            const __m512i lo = _mm512_and_si512(odd ? _mm512_srli_epi16(ql, 4) : ql, low4);
+            const __m512i shift = _mm512_set_epi64(4 * odd + 2, 4 * odd + 2, 4 * odd + 2, 4 * odd + 2,
+                                                   4 * odd, 4 * odd, 4 * odd, 4 * odd);
+            const __m512i hi = _mm512_and_si512(_mm512_srlv_epi64(qh, shift), low2);
+            kb->u[2 * h + odd] = _mm512_or_si512(lo, _mm512_slli_epi64(hi, 4));
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void kquant_rows(
+    int qtype, const uint8_t *row, int64_t num_blocks, int bytes, const uint8_t *act,
+    int64_t k, int64_t t0, const int TT, float *sums) {
+    const int64_t stride = act8k_bytes(k), d_at = k, bsum_at = (k + k / 256 * 4 + 63) / 64 * 64;
+    __m512 acc[4];
+    __m256 macc[4];
+    for (int tt = 0; tt < TT; tt++) {
+        acc[tt] = _mm512_setzero_ps();
+        macc[tt] = _mm256_setzero_ps();
+    }
+    for (int64_t i = 0; i < num_blocks; i++) {
+        KBlock kb;
+        if (qtype == T_Q6_K)
+            kblock_q6k(row + i * bytes, &kb);
+        else
+            kblock_q45k(qtype, row + i * bytes, &kb);
+        for (int tt = 0; tt < TT; tt++) {
+            const uint8_t *a = act + (t0 + tt) * stride;
+            const int8_t *q = (const int8_t *)a + 256 * i;
+            const float da = ((const float *)(a + d_at))[i];
+            __m512i isum = _mm512_setzero_si512();
+            for (int j = 0; j < 4; j++)
+                isum = _mm512_add_epi32(
+                    isum, _mm512_madd_epi16(_mm512_maddubs_epi16(kb.u[j], _mm512_loadu_si512(q + 64 * j)),
+                                            kb.scale[j]));
+            const __m256i bs = _mm256_loadu_si256((const __m256i *)((const int16_t *)(a + bsum_at) + 16 * i));
+            const __m256i msum = _mm256_madd_epi16(bs, kb.mins);
+            acc[tt] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_set1_ps(kb.d * da), acc[tt]);
+            macc[tt] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(msum), _mm256_set1_ps(kb.dmin * da), macc[tt]);
+        }
+    }
+    for (int tt = 0; tt < TT; tt++) {
+        const __m256 m = macc[tt];
+        __m128 h = _mm_add_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+        h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+        h = _mm_add_ss(h, _mm_movehdup_ps(h));
+        sums[tt] = _mm512_reduce_add_ps(acc[tt]) - _mm_cvtss_f32(h);
+    }
+}
+
+static void kquant_row(int qtype, const uint8_t *row, int64_t num_blocks, int bytes,
+                       const uint8_t *act, int64_t k, int64_t rows, float *sums) {
+    int64_t t = 0;
+    for (; t + 4 <= rows; t += 4) kquant_rows(qtype, row, num_blocks, bytes, act, k, t, 4, sums + t);
+    switch (rows - t) {
+    case 3: kquant_rows(qtype, row, num_blocks, bytes, act, k, t, 3, sums + t); break;
+    case 2: kquant_rows(qtype, row, num_blocks, bytes, act, k, t, 2, sums + t); break;
+    case 1: kquant_rows(qtype, row, num_blocks, bytes, act, k, t, 1, sums + t); break;
+    }
+}
+
 #endif

@@ -110,10 +110,18 @@ class GGMLKernels:
         lib.ggml_linear_packed.argtypes = [ctypes.c_void_p]
         lib.ggml_linear_packed.restype = cint
         self._linear_packed = lib.ggml_linear_packed
+        lib.ggml_act_block.argtypes = [cint]
+        lib.ggml_act_block.restype = cint
+        self._act_block = lib.ggml_act_block
         built = ["scalar", "avx2", "avx512"][lib.ggml_isa()]
         if built != isa:
             raise KernelBuildError(f"{path} was built for {built}, not {isa}.")
         self._lib = lib
+
+    def act_block(self, qtype: int) -> int:
+        """The block (32 or 256 elements) this build quantizes activations to for the type:
+        each block's x is rounded to int8 with one scale d = max|x| / 127."""
+        return self._act_block(int(qtype))
 
     def linear(self, x: torch.Tensor, weight: GGMLWeight, out: torch.Tensor) -> None:
         """out (T, N) (fp32 or bf16, row stride >= N) = x (T, K) @ W.T; the caller has

@@ -570,6 +570,14 @@ static inline Acc dot_chunk(const Chunk *c, const int8_t *a, const float *da, co
 // Whether this build's dot multiplies u - 128 (see above): Q8_0 on AVX2.
 static inline int signed_wide(int qtype) { return AGENTRT_ISA == 1 && qtype == T_Q8_0; }
 
+// Whether this build runs the type with activations in blocks of 256 (ggml_avx512.h).
+static inline int q8k_type(int qtype) {
+    return AGENTRT_ISA == 2 && (qtype == T_Q4_K || qtype == T_Q5_K || qtype == T_Q6_K);
+}
+
+// The activation block this build quantizes to for the type: 256 or 32.
+int ggml_act_block(int qtype) { return q8k_type(qtype) ? 256 : 32; }
+
 static inline int fused_legacy(int qtype) {
     return AGENTRT_ISA == 2 && (qtype == T_Q4_0 || qtype == T_Q4_1 || qtype == T_Q5_0 ||
                                 qtype == T_Q5_1 || qtype == T_Q8_0);
@@ -587,7 +595,12 @@ int ggml_linear(const void *x, int x_bf16, int64_t rows, int64_t k, const uint8_
     BlockType bt;
     if (!block_type(qtype, &bt) || k % bt.block_elems) return -1;
     const int64_t kp = (k + CHUNK_ELEMS - 1) / CHUNK_ELEMS * CHUNK_ELEMS;
-    uint8_t *act = aligned_alloc(64, (size_t)(rows * act_row_bytes(kp)));
+#if AGENTRT_ISA == 2
+    const int64_t act_bytes = q8k_type(qtype) ? act8k_bytes(k) : act_row_bytes(kp);
+#else
+    const int64_t act_bytes = act_row_bytes(kp);
+#endif
+    uint8_t *act = aligned_alloc(64, (size_t)(rows * act_bytes));
     if (!act) return -2;
     const int wide = signed_wide(qtype);
     const int offset = bt.offset - (wide ? 128 : 0);
@@ -598,9 +611,16 @@ int ggml_linear(const void *x, int x_bf16, int64_t rows, int64_t k, const uint8_
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1)
     {
 #pragma omp for schedule(static)
-        for (int64_t t = 0; t < rows; t++)
-            quantize_row((const char *)x + t * k * (x_bf16 ? 2 : 4), x_bf16, k, kp,
-                         act_row(act, kp, t));
+        for (int64_t t = 0; t < rows; t++) {
+            const char *xt = (const char *)x + t * k * (x_bf16 ? 2 : 4);
+#if AGENTRT_ISA == 2
+            if (q8k_type(qtype)) {
+                quantize_row_q8k(xt, x_bf16, k, act + t * act_bytes);
+                continue;
+            }
+#endif
+            quantize_row(xt, x_bf16, k, kp, act_row(act, kp, t));
+        }
         // Per thread: one decoded chunk, the T partial sums of the row and their totals.
         // Every thread runs the loop below (a work-shared loop must be met by all), so one
         // whose buffer could not be had only marks the failure.
@@ -618,6 +638,8 @@ int ggml_linear(const void *x, int x_bf16, int64_t rows, int64_t k, const uint8_
 #if AGENTRT_ISA == 2
             if (fused_legacy(qtype)) {
                 legacy_row(qtype, &bt, row, row_blocks, act, kp, rows, sums);
+            } else if (q8k_type(qtype)) {
+                kquant_row(qtype, row, row_blocks, bt.block_bytes, act, k, rows, sums);
             } else
 #endif
             {

@@ -6,7 +6,8 @@ Random bytes are valid blocks of every type once the fp16 d / dmin fields hold f
 
 Tolerances. The kernel quantizes each activation row to int8 per block of 32
 (d = max|x| / 127, q = round(x / d)) and sums integer products, so it computes exactly
-x_hat @ W.T with x_hat = q * d, up to fp32 rounding of the per-group sums. Two checks:
+x_hat @ W.T with x_hat = q * d, up to fp32 rounding of the per-group sums (blocks of 256,
+ggml's Q8_K, for Q4_K / Q5_K / Q6_K on AVX-512: `act_block`). Two checks:
   * against x_hat @ W.T (the activation rounding replayed in torch): within 1e-5 of
     |x_hat| @ |W|.T, fp32 summation-order noise;
   * against x @ W.T (gguf's reference, unquantized x): within |W| @ (d / 2).T, the bound of
@@ -51,9 +52,9 @@ def kern(request):
     return G.load_ggml_kernels(G.default_build_dir(), request.param)
 
 
-def quantize_rows_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows_ref(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel's activation rounding in torch: (x_hat (T, K), d (T, K) per element)."""
-    blocks = x.float().view(x.shape[0], -1, 32)  # (T, K / 32, 32)
+    blocks = x.float().view(x.shape[0], -1, block)  # (T, K / block, block)
     amax = blocks.abs().amax(-1, keepdim=True)
     # A true division (a Python scalar over a tensor would be reciprocal-then-multiply).
     inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
@@ -62,8 +63,8 @@ def quantize_rows_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return x_hat.view_as(x), d.expand_as(blocks).reshape(x.shape)
 
 
-def check_product(y: torch.Tensor, x: torch.Tensor, dense: torch.Tensor) -> None:
-    x_hat, d = quantize_rows_ref(x)
+def check_product(y: torch.Tensor, x: torch.Tensor, dense: torch.Tensor, block: int) -> None:
+    x_hat, d = quantize_rows_ref(x, block)
     slack = 1e-5 * (x_hat.abs() @ dense.abs().T) + 1e-30
     assert ((y - x_hat @ dense.T).abs() <= slack).all()
     bound = (d / 2) @ dense.abs().T + slack
@@ -83,10 +84,13 @@ def test_product_matches_gguf_reference(kern, weights, qtype):
     for rows in (1, 3, 16, 64):
         x = torch.randn(rows, K, generator=gen)
         y = G.ggml_linear(x, w, kernels=kern)
-        (check_product if rows < G.LARGE_STEP_ROWS else check_large_step)(y, x, dense)
+        if rows < G.LARGE_STEP_ROWS:
+            check_product(y, x, dense, kern.act_block(qtype))
+        else:
+            check_large_step(y, x, dense)
     # bf16 rows in, and the bf16-out variant (one more rounding, to bf16, of each sum)
     xb = torch.randn(5, K, generator=gen).bfloat16()
-    check_product(G.ggml_linear(xb, w, kernels=kern), xb, dense)
+    check_product(G.ggml_linear(xb, w, kernels=kern), xb, dense, kern.act_block(qtype))
     y = G.ggml_linear_bf16(xb, w, kernels=kern)
     assert y.dtype == torch.bfloat16
     torch.testing.assert_close(y, G.ggml_linear(xb, w, kernels=kern).bfloat16(), atol=0, rtol=0)
@@ -131,9 +135,12 @@ def test_out_as_a_column_slice_of_a_wider_tensor(kern, weights):
         out = torch.full((rows, 2 * N + 3), float("nan"))
         assert G.ggml_linear(x, w1, out[:, :N], kern).data_ptr() == out.data_ptr()
         G.ggml_linear(x, w2, out[:, N : 2 * N], kern)
-        check = check_product if rows < G.LARGE_STEP_ROWS else check_large_step
-        check(out[:, :N], x, d1)
-        check(out[:, N : 2 * N], x, d2)
+        if rows < G.LARGE_STEP_ROWS:
+            check_product(out[:, :N], x, d1, kern.act_block(Q.Q4_K))
+            check_product(out[:, N : 2 * N], x, d2, kern.act_block(Q.Q6_K))
+        else:
+            check_large_step(out[:, :N], x, d1)
+            check_large_step(out[:, N : 2 * N], x, d2)
         assert out[:, 2 * N :].isnan().all()  # nothing written past the slices
 
 
@@ -146,7 +153,7 @@ def test_select_rows(weights):
     perm = torch.randperm(N)
     assert torch.equal(w.select_rows(perm).dequantize(), dense[perm])
     x = torch.randn(3, K)
-    check_product(G.ggml_linear(x, part), x, dense[8:24])
+    check_product(G.ggml_linear(x, part), x, dense[8:24], G.default_kernels().act_block(Q.Q5_0))
 
 
 @pytest.mark.parametrize("qtype", [Q.F32, Q.F16, Q.BF16], ids=lambda t: Q(t).name)
