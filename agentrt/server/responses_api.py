@@ -272,8 +272,9 @@ class ResponseView:
     # -- the stream -----------------------------------------------------------------------
 
     async def stream(self, generation: Generation, first: RequestDelta, emit, keep) -> None:
-        """Emit the events of the response as the reply streams, then `keep(body, output)`
-        the completed response. A failure after the first event is a `response.failed`."""
+        """Emit the events of the response as the reply streams; `keep(body, output)` the
+        finished response before its last event. A failure after the first event is a
+        `response.failed`."""
         events = OutputItems(self.shape, emit)
         await events.send(ResponseCreatedEvent, response=self.response("in_progress", []))
         await events.send(ResponseInProgressEvent, response=self.response("in_progress", []))
@@ -295,8 +296,8 @@ class ResponseView:
         status = _status(delta.output)
         response = self.response(status, output, delta.output)
         done = ResponseCompletedEvent if status == "completed" else ResponseIncompleteEvent
+        keep(dump(response), output)  # stored before the client hears it is done
         await events.send(done, response=response)
-        keep(dump(response), output)
 
 
 def _usage(result: RequestOutput) -> ResponseUsage:

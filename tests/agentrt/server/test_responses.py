@@ -116,6 +116,7 @@ def test_a_streamed_response_arrives_as_the_client_parses_it(
     assert text == plain.output_text  # greedy: the same reply, streamed
     assert events[-1].response.output[0].id == item_id
     assert events[-1].response.output_text == text
+    assert client.responses.retrieve(events[-1].response.id).output_text == text  # stored
     raw = _raw_events(http, {"temperature": 0, **kwargs})
     assert [e.type for e in raw] == types
 
