@@ -386,8 +386,8 @@ static inline __attribute__((always_inline)) void kquant_rows(
     int qtype, const uint8_t *row, int64_t num_blocks, int bytes, const uint8_t *act,
     int64_t k, int64_t t0, const int TT, float *sums) {
     const int64_t stride = act8k_bytes(k), d_at = k, bsum_at = (k + k / 256 * 4 + 63) / 64 * 64;
-    __m512 acc[4];
-    __m256 macc[4];
+    __m512 acc[TT_MAX];
+    __m256 macc[TT_MAX];
     for (int tt = 0; tt < TT; tt++) {
         acc[tt] = _mm512_setzero_ps();
         macc[tt] = _mm256_setzero_ps();
@@ -425,11 +425,19 @@ static inline __attribute__((always_inline)) void kquant_rows(
 static void kquant_row(int qtype, const uint8_t *row, int64_t num_blocks, int bytes,
                        const uint8_t *act, int64_t k, int64_t rows, float *sums) {
     int64_t t = 0;
-    for (; t + 4 <= rows; t += 4) kquant_rows(qtype, row, num_blocks, bytes, act, k, t, 4, sums + t);
+    for (; t + TT_MAX <= rows; t += TT_MAX)
+        kquant_rows(qtype, row, num_blocks, bytes, act, k, t, TT_MAX, sums + t);
     switch (rows - t) {
-    case 3: kquant_rows(qtype, row, num_blocks, bytes, act, k, t, 3, sums + t); break;
-    case 2: kquant_rows(qtype, row, num_blocks, bytes, act, k, t, 2, sums + t); break;
-    case 1: kquant_rows(qtype, row, num_blocks, bytes, act, k, t, 1, sums + t); break;
+#define KQUANT_TAIL(n)                                                                             \
+    case n: kquant_rows(qtype, row, num_blocks, bytes, act, k, t, n, sums + t); break;
+        KQUANT_TAIL(7)
+        KQUANT_TAIL(6)
+        KQUANT_TAIL(5)
+        KQUANT_TAIL(4)
+        KQUANT_TAIL(3)
+        KQUANT_TAIL(2)
+        KQUANT_TAIL(1)
+#undef KQUANT_TAIL
     }
 }
 
