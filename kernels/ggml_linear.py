@@ -3,11 +3,13 @@
 A `GGMLWeight` holds a GGUF tensor's bytes as they are in the file: uint8 (N, row_bytes),
 each row the K / block_elems blocks of one output row (a view of a memory map is fine; it is
 never copied unless asked). `ggml_linear(x, weight)` computes x @ W.T through ggml_quants.c:
-the activations quantized to int8 per block of 32 and integer dot products against the
+the activations quantized to int8 per block of 32 (of 256 for Q4_K / Q5_K / Q6_K on
+AVX-512, ggml's Q8_K: `GGMLKernels.act_block`) and integer dot products against the
 unpacked weight blocks (ggml's approach), each weight block read once for all the rows of a
 step. The C library is built on first use for the best instruction set of this CPU
-(AVX-512 VNNI, AVX2, or portable C); `AGENTRT_GGML_ISA=scalar|avx2|avx512` forces one (read once, on first use); every function
-also takes `kernels=load_ggml_kernels(build_dir, isa)` to run another build (ggml_library.py).
+(AVX-512 VNNI, AVX2, or portable C); `AGENTRT_GGML_ISA=scalar|avx2|avx512` forces one
+(read once, on first use); every function also takes `kernels=load_ggml_kernels(build_dir,
+isa)` to run another build (ggml_library.py).
 Steps of LARGE_STEP_ROWS rows or more (prefills, big batches) take bf16 tiles of the weight
 into torch's bf16 GEMM instead. `ggml_linear_bf16` is the variant for the fused CPU glue
 (bf16 rows in and out, as kernels/cpu_ops.py hands them between products).

@@ -23,7 +23,9 @@
 // portable unpacking otherwise) and dotted with every activation row of the step, so a batch
 // of T rows reads each weight byte from memory once. On AVX-512 the legacy types (blocks of
 // 32 with one fp16 scale each) skip the chunk: pairs of blocks are decoded into registers and
-// dotted with 8 activation rows at a time (ggml_avx512.h). OpenMP threads split the output
+// dotted with 8 activation rows at a time (ggml_avx512.h); Q4_K, Q5_K and Q6_K take their
+// activations in blocks of 256 instead (ggml's Q8_K), which lets a block's group scales be
+// applied in integers (ggml_avx512.h, `ggml_act_block`). OpenMP threads split the output
 // rows. Long steps do not come here: ggml_linear.py hands them to a bf16 GEMM over tiles that
 // `ggml_dequantize_tile` decodes.
 
@@ -52,7 +54,6 @@ enum {
 
 #define GROUP 16                // elements per scale group of the canonical form
 #define ACT_BLOCK 32            // elements per activation scale
-#define CHUNK 4096              // elements of a weight row unpacked at a time (fits L1)
 #define PARALLEL_WORK (1 << 16) // fewer weight elements than this run on one thread
 
 static inline float fp16_to_f32(const uint8_t *p) {
