@@ -45,7 +45,7 @@ import torch
 from pydantic import BaseModel, Field
 
 import agentrt
-from agentrt.engine.model.checkpoint import resolve_model
+from agentrt.engine.model.checkpoint import hf_pretrained_args, load_tokenizer, resolve_model
 
 
 class DocKind(StrEnum):
@@ -259,10 +259,10 @@ def main() -> None:
         torch.set_num_threads(args.threads)
 
     import xgrammar as xgr
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, GgufConfig
 
-    path = str(resolve_model(None))
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    path, hf_kwargs = hf_pretrained_args(resolve_model(None))
+    tokenizer = load_tokenizer(resolve_model(None))
     tokenizer.padding_side = "left"
     rng = random.Random(args.seed)
     labeled = [
@@ -287,8 +287,10 @@ def main() -> None:
 
     torch.set_num_threads(threads)  # the engine may have set it (AGENTRT_NUM_THREADS)
     dtype = getattr(torch, args.dtype)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
-    vocab_size = AutoConfig.from_pretrained(path).vocab_size
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=dtype, quantization_config=GgufConfig(dequantize=True), **hf_kwargs
+    ).eval()
+    vocab_size = AutoConfig.from_pretrained(path, **hf_kwargs).vocab_size
     info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
     grammar = xgr.GrammarCompiler(info).compile_json_schema(
         Record, any_whitespace=False, separators=(", ", ": ")

@@ -104,9 +104,14 @@ def main() -> None:
     tokenizer = llm.tokenizer
     hf = None
     if not args.skip_hf:
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM, GgufConfig
 
-        hf = AutoModelForCausalLM.from_pretrained(str(llm.model_path), dtype=torch.bfloat16)
+        from agentrt.engine.model.checkpoint import hf_pretrained_args
+
+        name, kwargs = hf_pretrained_args(llm.model_path)
+        hf = AutoModelForCausalLM.from_pretrained(
+            name, dtype=torch.bfloat16, quantization_config=GgufConfig(dequantize=True), **kwargs
+        )
         hf.to(args.device).eval()
 
     rng = random.Random(0)

@@ -65,11 +65,10 @@ class EngineArgs:
     )
     quantization: str = _option(
         "auto",
-        "weight-only quantization on the CPU: int8 (per channel) or int4 (groups of 32; a "
-        "Q4_0/Q4_1 GGUF keeps its own blocks); activations stay in dtype. int4+dense: int4 "
-        "for steps of up to 24 rows, the dense weights kept for larger ones. 'auto' is "
-        "int4+dense for a Q4 GGUF (the embedded model) on the CPU when dtype is 'auto' too, "
-        "else none",
+        "weight format on the CPU: gguf (a GGUF's own block formats, Q4_K_M ... Q8_0), "
+        "int8 / int4 (a checkpoint quantized to Q8_0 / Q4_1 blocks at load), none (dense in "
+        "dtype; a GGUF dequantized in memory); activations stay in dtype. 'auto' is gguf for "
+        "a GGUF (the embedded model) on the CPU when dtype is 'auto' too, else none",
         choices=QUANTIZATIONS,
     )
     device: str = _option("cpu", "'cpu' or 'cuda[:N]'")

@@ -26,14 +26,12 @@ DTYPES = {
 
 
 ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")
-# Weight quantization (activations stay in `dtype`): "int8" is per-channel weight-only int8
-# (torch's _weight_int8pack_mm, CPU and CUDA), "int4" groups of 32 with a scale and a zero
-# each (_weight_int4pack_mm_for_cpu; a Q4_0/Q4_1 GGUF's own blocks).
-# "int4+dense": int4 for steps of a few rows, the dense weights kept for larger steps (the
-# quantized kernels' cost grows with the rows, dense GEMM's much less).
-# "auto": int4+dense where int4 keeps the checkpoint's own weights (a Q4_0/Q4_1 GGUF on the
-# CPU, with dtype "auto"), else none; resolved when the engine reads the model (LLMEngine).
-QUANTIZATIONS = ("auto", "none", "int8", "int4", "int4+dense")
+# Weight formats (activations stay in `dtype`; engine/loader/quantization.py): "gguf" runs a
+# GGUF's own block formats through the GGML kernels, "int8" / "int4" quantize a checkpoint
+# to Q8_0 / Q4_1 blocks at load, "none" holds every weight dense in `dtype` (a GGUF
+# dequantized in memory at load). "auto": gguf for a GGUF on the CPU with dtype "auto", else
+# none; resolved when the engine reads the model (LLMEngine). The GGML kernels are CPU ones.
+QUANTIZATIONS = ("auto", "none", "gguf", "int8", "int4")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 # KV transfer (engine/kv_transfer/): "storage" saves full blocks to a directory and loads
 # them back; "p2p" moves a finished prefill's blocks to another running instance.
@@ -78,7 +76,7 @@ class ModelConfig:
     max_model_len: int | None  # None: the model's max_position_embeddings
     seed: int
     attention_backend: str
-    quantization: str  # one of QUANTIZATIONS; the quantized kernels are torch's CPU ones
+    quantization: str  # one of QUANTIZATIONS
 
     def __post_init__(self) -> None:
         _check(
@@ -88,10 +86,11 @@ class ModelConfig:
             f"one of {QUANTIZATIONS}",
         )
         _check(
-            not self.quantization.startswith("int4") or self.device == "cpu",
+            self.quantization in ("auto", "none") or self.device == "cpu",
             "quantization",
             self.quantization,
-            "'none' or 'int8' on CUDA (the int4 kernel is torch's CPU one)",
+            "'auto' or 'none' on CUDA (the GGML kernels are CPU ones; a GGUF runs dequantized "
+            "to the dtype there)",
         )
         _check(
             self.attention_backend in ATTENTION_BACKENDS,

@@ -53,6 +53,18 @@ class ModelLoadError(EngineError):
     """Weights, config or tokenizer could not be found or read."""
 
 
+class ModelTooLargeError(ConfigError):
+    """The model's weights and KV pool do not fit in the memory free on its device; raised
+    before anything is allocated. The message gives the numbers and the options that would
+    make it fit; the fields hold the numbers (bytes)."""
+
+    def __init__(self, message: str, *, weight_bytes: int, kv_bytes: int, available_bytes: int):
+        super().__init__(message)
+        self.weight_bytes = weight_bytes
+        self.kv_bytes = kv_bytes
+        self.available_bytes = available_bytes
+
+
 class EngineDeadError(EngineError):
     """The engine loop stopped (a fault, or shutdown): every pending request fails with this,
     and new requests are refused. Start a new engine."""

@@ -21,16 +21,14 @@ from agentrt.engine.errors import ConfigError
 from agentrt.engine.executor import TensorParallelExecutor
 from agentrt.engine.kv_cache_manager import KVCacheManager
 from agentrt.engine.kv_transfer import KVConnector, KVLayout, create_connector, engine_id
+from agentrt.engine.loader.fit import MemoryEstimate, available_memory, check_fit, weight_bytes
+from agentrt.engine.loader.gguf_file import is_gguf
+from agentrt.engine.loader.load import get_loader
+from agentrt.engine.loader.quantization import resolve_quantization
 from agentrt.engine.model.arch import ModelArchConfig
-from agentrt.engine.model.checkpoint import (
-    gguf_source,
-    load_hf_config,
-    load_tokenizer,
-    resolve_model,
-)
+from agentrt.engine.model.checkpoint import load_hf_config, load_tokenizer, resolve_model
 from agentrt.engine.model.parallel import check_tensor_parallel, shard_arch
-from agentrt.engine.model.quantization import resolve_quantization
-from agentrt.engine.model_runner import ModelRunner, kv_pool_blocks
+from agentrt.engine.model_runner import ModelRunner, kv_block_bytes, kv_pool_blocks
 from agentrt.engine.outputs import OutputProcessor, RequestDelta
 from agentrt.engine.processor import Processor
 from agentrt.engine.records import EngineCoreRequest
@@ -68,12 +66,12 @@ class LLMEngine:
         path = resolve_model(model)
         self.model_path = path
         quantization = resolve_quantization(
-            config.model.quantization, self.args.dtype, config.model.device, gguf_source(model)
+            config.model.quantization, self.args.dtype, config.model.device, is_gguf(path)
         )
         self.model_config = dataclasses.replace(config.model, quantization=quantization)
         hf_config = load_hf_config(path)
         self.arch = ModelArchConfig.from_hf_dict(hf_config)
-        check_tensor_parallel(self.arch, tp_size, quantization)
+        check_tensor_parallel(self.arch, tp_size)
         self.tokenizer = load_tokenizer(path)
         self.max_model_len = min(
             config.model.max_model_len or self.arch.max_position_embeddings,
@@ -86,9 +84,12 @@ class LLMEngine:
             draft_arch = draft_model_arch(spec_config, self.arch)  # one pool holds both KVs
         # Under tensor parallelism a block holds one rank's KV heads (the draft model, if
         # any, runs whole on rank 0): the pool's budget is per rank.
-        num_blocks = kv_pool_blocks(
-            shard_arch(self.arch, tp_size), config.cache, config.model.dtype, draft_arch
-        )
+        rank_arch = shard_arch(self.arch, tp_size)
+        num_blocks = kv_pool_blocks(rank_arch, config.cache, config.model.dtype, draft_arch)
+        kv_bytes = num_blocks * kv_block_bytes(rank_arch, block_size, config.model.dtype)
+        if draft_arch is not None:
+            kv_bytes += num_blocks * kv_block_bytes(draft_arch, block_size, config.model.dtype)
+        self._check_fit(path, tp_size, kv_bytes * tp_size)
         self.runner = self._start_runner(model, tp_size, num_blocks)
         self.kv_manager = KVCacheManager(
             num_blocks, block_size, enable_prefix_caching=config.cache.enable_prefix_caching
@@ -121,6 +122,23 @@ class LLMEngine:
         )
         self.processor = self.make_processor(self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
+
+    def _check_fit(self, path: Path, tp_size: int, kv_bytes: int) -> None:
+        """Weights (from the checkpoint's tensor table) + KV pool against free memory, before
+        anything is allocated (loader/fit.py); raises ModelTooLargeError."""
+        device = torch.device(self.model_config.device)
+        estimate = MemoryEstimate(
+            weight_bytes=weight_bytes(
+                get_loader(path).tensor_table(),
+                self.arch,
+                self.model_config.dtype,
+                self.model_config.quantization,
+                tp_size,
+            ),
+            kv_bytes=kv_bytes,
+            available_bytes=available_memory(device),
+        )
+        check_fit(estimate, quantization=self.model_config.quantization, device=device)
 
     def _start_runner(self, model: str | None, tp_size: int, num_blocks: int) -> ModelRunner:
         """Rank 0's model runner; with tensor_parallel_size > 1 the workers too, which load

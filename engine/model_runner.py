@@ -6,7 +6,6 @@ from __future__ import annotations
 import itertools
 import math
 import mmap
-import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -16,10 +15,12 @@ import agentrt.kernels as kernels
 from agentrt.engine import envs
 from agentrt.engine.attention import AttentionMetadata, get_attention_backend
 from agentrt.engine.config import CacheConfig
+from agentrt.engine.loader.load import load_weights
+from agentrt.engine.loader.safetensors_loader import StateDictLoader
+from agentrt.engine.loader.weights import Shard, WeightLoader
 from agentrt.engine.model.arch import ModelArchConfig
 from agentrt.engine.model.llama import LlamaForCausalLM
-from agentrt.engine.model.parallel import shard_arch, shard_state_dict
-from agentrt.engine.model.quantization import quantize_model
+from agentrt.engine.model.parallel import shard_arch
 from agentrt.engine.model.rope import RotaryEmbedding
 from agentrt.engine.records import ModelInput, ScheduledChunk, SchedulerOutput
 
@@ -71,7 +72,7 @@ class ModelRunner:
     def __init__(
         self,
         arch: ModelArchConfig,
-        state_dict: dict[str, torch.Tensor],
+        weights: WeightLoader | dict[str, torch.Tensor],
         *,
         dtype: torch.dtype,
         device: torch.device,
@@ -80,21 +81,17 @@ class ModelRunner:
         max_model_len: int,
         attention_backend: str = "auto",
         quantization: str = "none",
-        gguf_file: str | os.PathLike[str] | None = None,
         tp: TensorParallelGroup | None = None,
     ) -> None:
-        """`quantization` ('none', 'int8', 'int4', 'int4+dense'): see
-        engine/model/quantization.py ('int4+dense' is 'int4' where the fused CPU glue cannot
-        run, `fused_cpu_glue`);
-        `gguf_file` is the GGUF the checkpoint was converted from (int4 reads its blocks).
+        """Builds the model and the KV cache; the weights come from `weights` (a loader of
+        engine/loader/, or a state dict already in memory), in the format `quantization`
+        names ('none', 'gguf', 'int8', 'int4': engine/loader/quantization.py).
         `tp`: this rank's tensor-parallel group; the runner then holds the rank's shard of
         the full model `arch` (model/parallel.py), its KV heads only, and rank 0 sends each
         step's input to the workers (`worker.py`), which run the same forward."""
         self.tp = tp
-        full_arch = arch
-        if tp is not None:
-            state_dict = shard_state_dict(state_dict, arch, tp.rank, tp.size)
-            arch = shard_arch(arch, tp.size)
+        shard = Shard(0, 1) if tp is None else Shard(tp.rank, tp.size)
+        full_arch, arch = arch, shard_arch(arch, shard.size)
         self.arch = arch  # this rank's share under tensor parallelism
         self.dtype = dtype
         self.device = device
@@ -105,7 +102,16 @@ class ModelRunner:
         kernel_ops = self.attention.name == "triton"
         with torch.device("meta"):
             model = LlamaForCausalLM(arch, max_positions=1, kernel_ops=kernel_ops, tp=tp)
-        model = model.to_empty(device=device)
+        loader = StateDictLoader(weights) if isinstance(weights, dict) else weights
+        load_weights(
+            model,
+            loader,
+            full_arch,
+            shard=shard,
+            dtype=dtype,
+            device=device,
+            quantization=quantization,
+        )
         model.rotary = RotaryEmbedding(
             arch.head_dim,
             max_model_len,
@@ -114,16 +120,9 @@ class ModelRunner:
             kernel_ops=kernel_ops,
             device=device,
         )
-        model.load_hf_state_dict(state_dict)
-        self.model = model.to(dtype).eval()
-        if quantization != "none":
-            fused = fused_cpu_glue(arch, dtype, self.attention.name, tp)
-            if quantization == "int4+dense" and not fused:
-                quantization = "int4"  # small steps would run dense too: keep int4 only
-            shard = None if tp is None else (full_arch, tp.rank, tp.size)
-            quantize_model(self.model, quantization, gguf_file, tp=shard)
-            if fused:
-                self.model.cpu_ops = kernels.load_cpu_ops(envs.cache_dir() / "kernels")
+        self.model = model.eval()
+        if quantization != "none" and fused_cpu_glue(arch, dtype, self.attention.name, tp):
+            self.model.cpu_ops = kernels.load_cpu_ops(envs.cache_dir() / "kernels")
         shape = (num_blocks, 2, block_size, arch.num_kv_heads, arch.head_dim)
         self.kv_caches = [allocate_zeros(shape, dtype, device) for _ in range(arch.num_layers)]
         self.connector: KVConnector | None = None

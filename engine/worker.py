@@ -36,13 +36,9 @@ from agentrt.engine import envs
 from agentrt.engine.config import DTYPES
 from agentrt.engine.distributed import TensorParallelGroup, connect_store
 from agentrt.engine.errors import EngineDeadError
+from agentrt.engine.loader.load import get_loader
 from agentrt.engine.model.arch import ModelArchConfig
-from agentrt.engine.model.checkpoint import (
-    gguf_source,
-    load_hf_config,
-    load_state_dict,
-    resolve_model,
-)
+from agentrt.engine.model.checkpoint import load_hf_config, resolve_model
 from agentrt.engine.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -82,11 +78,12 @@ def threads_per_rank(local_world_size: int) -> int:
 def build_runner(
     config: WorkerConfig, device: torch.device, tp: TensorParallelGroup | None
 ) -> ModelRunner:
-    """This rank's model runner: the checkpoint resolved and loaded here, sharded by `tp`."""
+    """This rank's model runner: the checkpoint resolved here, its loader reading only this
+    rank's slices (`tp`)."""
     path = resolve_model(config.model)
     return ModelRunner(
         ModelArchConfig.from_hf_dict(load_hf_config(path)),
-        load_state_dict(path),
+        get_loader(path),
         dtype=DTYPES[config.dtype],
         device=device,
         block_size=config.block_size,
@@ -94,7 +91,6 @@ def build_runner(
         max_model_len=config.max_model_len,
         attention_backend=config.attention_backend,
         quantization=config.quantization,
-        gguf_file=gguf_source(config.model),
         tp=tp,
     )
 

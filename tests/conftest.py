@@ -1,8 +1,9 @@
-"""Shared fixtures: the converted embedded model, one fp32 LLM on it per session (loading
-takes seconds; SDK tests drive its `engine` too), and tiny random checkpoints.
+"""Shared fixtures: the embedded model, one fp32 LLM on it per session (loading takes
+seconds; SDK tests drive its `engine` too), and tiny random checkpoints.
 
-`smollm2_dir` uses the real user cache (`AGENTRT_CACHE_DIR`, else `$XDG_CACHE_HOME/agentrt`,
-else `~/.cache/agentrt`), so only the first test run ever pays for the GGUF conversion.
+`smollm2_dir` is the embedded .gguf file; its config and tokenizer are cached in the real
+user cache (`AGENTRT_CACHE_DIR`, else `$XDG_CACHE_HOME/agentrt`, else `~/.cache/agentrt`),
+so only the first test run ever pays for reading them.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from agentrt.engine.model.tiny import make_tiny_checkpoint
 
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
-    """The HF checkpoint directory of the embedded SmolLM2-135M-Instruct (converted once)."""
+    """The embedded SmolLM2-135M-Instruct's .gguf file (what resolve_model(None) gives)."""
     return resolve_model(None)
 
 
@@ -60,3 +61,27 @@ def tiny_qwen_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random Qwen2 checkpoint with the real Qwen2.5 tokenizer (vocab 151,665)."""
     root = tmp_path_factory.mktemp("tiny-qwen")
     return make_tiny_checkpoint("qwen2", root, tokenizer_from=QWEN_TOKENIZER_DIR)
+
+
+# Qwen3's reasoning switch, reduced: with enable_thinking false the template closes an empty
+# block; otherwise the model opens `<think>` itself. Past turns are rendered as given.
+QWEN3_STYLE_TEMPLATE = (
+    "{%- for message in messages %}{{- '<|im_start|>' + message.role + '\\n' + message.content"
+    " + '<|im_end|>\\n' }}{%- endfor %}{%- if add_generation_prompt %}"
+    "{{- '<|im_start|>assistant\\n' }}{%- if enable_thinking is defined and enable_thinking is"
+    " false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}{%- endif %}"
+)
+
+
+@pytest.fixture(scope="session")
+def tiny_think_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Qwen3 checkpoint whose tokenizer (Qwen2.5's) has Qwen3's `<think>` and
+    `</think>` as single tokens and a Qwen3-style template that takes enable_thinking."""
+    from agentrt.engine.model.checkpoint import load_tokenizer
+
+    root = tmp_path_factory.mktemp("tiny-think")
+    tokenizer = load_tokenizer(QWEN_TOKENIZER_DIR)
+    tokenizer.add_tokens(["<think>", "</think>"], special_tokens=False)
+    tokenizer.chat_template = QWEN3_STYLE_TEMPLATE
+    tokenizer.save_pretrained(root / "tokenizer")
+    return make_tiny_checkpoint("qwen3", root / "model", tokenizer_from=root / "tokenizer")

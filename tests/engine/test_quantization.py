@@ -1,5 +1,6 @@
-"""Quantized weights (`quantization="int8"` / `"int4"`): the GGUF's own blocks are read
-exactly, greedy generation is deterministic on tiny and embedded models, and prefix caching,
+"""Quantized weights (`quantization="gguf"`, the default for a GGUF on the CPU, and
+`"int8"` / `"int4"` for any checkpoint): the GGUF's own blocks are held as they are in the
+file, greedy generation is deterministic on tiny and embedded models, and prefix caching,
 preemption and structured output hold as they do unquantized."""
 
 from __future__ import annotations
@@ -9,14 +10,12 @@ import json
 import pytest
 import torch
 
+from agentrt.engine.errors import ConfigError
 from agentrt.engine.llm import LLM
-from agentrt.engine.model.arch import ModelArchConfig
-from agentrt.engine.model.checkpoint import gguf_source, load_hf_config, load_state_dict
-from agentrt.engine.model.quantization import (
-    QuantizedLinear,
-    read_gguf_int4_blocks,
-    resolve_quantization,
-)
+from agentrt.engine.loader.gguf_file import open_gguf
+from agentrt.engine.loader.quantization import Q4_1, Q8_0, resolve_quantization
+from agentrt.engine.model.checkpoint import load_state_dict
+from agentrt.engine.model.ggml_linear import GGMLEmbedding, GGMLLinear
 from agentrt.engine.records import ScheduledChunk, SchedulerOutput
 from agentrt.engine.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -29,33 +28,43 @@ def _ids(outputs) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outputs]
 
 
-@pytest.fixture(
-    scope="module",
-    params=[("bfloat16", m) for m in MODES] + [("float32", "int4"), ("auto", "auto")],
-)
+@pytest.fixture(scope="module", params=[("auto", "auto"), ("bfloat16", "gguf")])
 def quantized_llm(request) -> LLM:
-    """bf16 with each mode (torch's glue), fp32 + int4 (the fused CPU glue), and the default
-    engine (int4 + dense weights: the fused glue for steps of few rows)."""
+    """The default engine (the file's own blocks, fp32 activations: the fused CPU glue) and
+    the same blocks with bf16 activations (torch's glue)."""
     dtype, quantization = request.param
     return LLM(None, dtype=dtype, quantization=quantization, kv_cache_memory_gb=0.1)
 
 
-def test_int4_reads_the_gguf_blocks_exactly(smollm2_dir):
-    """Dequantized, the blocks are bit for bit the converted checkpoint's fp32 weights (the
-    converter dequantizes the same file), Q/K rows un-permuted, q/k/v and gate/up fused."""
-    arch = ModelArchConfig.from_hf_dict(load_hf_config(smollm2_dir))
-    blocks = read_gguf_int4_blocks(gguf_source(None), arch)
-    assert len(blocks) == 4 * arch.num_layers
+def test_gguf_mode_holds_the_files_own_blocks(smollm2_dir):
+    """The embedded model's projections are its Q4_1 blocks and its tied embedding its Q8_0
+    blocks, one copy shared by the lookup and the output projection; o_proj and down_proj
+    are views of the file's memory map (nothing copied); q/k/v and gate/up, one block type
+    each, are stacked into one weight (q/k rows un-permuted). Dequantized they are bit for
+    bit the weights dtype="float32" runs."""
+    llm = LLM(None, kv_cache_memory_gb=0.05)
+    model = llm.engine.runner.model
+    assert llm.engine.model_config.quantization == "gguf" and model.cpu_ops is not None
+    embed = model.embed_tokens
+    assert isinstance(embed, GGMLEmbedding) and embed.weight.qtype == Q8_0
+    assert model.logits_proj.weights == [embed.weight]
     state = load_state_dict(smollm2_dir)
-    for layer in (0, arch.num_layers - 1):
-        p = f"model.layers.{layer}."
-        qkv = torch.cat([state[f"{p}self_attn.{n}_proj.weight"] for n in "qkv"])
-        gate_up = torch.cat([state[f"{p}mlp.{n}_proj.weight"] for n in ("gate", "up")])
-        assert torch.equal(blocks[(layer, "qkv_proj")].dequantize(), qkv)
-        assert torch.equal(blocks[(layer, "gate_up_proj")].dequantize(), gate_up)
-        assert torch.equal(
-            blocks[(layer, "down_proj")].dequantize(), state[f"{p}mlp.down_proj.weight"]
-        )
+    assert torch.equal(embed.weight.dequantize(), state["model.embed_tokens.weight"])
+    tensors = open_gguf(smollm2_dir).reader.tensors
+    mapped = {t.name: torch.from_numpy(t.data).data_ptr() for t in tensors}
+    for i in (0, len(model.layers) - 1):
+        layer, p = model.layers[i], f"model.layers.{i}."
+        for name, file_name in (("o_proj", "attn_output"), ("down_proj", "ffn_down")):
+            (weight,) = getattr(layer, name).weights
+            assert weight.qtype == Q4_1
+            assert weight.data.data_ptr() == mapped[f"blk.{i}.{file_name}.weight"]
+        (qkv,) = layer.qkv_proj.weights
+        (gate_up,) = layer.gate_up_proj.weights
+        assert qkv.qtype == gate_up.qtype == Q4_1
+        expected = torch.cat([state[f"{p}self_attn.{n}_proj.weight"] for n in "qkv"])
+        assert torch.equal(qkv.dequantize(), expected)
+        expected = torch.cat([state[f"{p}mlp.{n}_proj.weight"] for n in ("gate", "up")])
+        assert torch.equal(gate_up.dequantize(), expected)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -64,8 +73,9 @@ def test_tiny_models_generate_deterministically(tiny_checkpoint, arch, mode):
     path = str(tiny_checkpoint(arch))
     llm = LLM(path, quantization=mode, kv_cache_memory_gb=0.01)
     layer = llm.engine.runner.model.layers[0]
-    assert isinstance(layer.qkv_proj, QuantizedLinear) and layer.qkv_proj.mode == mode
-    assert llm.engine.runner.model.logits_proj is not None
+    assert isinstance(layer.qkv_proj, GGMLLinear)  # quantized at load to blocks
+    assert {w.qtype for w in layer.qkv_proj.weights} == {Q8_0 if mode == "int8" else Q4_1}
+    assert llm.engine.runner.model.logits_proj.weights[0].qtype == Q8_0
     # fp32 on the CPU: the llama layers run their glue fused; qwen2's q/k/v biases keep torch's.
     assert (llm.engine.runner.model.cpu_ops is not None) == (arch == "llama")
     first = _ids(llm.generate(PROMPTS, GREEDY))
@@ -90,10 +100,11 @@ def test_embedded_model_quantized_is_deterministic_and_close(quantized_llm, smol
 
 
 def test_fused_cpu_glue_matches_the_torch_path():
-    """fp32 + int4 on the CPU runs each layer's glue fused (kernels/cpu_ops.c): the same
-    greedy tokens as the torch ops, and the same perplexity within 0.5% (the two differ by
-    fp32 sums taken in another order, rounded to bf16 before each product)."""
-    llm = LLM(None, dtype="float32", quantization="int4", kv_cache_memory_gb=0.1)
+    """The default engine (the GGUF's blocks, fp32 activations on the CPU) runs each layer's
+    glue fused (kernels/cpu_ops.c): the same greedy tokens as the torch ops, and the same
+    perplexity within 0.5% (the two differ by fp32 sums taken in another order, rounded to
+    bf16 before each product)."""
+    llm = LLM(None, kv_cache_memory_gb=0.1)
     model = llm.engine.runner.model
     assert model.cpu_ops is not None
     text = llm.tokenizer.encode(" ".join(PROMPTS) + ", the lamp burned all night long.")
@@ -119,30 +130,9 @@ def test_fused_cpu_glue_matches_the_torch_path():
     assert abs(fused_mean - unfused_mean) < 0.005 * abs(unfused_mean), (fused_mean, unfused_mean)
 
 
-def test_int4_dense_runs_int4_for_few_rows_and_the_dense_weights_beyond(smollm2_llm):
-    """quantization="int4+dense" (what "auto" picks for the embedded model): a step of at
-    most 24 rows runs the int4 projections, a larger one the dense weights."""
-    hybrid = LLM(None, quantization="int4+dense", kv_cache_memory_gb=0.1)
-    model = hybrid.engine.runner.model
-    assert model.dense_above_rows == 24 and model.cpu_ops is not None
-    layer = model.layers[0]
-    assert isinstance(layer.qkv_proj, torch.nn.Linear)
-    assert isinstance(layer.quantized.qkv_proj, QuantizedLinear)
-    # One short request: every step has a few rows, so it runs as quantization="int4" does.
-    short = ["1, 2, 3, 4,"]
-    int4 = LLM(None, quantization="int4", kv_cache_memory_gb=0.1)
-    assert _ids(hybrid.generate(short, GREEDY)) == _ids(int4.generate(short, GREEDY))
-    # 30 requests at once: every step has 30 rows or more and runs the dense weights, so the
-    # tokens are the unquantized fp32 engine's.
-    prompts = [f"{i} + {i} =" for i in range(30)]
-    assert _ids(hybrid.generate(prompts, GREEDY)) == _ids(smollm2_llm.generate(prompts, GREEDY))
-
-
 def test_prefix_cache_hit_tokens_give_the_same_tokens(quantized_llm):
-    """With one weight format the cached KV is what the prompt computes: warm == cold. With
-    int4+dense (the default) the cold prompts run in one step of > 24 rows on the dense
-    weights and the warm ones compute their few uncached rows with int4, so the tokens may
-    differ (docs/engine.md); warm runs still agree with each other."""
+    """One weight format for every step: the cached KV is what the prompt computes, so a
+    warm run gives the cold run's tokens."""
     shared = "<|im_start|>system\nYou are a terse assistant who answers in one line.<|im_end|>\n"
     prompts = [
         shared + f"<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n" for q in ("Hi", "Why?")
@@ -152,10 +142,7 @@ def test_prefix_cache_hit_tokens_give_the_same_tokens(quantized_llm):
     hits_before = quantized_llm.engine.stats().prefix_cache_hit_tokens
     warm = _ids(quantized_llm.generate(prompts, GREEDY))
     assert quantized_llm.engine.stats().prefix_cache_hit_tokens > hits_before
-    if quantized_llm.engine.runner.model.dense_above_rows is None:
-        assert warm == cold
-    else:
-        assert _ids(quantized_llm.generate(prompts, GREEDY)) == warm
+    assert warm == cold
 
 
 def test_structured_output_is_valid(quantized_llm):
@@ -187,17 +174,15 @@ def test_preemption_keeps_outputs(tiny_checkpoint):
     assert tight.engine.stats().num_preemptions > 0
 
 
-def test_auto_quantization_is_int4_only_for_the_files_own_q4_weights(tiny_checkpoint):
-    """`quantization="auto"` (the default) runs a Q4 GGUF's own blocks on the CPU when dtype
-    is "auto" too (int4 for steps of few rows, the dense weights beyond); a dtype named
-    explicitly, another device, or a checkpoint without Q4 blocks keeps the weights as they
-    are; an explicit mode passes through."""
-    embedded = gguf_source(None)
-    assert resolve_quantization("auto", "auto", "cpu", embedded) == "int4+dense"
-    assert resolve_quantization("auto", "float32", "cpu", embedded) == "none"
-    assert resolve_quantization("auto", "auto", "cuda:0", embedded) == "none"
-    assert resolve_quantization("auto", "auto", "cpu", gguf_source(tiny_checkpoint("llama"))) == (
-        "none"
-    )
-    assert resolve_quantization("int8", "float32", "cpu", None) == "int8"
-    assert resolve_quantization("none", "auto", "cpu", embedded) == "none"
+def test_auto_quantization_runs_a_gguf_in_its_own_formats_on_the_cpu():
+    """`quantization="auto"` (the default) is "gguf" for a GGUF on the CPU when dtype is
+    "auto" too; a dtype named explicitly (exact dequantized weights), another device (bf16
+    dequantized at load) or an HF checkpoint keeps dense weights; explicit modes pass."""
+    assert resolve_quantization("auto", "auto", "cpu", True) == "gguf"
+    assert resolve_quantization("auto", "float32", "cpu", True) == "none"
+    assert resolve_quantization("auto", "auto", "cuda:0", True) == "none"
+    assert resolve_quantization("auto", "auto", "cpu", False) == "none"
+    assert resolve_quantization("int8", "float32", "cpu", False) == "int8"
+    assert resolve_quantization("none", "auto", "cpu", True) == "none"
+    with pytest.raises(ConfigError, match="'int8' or 'int4'"):
+        resolve_quantization("gguf", "auto", "cpu", False)

@@ -19,15 +19,14 @@ import torch
 
 from agentrt.engine.errors import ConfigError, EngineDeadError
 from agentrt.engine.llm import LLM
+from agentrt.engine.loader.load import load_weights
+from agentrt.engine.loader.safetensors_loader import SafetensorsLoader
+from agentrt.engine.loader.weights import Shard
 from agentrt.engine.model.arch import ModelArchConfig
 from agentrt.engine.model.checkpoint import load_hf_config, load_state_dict
-from agentrt.engine.model.parallel import (
-    check_tensor_parallel,
-    shard_int4_blocks,
-    shard_state_dict,
-)
+from agentrt.engine.model.llama import LlamaForCausalLM
+from agentrt.engine.model.parallel import check_tensor_parallel, shard_arch
 from agentrt.engine.sampling_params import SamplingParams, StructuredOutputsParams
-from agentrt.kernels.quantized_linear import quantize_int4
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 PERSON = {
@@ -118,18 +117,17 @@ def test_tp2_torch_attention_and_draft_model_match_tp1(tiny_llama: Path) -> None
         llm.shutdown()
 
 
-# bf16 keeps 8 bits of mantissa: on the tiny model's logits (magnitude ~10) the two
-# roundings differ by up to ~0.06 in a logprob (measured: 0.063 int8, 0.062 int4).
+# Each rank quantizes its own slices' activations to int8 per block of 32 (the GGML
+# kernels), one rank the whole row's: next-token logprobs differ by a few hundredths.
 TOLERANCE = 0.15
 
 
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
 def test_tp2_quantized_logprobs_close_to_tp1(tiny_llama: Path, quantization: str) -> None:
-    """Quantized weights under TP=2. Not token for token: the int8/int4 kernels return bf16,
-    so each rank's partial sum of o_proj and down_proj is rounded to bf16 before the
-    all-reduce, where one rank rounds the whole sum once (and int8 scales are per row of the
-    rank's slice). Greedy runs then part at a near-tie after a dozen tokens (int4, prompt 2),
-    so this compares the next-token distributions, teacher-forced along TP=1's output."""
+    """Quantized weights (Q8_0 / Q4_1 blocks of each rank's slices) under TP=2. Not token for
+    token: o_proj and down_proj quantize each rank's share of their input to int8 blocks
+    where one rank quantizes the whole row, so greedy runs may part at a near-tie; this
+    compares the next-token distributions, teacher-forced along TP=1's output."""
     options = dict(dtype="float32", num_kv_blocks=64, quantization=quantization)
     tp1 = LLM(str(tiny_llama), **options)
     prompts = [tp1.tokenizer.encode(p) for p in PROMPTS]
@@ -148,26 +146,39 @@ def test_tp2_quantized_logprobs_close_to_tp1(tiny_llama: Path, quantization: str
             assert abs(want[token].logprob - have[token].logprob) < TOLERANCE
 
 
-def test_int4_blocks_shard_like_the_weights(tiny_llama: Path) -> None:
-    """Fused int4 projections (the form GGUF blocks are read in) sliced by shard_int4_blocks
-    dequantize to the slices shard_state_dict gives each rank of the dequantized weights."""
+def test_each_rank_loads_its_slices_of_the_checkpoint(tiny_llama: Path) -> None:
+    """A rank's model holds exactly its slices of the full weights (column-parallel rows of
+    q/k/v and gate/up, row-parallel columns of o and down; the rest whole), read by the
+    safetensors loader slice by slice."""
     state = load_state_dict(tiny_llama)
     arch = ModelArchConfig.from_hf_dict(load_hf_config(tiny_llama))
-    attn, mlp = "model.layers.0.self_attn.", "model.layers.0.mlp."
-    fused = {  # fused projection -> its HF tensors, stacked by rows
-        "qkv_proj": [f"{attn}{n}_proj.weight" for n in "qkv"],
-        "o_proj": [f"{attn}o_proj.weight"],
-        "gate_up_proj": [f"{mlp}gate_proj.weight", f"{mlp}up_proj.weight"],
-        "down_proj": [f"{mlp}down_proj.weight"],
-    }
-    blocks = {(0, k): quantize_int4(torch.cat([state[n] for n in v])) for k, v in fused.items()}
+    attn, mlp = "model.layers.1.self_attn.", "model.layers.1.mlp."
+
     for rank in range(2):
-        shards = shard_int4_blocks(blocks, arch, rank, 2)
-        for name, members in fused.items():
-            rows = [state[n].shape[0] for n in members]
-            parts = dict(zip(members, blocks[(0, name)].dequantize().split(rows), strict=True))
-            expected = torch.cat(list(shard_state_dict(parts, arch, rank, 2).values()))
-            assert torch.equal(shards[(0, name)].dequantize(), expected)
+        with torch.device("meta"):
+            model = LlamaForCausalLM(shard_arch(arch, 2), max_positions=1)
+        load_weights(
+            model,
+            SafetensorsLoader(tiny_llama),
+            arch,
+            shard=Shard(rank, 2),
+            dtype=torch.float32,
+            device=torch.device("cpu"),
+            quantization="none",
+        )
+        layer = model.layers[1]
+
+        def half(name: str, dim: int, rank: int = rank) -> torch.Tensor:
+            return state[name].chunk(2, dim)[rank]
+
+        qkv = torch.cat([half(f"{attn}{n}_proj.weight", 0) for n in "qkv"])
+        assert torch.equal(layer.qkv_proj.weight, qkv)
+        assert torch.equal(layer.o_proj.weight, half(f"{attn}o_proj.weight", 1))
+        gate_up = torch.cat([half(f"{mlp}{n}_proj.weight", 0) for n in ("gate", "up")])
+        assert torch.equal(layer.gate_up_proj.weight, gate_up)
+        assert torch.equal(layer.down_proj.weight, half(f"{mlp}down_proj.weight", 1))
+        embed = model.embed_tokens.weight
+        assert torch.equal(embed, state["model.embed_tokens.weight"])
 
 
 @pytest.mark.slow
@@ -232,9 +243,9 @@ def test_heads_not_divisible_names_the_counts() -> None:
 
 def test_unsupported_combinations_are_refused(tiny_llama: Path) -> None:
     arch = ModelArchConfig.from_hf_dict(load_hf_config(tiny_llama))
-    check_tensor_parallel(arch, 2, "int4")  # 32 and 64 input columns per rank: whole groups
-    with pytest.raises(ConfigError, match="int4.*tensor_parallel_size=2.*32 and 48"):
-        check_tensor_parallel(dataclasses.replace(arch, intermediate_size=96), 2, "int4")
+    check_tensor_parallel(arch, 2)
+    with pytest.raises(ConfigError, match="tensor_parallel_size=2.*intermediate size 97"):
+        check_tensor_parallel(dataclasses.replace(arch, intermediate_size=97), 2)
     with pytest.raises(ConfigError, match="AsyncEngine, Runtime and `agentrt serve`"):
         LLM(str(tiny_llama), num_kv_blocks=64, engine_process=True)
     with pytest.raises(ConfigError, match="data_parallel_size=1"):

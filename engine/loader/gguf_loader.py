@@ -1,0 +1,160 @@
+"""GGUFLoader: a GGUF file's tensors by HF name, sliced for one rank, in the file's layout.
+
+Block-format tensors (Q4_0 ... Q8_0, Q2_K ... Q6_K, and whatever else the file holds) come
+as `GGMLWeight`s over the file's memory map: a column-parallel slice is a range of rows (a
+view: nothing is read until a kernel reads it); llama Q/K rows are put back in HF's order by
+moving whole rows of blocks (one copy of those rows); a row-parallel slice is a range of
+whole blocks of every row (a copy of this rank's bytes only). A row-parallel slice that does
+not fall on block boundaries (e.g. 448 of 896 columns in blocks of 256) is dequantized for
+that rank, to fp32 (a dense part; `logger.warning` says so). F32 / F16 / BF16 tensors come as
+torch views of the map.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+
+import numpy as np
+import torch
+
+from agentrt.engine.errors import ModelLoadError
+from agentrt.engine.loader.gguf_file import GGUFFile, open_gguf, reverse_rope_permute
+from agentrt.engine.loader.weights import Part, Shard, Split, slice_dense
+from agentrt.kernels.ggml_linear import (
+    QUANTIZED_TYPES,
+    GGMLWeight,
+    UnsupportedGGMLType,
+    block_shape,
+    check_ggml_type,
+)
+
+logger = logging.getLogger(__name__)
+
+# gguf.GGMLQuantizationType values of the types read as dense tensors.
+F32, F16, BF16 = 0, 1, 30
+_DENSE_TYPES = {F32: torch.float32, F16: torch.float16, BF16: torch.bfloat16}
+
+
+class GGUFLoader:
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.file: GGUFFile = open_gguf(path)
+
+    def names(self) -> set[str]:
+        return set(self.file.tensors)
+
+    def tensor_table(self) -> dict[str, tuple[int, int, int | None]]:
+        return {
+            name: (
+                int(t.n_elements),
+                int(t.n_bytes),
+                None if int(t.tensor_type) in _DENSE_TYPES else int(t.tensor_type),
+            )
+            for name, t in self.file.tensors.items()
+        }
+
+    def read(self, name: str, split: Split, shard: Shard) -> Part:
+        tensor = self._tensor(name)
+        qtype = int(tensor.tensor_type)
+        # gguf shapes list ne0 (the elements of a row) first: (K, N) for a matrix.
+        shape = tuple(int(n) for n in reversed(tensor.shape))
+        if qtype in _DENSE_TYPES:
+            dense = _dense_view(tensor.data, qtype, shape)
+            part = slice_dense(dense, shape, split, shard)
+            return self._unpermute(name, part) if split is not Split.ROW else part
+        if qtype not in QUANTIZED_TYPES:
+            dense = _dequantized_fallback(name, tensor.data, qtype, shape)
+            part = slice_dense(dense, shape, split, shard)
+            return self._unpermute(name, part) if split is not Split.ROW else part
+        rows = torch.from_numpy(tensor.data)  # (N, row bytes) uint8, the map itself
+        blocks = GGMLWeight(rows, qtype, shape[1])
+        if split is Split.NONE or shard.size == 1:
+            return self._unpermute(name, blocks)
+        if split is Split.COLUMN:
+            start, stop = shard.span(shape[0])
+            return self._unpermute(name, GGMLWeight(rows[start:stop], qtype, shape[1]))
+        part = _column_blocks(name, blocks, shard)
+        self.release([blocks])
+        return part
+
+    def release(self, parts: list[Part]) -> None:
+        """Drop this process's pages of these views of the map, once their bytes have been
+        copied (a permuted or fused copy): RSS then counts the copy only. The mapping is
+        private and never written, so a page read again is read from the file."""
+        memory = self.file.reader.data
+        base, size = memory.ctypes.data, memory.nbytes
+        for part in parts:
+            data = part.data if isinstance(part, GGMLWeight) else part
+            start = data.data_ptr() - base
+            if not 0 <= start < size or not data.is_contiguous():
+                continue  # not a view of the map (already a copy)
+            first = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE  # whole pages inside it only
+            last = (start + data.numel() * data.element_size()) // mmap.PAGESIZE * mmap.PAGESIZE
+            if last > first:
+                memory._mmap.madvise(mmap.MADV_DONTNEED, first, last - first)
+
+    def _tensor(self, name: str):
+        tensor = self.file.tensors.get(name)
+        if tensor is None:
+            raise ModelLoadError(f"{self.file.path} has no tensor for {name!r}.")
+        return tensor
+
+    def _unpermute(self, name: str, part: Part) -> Part:
+        """HF's row order for llama Q/K rows (see gguf_file); other tensors as they are."""
+        if not self.file.permutes_qk or not (".q_proj." in name or ".k_proj." in name):
+            return part
+        heads = self.file.num_heads if ".q_proj." in name else self.file.num_kv_heads
+        head_dim = int(self._tensor(name).shape[-1]) // heads  # the file's rows (ne1) / heads
+        rows = part.out_features if isinstance(part, GGMLWeight) else part.shape[0]
+        order = torch.from_numpy(reverse_rope_permute(np.arange(rows), rows // head_dim))
+        if isinstance(part, GGMLWeight):
+            permuted = GGMLWeight(part.data[order], part.qtype, part.in_features)
+        else:
+            permuted = part[order]
+        self.release([part])
+        return permuted
+
+
+def _dense_view(data: np.ndarray, qtype: int, shape: tuple[int, ...]) -> torch.Tensor:
+    """A dense GGUF tensor as a torch view of the map, in its own dtype."""
+    if qtype == BF16:  # gguf-py maps BF16 as raw bytes
+        return torch.from_numpy(data.view(np.uint8)).view(torch.bfloat16).view(shape)
+    return torch.from_numpy(data).view(shape)
+
+
+def _dequantized_fallback(
+    name: str, data: np.ndarray, qtype: int, shape: tuple[int, ...]
+) -> torch.Tensor:
+    """A block type the GGML kernels do not run (IQ*, TQ*): dequantized to fp32 by gguf-py,
+    with a warning naming the tensor (the documented fallback; its memory is fp32's)."""
+    from gguf.quants import dequantize
+
+    try:
+        check_ggml_type(qtype, name)
+    except UnsupportedGGMLType as exc:
+        logger.warning("%s Dequantized to fp32 instead (4-8x its memory).", exc)
+    values = dequantize(np.asarray(data), qtype)
+    return torch.from_numpy(np.ascontiguousarray(values, np.float32)).view(shape)
+
+
+def _column_blocks(name: str, blocks: GGMLWeight, shard: Shard) -> Part:
+    """Rank's input columns of a block tensor: whole blocks of each row, else dequantized."""
+    import gguf
+
+    block_size, block_bytes = block_shape(blocks.qtype)
+    start, stop = shard.span(blocks.in_features)
+    if start % block_size == 0 and stop % block_size == 0:
+        first, last = start // block_size * block_bytes, stop // block_size * block_bytes
+        return GGMLWeight(blocks.data[:, first:last].contiguous(), blocks.qtype, stop - start)
+    logger.warning(
+        "%s: rank %d's input columns %d:%d are not whole blocks of %d (%s); dequantized to "
+        "fp32 for this rank",
+        name,
+        shard.rank,
+        start,
+        stop,
+        block_size,
+        gguf.GGMLQuantizationType(blocks.qtype).name,
+    )
+    return blocks.dequantize()[:, start:stop].contiguous()

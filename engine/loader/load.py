@@ -1,0 +1,115 @@
+"""Fill a model built on the meta device from a loader, one parameter at a time.
+
+`load_weights(model, loader, ...)` walks `weights.parameter_specs`: each parameter's parts are
+read already sliced for this rank, put in their format (quantization.py), and installed:
+dense parts concatenated into the parameter (the only copy in memory: a tensor already in
+the wanted dtype is not copied again), quantized projections as a `GGMLLinear` in place of
+the `nn.Linear`, a quantized embedding as a `GGMLEmbedding` (tied: its weight also serves
+the output projection). Every parameter must be filled and every checkpoint tensor used.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import nn
+
+from agentrt.engine.errors import ModelLoadError
+from agentrt.engine.loader.gguf_file import is_gguf
+from agentrt.engine.loader.quantization import convert, weight_format
+from agentrt.engine.loader.weights import ParamSpec, Shard, WeightLoader, parameter_specs
+from agentrt.engine.model.arch import ModelArchConfig
+from agentrt.engine.model.ggml_linear import GGMLEmbedding, GGMLLinear
+from agentrt.kernels.ggml_linear import GGMLWeight
+
+
+def get_loader(path: str | os.PathLike[str]) -> WeightLoader:
+    """The loader of a resolved checkpoint (checkpoint.resolve_model): a .gguf file or an HF
+    safetensors directory."""
+    if is_gguf(path):
+        from agentrt.engine.loader.gguf_loader import GGUFLoader
+
+        return GGUFLoader(path)
+    from agentrt.engine.loader.safetensors_loader import SafetensorsLoader
+
+    return SafetensorsLoader(path)
+
+
+def load_weights(
+    model: nn.Module,
+    loader: WeightLoader,
+    arch: ModelArchConfig,
+    *,
+    shard: Shard,
+    dtype: torch.dtype,
+    device: torch.device,
+    quantization: str,
+) -> None:
+    """Load every parameter of `model` (a LlamaForCausalLM of this rank's share of the full
+    model `arch`) from `loader`, in place. `quantization` is concrete (not "auto")."""
+    available = loader.names()
+    used: set[str] = set()
+    for spec in parameter_specs(arch):
+        if spec.optional and not all(p in available for p in spec.parts):
+            continue
+        missing = [p for p in spec.parts if p not in available]
+        if missing:
+            raise ModelLoadError(f"checkpoint is missing tensor {missing[0]!r}.")
+        used.update(spec.parts)
+        parts = [loader.read(p, spec.split, shard) for p in spec.parts]
+        vocabulary = spec.name in ("embed_tokens.weight", "lm_head.weight")
+        if spec.is_projection or vocabulary:
+            parts = [
+                convert(p, weight_format(p, quantization, vocabulary=vocabulary), dtype, n)
+                for p, n in zip(parts, spec.parts, strict=True)
+            ]
+        else:
+            parts = [convert(p, None, dtype, n) for p, n in zip(parts, spec.parts, strict=True)]
+        if len(parts) > 1 and _one_block_type(parts):
+            # One kernel call instead of one per part: the rows of a fused qkv / gate_up
+            # stacked into one weight (a copy; the map's pages of the parts are released).
+            fused = GGMLWeight(
+                torch.cat([p.data for p in parts]), parts[0].qtype, parts[0].in_features
+            )
+            loader.release(parts)
+            parts = [fused]
+        _install(model, spec, parts, dtype, device)
+    if model.lm_head is None and model.logits_proj is None:
+        if isinstance(model.embed_tokens, GGMLEmbedding):  # tied: the same blocks project
+            model.logits_proj = GGMLLinear([model.embed_tokens.weight])
+    unused = sorted(n for n in available - used if "rotary_emb" not in n)
+    if model.lm_head is None and "lm_head.weight" in unused:
+        unused.remove("lm_head.weight")  # tied checkpoints may still store it
+    if unused:
+        raise ModelLoadError(f"checkpoint has tensors the model does not use: {unused[:5]}")
+    left = [n for n, p in model.named_parameters() if p.is_meta]
+    assert not left, f"parameters not loaded: {left[:5]}"
+
+
+def _one_block_type(parts: list) -> bool:
+    return all(isinstance(p, GGMLWeight) for p in parts) and len({p.qtype for p in parts}) == 1
+
+
+def _install(
+    model: nn.Module, spec: ParamSpec, parts: list, dtype: torch.dtype, device: torch.device
+) -> None:
+    module_name, _, attr = spec.name.rpartition(".")
+    owner_name, _, child = module_name.rpartition(".")
+    owner = model.get_submodule(owner_name) if owner_name else model
+    quantized = any(isinstance(p, GGMLWeight) for p in parts)
+    if quantized and module_name == "embed_tokens":
+        model.embed_tokens = GGMLEmbedding(parts[0], dtype)
+    elif quantized and module_name == "lm_head":
+        model.logits_proj = GGMLLinear(parts)
+        model.lm_head = None
+    elif quantized:
+        setattr(owner, child, GGMLLinear(parts))
+    else:
+        tensor = parts[0] if len(parts) == 1 else torch.cat(parts)
+        tensor = tensor.to(device=device, dtype=dtype)
+        module = getattr(owner, child)
+        if isinstance(module, GGMLLinear):  # a quantized projection's bias
+            module.bias = nn.Parameter(tensor.float(), requires_grad=False)
+        else:
+            setattr(module, attr, nn.Parameter(tensor, requires_grad=False))

@@ -1,0 +1,95 @@
+"""SafetensorsLoader: an HF checkpoint directory's tensors by name, in their stored dtype.
+
+Each file is opened with `safe_open` (a memory map); a rank's slice is read with
+`get_slice`, so a tensor-parallel rank reads only its rows or columns. Nothing is cast here:
+the model loader casts to the engine's dtype where it differs (load.py), so a bf16
+checkpoint run in bf16 is read once and never held in fp32.
+
+`StateDictLoader` serves a state dict already in memory the same way (tests, the draft
+model of speculative decoding).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+import torch
+
+from agentrt.engine.errors import ModelLoadError
+from agentrt.engine.loader.weights import Shard, Split, slice_dense
+
+
+class SafetensorsLoader:
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        from safetensors import SafetensorError, safe_open
+
+        from agentrt.engine.model.checkpoint import safetensors_files
+
+        self.path = Path(path)
+        self._files = {}  # name -> the open file holding it
+        self._handles = []
+        for file in safetensors_files(path):
+            try:
+                handle = safe_open(str(file), framework="pt", device="cpu")
+            except (SafetensorError, OSError) as exc:
+                raise ModelLoadError(f"{file} is not a readable safetensors file: {exc}") from exc
+            self._handles.append(handle)
+            for name in handle.keys():
+                if name in self._files:
+                    raise ModelLoadError(
+                        f"tensor {name!r} appears in more than one shard of {path}"
+                    )
+                self._files[name] = handle
+
+    def names(self) -> set[str]:
+        return set(self._files)
+
+    def release(self, parts: list) -> None:
+        pass  # every read is already a copy
+
+    def read(self, name: str, split: Split, shard: Shard) -> torch.Tensor:
+        handle = self._files.get(name)
+        if handle is None:
+            raise ModelLoadError(f"checkpoint {self.path} is missing tensor {name!r}.")
+        if split is Split.NONE or shard.size == 1:
+            return handle.get_tensor(name)
+        tensor = handle.get_slice(name)
+        return slice_dense(tensor, tuple(tensor.get_shape()), split, shard)
+
+    def tensor_table(self) -> dict[str, tuple[int, int, int | None]]:
+        table = {}
+        for name, handle in self._files.items():
+            info = handle.get_slice(name)
+            numel = math.prod(info.get_shape())
+            table[name] = (numel, numel * _dtype_bytes(info.get_dtype()), None)
+        return table
+
+
+class StateDictLoader:
+    """Tensors already in memory, keyed by HF name (slices are views)."""
+
+    def __init__(self, state: dict[str, torch.Tensor]) -> None:
+        self.state = state
+
+    def names(self) -> set[str]:
+        return set(self.state)
+
+    def release(self, parts: list) -> None:
+        pass  # the state dict is the caller's
+
+    def read(self, name: str, split: Split, shard: Shard) -> torch.Tensor:
+        if name not in self.state:
+            raise ModelLoadError(f"checkpoint is missing tensor {name!r}.")
+        tensor = self.state[name]
+        return slice_dense(tensor, tuple(tensor.shape), split, shard)
+
+    def tensor_table(self) -> dict[str, tuple[int, int, int | None]]:
+        return {n: (t.numel(), t.numel() * t.element_size(), None) for n, t in self.state.items()}
+
+
+def _dtype_bytes(dtype: str) -> int:
+    """Bytes of a safetensors dtype name ("F32", "BF16", "I64", ...)."""
+    digits = "".join(c for c in dtype if c.isdigit())
+    return max(1, int(digits) // 8) if digits else 1

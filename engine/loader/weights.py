@@ -1,0 +1,140 @@
+"""What a loader yields: the model's parameters by the model's own names, each made of the
+checkpoint tensors (HF names) it fuses, sliced for one tensor-parallel rank.
+
+    layers.{i}.qkv_proj.weight      q_proj, k_proj, v_proj rows    column-parallel
+    layers.{i}.qkv_proj.bias        their biases (Qwen2)           column-parallel
+    layers.{i}.o_proj.weight        o_proj                         row-parallel
+    layers.{i}.gate_up_proj.weight  gate_proj, up_proj rows        column-parallel
+    layers.{i}.down_proj.weight     down_proj                      row-parallel
+    norms, embed_tokens, lm_head                                   whole on every rank
+
+Column-parallel splits each part's output rows into `size` equal slices, row-parallel the
+input columns (model/parallel.py has the layout). A part is a dense torch tensor in the
+checkpoint's dtype, or a `GGMLWeight` (kernels/ggml_linear.py): a GGUF tensor's rows in its
+own block format.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from agentrt.engine.model.arch import ModelArchConfig
+from agentrt.kernels.ggml_linear import GGMLWeight
+
+
+class Split(enum.Enum):
+    NONE = "none"  # replicated
+    COLUMN = "column"  # output rows (dim 0) split between ranks
+    ROW = "row"  # input columns (dim 1) split between ranks
+
+
+@dataclass(frozen=True, slots=True)
+class Shard:
+    """This process's tensor-parallel rank; Shard(0, 1) without tensor parallelism."""
+
+    rank: int
+    size: int
+
+    def span(self, n: int) -> tuple[int, int]:
+        """Rank's [start, stop) of `n` elements split evenly (n divides by size: checked by
+        parallel.check_tensor_parallel before loading)."""
+        step = n // self.size
+        return self.rank * step, (self.rank + 1) * step
+
+
+Part = torch.Tensor | GGMLWeight
+
+
+@dataclass(frozen=True, slots=True)
+class ParamSpec:
+    """One parameter of the engine's model: `parts` (checkpoint names) concatenated along
+    the output rows, split by `split`. `optional`: a tied model's checkpoint may lack it."""
+
+    name: str
+    parts: tuple[str, ...]
+    split: Split
+    optional: bool = False
+
+    @property
+    def is_projection(self) -> bool:
+        """A decoder layer's matrix (quantization applies to these and the vocabulary ones)."""
+        return self.name.startswith("layers.") and self.name.endswith("proj.weight")
+
+
+class WeightLoader(Protocol):
+    """A checkpoint in one format (safetensors_loader.py, gguf_loader.py)."""
+
+    def names(self) -> set[str]:
+        """Every tensor the checkpoint holds, by HF name."""
+        ...
+
+    def read(self, name: str, split: Split, shard: Shard) -> Part:
+        """Rank `shard`'s slice of tensor `name`: reads only that slice where the format
+        allows (raises ModelLoadError when the checkpoint lacks it)."""
+        ...
+
+    def tensor_table(self) -> dict[str, tuple[int, int, int | None]]:
+        """HF name -> (elements, bytes stored, GGML block type or None for dense), read
+        from the checkpoint's header alone (fit.py)."""
+        ...
+
+    def release(self, parts: list[Part]) -> None:
+        """Parts read from this loader were copied: drop what holds their source bytes in
+        memory, if anything (the GGUF map's pages; nothing for the others)."""
+        ...
+
+
+def parameter_specs(arch: ModelArchConfig) -> list[ParamSpec]:
+    """Every parameter of `LlamaForCausalLM(arch)` (the full model, before sharding)."""
+    specs = [
+        ParamSpec("embed_tokens.weight", ("model.embed_tokens.weight",), Split.NONE),
+        ParamSpec("norm.weight", ("model.norm.weight",), Split.NONE),
+        ParamSpec(
+            "lm_head.weight", ("lm_head.weight",), Split.NONE, optional=arch.tie_word_embeddings
+        ),
+    ]
+    for i in range(arch.num_layers):
+        p, m = f"model.layers.{i}.", f"layers.{i}."
+        attn = tuple(f"{p}self_attn.{n}_proj" for n in "qkv")
+        specs += [
+            ParamSpec(f"{m}input_layernorm.weight", (f"{p}input_layernorm.weight",), Split.NONE),
+            ParamSpec(
+                f"{m}post_attention_layernorm.weight",
+                (f"{p}post_attention_layernorm.weight",),
+                Split.NONE,
+            ),
+            ParamSpec(f"{m}qkv_proj.weight", tuple(f"{n}.weight" for n in attn), Split.COLUMN),
+            ParamSpec(f"{m}o_proj.weight", (f"{p}self_attn.o_proj.weight",), Split.ROW),
+            ParamSpec(
+                f"{m}gate_up_proj.weight",
+                (f"{p}mlp.gate_proj.weight", f"{p}mlp.up_proj.weight"),
+                Split.COLUMN,
+            ),
+            ParamSpec(f"{m}down_proj.weight", (f"{p}mlp.down_proj.weight",), Split.ROW),
+        ]
+        if arch.qkv_bias:
+            specs.append(
+                ParamSpec(f"{m}qkv_proj.bias", tuple(f"{n}.bias" for n in attn), Split.COLUMN)
+            )
+        if arch.qk_norm:
+            specs += [
+                ParamSpec(f"{m}q_norm.weight", (f"{p}self_attn.q_norm.weight",), Split.NONE),
+                ParamSpec(f"{m}k_norm.weight", (f"{p}self_attn.k_norm.weight",), Split.NONE),
+            ]
+    return specs
+
+
+def slice_dense(tensor, shape: tuple[int, ...], split: Split, shard: Shard):
+    """Rank `shard`'s slice of a tensor-like (a torch tensor, or a safetensors slice, which
+    then reads only those bytes) of `shape`."""
+    if split is Split.NONE or shard.size == 1:
+        return tensor[...] if len(shape) else tensor
+    if split is Split.COLUMN or len(shape) == 1:
+        start, stop = shard.span(shape[0])
+        return tensor[start:stop]
+    start, stop = shard.span(shape[1])
+    return tensor[:, start:stop]
