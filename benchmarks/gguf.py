@@ -546,6 +546,9 @@ def token_ids() -> dict[str, list[int]]:
 def main() -> None:
     args = parse_args()
     if args.worker:
+        # A worker holds a whole model: when memory runs out, the kernel kills it first,
+        # not whatever else shares the machine.
+        Path("/proc/self/oom_score_adj").write_text("1000")
         print(json.dumps(WORKERS[args.worker](json.loads(sys.stdin.read()))))
         return
     load_before = os.getloadavg()
