@@ -213,9 +213,9 @@ class SamplingMetadata:
             top_k=tensor(top_k, torch.int64) if top_k_rows else None,
             top_p=tensor(top_p, torch.float32) if top_p_rows else None,
             min_p=tensor(min_p, torch.float32) if any(p > 0.0 for p in min_p) else None,
-            top_k_rows=limited(top_k_rows, max(top_k[random_batch_rows[j]] for j in top_k_rows))
-            if top_k_rows
-            else None,
+            top_k_rows=limited(
+                top_k_rows, max((top_k[random_batch_rows[j]] for j in top_k_rows), default=0)
+            ),
             top_p_rows=limited(top_p_rows),
             generators={i: generators[i] for i, _ in random if generators[i] is not None},
             blocked=sparse(blocked),
