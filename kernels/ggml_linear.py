@@ -144,6 +144,11 @@ class GGMLWeight:
         args = (d.data_ptr(), d.stride(0), int(self.qtype), d.shape[0], self.in_features)
         object.__setattr__(self, "_c_args", args)
 
+    def __reduce__(self):
+        # Rebuilt through __init__ (pickled to another process, copied): `_c_args` holds an
+        # address valid only for this object's tensor.
+        return (GGMLWeight, (self.data, self.qtype, self.in_features))
+
     @property
     def out_features(self) -> int:
         return self.data.shape[0]

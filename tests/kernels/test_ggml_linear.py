@@ -19,7 +19,9 @@ Dequantization and the embedding lookup agree with gguf's dequantize bit for bit
 
 from __future__ import annotations
 
+import copy
 import os
+import pickle
 import subprocess
 import sys
 
@@ -154,6 +156,16 @@ def test_select_rows(weights):
     assert torch.equal(w.select_rows(perm).dequantize(), dense[perm])
     x = torch.randn(3, K)
     check_product(G.ggml_linear(x, part), x, dense[8:24], G.default_kernels().act_block(Q.Q5_0))
+
+
+def test_pickled_or_copied_weight_reads_its_own_bytes(weights):
+    """The copy's kernel arguments point at the copy's tensor, not the original's."""
+    w, dense = weights[Q.Q6_K]
+    x = torch.randn(2, K)
+    for other in (pickle.loads(pickle.dumps(w)), copy.deepcopy(w)):
+        assert other.data.data_ptr() != w.data.data_ptr()
+        assert other._c_args[0] == other.data.data_ptr()
+        assert torch.equal(G.ggml_linear(x, other), G.ggml_linear(x, w))
 
 
 @pytest.mark.parametrize("qtype", [Q.F32, Q.F16, Q.BF16], ids=lambda t: Q(t).name)
