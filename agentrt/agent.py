@@ -40,12 +40,15 @@ class ToolResult:
 
 @dataclass(slots=True)
 class Step:
-    """One model reply: the tool calls it made and what they returned, or the final text."""
+    """One model reply: the tool calls it made and what they returned, or the final text.
+    A reasoning model's `reasoning` is kept here, never in the calls: the call grammar
+    starts after the reasoning ends, and the history sent back holds the calls alone."""
 
     text: str
     calls: list[ToolCall] = field(default_factory=list)
     results: list[ToolResult] = field(default_factory=list)
     usage: Usage = field(default_factory=Usage)
+    reasoning: str | None = None
 
 
 @dataclass(slots=True)
@@ -112,7 +115,7 @@ class Agent:
             completion = await collect_completion(self.backend.stream(messages, fmt, self.sampling))
             usage = usage + completion.usage
             reply = check_completion(completion, fmt, completion.usage)
-            step = Step(completion.text, usage=completion.usage)
+            step = Step(completion.text, usage=completion.usage, reasoning=completion.reasoning)
             steps.append(step)
             if isinstance(reply, str) or choice == "none":  # a plain-text final answer
                 messages.append({"role": "assistant", "content": completion.text})

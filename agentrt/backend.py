@@ -15,6 +15,16 @@ from agentrt.engine.errors import ErrorCode, InvalidRequestError
 from agentrt.engine.outputs import RequestOutput
 from agentrt.engine.sampling_params import SamplingParams
 from agentrt.formats import OutputFormat
+from agentrt.reasoning import (
+    ReasoningRequest,
+    ReasoningText,
+    constrain,
+    count_reasoning_tokens,
+    plan_request,
+    resolve_spec,
+    split,
+    template_kwargs,
+)
 from agentrt.tool_calls import render_messages, tool_call_style
 
 # The SDK decodes greedily unless told otherwise: structured replies from small models are
@@ -30,6 +40,7 @@ class Usage:
     prompt_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
     completion_tokens: int = 0
+    reasoning_tokens: int = 0  # of the completion tokens, those of the reasoning block
 
     @property
     def total_tokens(self) -> int:
@@ -40,6 +51,7 @@ class Usage:
             self.prompt_tokens + other.prompt_tokens,
             self.cached_tokens + other.cached_tokens,
             self.completion_tokens + other.completion_tokens,
+            self.reasoning_tokens + other.reasoning_tokens,
         )
 
 
@@ -48,7 +60,8 @@ class Completion:
     """A finished reply: text, why it ended ("stop", "length", "error", "abort"), usage, the
     engine's problems with it (`error` and `error_code` when it ended with "error";
     `structured_errors` from the final check of a constrained output, empty = valid), and
-    how many final tokens the grammar steered to close it before max_tokens."""
+    how many final tokens the grammar steered to close it before max_tokens. A reply that
+    reasoned has its `reasoning` apart: `text` is the answer, `raw_text` all it wrote."""
 
     text: str
     finish_reason: str | None
@@ -57,13 +70,16 @@ class Completion:
     error_code: ErrorCode | None = None
     structured_errors: list[str] | None = None
     num_steered_tokens: int = 0
+    reasoning: str | None = None
+    raw_text: str | None = None
 
 
 class Backend(Protocol):
     def stream(
         self, messages: list[dict], fmt: OutputFormat, sampling: dict[str, Any]
     ) -> AsyncIterator[str | Completion]:
-        """Text deltas of one reply, then its `Completion` (always last)."""
+        """Text deltas of one reply (those of its reasoning as `ReasoningText`), then its
+        `Completion` (always last)."""
 
     async def stats(self) -> Any: ...
 
@@ -86,38 +102,74 @@ class LocalBackend:
     async def stream(
         self, messages: list[dict], fmt: OutputFormat, sampling: dict[str, Any]
     ) -> AsyncIterator[str | Completion]:
+        """`sampling` may also hold the reasoning options (agentrt.reasoning): `reasoning`
+        (True, False, "auto"), `max_reasoning_tokens`, `reasoning_parser`."""
+        sampling = dict(sampling)
+        mode = sampling.pop("reasoning", "auto")
+        max_reasoning = sampling.pop("max_reasoning_tokens", None)
+        parser = sampling.pop("reasoning_parser", None)
+        tokenizer = self.engine.tokenizer
         tools = None
         if fmt.kind == "tools":
             tools = list(fmt.tools)
-            fmt = dataclasses.replace(fmt, tool_style=tool_call_style(self.engine.tokenizer))
+            fmt = dataclasses.replace(fmt, tool_style=tool_call_style(tokenizer))
         rendered, template_tools = render_messages(
-            messages, tools, self.engine.tokenizer, parallel=fmt.parallel_tool_calls
+            messages, tools, tokenizer, parallel=fmt.parallel_tool_calls
         )
+        think = resolve_spec(tokenizer, mode, parser)
+        prompt_text = tokenizer.apply_chat_template(
+            rendered,
+            tools=template_tools,
+            tokenize=False,
+            add_generation_prompt=True,
+            **template_kwargs(tokenizer, mode),
+        )
+        plan = plan_request(tokenizer, think, prompt_text, mode, max_reasoning)
         params = SamplingParams(
-            **check_sampling(sampling), structured_outputs=fmt.structured_outputs()
+            **check_sampling(sampling), structured_outputs=constrain(fmt.structured_outputs(), plan)
         )
-        async with self.engine.add_request(
-            messages=rendered, tools=template_tools, params=params
-        ) as stream:
+        prompt_ids = tokenizer.encode(prompt_text, add_special_tokens=False)
+        splitter = plan.stream()
+        async with self.engine.add_request(prompt_ids, params) as stream:
             async for delta in stream:
-                if delta.text:
+                if delta.text and splitter is None:
                     yield delta.text
+                elif delta.text:
+                    reasoning, answer = splitter.feed(delta.text)
+                    if reasoning:
+                        yield ReasoningText(reasoning)
+                    if answer:
+                        yield answer
                 if delta.output is not None:
-                    yield to_completion(delta.output)
+                    if splitter is not None:
+                        reasoning, answer = splitter.finish()
+                        if reasoning:
+                            yield ReasoningText(reasoning)
+                        if answer:
+                            yield answer
+                    yield to_completion(delta.output, plan, tokenizer)
 
     async def stats(self):
         return await self.engine.stats()
 
 
-def to_completion(output: RequestOutput) -> Completion:
+def to_completion(
+    output: RequestOutput, plan: ReasoningRequest | None = None, tokenizer: Any = None
+) -> Completion:
     completion = output.outputs[0]
     usage = Usage(len(output.prompt_token_ids), output.num_cached_tokens, len(completion.token_ids))
+    text, reasoning = completion.text, None
+    if plan is not None and plan.spec is not None:
+        reasoning, text = split(completion.text, plan)
+        usage.reasoning_tokens = count_reasoning_tokens(tokenizer, completion.token_ids, plan)
     return Completion(
-        completion.text,
+        text,
         completion.finish_reason,
         usage,
         error=output.error,
         error_code=output.error_code,
         structured_errors=completion.structured_errors,
         num_steered_tokens=completion.num_steered_tokens,
+        reasoning=reasoning,
+        raw_text=completion.text,
     )

@@ -23,6 +23,7 @@ from agentrt.errors import (
 )
 from agentrt.formats import OutputFormat, resolve_format
 from agentrt.partial import completed_members
+from agentrt.reasoning import ReasoningText
 
 logger = logging.getLogger("agentrt")
 
@@ -32,13 +33,16 @@ class Result:
     """One finished turn: the parsed `value`, the raw `text`, why it ended, and its usage
     (with retries, the usage of every attempt). `num_steered_tokens > 0`: the reply was
     about to hit max_tokens and the grammar closed it early — valid, but possibly cut short
-    (a string or list ended early); raise max_tokens for the full answer."""
+    (a string or list ended early); raise max_tokens for the full answer. A reasoning
+    model's `reasoning` comes apart from the answer (`text`); `usage.reasoning_tokens`
+    counts its tokens."""
 
     value: Any
     text: str
     finish_reason: str | None
     usage: Usage
     num_steered_tokens: int = 0
+    reasoning: str | None = None
 
 
 class Session:
@@ -83,6 +87,12 @@ class Session:
         the parsed value (a Pydantic model instance, a dict for a JSON schema, the string for
         `Regex` / `Choice`). The turn joins the history only on success.
 
+        A reasoning model (Qwen3, DeepSeek-R1) thinks first and the schema constrains what
+        follows: `reasoning=True | False | "auto"` (default "auto": as its chat template
+        does; passed to templates that take `enable_thinking`), `max_reasoning_tokens=N`
+        (then the end of the reasoning is forced), `reasoning_parser="qwen3"` for markers the
+        template does not show. The reasoning is `session.last.reasoning`.
+
         Raises `SchemaError`, `TruncatedOutputError`, `OutputValidationError` (a constraint
         only post-validation checks; `retries=N` re-asks up to N times with the errors),
         `GenerationError` and the engine's errors."""
@@ -111,7 +121,8 @@ class Session:
     async def stream(self, prompt: str, schema: Any = None, **sampling: Any) -> AsyncIterator[Any]:
         """Without a schema (or with `Regex` / `Choice`): text deltas. With a JSON schema:
         successive partial values as members complete (a Pydantic model built from the
-        fields completed so far, or a dict / list), ending with the validated value."""
+        fields completed so far, or a dict / list), ending with the validated value. A
+        reasoning model's reasoning comes first, as `agentrt.ReasoningText` deltas (a `str`)."""
         fmt = resolve_format(schema)
         messages = self.history + [{"role": "user", "content": prompt}]
         text, num_members, completion = "", 0, None
@@ -123,7 +134,7 @@ class Session:
                 if isinstance(item, Completion):
                     completion = item
                     break
-                if fmt.kind != "json":
+                if fmt.kind != "json" or isinstance(item, ReasoningText):
                     yield item
                     continue
                 text += item
@@ -143,9 +154,21 @@ class Session:
 
     def _commit(self, prompt: str, completion: Completion, value: Any, usage: Usage) -> None:
         self.messages.append({"role": "user", "content": prompt})
-        self.messages.append({"role": "assistant", "content": completion.text})
+        # The history holds what the model wrote, its reasoning block included: a template
+        # that renders past turns as given (ChatML) then reproduces the tokens whose KV is
+        # cached, and the next turn hits its whole prefix. (Qwen3's own template drops
+        # reasoning from turns before the last user message: its history costs a recompute
+        # from the first reply on, whatever is stored here.)
+        self.messages.append(
+            {"role": "assistant", "content": completion.raw_text or completion.text}
+        )
         self.last = Result(
-            value, completion.text, completion.finish_reason, usage, completion.num_steered_tokens
+            value,
+            completion.text,
+            completion.finish_reason,
+            usage,
+            completion.num_steered_tokens,
+            completion.reasoning,
         )
         if completion.num_steered_tokens:
             logger.warning(

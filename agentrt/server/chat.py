@@ -3,6 +3,7 @@ outputs and tool calls, as one JSON body or as a stream of `chat.completion.chun
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from fastapi import Request
@@ -10,7 +11,15 @@ from fastapi.responses import Response
 
 from agentrt.engine.errors import InvalidRequestError
 from agentrt.engine.outputs import CompletionOutput, RequestDelta, RequestOutput
-from agentrt.server.calls_or_answer import CallsOrAnswerStreamer, tool_names
+from agentrt.reasoning import (
+    ReasoningRequest,
+    constrain,
+    count_reasoning_tokens,
+    plan_request,
+    resolve_spec,
+    split,
+    template_kwargs,
+)
 from agentrt.server.errors import bad_request
 from agentrt.server.generation import Generation, respond
 from agentrt.server.params import ChatConstraint, chat_constraint, choice_params
@@ -27,7 +36,7 @@ async def create_chat_completion(
     state.check_model(request.model)
     tool_style = tool_call_style(state.engine.tokenizer)
     constraint = chat_constraint(request, tool_style)
-    prompt_ids = chat_prompt(state, request, constraint)
+    prompt_ids, reasoning = chat_prompt_and_reasoning(state, request, constraint)
     if request.top_logprobs is not None and not request.logprobs:
         raise bad_request("top_logprobs needs logprobs=true.", param="top_logprobs")
     top_n = request.top_logprobs or 0
@@ -40,7 +49,7 @@ async def create_chat_completion(
         max_tokens=max_tokens,
         max_tokens_field=max_field,
         logprobs=top_n if request.logprobs else None,
-        structured=constraint.structured,
+        structured=constrain(constraint.structured, reasoning),
     )
     generation = Generation(
         state.engine,
@@ -50,7 +59,15 @@ async def create_chat_completion(
         priority=request.priority or 0,
         param_names={"prompt": "messages", "max_tokens": max_field},
     )
-    view = _ChatView(state.model_name, constraint, top_n if request.logprobs else None, tool_style)
+    view = _ChatView(
+        state.model_name,
+        constraint,
+        top_n if request.logprobs else None,
+        tool_style,
+        reasoning=reasoning,
+        include_reasoning=request.include_reasoning,
+        tokenizer=state.engine.tokenizer,
+    )
     return await respond(generation, view, request, raw.receive)
 
 
@@ -59,17 +76,31 @@ def chat_prompt(
 ) -> list[int]:
     """The prompt token ids: messages (tool calls and tool results included) rendered by the
     model's chat template; tools go to the template, or into the system message."""
+    return chat_prompt_and_reasoning(state, request, constraint)[0]
+
+
+def chat_prompt_and_reasoning(
+    state: ServerState, request: ChatCompletionRequest, constraint: ChatConstraint
+) -> tuple[list[int], ReasoningRequest]:
+    """`chat_prompt`, and how the reply reasons (agentrt.reasoning): a reasoning model's
+    template gets `chat_template_kwargs` (`enable_thinking` decides, default as the template
+    does), and the rendered prompt tells whether it opened the reasoning block."""
     messages = [_message_dict(i, m) for i, m in enumerate(request.messages)]
     tokenizer = state.engine.tokenizer
     parallel = request.parallel_tool_calls is not False
+    kwargs = dict(request.chat_template_kwargs or {})
+    mode = bool(kwargs["enable_thinking"]) if "enable_thinking" in kwargs else "auto"
+    spec = resolve_spec(tokenizer, "auto", None)  # a model without markers: no reasoning
     try:
         rendered, template_tools = render_messages(
             messages, constraint.tools_in_prompt, tokenizer, parallel=parallel
         )
-        return state.engine.processor.chat_token_ids(
+        text = tokenizer.apply_chat_template(
             rendered,
             tools=template_tools,
+            tokenize=False,
             add_generation_prompt=request.add_generation_prompt is not False,
+            **template_kwargs(tokenizer, mode, kwargs),
         )
     except InvalidRequestError:  # it names its field; the error handler reports it
         raise
@@ -77,6 +108,8 @@ def chat_prompt(
         raise bad_request(
             f"the chat template cannot render these messages: {exc}", param="messages"
         ) from None
+    plan = plan_request(tokenizer, spec, text, mode, request.max_reasoning_tokens)
+    return tokenizer.encode(text, add_special_tokens=False), plan
 
 
 def _message_dict(index: int, message: ChatMessage) -> dict[str, Any]:
@@ -107,14 +140,24 @@ class _ChatView:
     """Shapes engine outputs into chat response bodies."""
 
     def __init__(
-        self, model: str, constraint: ChatConstraint, top_n: int | None, tool_style: str
+        self,
+        model: str,
+        constraint: ChatConstraint,
+        top_n: int | None,
+        tool_style: str,
+        *,
+        reasoning: ReasoningRequest | None = None,
+        include_reasoning: bool = True,
+        tokenizer: Any = None,
     ) -> None:
+        # A reasoning reply is split: its reasoning as `reasoning_content` (vLLM's name;
+        # left out with include_reasoning=false), its answer as content or tool calls.
+        self.reasoning = reasoning or ReasoningRequest(None)
+        self.include_reasoning = include_reasoning
+        self.tokenizer = tokenizer
         self.model = model
         self.tool_style = tool_style
         self.tools_active = constraint.tools is not None
-        # Tools with a response_format: calls or the answer (agentrt.server.calls_or_answer).
-        self.answer_too = constraint.answer_too
-        self.tool_names = tool_names(list(constraint.tools.tools)) if constraint.tools else set()
         self.top_n = top_n
         self.id = new_id("chatcmpl")
         self.created = now()
@@ -141,11 +184,18 @@ class _ChatView:
             "created": self.created,
             "model": self.model,
             "choices": choices,
-            "usage": usage(outputs, len(outputs)),
+            "usage": self._usage(outputs),
             **kv_transfer(outputs),
         }
 
     def _message(self, completion: CompletionOutput) -> tuple[dict[str, Any], str | None]:
+        reasoning, text = split(completion.text, self.reasoning)
+        message, finish = self._answer(dataclasses.replace(completion, text=text))
+        if reasoning is not None and self.include_reasoning:
+            message["reasoning_content"] = reasoning
+        return message, finish
+
+    def _answer(self, completion: CompletionOutput) -> tuple[dict[str, Any], str | None]:
         calls = parse_tool_calls(completion.text, self.tool_style) if self.tools_active else None
         if calls:
             message = {
@@ -158,11 +208,16 @@ class _ChatView:
         message = {"role": "assistant", "content": completion.text, "refusal": None}
         return message, _finish(completion.finish_reason, tool_calls=False)
 
-    def _streamer(self) -> ToolCallStreamer | CallsOrAnswerStreamer | None:
-        """What turns a streamed reply into deltas (None: plain text)."""
-        if self.answer_too:
-            return CallsOrAnswerStreamer(self.tool_style, self.tool_names)
-        return ToolCallStreamer(self.tool_style) if self.tools_active else None
+    def _usage(self, outputs: list[RequestOutput]) -> dict[str, Any]:
+        """`usage`, with the reasoning's tokens apart (OpenAI's completion_tokens_details)."""
+        body = usage(outputs, len(outputs))
+        if self.reasoning.spec is not None:
+            num = sum(
+                count_reasoning_tokens(self.tokenizer, o.outputs[0].token_ids, self.reasoning)
+                for o in outputs
+            )
+            body["completion_tokens_details"] = {"reasoning_tokens": num}
+        return body
 
     def chunk(self, choices: list[dict[str, Any]], usage_: dict | None = None, **extra) -> dict:
         body = {
@@ -185,19 +240,31 @@ class _ChatView:
         include_usage: bool,
     ) -> None:
         extra = {"usage": None} if include_usage else {}
-        streamers = [self._streamer() for _ in firsts]
+        streamers = [
+            ToolCallStreamer(self.tool_style) if self.tools_active else None for _ in firsts
+        ]
+
+        splitters = [self.reasoning.stream() for _ in firsts]
 
         async def on_delta(index: int, delta: RequestDelta) -> None:
             body: dict[str, Any] = {}
+            text = delta.text
+            if splitters[index] is not None:
+                thought, text = splitters[index].feed(text)
+                if delta.output is not None:
+                    more_thought, more_text = splitters[index].finish()
+                    thought, text = thought + more_thought, text + more_text
+                if thought and self.include_reasoning:
+                    body["reasoning_content"] = thought
             streamer = streamers[index]
             if streamer is not None:
-                content, calls = streamer.feed(delta.text)
+                content, calls = streamer.feed(text)
                 if content:
                     body["content"] = content
                 if calls:
                     body["tool_calls"] = calls
-            elif delta.text:
-                body["content"] = delta.text
+            elif text:
+                body["content"] = text
             logprobs = None
             if self.top_n is not None and delta.logprobs:
                 logprobs = {"content": chat_logprobs(delta.logprobs, self.top_n)}
@@ -217,7 +284,7 @@ class _ChatView:
             await emit(self.chunk([_choice(index, {"role": "assistant", "content": ""})], **extra))
         outputs = await generation.stream_choices(firsts, emit, on_delta, on_finish)
         if include_usage:
-            await emit(self.chunk([], usage(outputs, len(outputs))))
+            await emit(self.chunk([], self._usage(outputs)))
 
 
 def _choice(index: int, delta: dict, logprobs: dict | None = None, finish: str | None = None):
