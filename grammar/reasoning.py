@@ -415,7 +415,17 @@ class ReasoningMatcher:
             return []
         if self._forced_end() is not None:
             written = self._think.num_tokens - self.grammar.num_start_tokens
-            return list(self.grammar.end_ids[written - self.grammar.plan.max_tokens :])
+            tail = list(self.grammar.end_ids[written - self.grammar.plan.max_tokens :])
+            # Jump-forward goes on across the end marker: what the answer forces first
+            # (`{"name": "`) follows it unsampled.
+            num = 0
+            for token_id in tail:
+                if not self._accept(token_id, lookahead=True):
+                    break
+                num += 1
+            more = self._answer.forced_tokens() if num == len(tail) else []
+            self._rollback(num, lookahead=True)
+            return tail + more
         return self._think.forced_tokens()
 
     def can_terminate(self) -> bool:

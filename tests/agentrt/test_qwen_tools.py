@@ -35,7 +35,9 @@ class Answer(BaseModel):
 
 @pytest.fixture(scope="module")
 def qwen_llm(tiny_qwen_checkpoint) -> LLM:
-    return LLM(str(tiny_qwen_checkpoint), dtype="float32", kv_cache_memory_gb=0.02)
+    return LLM(
+        str(tiny_qwen_checkpoint), dtype="float32", kv_cache_memory_gb=0.02, grammar_timeout_s=120
+    )
 
 
 async def test_an_agent_with_an_output_model_completes(qwen_llm):

@@ -53,7 +53,9 @@ async def test_the_embedded_model_reasons_then_answers(rt):
 
 @pytest.fixture(scope="module")
 def think_llm(tiny_think_checkpoint) -> LLM:
-    return LLM(str(tiny_think_checkpoint), dtype="float32", kv_cache_memory_gb=0.02)
+    return LLM(
+        str(tiny_think_checkpoint), dtype="float32", kv_cache_memory_gb=0.02, grammar_timeout_s=120
+    )
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +105,11 @@ async def test_drafting_on_and_off_decode_the_same(tiny_think_checkpoint, think_
         {"speculative_config": {"method": "grammar", "num_speculative_tokens": 4}},
     ):
         async with agentrt.Runtime(
-            str(tiny_think_checkpoint), dtype="float32", kv_cache_memory_gb=0.02, **options
+            str(tiny_think_checkpoint),
+            dtype="float32",
+            kv_cache_memory_gb=0.02,
+            grammar_timeout_s=120,  # a loaded machine: no false timeouts
+            **options,
         ) as rt:
             session = rt.session()
             for prompt in ("A code? A code? A code?", "Once more: a code?"):

@@ -76,7 +76,10 @@ def test_the_reasoning_budget_forces_the_end_marker(real_compiler, smollm2_tok):
     end_ids = list(grammar.end_ids)
     assert _allowed(matcher, real_compiler.vocab_size) == [end_ids[0]]
     assert not matcher.accept_token(words[3])
-    assert matcher.forced_tokens() == end_ids  # jump-forward appends the whole marker
+    forced = matcher.forced_tokens()  # jump-forward appends the whole marker, and goes on
+    assert forced[: len(end_ids)] == end_ids  # across it into what the answer forces
+    assert smollm2_tok.decode(forced).startswith('</think>{"name')
+    assert matcher.num_tokens == 3  # (looked ahead, not moved)
     assert _feed(matcher, end_ids) == len(end_ids)
     assert matcher.in_answer and smollm2_tok.decode([_allowed(matcher, 49152)[0]]) != ""
     ids = smollm2_tok.encode(ANSWER, add_special_tokens=False)

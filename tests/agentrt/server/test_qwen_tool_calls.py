@@ -35,7 +35,9 @@ MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
 @pytest.fixture(scope="module")
 def qwen_client(tiny_qwen_checkpoint) -> Iterator[openai.OpenAI]:
     args = ("--model", str(tiny_qwen_checkpoint), "--dtype", "float32")
-    with ServerProcess(*args, "--kv-cache-memory-gb", "0.02") as server:
+    with ServerProcess(
+        *args, "--kv-cache-memory-gb", "0.02", "--grammar-timeout-s", "120"
+    ) as server:
         yield openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
 
 

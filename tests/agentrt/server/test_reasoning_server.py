@@ -25,7 +25,9 @@ SCHEMA = {
 @pytest.fixture(scope="module")
 def think_client(tiny_think_checkpoint) -> Iterator[openai.OpenAI]:
     args = ("--model", str(tiny_think_checkpoint), "--dtype", "float32")
-    with ServerProcess(*args, "--kv-cache-memory-gb", "0.02") as server:
+    with ServerProcess(
+        *args, "--kv-cache-memory-gb", "0.02", "--grammar-timeout-s", "120"
+    ) as server:
         yield openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
 
 
