@@ -10,8 +10,8 @@ step. The C library is built on first use for the best instruction set of this C
 (AVX-512 VNNI, AVX2, or portable C); `AGENTRT_GGML_ISA=scalar|avx2|avx512` forces one
 (read once, on first use); every function also takes `kernels=load_ggml_kernels(build_dir,
 isa)` to run another build (ggml_library.py).
-Steps of LARGE_STEP_ROWS rows or more (prefills, big batches) take bf16 tiles of the weight
-into torch's bf16 GEMM instead. `ggml_linear_bf16` is the variant for the fused CPU glue
+Every step size takes the same kernel, so a row's result does not depend on the step it is
+in (see the note on long steps below). `ggml_linear_bf16` is the variant for the fused CPU glue
 (bf16 rows in and out, as kernels/cpu_ops.py hands them between products).
 
 Types: SUPPORTED_TYPES. F32 / F16 / BF16 pass through torch (dense); any other type raises
@@ -64,18 +64,18 @@ __all__ = [  # the library's names are re-exported for callers and tests
 DENSE_DTYPES = {_Q.F32: torch.float32, _Q.F16: torch.float16, _Q.BF16: torch.bfloat16}
 SUPPORTED_TYPES = frozenset(QUANTIZED_TYPES | DENSE_DTYPES.keys())
 
-# Steps of at least LARGE_STEP_ROWS rows take tiles of the weight dequantized to bf16 into
-# torch's bf16 GEMM (oneDNN; AVX-512 BF16 where the CPU has it) instead of the int8 kernel.
-# Measured on this 2-core AMD EPYC (AVX-512 VNNI + BF16), one thread, best of 7, us per call,
-# int8 kernel vs bf16 tiles:
-#   T=16: Q4_1 3072x576 732 vs 1318, Q4_1 576x1536 384 vs 498, Q4_K 2048x2048 1334 vs 1929,
-#         Q8_0 2048x2048 1754 vs 1716
-#   T=32: 1785 vs 1683, 755 vs 653, 2718 vs 2392, 3449 vs 2571
-#   T=48: 2695 vs 1590, 1095 vs 766, 12080 vs 3107, 15481 vs 3406
-# so the crossover is at ~32 rows. A tile holds ~LARGE_STEP_TILE_BYTES of bf16 weights (it
-# stays in L2 while the GEMM reads it); there is never more than one tile beside the blocks.
-LARGE_STEP_ROWS = 32
-LARGE_STEP_TILE_BYTES = 1 << 19
+# Long steps (prefills, big batches) run the same int8 kernel: the C code takes their
+# activation rows a tile at a time (~256 KiB quantized, within L2) against every weight row.
+# A GEMM over dequantized tiles was measured (1 thread, us per call, int8 kernel vs tiles):
+#   bf16 tiles into torch's bf16 GEMM, T=48: Q4_1 3072x576 2695 vs 1590, Q4_K 2048x2048
+#     12080 vs 3107 (before the Q8_K kernel); faster, but x and W rounded to bf16 give other
+#     numbers than the int8 kernel (~0.5%), so a prompt's logits depended on how it was split
+#     into steps and a prefix-cache hit decoded other tokens than a cold run;
+#   fp32 tiles of the int8-rounded x (the kernel's numbers to 5e-7), T=256: Q4_1 3072x576
+#     30.9 ms vs 45.0, Q8_0 2048x2048 69.7 vs 92.8, Q4_K 2048x2048 85.4 vs 56.8, before the
+#     activation tiles made the kernel ~30% faster on long steps (Q4_1 25.0 -> 18.0 ms,
+#     Q8_0 68.9 -> 50.7 ms, C alone): no longer ahead.
+# So every step size takes the kernel, and its numbers do not depend on the step.
 
 
 class UnsupportedGGMLType(KernelInputError):
@@ -259,27 +259,11 @@ _X_DTYPES, _BF16_ONLY = (torch.float32, torch.bfloat16), (torch.bfloat16,)
 def _product(
     x: torch.Tensor, weight: GGMLWeight, out: torch.Tensor, kernels: GGMLKernels | None
 ) -> torch.Tensor:
-    rows = x.shape[0]
     if weight.qtype in DENSE_DTYPES:
         out.copy_(x.float() @ weight._dense().float().T)
-    elif rows >= LARGE_STEP_ROWS:
-        _large_step(x, weight, out, kernels or default_kernels())
-    elif rows:
+    elif x.shape[0]:
         (kernels or default_kernels()).linear(x, weight, out)
     return out
-
-
-def _large_step(x: torch.Tensor, weight: GGMLWeight, out: torch.Tensor, kernels: GGMLKernels):
-    """out = x @ W.T by tiles of W's rows dequantized to bf16, each into torch's bf16 GEMM
-    (fp32 accumulation): x and W rounded to bf16 (2^-9 relative each), summed in fp32."""
-    n, k = weight.out_features, weight.in_features
-    tile_rows = max(16, min(512, LARGE_STEP_TILE_BYTES // (2 * k)) // 16 * 16)
-    tile = torch.empty((min(tile_rows, n), k), dtype=torch.bfloat16)
-    xb = x.to(torch.bfloat16)
-    for n0 in range(0, n, tile_rows):
-        part = tile[: min(tile_rows, n - n0)]
-        kernels.dequantize_rows(weight, n0, part)
-        out[:, n0 : n0 + part.shape[0]].copy_(xb @ part.T)
 
 
 def ggml_embedding(

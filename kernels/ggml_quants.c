@@ -55,6 +55,7 @@ enum {
 #define GROUP 16                // elements per scale group of the canonical form
 #define ACT_BLOCK 32            // elements per activation scale
 #define PARALLEL_WORK (1 << 16) // fewer weight elements than this run on one thread
+#define ACT_TILE_BYTES (1 << 18)  // quantized activation rows a pass over the weight rows
 
 static inline float fp16_to_f32(const uint8_t *p) {
     const uint32_t h = (uint32_t)p[0] | ((uint32_t)p[1] << 8);
@@ -603,6 +604,7 @@ int ggml_linear(const void *x, int x_bf16, int64_t rows, int64_t k, const uint8_
 #endif
     uint8_t *act = aligned_alloc(64, (size_t)(rows * act_bytes));
     if (!act) return -2;
+    const int64_t tile = ACT_TILE_BYTES / act_bytes < 8 ? 8 : ACT_TILE_BYTES / act_bytes / 8 * 8;
     const int wide = signed_wide(qtype);
     const int offset = bt.offset - (wide ? 128 : 0);
     const int blocks_per_chunk = CHUNK_ELEMS / bt.block_elems;
@@ -632,36 +634,45 @@ int ggml_linear(const void *x, int x_bf16, int64_t rows, int64_t k, const uint8_
 #pragma omp atomic write
             failed = 1;
         }
+        // Activation rows go `tile` at a time (their quantized form within ~L2), each tile
+        // against every weight row: a long step then streams its activations from L2, not
+        // from memory, once per weight row.
+        for (int64_t t0 = 0; t0 < rows; t0 += tile) {
+            const int64_t tr = rows - t0 < tile ? rows - t0 : tile;
+            uint8_t *at = act + t0 * act_bytes;
 #pragma omp for schedule(static)
-        for (int64_t nn = 0; nn < n_out; nn++) {
-            if (!acc || !sums) continue;
-            const uint8_t *row = w + nn * w_stride;
+            for (int64_t nn = 0; nn < n_out; nn++) {
+                if (!acc || !sums) continue;
+                const uint8_t *row = w + nn * w_stride;
 #if AGENTRT_ISA == 2
-            if (fused_legacy(qtype)) {
-                legacy_row(qtype, &bt, row, row_blocks, act, kp, rows, sums);
-            } else if (q8k_type(qtype)) {
-                kquant_row(qtype, row, row_blocks, bt.block_bytes, act, k, rows, sums);
-            } else
+                if (fused_legacy(qtype)) {
+                    legacy_row(qtype, &bt, row, row_blocks, at, kp, tr, sums);
+                } else if (q8k_type(qtype)) {
+                    kquant_row(qtype, row, row_blocks, bt.block_bytes, at, k, tr, sums);
+                } else
 #endif
-            {
-                for (int64_t t = 0; t < rows; t++) acc[t] = acc_zero();
-                for (int64_t b0 = 0; b0 < row_blocks; b0 += blocks_per_chunk) {
-                    const int nb = row_blocks - b0 < blocks_per_chunk ? (int)(row_blocks - b0)
-                                                                      : blocks_per_chunk;
-                    decode_chunk(qtype, &bt, row + b0 * bt.block_bytes, nb, offset, &chunk);
-                    const int64_t e0 = b0 * bt.block_elems, g0 = e0 / GROUP;
-                    for (int64_t t = 0; t < rows; t++) {
-                        const ActRow r = act_row(act, kp, t);
-                        acc[t] = dot_chunk(&chunk, r.q + e0, r.d16 + g0, r.s16 + g0, acc[t], wide);
+                {
+                    for (int64_t t = 0; t < tr; t++) acc[t] = acc_zero();
+                    for (int64_t b0 = 0; b0 < row_blocks; b0 += blocks_per_chunk) {
+                        const int nb = row_blocks - b0 < blocks_per_chunk ? (int)(row_blocks - b0)
+                                                                          : blocks_per_chunk;
+                        decode_chunk(qtype, &bt, row + b0 * bt.block_bytes, nb, offset, &chunk);
+                        const int64_t e0 = b0 * bt.block_elems, g0 = e0 / GROUP;
+                        for (int64_t t = 0; t < tr; t++) {
+                            const ActRow r = act_row(at, kp, t);
+                            acc[t] =
+                                dot_chunk(&chunk, r.q + e0, r.d16 + g0, r.s16 + g0, acc[t], wide);
+                        }
                     }
+                    for (int64_t t = 0; t < tr; t++) sums[t] = acc_sum(acc[t]);
                 }
-                for (int64_t t = 0; t < rows; t++) sums[t] = acc_sum(acc[t]);
+                if (out_bf16)
+                    for (int64_t t = 0; t < tr; t++)
+                        ((uint16_t *)out)[(t0 + t) * out_stride + nn] = f32_to_bf16(sums[t]);
+                else
+                    for (int64_t t = 0; t < tr; t++)
+                        ((float *)out)[(t0 + t) * out_stride + nn] = sums[t];
             }
-            if (out_bf16)
-                for (int64_t t = 0; t < rows; t++)
-                    ((uint16_t *)out)[t * out_stride + nn] = f32_to_bf16(sums[t]);
-            else
-                for (int64_t t = 0; t < rows; t++) ((float *)out)[t * out_stride + nn] = sums[t];
         }
         free(acc);
         free(sums);
