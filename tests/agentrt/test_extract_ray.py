@@ -48,9 +48,7 @@ class KillOnce:
         return await self.extractor(batch)
 
 
-async def test_two_actors_match_one_process_and_survive_a_killed_actor(
-    cluster, rt, tmp_path: Path
-):
+async def test_two_actors_match_one_process_and_survive_a_killed_actor(cluster, rt, tmp_path: Path):
     texts = [f"{doc} (note {i})" for i, doc in enumerate(DOCS + DOCS[:3])]
     local = await rt.extract_many(
         texts, Contact, instructions=INSTRUCTIONS, progress=False, max_tokens=MAX_TOKENS
