@@ -117,16 +117,16 @@ def test_tp2_torch_attention_and_draft_model_match_tp1(tiny_llama: Path) -> None
         llm.shutdown()
 
 
-# Each rank quantizes its own slices' activations to int8 per block of 32 (the GGML
-# kernels), one rank the whole row's: next-token logprobs differ by a few hundredths.
-TOLERANCE = 0.15
+# TP=1 runs the quantized tiny Llama through the fused CPU glue (bf16 rows between the
+# products), TP=2 through torch's fp32 glue, and each rank quantizes its share of the
+# activations to int8 blocks: next-token logprobs measured up to 0.18 apart (int8 and int4).
+TOLERANCE = 0.25
 
 
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
 def test_tp2_quantized_logprobs_close_to_tp1(tiny_llama: Path, quantization: str) -> None:
     """Quantized weights (Q8_0 / Q4_1 blocks of each rank's slices) under TP=2. Not token for
-    token: o_proj and down_proj quantize each rank's share of their input to int8 blocks
-    where one rank quantizes the whole row, so greedy runs may part at a near-tie; this
+    token (see TOLERANCE), so greedy runs may part at a near-tie; this
     compares the next-token distributions, teacher-forced along TP=1's output."""
     options = dict(dtype="float32", num_kv_blocks=64, quantization=quantization)
     tp1 = LLM(str(tiny_llama), **options)
