@@ -20,6 +20,7 @@ from agentrt.reasoning import (
     split,
     template_kwargs,
 )
+from agentrt.server.calls_or_answer import CallsOrAnswerStreamer, tool_names
 from agentrt.server.errors import bad_request
 from agentrt.server.generation import Generation, respond
 from agentrt.server.params import ChatConstraint, chat_constraint, choice_params
@@ -158,6 +159,9 @@ class _ChatView:
         self.model = model
         self.tool_style = tool_style
         self.tools_active = constraint.tools is not None
+        # Tools with a response_format: calls or the answer (agentrt.server.calls_or_answer).
+        self.answer_too = constraint.answer_too
+        self.tool_names = tool_names(list(constraint.tools.tools)) if constraint.tools else set()
         self.top_n = top_n
         self.id = new_id("chatcmpl")
         self.created = now()
@@ -208,6 +212,12 @@ class _ChatView:
         message = {"role": "assistant", "content": completion.text, "refusal": None}
         return message, _finish(completion.finish_reason, tool_calls=False)
 
+    def _streamer(self) -> ToolCallStreamer | CallsOrAnswerStreamer | None:
+        """What turns a streamed reply into deltas (None: plain text)."""
+        if self.answer_too:
+            return CallsOrAnswerStreamer(self.tool_style, self.tool_names)
+        return ToolCallStreamer(self.tool_style) if self.tools_active else None
+
     def _usage(self, outputs: list[RequestOutput]) -> dict[str, Any]:
         """`usage`, with the reasoning's tokens apart (OpenAI's completion_tokens_details)."""
         body = usage(outputs, len(outputs))
@@ -240,9 +250,7 @@ class _ChatView:
         include_usage: bool,
     ) -> None:
         extra = {"usage": None} if include_usage else {}
-        streamers = [
-            ToolCallStreamer(self.tool_style) if self.tools_active else None for _ in firsts
-        ]
+        streamers = [self._streamer() for _ in firsts]
 
         splitters = [self.reasoning.stream() for _ in firsts]
 
