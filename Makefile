@@ -4,6 +4,8 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install --quiet --disable-pip-version-check
 STAMP := $(VENV)/.agentrt-setup
 PYTEST_ARGS ?=
+# Test workers (pytest-xdist): a file's tests stay on one worker, so module fixtures load once.
+TEST_WORKERS ?= 2
 
 .PHONY: setup demo test lint bench clean
 
@@ -22,7 +24,7 @@ demo: setup
 	$(PY) examples/demo.py
 
 test: setup
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check .
