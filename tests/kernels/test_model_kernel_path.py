@@ -118,11 +118,15 @@ def test_model_cuda_path_under_the_triton_interpreter(tiny_checkpoint, tk, monke
         torch.testing.assert_close(logits, ref, atol=1e-4, rtol=1e-4)
 
 
-def test_cpu_weights_load_into_a_model_on_another_device(tiny_checkpoint):
-    """The CUDA path fills device parameters from CPU tensors (fused q/k/v with biases,
-    gate/up included); the meta device stands in for CUDA."""
+def test_weights_fill_a_model_built_on_the_meta_device(tiny_checkpoint):
+    """A model built on the meta device (as ModelRunner builds it) is filled by the loader
+    with real tensors (fused q/k/v with biases): the checkpoint's values, on the CPU."""
     path = tiny_checkpoint("qwen2")
     with torch.device("meta"):
         model = LlamaForCausalLM(ModelArchConfig.from_hf_dict(load_hf_config(path)), 1)
-    model.load_hf_state_dict(load_state_dict(path))
-    assert model.layers[0].qkv_proj.bias.device.type == "meta"
+    state = load_state_dict(path)
+    model.load_hf_state_dict(state)
+    bias = model.layers[0].qkv_proj.bias
+    assert bias.device.type == "cpu"
+    expected = torch.cat([state[f"model.layers.0.self_attn.{p}_proj.bias"] for p in "qkv"])
+    torch.testing.assert_close(bias.float(), expected.float())
