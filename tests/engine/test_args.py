@@ -29,7 +29,7 @@ COMMANDS = {
 NON_DEFAULTS = {
     "model": ("/models/m.gguf", ["--model", "/models/m.gguf"]),
     "dtype": ("bfloat16", ["--dtype", "bfloat16"]),
-    "quantization": ("int8", ["--quantization", "int8"]),
+    "quantization": ("none", ["--quantization", "none"]),  # valid with the test device (cuda)
     "device": ("cuda:1", ["--device", "cuda:1"]),
     "max_model_len": (512, ["--max-model-len", "512"]),
     "seed": (7, ["--seed", "7"]),
