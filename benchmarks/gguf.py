@@ -34,12 +34,12 @@ Ratios are agentrt / llama.cpp measured in the same run, printed beside the issu
 llama-cpp-python is optional and may live in another interpreter, `--llama-python` (it needs
 only numpy and llama_cpp there; the agentrt side runs in this one). It also makes the files
 (the quantizer), so without it they must be cached. Build it for this CPU in its own venv:
-    python3 -m venv /work/bench-venv
-    CMAKE_ARGS="-DGGML_NATIVE=ON" /work/bench-venv/bin/pip install llama-cpp-python==0.3.36
+    python3 -m venv ../bench-venv
+    CMAKE_ARGS="-DGGML_NATIVE=ON" ../bench-venv/bin/pip install llama-cpp-python==0.3.36
 (~10 minutes on 2 cores; latency.py says how to build it where the CPU reports AMX but the
 VM does not grant it).
 
-    .venv/bin/python benchmarks/gguf.py --llama-python /work/bench-venv/bin/python
+    .venv/bin/python benchmarks/gguf.py --llama-python ../bench-venv/bin/python
     .venv/bin/python benchmarks/gguf.py --llama-python ... --types Q4_0 --no-embedded
     .venv/bin/python benchmarks/gguf.py --no-llama-cpp --no-reference    # agentrt alone
 A full run takes ~30-60 minutes on 2 cores (agentrt today converts each 1B file to fp32).

@@ -1,6 +1,6 @@
 """MaskBench: agentrt's grammar compiler vs raw xgrammar vs raw llguidance, one run.
 
-Protocol (/work/shared/data/maskbench/README.md): compile each schema; for every test
+Protocol (../shared/data/maskbench/README.md): compile each schema; for every test
 instance, tokenize `json.dumps(data)` without special tokens and feed it token by token:
 compute the mask, check the token is allowed, advance. A valid instance must be accepted to
 the end and the grammar must be able to stop there; an invalid one must be rejected somewhere.
@@ -11,7 +11,7 @@ matcher's can_terminate, which includes the EOS gate that validates post-checked
 before a stop token is allowed), `invalid_accepted_grammar_only` counts instances the token
 grammar alone never rejected (no EOS gate).
 
-    python benchmarks/maskbench.py --data /work/shared/data/maskbench [--sample N]
+    python benchmarks/maskbench.py --data ../shared/data/maskbench [--sample N]
 
 The last line printed is a JSON object with every figure.
 """
