@@ -13,7 +13,9 @@ from agentrt.grammar import GrammarCompiler, GrammarSpec, allocate_bitmask, allo
 
 from .helpers import TOOLS, accept_all, drive
 
-MASKBENCH = Path("/work/shared/data/maskbench")
+MASKBENCH = (
+    Path(__file__).resolve().parents[3] / "shared" / "data" / "maskbench"
+)  # beside the checkout
 
 
 class Address(BaseModel):
