@@ -251,8 +251,15 @@ class OtherInputItem(_Open):
 _ITEM_TAGS = ("message", "function_call", "function_call_output")
 
 
-def _item_tag(value: Any) -> str:
-    kind = value.get("type", "message") if isinstance(value, dict) else value.type
+def _item_tag(value: Any) -> str | None:
+    """The union member an input item validates as; None (a validation error, so a 400)
+    for a value that is no item at all, such as a list or a number."""
+    if isinstance(value, dict):
+        kind = value.get("type", "message")
+    elif isinstance(value, BaseModel):
+        kind = getattr(value, "type", "message")
+    else:
+        return None
     return kind if kind in _ITEM_TAGS else "other"
 
 

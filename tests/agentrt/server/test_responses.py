@@ -315,6 +315,7 @@ def test_errors_are_openai_errors(client: openai.OpenAI, http: httpx.Client):
     assert error({"tool_choice": "required"})["param"] == "tool_choice"
     assert error({"frequency_penalty": 1})["type"] == "invalid_request_error"
     assert error({"input": []})["param"] == "input"
+    assert error({"input": [[]]})["param"].startswith("input")  # no item at all: a 400
     assert error({"model": "gpt-4o"}, 404)["code"] == "model_not_found"
     assert http.get("/v1/responses/resp_nope").status_code == 404
     with pytest.raises(openai.BadRequestError) as info:
