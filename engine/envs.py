@@ -8,8 +8,11 @@ from pathlib import Path
 
 
 def cache_dir() -> Path:
-    """Where converted weights live: `AGENTRT_CACHE_DIR`, else `$XDG_CACHE_HOME/agentrt`,
-    else `~/.cache/agentrt`. Read at call time so tests can redirect it."""
+    """agentrt's cache: compiled CPU kernels (`kernels/`), a GGUF's config and tokenizer
+    (`models/`, never its weights: those are read from the file in place) and the storage KV
+    connector's default directory (`kv/`). `AGENTRT_CACHE_DIR`, else
+    `$XDG_CACHE_HOME/agentrt`, else `~/.cache/agentrt`. Read at call time so tests can
+    redirect it."""
     explicit = os.environ.get("AGENTRT_CACHE_DIR")
     if explicit:
         return Path(explicit).expanduser()
