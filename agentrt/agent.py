@@ -42,13 +42,16 @@ class ToolResult:
 class Step:
     """One model reply: the tool calls it made and what they returned, or the final text.
     A reasoning model's `reasoning` is kept here, never in the calls: the call grammar
-    starts after the reasoning ends, and the history sent back holds the calls alone."""
+    starts after the reasoning ends, and the history sent back holds the calls alone.
+    `content`: the text the reply wrote apart from its calls ("Let me check." before a
+    call; the whole text of a final answer)."""
 
     text: str
     calls: list[ToolCall] = field(default_factory=list)
     results: list[ToolResult] = field(default_factory=list)
     usage: Usage = field(default_factory=Usage)
     reasoning: str | None = None
+    content: str | None = None
 
 
 @dataclass(slots=True)
@@ -115,17 +118,25 @@ class Agent:
             completion = await collect_completion(self.backend.stream(messages, fmt, self.sampling))
             usage = usage + completion.usage
             reply = check_completion(completion, fmt, completion.usage)
-            step = Step(completion.text, usage=completion.usage, reasoning=completion.reasoning)
+            step = Step(
+                completion.text,
+                usage=completion.usage,
+                reasoning=completion.reasoning,
+                content=completion.content,
+            )
             steps.append(step)
             if isinstance(reply, str) or choice == "none":  # a plain-text final answer
-                messages.append({"role": "assistant", "content": completion.text})
-                return AgentResult(completion.text, steps, messages, usage)
+                answer = reply if isinstance(reply, str) else completion.text
+                step.content = answer
+                messages.append({"role": "assistant", "content": answer})
+                return AgentResult(answer, steps, messages, usage)
             step.calls = reply
+            content = (completion.content or "").strip() or None
             final = next((c for c in reply if c.name == FINAL_ANSWER), None)
             if final is not None:
-                messages.append(_assistant_calls([final]))
+                messages.append(_assistant_calls([final], content))
                 return AgentResult(self._final_value(final), steps, messages, usage)
-            messages.append(_assistant_calls(reply))
+            messages.append(_assistant_calls(reply, content))
             step.results = await self._run_tools(reply)
             messages.extend(_tool_message(r) for r in step.results)
             for call in reply:
@@ -196,8 +207,10 @@ class Agent:
         return self._output_format.parse(json.dumps(call.arguments))
 
 
-def _assistant_calls(calls: list[ToolCall]) -> dict[str, Any]:
-    return {"role": "assistant", "content": None, "tool_calls": [c.to_openai() for c in calls]}
+def _assistant_calls(calls: list[ToolCall], content: str | None = None) -> dict[str, Any]:
+    """The assistant turn of a reply that called tools: its text before the calls (None:
+    none), and the calls (OpenAI format; the chat template renders them in its own)."""
+    return {"role": "assistant", "content": content, "tool_calls": [c.to_openai() for c in calls]}
 
 
 def _tool_message(result: ToolResult) -> dict[str, Any]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -25,7 +26,8 @@ from agentrt.reasoning import (
     split,
     template_kwargs,
 )
-from agentrt.tool_calls import render_messages, tool_call_style
+from agentrt.reply_tokens import REASONING, ReplySplitter, reply_markers
+from agentrt.tool_calls import render_messages, split_tool_calls, tool_call_style
 
 # The SDK decodes greedily unless told otherwise: structured replies from small models are
 # most reliable that way, and runs are reproducible.
@@ -72,6 +74,11 @@ class Completion:
     num_steered_tokens: int = 0
     reasoning: str | None = None
     raw_text: str | None = None
+    # A tools reply: the text apart from its calls (a sentence before a call; the whole text
+    # when it made none), and the calls' JSON texts where they were read from token ids or
+    # received as calls (None: parse them from `text`).
+    content: str | None = None
+    calls: list[str] | None = None
 
 
 class Backend(Protocol):
@@ -129,6 +136,47 @@ class LocalBackend:
             **check_sampling(sampling), structured_outputs=constrain(fmt.structured_outputs(), plan)
         )
         prompt_ids = tokenizer.encode(prompt_text, add_special_tokens=False)
+        markers = reply_markers(tokenizer, plan.spec, fmt.tool_style if tools else None)
+        if markers is not None:  # the markers are tokens: read the reply from its ids
+            reader = ReplySplitter(
+                tokenizer,
+                markers,
+                opened=plan.opened,
+                prompt_token_ids=prompt_ids,
+                skip_special_tokens=params.skip_special_tokens,
+                stop=params.stop,
+                include_stop_str_in_output=params.include_stop_str_in_output,
+            )
+            replies = self._stream_tokens(prompt_ids, params, reader, tools is not None)
+        else:
+            replies = self._stream_text(prompt_ids, params, plan, fmt if tools else None)
+        async with aclosing(replies):
+            async for item in replies:
+                yield item
+
+    async def _stream_tokens(
+        self, prompt_ids: list[int], params: SamplingParams, reader: ReplySplitter, tools: bool
+    ) -> AsyncIterator[str | Completion]:
+        async with self.engine.add_request(prompt_ids, params) as stream:
+            async for delta in stream:
+                pieces = reader.feed(delta.token_ids)
+                if delta.output is not None:
+                    pieces += reader.finish()
+                for piece in pieces:
+                    yield ReasoningText(piece.text) if piece.kind == REASONING else piece.text
+                if delta.output is not None:
+                    yield split_completion(delta.output, reader, tools)
+
+    async def _stream_text(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        plan: ReasoningRequest,
+        tools: OutputFormat | None,
+    ) -> AsyncIterator[str | Completion]:
+        """The reply read from its text: the reasoning split at its markers' text, tool
+        calls parsed from the answer."""
+        tokenizer = self.engine.tokenizer
         splitter = plan.stream()
         async with self.engine.add_request(prompt_ids, params) as stream:
             async for delta in stream:
@@ -147,7 +195,10 @@ class LocalBackend:
                             yield ReasoningText(reasoning)
                         if answer:
                             yield answer
-                    yield to_completion(delta.output, plan, tokenizer)
+                    completion = to_completion(delta.output, plan, tokenizer)
+                    if tools is not None:
+                        completion.content = split_tool_calls(completion.text, tools.tool_style)[0]
+                    yield completion
 
     async def stats(self):
         return await self.engine.stats()
@@ -173,3 +224,15 @@ def to_completion(
         reasoning=reasoning,
         raw_text=completion.text,
     )
+
+
+def split_completion(output: RequestOutput, reader: ReplySplitter, tools: bool) -> Completion:
+    """`to_completion` of a reply read from its token ids: the answer, reasoning and calls
+    are the reader's (`raw_text` stays the engine's text, what the history re-sends)."""
+    completion = to_completion(output)
+    completion.text = reader.text
+    completion.reasoning = reader.reasoning
+    completion.usage.reasoning_tokens = reader.num_reasoning_tokens
+    if tools:
+        completion.content, completion.calls = reader.content, list(reader.calls)
+    return completion

@@ -34,7 +34,14 @@ from agentrt.errors import OutputValidationError, SchemaError
 from agentrt.grammar import GrammarSpec, GrammarSpecError
 from agentrt.grammar.tools import allows_many, tool_call_spec_text
 from agentrt.grammar.validate import FinalValidator
-from agentrt.tool_calls import ToolCall, hermes_spec, parse_tool_calls, starts_tool_calls
+from agentrt.tool_calls import (
+    OPEN_TAG,
+    ToolCall,
+    hermes_spec,
+    parse_call_blocks,
+    parse_tool_calls,
+    starts_tool_calls,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,14 +126,16 @@ class OutputFormat:
             return None
         return FinalValidator(to_grammar_spec(structured)).errors(text)
 
-    def parse(self, text: str) -> Any:
+    def parse(self, text: str, calls: list[str] | None = None) -> Any:
         """The value of a finished reply that passed the final check; raises
         `OutputValidationError` when the text cannot be converted (or a Python type's
-        validation rejects it)."""
+        validation rejects it). A tools reply whose calls were read apart (from token ids,
+        or received as calls) passes their JSON texts as `calls`; else they are parsed
+        from `text`."""
         if self.kind in ("text", "regex", "choice"):
             return text
         if self.kind == "tools":
-            return self._parse_tool_calls(text)
+            return self._parse_tool_calls(text, calls)
         if self.adapter is not None:
             try:
                 return self.adapter.validate_json(text)
@@ -143,14 +152,19 @@ class OutputFormat:
                 f"output is not JSON: {exc}", text=text, errors=[str(exc)]
             ) from None
 
-    def is_plain_text(self, text: str) -> bool:
+    def is_plain_text(self, text: str, calls: list[str] | None = None) -> bool:
         """Whether a reply is plain text, which may end anywhere (at max_tokens too): always
-        for "text" and under tool_choice "none"; under "auto" when it starts no call."""
-        if self.kind == "tools":
-            return self.tool_choice == "none" or (
-                self.tool_choice == "auto" and not starts_tool_calls(text, self.tool_style)
-            )
-        return self.kind == "text"
+        for "text" and under tool_choice "none"; under "auto" when it opens no call (`calls`
+        as in `parse`)."""
+        if self.kind != "tools":
+            return self.kind == "text"
+        if self.tool_choice in ("none", "auto") and calls is not None:
+            return self.tool_choice == "none" or not calls
+        if self.tool_choice != "auto":
+            return self.tool_choice == "none"
+        if self.tool_style.startswith("hermes"):
+            return OPEN_TAG not in text  # text may come before the first call
+        return not starts_tool_calls(text, self.tool_style)
 
     @property
     def allows_many_calls(self) -> bool:
@@ -158,10 +172,19 @@ class OutputFormat:
         _, choice = tool_call_spec_text(list(self.tools or ()), self.tool_choice)
         return allows_many(choice, self.parallel_tool_calls)
 
-    def _parse_tool_calls(self, text: str) -> list[ToolCall] | str:
+    def _parse_tool_calls(self, text: str, blocks: list[str] | None) -> list[ToolCall] | str:
         if self.tool_choice == "none":
             return text
-        calls = parse_tool_calls(text, self.tool_style)
+        if blocks is None:
+            calls = parse_tool_calls(text, self.tool_style)
+        elif blocks:
+            calls = parse_call_blocks(blocks)
+            if calls is None:
+                raise OutputValidationError(
+                    f"expected tool calls, got {blocks!r}", text=text, errors=["not a tool call"]
+                )
+        else:
+            calls = None
         if calls is not None:
             return calls
         if self.tool_choice == "auto":

@@ -205,7 +205,7 @@ def check_completion(completion: Completion, fmt: OutputFormat, usage: Usage) ->
         raise error_for(code, message)
     if reason == "abort":
         raise GenerationError("the request was aborted")
-    if reason == "length" and not fmt.is_plain_text(text):
+    if reason == "length" and not fmt.is_plain_text(text, completion.calls):
         raise TruncatedOutputError(
             f"the output hit max_tokens after {usage.completion_tokens} tokens before the "
             f"{fmt.kind} was complete; raise max_tokens.",
@@ -221,7 +221,7 @@ def check_completion(completion: Completion, fmt: OutputFormat, usage: Usage) ->
             usage=usage,
         )
     try:
-        return fmt.parse(text)
+        return fmt.parse(text, completion.calls)
     except OutputValidationError as exc:
         exc.usage = usage
         raise

@@ -93,24 +93,44 @@ def starts_tool_calls(text: str, style: str = "json") -> bool:
 
 
 def parse_tool_calls(text: str, style: str = "json") -> list[ToolCall] | None:
-    """The calls in a constrained reply, or None when it is plain text. Under a hermes
-    style only `<tool_call>` blocks are calls (plain text may start with `{`); the "json"
-    style reads either."""
+    """The calls in a constrained reply, or None when it is plain text (see
+    `split_tool_calls`, which also returns the text before them)."""
+    return split_tool_calls(text, style)[1]
+
+
+def split_tool_calls(text: str, style: str = "json") -> tuple[str, list[ToolCall] | None]:
+    """(content, calls) of a constrained reply read from its text: calls None when it is
+    plain text (content is then the whole text). Under a hermes style the calls are the
+    `<tool_call>` blocks from the first opening tag on, and the text before it is the
+    content ("Let me check." then a call); plain text may start with `{`. The "json" style
+    reads a reply that is one call payload. (A tokenizer whose tags are single tokens is read
+    from the token ids instead: agentrt.reply_tokens.)"""
     stripped = text.strip()
-    blocks = _HERMES_CALL.findall(stripped) if stripped.startswith(OPEN_TAG) else None
-    if blocks:
-        try:
-            items = [json.loads(block) for block in blocks]
-        except json.JSONDecodeError:
-            return None
-        return _to_calls(items)
-    if style.startswith("hermes") or not stripped.startswith(("{", "[")):
-        return None
+    if style.startswith("hermes") or stripped.startswith(OPEN_TAG):
+        at = stripped.find(OPEN_TAG)
+        if at < 0:
+            return text, None
+        blocks = _HERMES_CALL.findall(stripped[at:])
+        calls = parse_call_blocks(blocks) if blocks else None
+        return (stripped[:at].strip(), calls) if calls else (text, None)
+    if not stripped.startswith(("{", "[")):
+        return text, None
     try:
         payload = json.loads(stripped)
     except json.JSONDecodeError:
+        return text, None
+    calls = _to_calls(payload if isinstance(payload, list) else [payload])
+    return ("", calls) if calls else (text, None)
+
+
+def parse_call_blocks(blocks: list[str]) -> list[ToolCall] | None:
+    """The calls of `{"name": ..., "arguments": {...}}` texts (one per tagged block), or
+    None when one is not such a call."""
+    try:
+        items = [json.loads(block) for block in blocks]
+    except json.JSONDecodeError:
         return None
-    return _to_calls(payload if isinstance(payload, list) else [payload])
+    return _to_calls(items)
 
 
 def _to_calls(items: list[Any]) -> list[ToolCall] | None:

@@ -201,24 +201,38 @@ def tagged_calls_lark(
 ) -> str:
     """Lark grammar (llguidance dialect) of tagged calls for canonical `tools` and `choice`
     ("auto", "required" or "name:<tool>"): `<open>\n<call JSON>\n<close>` per call, several
-    (one newline apart) when `allows_many`. Under "auto" the other branch is plain text,
-    which may hold anything (a leading `<` too) but cannot start, after spaces, with the
-    opening tag's text: a reply that begins like a call is a call, so parsing the text and
-    the grammar agree (a special token cannot occur in text at all)."""
+    (one newline apart) when `allows_many`.
+
+    Under "auto" the reply is plain text, calls, or text then calls (Qwen writes "Let me
+    check.\n<tool_call>..."), and the text may hold anything, a leading `<` too:
+    - a special opening token cannot occur in text at all, so the text ends where that
+      token comes; text does not start, after spaces, with the opening's characters either
+      (a reply that looks like a call is one);
+    - an opening spelled in ordinary tokens cannot occur in text: the first one opens the
+      first call (a lazy lexeme ends at it), as parsing the text reads it back."""
     call_schema = compact(tool_calls_schema(tools, choice, parallel=False))
-    many = 'call ("\\n" call)*' if allows_many(choice, parallel) else "call"
+    many = allows_many(choice, parallel)
+    call_json = f'"\\n" %json {json.dumps(call_schema, ensure_ascii=False)} "\\n"'
+    close = _tag(tags.close, tags.close_special)
+    calls = 'call ("\\n" call)*' if many else "call"
     lines = [
-        f"calls: {many}",
-        f'call: {_tag(tags.open, tags.open_special)} "\\n" '
-        f"%json {json.dumps(call_schema, ensure_ascii=False)} "
-        f'"\\n" {_tag(tags.close, tags.close_special)}',
+        f"calls: {calls}",
+        f"call: {_tag(tags.open, tags.open_special)} {call_json} {close}",
     ]
-    if choice == "auto":
-        opening = re.escape(tags.open).replace("/", "\\/")
-        lines.insert(0, "start: calls | text")
+    if choice != "auto":
+        return "\n".join(["start: calls", *lines]) + "\n"
+    opening = re.escape(tags.open).replace("/", "\\/")
+    if tags.open_special:
+        lines.insert(0, "start: calls | text | text calls")
         lines += ["text: TEXT", f"TEXT: /(?s:.*)/ & ~/[ \\t\\r\\n]*{opening}(?s:.*)/"]
     else:
-        lines.insert(0, "start: calls")
+        more = ' ("\\n" call)*' if many else ""
+        lines = [f"start: text | lead {call_json} {close}{more}", lines[1]]
+        lines += [
+            f"lead[suffix={json.dumps(tags.open)}]: /(?s:.*)/",
+            "text: TEXT",
+            f"TEXT: /(?s:.*)/ & ~/(?s:.*){opening}(?s:.*)/",
+        ]
     return "\n".join(lines) + "\n"
 
 

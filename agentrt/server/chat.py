@@ -20,6 +20,7 @@ from agentrt.reasoning import (
     split,
     template_kwargs,
 )
+from agentrt.reply_tokens import CALL, REASONING, ReplyMarkers, ReplySplitter, reply_markers
 from agentrt.server.calls_or_answer import CallsOrAnswerStreamer, tool_names
 from agentrt.server.errors import bad_request
 from agentrt.server.generation import Generation, respond
@@ -28,7 +29,12 @@ from agentrt.server.protocol import ChatCompletionRequest, ChatMessage
 from agentrt.server.responses import chat_logprobs, kv_transfer, new_id, now, usage
 from agentrt.server.state import ServerState
 from agentrt.server.tool_stream import ToolCallStreamer
-from agentrt.tool_calls import parse_tool_calls, render_messages, tool_call_style
+from agentrt.tool_calls import (
+    parse_call_blocks,
+    render_messages,
+    split_tool_calls,
+    tool_call_style,
+)
 
 
 async def create_chat_completion(
@@ -69,6 +75,7 @@ async def create_chat_completion(
         include_reasoning=request.include_reasoning,
         tokenizer=state.engine.tokenizer,
     )
+    view.read_tokens(prompt_ids, params[0])
     return await respond(generation, view, request, raw.receive)
 
 
@@ -165,6 +172,24 @@ class _ChatView:
         self.top_n = top_n
         self.id = new_id("chatcmpl")
         self.created = now()
+        self.markers: ReplyMarkers | None = None
+        self._reader_options: dict[str, Any] = {}
+
+    def read_tokens(self, prompt_ids: list[int], params: Any) -> None:
+        """Read replies from their token ids where the reasoning and call markers are single
+        tokens (agentrt.reply_tokens), decoding as `params` (a choice's SamplingParams) do."""
+        tools_style = self.tool_style if self.tools_active else None
+        self.markers = reply_markers(self.tokenizer, self.reasoning.spec, tools_style)
+        self._reader_options = {
+            "opened": self.reasoning.opened,
+            "prompt_token_ids": prompt_ids,
+            "skip_special_tokens": params.skip_special_tokens,
+            "stop": params.stop,
+            "include_stop_str_in_output": params.include_stop_str_in_output,
+        }
+
+    def _reader(self) -> ReplySplitter:
+        return ReplySplitter(self.tokenizer, self.markers, **self._reader_options)
 
     def completion(self, outputs: list[RequestOutput]) -> dict[str, Any]:
         choices = []
@@ -193,21 +218,35 @@ class _ChatView:
         }
 
     def _message(self, completion: CompletionOutput) -> tuple[dict[str, Any], str | None]:
+        if self.markers is not None:
+            return self._message_from_tokens(completion)
         reasoning, text = split(completion.text, self.reasoning)
         message, finish = self._answer(dataclasses.replace(completion, text=text))
         if reasoning is not None and self.include_reasoning:
             message["reasoning_content"] = reasoning
         return message, finish
 
-    def _answer(self, completion: CompletionOutput) -> tuple[dict[str, Any], str | None]:
-        calls = parse_tool_calls(completion.text, self.tool_style) if self.tools_active else None
+    def _message_from_tokens(
+        self, completion: CompletionOutput
+    ) -> tuple[dict[str, Any], str | None]:
+        reader = self._reader()
+        reader.feed(completion.token_ids)
+        reader.finish()
+        calls = parse_call_blocks(reader.calls) if reader.calls else None
         if calls:
-            message = {
-                "role": "assistant",
-                "content": None,
-                "refusal": None,
-                "tool_calls": [call.to_openai() for call in calls],
-            }
+            message = _calls_message(calls, reader.content)
+        else:  # no call (or one max_tokens cut): the answer as text
+            message = {"role": "assistant", "content": reader.text, "refusal": None}
+        if reader.reasoning is not None and self.include_reasoning:
+            message["reasoning_content"] = reader.reasoning
+        return message, _finish(completion.finish_reason, tool_calls=bool(calls))
+
+    def _answer(self, completion: CompletionOutput) -> tuple[dict[str, Any], str | None]:
+        calls = None
+        if self.tools_active:
+            content, calls = split_tool_calls(completion.text, self.tool_style)
+        if calls:
+            message = _calls_message(calls, content)
             return message, _finish(completion.finish_reason, tool_calls=True)
         message = {"role": "assistant", "content": completion.text, "refusal": None}
         return message, _finish(completion.finish_reason, tool_calls=False)
@@ -217,6 +256,58 @@ class _ChatView:
         if self.answer_too:
             return CallsOrAnswerStreamer(self.tool_style, self.tool_names)
         return ToolCallStreamer(self.tool_style) if self.tools_active else None
+
+    def _text_delta(
+        self,
+        splitter: Any,
+        streamer: ToolCallStreamer | CallsOrAnswerStreamer | None,
+        delta: RequestDelta,
+    ) -> dict[str, Any]:
+        """The chunk delta of a reply read from its text: the reasoning split at its
+        markers' text (`splitter`, a ReasoningStream or None), the answer as content or
+        tool-call deltas (`streamer`)."""
+        body: dict[str, Any] = {}
+        text = delta.text
+        if splitter is not None:
+            thought, text = splitter.feed(text)
+            if delta.output is not None:
+                more_thought, more_text = splitter.finish()
+                thought, text = thought + more_thought, text + more_text
+            if thought and self.include_reasoning:
+                body["reasoning_content"] = thought
+        if streamer is not None:
+            content, calls = streamer.feed(text)
+            if content:
+                body["content"] = content
+            if calls:
+                body["tool_calls"] = calls
+        elif text:
+            body["content"] = text
+        return body
+
+    def _token_delta(
+        self, reader: ReplySplitter, streamer: ToolCallStreamer, delta: RequestDelta
+    ) -> dict[str, Any]:
+        """The chunk delta of a reply read from its token ids: reasoning, content and the
+        calls' deltas (the calls' text, tags spelled, through `ToolCallStreamer`)."""
+        pieces = reader.feed(delta.token_ids)
+        if delta.output is not None:
+            pieces += reader.finish()
+        body: dict[str, Any] = {}
+        call_text = ""
+        for piece in pieces:
+            if piece.kind == REASONING:
+                if self.include_reasoning:
+                    body["reasoning_content"] = body.get("reasoning_content", "") + piece.text
+            elif piece.kind == CALL:
+                call_text += piece.text
+            else:
+                body["content"] = body.get("content", "") + piece.text
+        if call_text:
+            _, calls = streamer.feed(call_text)
+            if calls:
+                body["tool_calls"] = calls
+        return body
 
     def _usage(self, outputs: list[RequestOutput]) -> dict[str, Any]:
         """`usage`, with the reasoning's tokens apart (OpenAI's completion_tokens_details)."""
@@ -250,29 +341,18 @@ class _ChatView:
         include_usage: bool,
     ) -> None:
         extra = {"usage": None} if include_usage else {}
-        streamers = [self._streamer() for _ in firsts]
-
-        splitters = [self.reasoning.stream() for _ in firsts]
+        if self.markers is not None:  # read from the token ids; calls streamed as text
+            readers = [self._reader() for _ in firsts]
+            streamers = [ToolCallStreamer("hermes") for _ in firsts]
+        else:
+            splitters = [self.reasoning.stream() for _ in firsts]
+            streamers = [self._streamer() for _ in firsts]
 
         async def on_delta(index: int, delta: RequestDelta) -> None:
-            body: dict[str, Any] = {}
-            text = delta.text
-            if splitters[index] is not None:
-                thought, text = splitters[index].feed(text)
-                if delta.output is not None:
-                    more_thought, more_text = splitters[index].finish()
-                    thought, text = thought + more_thought, text + more_text
-                if thought and self.include_reasoning:
-                    body["reasoning_content"] = thought
-            streamer = streamers[index]
-            if streamer is not None:
-                content, calls = streamer.feed(text)
-                if content:
-                    body["content"] = content
-                if calls:
-                    body["tool_calls"] = calls
-            elif text:
-                body["content"] = text
+            if self.markers is not None:
+                body = self._token_delta(readers[index], streamers[index], delta)
+            else:
+                body = self._text_delta(splitters[index], streamers[index], delta)
             logprobs = None
             if self.top_n is not None and delta.logprobs:
                 logprobs = {"content": chat_logprobs(delta.logprobs, self.top_n)}
@@ -293,6 +373,16 @@ class _ChatView:
         outputs = await generation.stream_choices(firsts, emit, on_delta, on_finish)
         if include_usage:
             await emit(self.chunk([], self._usage(outputs)))
+
+
+def _calls_message(calls: list[Any], content: str | None) -> dict[str, Any]:
+    """The message of a reply that called tools, with the text it wrote before them."""
+    return {
+        "role": "assistant",
+        "content": (content or "").strip() or None,
+        "refusal": None,
+        "tool_calls": [call.to_openai() for call in calls],
+    }
 
 
 def _choice(index: int, delta: dict, logprobs: dict | None = None, finish: str | None = None):

@@ -153,3 +153,45 @@ def test_a_short_reply_far_from_max_tokens_is_not_steered(qwen_compiler, qwen_to
             if not matcher.accept_token(token_id):
                 break  # steered away from the reply's own next token
         assert (matcher.num_steered > 0) is steered, max_tokens
+
+
+def _spelled_ids(tok, text: str) -> list[int]:
+    """`text` in ordinary tokens only: each tag token spelled out (`<`, `tool_call>`)."""
+    ids = []
+    for token_id in tok.encode(text, add_special_tokens=False):
+        if token_id in (OPEN_ID, CLOSE_ID):
+            head = "<" if token_id == OPEN_ID else "</"
+            ids += tok.encode(head, add_special_tokens=False)
+            ids += tok.encode("tool_call>", add_special_tokens=False)
+        else:
+            ids.append(token_id)
+    return ids + [EOS_ID]
+
+
+def _accepts_ids(grammar, ids: list[int]) -> bool:
+    matcher = grammar.matcher()
+    return all(matcher.accept_token(t) for t in ids)
+
+
+@pytest.mark.parametrize("tags", [SPECIAL, CallTags()], ids=["special", "spelled"])
+def test_auto_admits_text_then_calls(qwen_compiler, qwen_tok, tags):
+    """Qwen writes a sentence, then its call: under "auto" text may come before the calls
+    (never after them), under "required" not at all."""
+    auto = _grammar(qwen_compiler, "auto", tags=tags)
+    required = _grammar(qwen_compiler, "required", tags=tags)
+
+    def ids(text):
+        if tags.open_special:
+            return qwen_tok.encode(text, add_special_tokens=False) + [EOS_ID]
+        return _spelled_ids(qwen_tok, text)
+
+    lead = "Let me check.\n"
+    for text in (WEATHER, lead + WEATHER, lead + WEATHER + "\n" + RATE, "<b>bold</b>", ""):
+        assert _accepts_ids(auto, ids(text)), text
+    assert not _accepts_ids(auto, ids(WEATHER + " and then text"))
+    assert not _accepts_ids(required, ids(lead + WEATHER))
+    single = _grammar(qwen_compiler, "auto", parallel=False, tags=tags)
+    assert _accepts_ids(single, ids(lead + RATE))
+    assert not _accepts_ids(single, ids(lead + RATE + "\n" + RATE))
+    if not tags.open_special:  # the spelled tag opens a call wherever it comes
+        assert not _accepts_ids(auto, ids("a <tool_call> b"))
