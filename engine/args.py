@@ -156,8 +156,9 @@ class EngineArgs:
     )
     kv_max_held_fraction: float = _option(
         0.5,
-        "p2p: the share of the KV pool a producer may hold for consumers at once; past it a "
-        "prefill is not held (its response says so) and the consumer computes it",
+        "p2p: the share of the KV pool a producer may hold for consumers at once; a "
+        "do_remote_decode request whose blocks would pass it is refused (the server answers "
+        "429 with Retry-After)",
     )
     kv_secret: str | None = field(
         default=None,

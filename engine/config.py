@@ -358,7 +358,8 @@ class KVTransferConfig:
     a transfer that has not arrived by then fails, and the request computes its prefill
     itself. `hold_timeout_s`: how long a p2p producer keeps a finished prefill's blocks for
     a consumer that does not come. `max_held_fraction`: the share of the pool a p2p
-    producer may hold for consumers at once (past it a prefill is not held). `secret`: what
+    producer may hold for consumers at once (past it a do_remote_decode request is refused
+    at admission, and a prefill that still does not fit is not held). `secret`: what
     instances that exchange KV share (kv_transfer/auth.py; required for p2p; never shown
     in a repr). `allowed_producers`: the "host:port"s a p2p consumer fetches from (empty:
     any producer that signed its params with the secret). `storage_max_gb`: the storage

@@ -88,7 +88,23 @@ class Scheduler:
     # -- queue management -------------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
-        """Queue a validated request. The caller has checked that it fits in the pool."""
+        """Queue a validated request. The caller has checked that it fits in the pool. A
+        request the KV connector cannot take now (a p2p producer's holds at their cap) fails
+        at once with `ErrorCode.OVERLOADED` (take_errored), without entering the queue."""
+        refusal = self.connector.admit(request) if self.connector is not None else None
+        if refusal is not None:
+            request.status = RequestStatus.FINISHED_ERROR
+            self.errored.append(
+                EngineCoreOutput(
+                    request.req_id,
+                    [],
+                    None,
+                    "error",
+                    error_code=ErrorCode.OVERLOADED,
+                    error=refusal,
+                )
+            )
+            return
         self.requests[request.req_id] = request
         self._insert_waiting(request)
 
@@ -104,7 +120,8 @@ class Scheduler:
         self.running.insert(bisect.bisect_right(keys, self._order_key(request)), request)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running or self.loading)
+        """Requests queued, running or loading, or failed with an output not yet taken."""
+        return bool(self.waiting or self.running or self.loading or self.errored)
 
     def finish_requests(self, req_ids: list[str], status: RequestStatus) -> list[str]:
         """Finish (e.g. abort) requests in any state and free their blocks at once.

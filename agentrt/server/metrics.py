@@ -192,6 +192,12 @@ class _EngineStats:
                 "KV blocks stored, or sent to another instance.",
                 kv.num_saved_blocks,
             ),
+            (
+                "kv_transfer_num_holds_refused",
+                "do_remote_decode requests refused (429) or not held: the p2p producer's "
+                "held blocks were at kv_max_held_fraction of its pool.",
+                kv.num_holds_refused,
+            ),
         ):
             metric = CounterMetricFamily(
                 f"agentrt:{name}", help_text, labels=["model_name", "connector"]

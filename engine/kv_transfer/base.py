@@ -136,6 +136,12 @@ class KVConnector:
         loads, self._planned = self._planned, {}
         return KVConnectorMetadata(loads=loads)
 
+    def admit(self, request: Request) -> str | None:
+        """Why a new request cannot be taken now (the engine fails it with
+        `ErrorCode.OVERLOADED`, a 429: retry later), or None. An admitted request may
+        reserve room here, which `request_finished` gives back."""
+        return None
+
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict | None]:
         """A request finished (or was aborted). Returns whether its blocks must stay until
         `get_finished` reports it sent, and the `kv_transfer_params` for its output."""

@@ -8,8 +8,12 @@ The flow is vLLM's (NIXL connector), driven by a proxy (`agentrt proxy`):
    when the request finishes, keeps its blocks and returns in `kv_transfer_params` where
    they are: its address, request id, block ids, how many tokens they hold (whole blocks,
    all but the last prompt token) and the content key of those tokens, signed with the
-   secret the instances share (auth.py). Past `max_held_fraction` of its pool it keeps
-   nothing and says so (`do_remote_prefill: false` and `hold_refused`).
+   secret the instances share (auth.py). The blocks it holds are capped at
+   `max_held_fraction` of its pool: a `do_remote_decode` request is admitted only if the
+   blocks held, those reserved by the holds still computing, and its own fit under the cap
+   (otherwise it fails at once with `ErrorCode.OVERLOADED`, which the server answers with
+   429 and Retry-After); if a hold still does not fit when the prefill ends, the producer
+   keeps nothing and says so (`do_remote_prefill: false` and `hold_refused`).
 2. The proxy sends the same request to a consumer with those params. It checks them (the
    signature and expiry, the engine id, this request's tokens by key, the producer among
    `allowed_producers` if set) and parks the request in `WAITING_FOR_REMOTE_KVS`; a
@@ -118,6 +122,7 @@ class P2PConnector(KVConnector):
         self._server_public, self._server_secret = curve_server_keys(config.secret)
         self._context = zmq.Context()
         self._held: dict[str, _Held] = {}  # producer: finished prefills kept for a consumer
+        self._reserved: dict[str, int] = {}  # producer: blocks of admitted holds still running
         self._sent: list[str] = []  # producer: requests whose blocks may be freed
         self._tried: set[str] = set()  # consumer: requests that had their one transfer
         self.port: int | None = None
@@ -143,8 +148,36 @@ class P2PConnector(KVConnector):
 
     # -- producer ----------------------------------------------------------------------------
 
+    def admit(self, request: Request) -> str | None:
+        """Refuse a `do_remote_decode` request whose blocks (its prompt and max_tokens, all
+        pinned until a consumer fetches them) would take the held blocks past the cap;
+        otherwise reserve them until it finishes."""
+        params = request.sampling_params.kv_transfer_params or {}
+        if not self.config.saves or not params.get("do_remote_decode"):
+            return None
+        bs = self.layout.block_size
+        num_blocks = -(-(request.num_prompt_tokens + request.max_tokens) // bs)
+        with self._lock:
+            num_held = sum(held.num_pinned for held in self._held.values())
+            num_reserved = sum(self._reserved.values())
+            max_held = self._max_held()
+            if num_held + num_reserved + num_blocks > max_held:
+                self.stats.num_holds_refused += 1
+                return (
+                    f"this producer holds {num_held} and has reserved {num_reserved} of the "
+                    f"{max_held} KV blocks it may hold for consumers (kv_max_held_fraction); "
+                    f"a prefill of {num_blocks} more blocks to hold is refused: retry later"
+                )
+            self._reserved[request.req_id] = num_blocks
+        return None
+
+    def _max_held(self) -> int:
+        return int(self.config.max_held_fraction * len(self.kv_caches[0]))
+
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict | None]:
         self._tried.discard(request.req_id)
+        with self._lock:
+            self._reserved.pop(request.req_id, None)
         params = request.sampling_params.kv_transfer_params or {}
         if (
             not self.config.saves
@@ -159,7 +192,9 @@ class P2PConnector(KVConnector):
         ttl = self.config.hold_timeout_s
         with self._lock:
             num_held = sum(held.num_pinned for held in self._held.values())
-            max_held = int(self.config.max_held_fraction * len(self.kv_caches[0]))
+            max_held = self._max_held()
+            # Admission reserved room for it; this guards against what the reservation did
+            # not foresee (a hold never admitted, e.g. after a restart of the accounting).
             if num_held + len(block_ids) > max_held:
                 self.stats.num_holds_refused += 1
                 refused = (

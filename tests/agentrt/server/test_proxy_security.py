@@ -9,9 +9,11 @@ contacts nobody, while the proxy's own flow still decodes the producer's prefill
 
 from __future__ import annotations
 
+import random
 import socket
 from collections.abc import Iterator
 
+import anyio
 import httpx
 import pytest
 
@@ -156,3 +158,58 @@ def test_params_a_client_altered_are_a_400_and_nothing_is_contacted(disagg):
         loaded = metrics(http)
     assert loaded["agentrt:kv_transfer_num_loads_total"] == 1
     assert loaded["agentrt:kv_transfer_num_load_failures_total"] == 0
+
+
+def token_prompt(seed: int, num_tokens: int = 100) -> list[int]:
+    """A prompt of its own, as token ids: 7 blocks of 16 (with the sampled token)."""
+    rng = random.Random(seed)
+    return [rng.randrange(100, 40_000) for _ in range(num_tokens)]
+
+
+@pytest.mark.slow  # three server processes (the module's)
+def test_a_flood_of_holds_gets_429s_and_the_counter_moves(disagg):
+    producer, consumer, proxy = disagg
+    with httpx.Client(base_url=producer.url) as http:
+        refused_before = metrics(http)["agentrt:kv_transfer_num_holds_refused_total"]
+
+    # 32 of the producer's 64 blocks may be held (kv_max_held_fraction 0.5), 7 per request.
+    async def flood() -> list[tuple[list[int], httpx.Response]]:
+        out: list[tuple[list[int], httpx.Response]] = []
+        headers = {"Authorization": f"Bearer {KEY}"}
+        async with httpx.AsyncClient(base_url=producer.url, headers=headers, timeout=60) as http:
+
+            async def one(seed: int) -> None:
+                body = {"model": "m", "prompt": token_prompt(seed), "max_tokens": 1}
+                body["kv_transfer_params"] = {"do_remote_decode": True}
+                out.append((body["prompt"], await http.post("/v1/completions", json=body)))
+
+            async with anyio.create_task_group() as tg:
+                for seed in range(12):
+                    tg.start_soon(one, seed)
+        return out
+
+    responses = anyio.run(flood)
+    held = [(p, r) for p, r in responses if r.status_code == 200]
+    refused = [r for _, r in responses if r.status_code == 429]
+    assert len(held) == 4 and len(refused) == 8, [r.text for _, r in responses]
+    error = refused[0].json()["error"]
+    assert error["code"] == "rate_limit_exceeded" and "kv_max_held_fraction" in error["message"]
+    assert int(refused[0].headers["Retry-After"]) >= 1
+    assert all(r.json()["kv_transfer_params"]["do_remote_prefill"] for _, r in held)
+    with httpx.Client(base_url=producer.url) as http:
+        assert metrics(http)["agentrt:kv_transfer_num_holds_refused_total"] == refused_before + 8
+    # A normal request still completes on the producer; through the proxy (whose prefill is a
+    # hold too) the 429 comes back with its Retry-After while the cap is full.
+    assert complete(producer.url, PROMPT).status_code == 200
+    proxied = complete(proxy.url, token_prompt(100))
+    assert proxied.status_code == 429 and "Retry-After" in proxied.headers
+    # The held prefills decode on the consumer, which frees them: holds are taken again.
+    with httpx.Client(base_url=consumer.url) as http:
+        loads_before = metrics(http)["agentrt:kv_transfer_num_loads_total"]
+    for ids, response in held:
+        kv = response.json()["kv_transfer_params"]
+        assert complete(consumer.url, ids, kv_transfer_params=kv).status_code == 200
+    with httpx.Client(base_url=consumer.url) as http:
+        assert metrics(http)["agentrt:kv_transfer_num_loads_total"] == loads_before + 4
+    proxied = complete(proxy.url, token_prompt(100))
+    assert proxied.status_code == 200, proxied.text
