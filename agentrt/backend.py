@@ -17,6 +17,7 @@ from agentrt.engine.outputs import RequestOutput
 from agentrt.engine.sampling_params import SamplingParams
 from agentrt.formats import OutputFormat
 from agentrt.reasoning import (
+    REASONING_OPTIONS,
     ReasoningRequest,
     ReasoningText,
     constrain,
@@ -91,6 +92,35 @@ class Backend(Protocol):
     async def stats(self) -> Any: ...
 
 
+# OpenAI's `reasoning_effort`: "none" and "minimal" turn a reasoning model's thinking off, any
+# other effort on (where `reasoning=` is not given); a model without reasoning ignores it.
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
+
+
+def reasoning_options(sampling: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """`sampling` without the reasoning options, and those options (`reasoning`,
+    `max_reasoning_tokens`, `reasoning_parser`, `reasoning_effort`); raises
+    InvalidRequestError for an unknown effort."""
+    names = (*REASONING_OPTIONS, "reasoning_effort")
+    options = {name: sampling[name] for name in names if name in sampling}
+    effort = options.get("reasoning_effort")
+    if effort is not None and effort not in REASONING_EFFORTS:
+        raise InvalidRequestError(
+            f"reasoning_effort={effort!r} is invalid: expected one of {list(REASONING_EFFORTS)}.",
+            field="reasoning_effort",
+        )
+    return {k: v for k, v in sampling.items() if k not in names}, options
+
+
+def reasoning_mode(options: dict[str, Any]) -> Any:
+    """`reasoning` (True, False, "auto"), from `reasoning_effort` when it is not given."""
+    mode = options.get("reasoning", "auto")
+    effort = options.get("reasoning_effort")
+    if mode == "auto" and effort is not None:
+        return effort not in ("none", "minimal")
+    return mode
+
+
 def check_sampling(sampling: dict[str, Any]) -> dict[str, Any]:
     """SDK defaults overlaid with the caller's options; unknown names are rejected."""
     unknown = sorted(set(sampling) - SAMPLING_OPTIONS)
@@ -110,11 +140,12 @@ class LocalBackend:
         self, messages: list[dict], fmt: OutputFormat, sampling: dict[str, Any]
     ) -> AsyncIterator[str | Completion]:
         """`sampling` may also hold the reasoning options (agentrt.reasoning): `reasoning`
-        (True, False, "auto"), `max_reasoning_tokens`, `reasoning_parser`."""
-        sampling = dict(sampling)
-        mode = sampling.pop("reasoning", "auto")
-        max_reasoning = sampling.pop("max_reasoning_tokens", None)
-        parser = sampling.pop("reasoning_parser", None)
+        (True, False, "auto"), `max_reasoning_tokens`, `reasoning_parser`, and OpenAI's
+        `reasoning_effort` ("none" / "minimal": off; any other: on)."""
+        sampling, options = reasoning_options(sampling)
+        mode = reasoning_mode(options)
+        max_reasoning = options.get("max_reasoning_tokens")
+        parser = options.get("reasoning_parser")
         tokenizer = self.engine.tokenizer
         tools = None
         if fmt.kind == "tools":

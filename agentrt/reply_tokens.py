@@ -137,7 +137,7 @@ class ReplySplitter:
         """The end of the reply: the current part's last text; whitespace-only content is
         released if no call was made."""
         pieces: list[ReplyPiece] = []
-        self._close(pieces, final=True)
+        self._close(pieces)
         held, self._held = self._held, ""
         if held and not self.calls:
             self._emit_content(pieces, held, force=True)
@@ -188,13 +188,13 @@ class ReplySplitter:
         decoder = IncrementalDetokenizer(self.tokenizer, self._ids, **self._options)
         return _Part(kind, decoder)
 
-    def _close(self, pieces: list[ReplyPiece], *, final: bool = False) -> None:
+    def _close(self, pieces: list[ReplyPiece]) -> None:
         part = self._part
         if part.closed:
             return
         part.closed = True
         self._take(pieces, part.decoder.get_delta(streaming=False))
-        if part.kind == CALL and not final:
+        if part.kind == CALL:
             self.calls[-1] = self.calls[-1].strip()
 
     def _take(self, pieces: list[ReplyPiece], text: str) -> None:

@@ -109,3 +109,29 @@ async def test_a_short_reply_is_neither_steered_nor_warned_about(qwen_llm, caplo
     assert value.ok is True and session.last.finish_reason == "stop"
     assert session.last.usage.completion_tokens < 25
     assert session.last.num_steered_tokens == 0 and "steered" not in caplog.text
+
+
+async def test_text_then_a_call_in_one_reply(qwen_llm):
+    """Qwen writes a sentence, then its call ("Let me check.\\n<tool_call>..."): under "auto"
+    the Agent gets both, the call run and the sentence kept as the turn's content. (The
+    random model is pushed along: a bias makes "Hmm" its first token, and a repetition
+    penalty, which also weighs the call token the prompt holds, makes the call token beat a
+    second "Hmm".)"""
+    hmm = qwen_llm.engine.tokenizer.encode("Hmm", add_special_tokens=False)
+    PRICES.clear()
+    async with agentrt.Runtime(engine=qwen_llm.engine) as rt:
+        agent = agentrt.Agent(
+            rt,
+            tools=[get_price],
+            max_steps=2,
+            max_tokens=40,
+            logit_bias={hmm[0]: 45.0, OPEN_ID: 60.0},
+            repetition_penalty=2.0,
+        )
+        result = await agent.run("What does an apple cost?")
+    first = result.steps[0]
+    assert first.content == "Hmm" and first.text.startswith("Hmm" + OPEN_TAG)
+    assert [(c.name, c.arguments) for c in first.calls] == [("get_price", {"item": "apple"})]
+    assert PRICES == ["apple"]
+    turn = result.messages[1]  # after the task
+    assert turn["role"] == "assistant" and turn["content"] == "Hmm" and turn["tool_calls"]
