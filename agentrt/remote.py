@@ -10,6 +10,15 @@ above it work unchanged. The final check of a constrained output, which the serv
 not send, runs here on the received text (`OutputFormat.final_errors`, the engine's own
 validator), so Session sees the same `structured_errors` as with the local backend.
 
+Reasoning travels as vLLM and `agentrt serve` spell it: `reasoning=True | False` as the chat
+template's `enable_thinking` (`chat_template_kwargs`), `max_reasoning_tokens` as is, and
+`reasoning_effort` as OpenAI's own parameter; the reply's `reasoning_content` deltas (or
+`reasoning`, vLLM's newer name) stream as `ReasoningText`, and the completion carries the
+reasoning and its token count (`completion_tokens_details.reasoning_tokens`), as the local
+backend's does. (`reasoning_parser` names markers for the local tokenizer only: a server
+picks its model's own.) A reply that wrote text and then called tools keeps the text as
+its `content` beside the calls.
+
 HTTP errors come back through `agentrt.errors.ERROR_KINDS` read backwards: the error
 object's `code` gives the exception class the local backend raises (by HTTP status when the
 server sent no code of ours), and a code the engine ends requests with (a schema that does
@@ -26,11 +35,12 @@ from typing import Any
 
 import anyio
 
-from agentrt.backend import Completion, Usage, check_sampling
+from agentrt.backend import Completion, Usage, check_sampling, reasoning_options
 from agentrt.engine.errors import EngineDeadError, ErrorCode, InvalidRequestError
 from agentrt.engine.scheduler import SchedulerStats
 from agentrt.errors import ERROR_KINDS, code_for_status, error_for
 from agentrt.formats import OutputFormat
+from agentrt.reasoning import ReasoningText
 
 # SamplingParams options OpenAI itself has; the others go in `extra_body` (vLLM's names),
 # and only when they differ from the default, so plain OpenAI endpoints accept the request.
@@ -87,7 +97,8 @@ class RemoteBackend:
         self, messages: list[dict], fmt: OutputFormat, sampling: dict[str, Any]
     ) -> AsyncIterator[str | Completion]:
         openai = _openai()
-        request = self.request(messages, fmt, check_sampling(sampling))
+        sampling, reasoning = reasoning_options(sampling)
+        request = self.request(messages, fmt, check_sampling(sampling), reasoning)
         request["model"] = await self._model_name()
         try:
             stream = await self.client.chat.completions.create(**request)
@@ -96,7 +107,7 @@ class RemoteBackend:
             return
         except openai.APIConnectionError as exc:
             raise EngineDeadError(f"cannot reach {self.base_url}: {exc}") from None
-        text, calls = "", {}
+        text, thought, calls = "", None, {}
         finish_reason, usage = None, Usage()
         failed = None
         try:
@@ -105,6 +116,10 @@ class RemoteBackend:
                     usage = _usage(chunk.usage)
                 for choice in chunk.choices:
                     delta = choice.delta
+                    piece = _reasoning_of(delta)
+                    if piece:
+                        thought = (thought or "") + piece
+                        yield ReasoningText(piece)
                     if delta.content:
                         text += delta.content
                         yield delta.content
@@ -120,20 +135,35 @@ class RemoteBackend:
         if failed is not None:
             yield failed
             return
+        content, call_texts = text, None
         if calls:
             text = _tool_payload(calls, fmt)
+            call_texts = [json.dumps(item, ensure_ascii=False) for item in _call_items(calls)]
             yield text
         if finish_reason == "tool_calls":
             finish_reason = "stop"
         structured_errors = None
         if finish_reason in ("stop", "length"):
             structured_errors = fmt.final_errors(text)
-        yield Completion(text, finish_reason, usage, structured_errors=structured_errors)
+        yield Completion(
+            text,
+            finish_reason,
+            usage,
+            structured_errors=structured_errors,
+            reasoning=thought,
+            content=content if fmt.kind == "tools" else None,
+            calls=call_texts,
+        )
 
     def request(
-        self, messages: list[dict], fmt: OutputFormat, sampling: dict[str, Any]
+        self,
+        messages: list[dict],
+        fmt: OutputFormat,
+        sampling: dict[str, Any],
+        reasoning: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
-        """The keyword arguments of `chat.completions.create` for one turn (no model)."""
+        """The keyword arguments of `chat.completions.create` for one turn (no model);
+        `reasoning`: the reasoning options (`agentrt.backend.reasoning_options`)."""
         request: dict[str, Any] = {
             "messages": messages,
             "stream": True,
@@ -172,6 +202,13 @@ class RemoteBackend:
             request["tool_choice"] = _tool_choice(fmt.tool_choice)
             if fmt.tool_choice != "none":
                 request["parallel_tool_calls"] = fmt.parallel_tool_calls
+        reasoning = reasoning or {}
+        if reasoning.get("reasoning") in (True, False):
+            extra["chat_template_kwargs"] = {"enable_thinking": reasoning["reasoning"]}
+        if reasoning.get("max_reasoning_tokens") is not None:
+            extra["max_reasoning_tokens"] = reasoning["max_reasoning_tokens"]
+        if reasoning.get("reasoning_effort") is not None:
+            request["reasoning_effort"] = reasoning["reasoning_effort"]
         if extra:
             request["extra_body"] = extra
         return request
@@ -249,7 +286,19 @@ def _schema_name(name: str) -> str:
 def _usage(usage) -> Usage:
     details = getattr(usage, "prompt_tokens_details", None)
     cached = getattr(details, "cached_tokens", None) or 0
-    return Usage(usage.prompt_tokens, cached, usage.completion_tokens)
+    completion_details = getattr(usage, "completion_tokens_details", None)
+    reasoning = getattr(completion_details, "reasoning_tokens", None) or 0
+    return Usage(usage.prompt_tokens, cached, usage.completion_tokens, reasoning)
+
+
+def _reasoning_of(delta) -> str | None:
+    """A streamed delta's reasoning text: `reasoning_content` (vLLM's and agentrt's name) or
+    `reasoning` (vLLM's newer one); the openai client keeps such extra fields."""
+    for name in ("reasoning_content", "reasoning"):
+        value = getattr(delta, name, None)
+        if isinstance(value, str) and value:
+            return value
+    return None
 
 
 def _merge_call(calls: dict[int, dict[str, str]], delta) -> None:
@@ -260,8 +309,8 @@ def _merge_call(calls: dict[int, dict[str, str]], delta) -> None:
         call["arguments"] += delta.function.arguments or ""
 
 
-def _tool_payload(calls: dict[int, dict[str, str]], fmt: OutputFormat) -> str:
-    """The local engine's tool-call text: one call object, or a list with parallel calls."""
+def _call_items(calls: dict[int, dict[str, str]]) -> list[dict[str, Any]]:
+    """The received calls as `{"name": ..., "arguments": {...}}`, in order."""
     items = []
     for index in sorted(calls):
         call = calls[index]
@@ -270,6 +319,12 @@ def _tool_payload(calls: dict[int, dict[str, str]], fmt: OutputFormat) -> str:
         except json.JSONDecodeError:
             arguments = call["arguments"]  # OutputFormat.parse reports it
         items.append({"name": call["name"], "arguments": arguments})
+    return items
+
+
+def _tool_payload(calls: dict[int, dict[str, str]], fmt: OutputFormat) -> str:
+    """The local engine's tool-call text: one call object, or a list with parallel calls."""
+    items = _call_items(calls)
     payload = items if fmt.allows_many_calls or len(items) > 1 else items[0]
     return json.dumps(payload, ensure_ascii=False)
 

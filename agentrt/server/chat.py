@@ -98,7 +98,10 @@ def chat_prompt_and_reasoning(
     parallel = request.parallel_tool_calls is not False
     kwargs = dict(request.chat_template_kwargs or {})
     mode = bool(kwargs["enable_thinking"]) if "enable_thinking" in kwargs else "auto"
-    spec = resolve_spec(tokenizer, "auto", None)  # a model without markers: no reasoning
+    if mode == "auto" and request.reasoning_effort is not None:
+        mode = request.reasoning_effort not in ("none", "minimal")
+    # A model without markers does not reason, whatever the request asks.
+    spec = resolve_spec(tokenizer, "auto", request.reasoning_parser)
     try:
         rendered, template_tools = render_messages(
             messages, constraint.tools_in_prompt, tokenizer, parallel=parallel

@@ -168,6 +168,13 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
     max_reasoning_tokens: Annotated[int, Field(ge=0)] | None = None
     include_reasoning: bool = True
+    # OpenAI's: "none" / "minimal" turn thinking off, any other effort on (unless
+    # chat_template_kwargs sets enable_thinking). agentrt's: the markers, for a model whose
+    # template does not show them ("qwen3", "deepseek_r1").
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = (
+        None
+    )
+    reasoning_parser: str | None = None
 
 
 # -- completions -----------------------------------------------------------------------------

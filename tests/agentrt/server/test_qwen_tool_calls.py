@@ -91,3 +91,42 @@ def test_auto_without_a_push_may_answer_in_text(qwen_client):
     )
     choice = reply.choices[0]
     assert choice.message.tool_calls is None and choice.message.content
+
+
+def test_text_then_a_call_whole_and_streamed(qwen_client):
+    """A reply that writes a sentence and then calls: `content` and `tool_calls` both, whole
+    and streamed. (A bias makes "Hmm" the random model's first token; a repetition penalty,
+    which also weighs the call token the prompt holds, makes the call token beat a second.)"""
+    hmm = 80022  # "Hmm" in Qwen2.5's vocabulary, in no prompt here
+    options = dict(
+        model=qwen_client.models.list().data[0].id,
+        messages=MESSAGES,
+        tools=TOOLS,
+        temperature=0,
+        max_tokens=48,
+        parallel_tool_calls=False,
+        logit_bias={str(hmm): 45, str(OPEN_ID): 60},
+        extra_body={"repetition_penalty": 2.0},
+    )
+    whole = qwen_client.chat.completions.create(**options)
+    choice = whole.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Hmm"
+    [call] = choice.message.tool_calls
+    assert (call.function.name, json.loads(call.function.arguments)) == (
+        "get_weather",
+        {"city": "Paris"},
+    )
+    content, arguments, names, finish = "", "", [], None
+    for chunk in qwen_client.chat.completions.create(**options, stream=True):
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        finish = chunk.choices[0].finish_reason or finish
+        for part in delta.tool_calls or []:
+            names += [part.function.name] if part.function.name else []
+            arguments += part.function.arguments or ""
+    assert (content, names, arguments, finish) == (
+        "Hmm",
+        ["get_weather"],
+        call.function.arguments,
+        "tool_calls",
+    )

@@ -9,7 +9,14 @@ from collections.abc import Iterator
 
 import openai
 import pytest
+from pydantic import BaseModel, Field
 
+import agentrt
+from agentrt.backend import Completion
+from agentrt.engine.llm import LLM
+from agentrt.formats import resolve_format
+from agentrt.reasoning import ReasoningText
+from agentrt.remote import RemoteBackend
 from tests.agentrt.server.helpers import ServerProcess
 
 pytestmark = pytest.mark.slow
@@ -23,12 +30,17 @@ SCHEMA = {
 
 
 @pytest.fixture(scope="module")
-def think_client(tiny_think_checkpoint) -> Iterator[openai.OpenAI]:
+def think_server(tiny_think_checkpoint) -> Iterator[ServerProcess]:
     args = ("--model", str(tiny_think_checkpoint), "--dtype", "float32")
     with ServerProcess(
         *args, "--kv-cache-memory-gb", "0.02", "--grammar-timeout-s", "120"
     ) as server:
-        yield openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+        yield server
+
+
+@pytest.fixture(scope="module")
+def think_client(think_server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=think_server.url + "/v1", api_key="none", max_retries=0)
 
 
 def _options(client: openai.OpenAI, **extra) -> dict:
@@ -70,3 +82,56 @@ def test_include_reasoning_and_enable_thinking(think_client):
     )
     assert getattr(off.choices[0].message, "reasoning_content", None) is None
     assert json.loads(off.choices[0].message.content)["ok"] is True
+
+
+class Code(BaseModel):
+    code: str = Field(max_length=6)
+    ok: bool
+
+
+def test_the_remote_backend_sends_the_reasoning_options():
+    backend = RemoteBackend(base_url="http://127.0.0.1:1/v1", model="m")
+    options = {"reasoning": False, "max_reasoning_tokens": 6, "reasoning_effort": "low"}
+    request = backend.request([], resolve_format(Code), {}, options)
+    assert request["extra_body"] == {
+        "chat_template_kwargs": {"enable_thinking": False},
+        "max_reasoning_tokens": 6,
+    }
+    assert request["reasoning_effort"] == "low"  # OpenAI's own parameter
+    assert "extra_body" not in backend.request([], resolve_format(Code), {}, {"reasoning": "auto"})
+
+
+async def _turn(backend, **sampling) -> tuple[str, Completion]:
+    """One turn's reasoning deltas, joined, and its completion."""
+    messages = [{"role": "user", "content": "A code, please."}]
+    items = [i async for i in backend.stream(messages, resolve_format(Code), sampling)]
+    return "".join(i for i in items if isinstance(i, ReasoningText)), items[-1]
+
+
+@pytest.mark.anyio
+async def test_the_remote_backend_reasons_as_the_local_one(think_server, tiny_think_checkpoint):
+    """The SDK pointed at `agentrt serve` passes the reasoning budget and the switch, and gets
+    the reasoning back as the local backend gives it: streamed apart, in the completion,
+    counted in usage; greedy fp32 makes the two the same text."""
+    sampling = {"max_reasoning_tokens": 6, "logit_bias": {151665: 100.0}, "max_tokens": 60}
+    llm = LLM(
+        str(tiny_think_checkpoint), dtype="float32", kv_cache_memory_gb=0.02, grammar_timeout_s=120
+    )
+    async with agentrt.Runtime(engine=llm.engine) as local:
+        local_streamed, local_done = await _turn(local.backend, **sampling)
+    async with agentrt.Runtime(base_url=think_server.url + "/v1", api_key="none") as remote:
+        streamed, done = await _turn(remote.backend, **sampling)
+        assert done.finish_reason == "stop"
+        Code.model_validate_json(done.text)
+        assert streamed == done.reasoning == local_done.reasoning == local_streamed
+        assert done.text.strip() == local_done.text.strip()
+        assert done.usage.reasoning_tokens == local_done.usage.reasoning_tokens == 1 + 6 + 1
+        # The switch, as a template variable and as OpenAI's effort: no reasoning at all.
+        for off in ({"reasoning": False}, {"reasoning_effort": "none"}):
+            streamed, done = await _turn(remote.backend, **sampling, **off)
+            assert streamed == "" and done.reasoning is None, off
+            assert done.usage.reasoning_tokens == 0
+            Code.model_validate_json(done.text)
+        session = remote.session()
+        await session.generate("A code?", schema=Code, **sampling)
+        assert session.last.reasoning and session.last.usage.reasoning_tokens == 8
