@@ -36,6 +36,7 @@ from agentrt.server.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from agentrt.server.response_store import ResponseStore
 from agentrt.server.responses import now
 from agentrt.server.responses_api import add_response_routes
 from agentrt.server.state import ServerConfig, ServerState
@@ -73,7 +74,12 @@ def create_app(config: ServerConfig, *, llm_engine: LLMEngine | None = None) -> 
     )
     install_error_handlers(app)
     _add_routes(app)
-    add_response_routes(app)
+    store = ResponseStore(
+        config.max_stored_responses,
+        config.stored_response_ttl_s,
+        config.max_stored_response_bytes,
+    )
+    add_response_routes(app, store)
 
     def count_status(status: int) -> None:
         if "state" in holder:

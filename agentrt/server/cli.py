@@ -7,6 +7,7 @@ import argparse
 import os
 
 from agentrt.engine.args import EngineArgs
+from agentrt.server.response_store import MAX_AGE_S, MAX_BYTES, MAX_RESPONSES
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
@@ -22,6 +23,25 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-request-bytes", type=int, default=8 * 2**20, help="else 413")
     parser.add_argument(
         "--drain-timeout", type=float, default=30.0, help="seconds SIGTERM waits for requests"
+    )
+    parser.add_argument(
+        "--max-stored-responses",
+        type=int,
+        default=MAX_RESPONSES,
+        help="responses kept for previous_response_id and GET /v1/responses/{id}, oldest out "
+        "first (0: none)",
+    )
+    parser.add_argument(
+        "--stored-response-ttl",
+        type=float,
+        default=MAX_AGE_S,
+        help="seconds a stored response is kept",
+    )
+    parser.add_argument(
+        "--max-stored-response-bytes",
+        type=int,
+        default=MAX_BYTES,
+        help="bytes the stored responses may hold, conversations included",
     )
     parser.add_argument("--log-level", default="info")
     EngineArgs.add_cli_args(parser.add_argument_group("engine"))
@@ -43,6 +63,9 @@ def run_serve(args: argparse.Namespace) -> int:
         api_key=args.api_key or None,
         max_request_bytes=args.max_request_bytes,
         drain_timeout_s=args.drain_timeout,
+        max_stored_responses=args.max_stored_responses,
+        stored_response_ttl_s=args.stored_response_ttl,
+        max_stored_response_bytes=args.max_stored_response_bytes,
     )
     return anyio.run(
         lambda: serve(config, host=args.host, port=args.port, log_level=args.log_level.lower())

@@ -47,6 +47,13 @@ class ResponseStore:
         max_age_s: float = MAX_AGE_S,
         max_bytes: int = MAX_BYTES,
     ) -> None:
+        for name, value in (
+            ("max_responses", max_responses),
+            ("max_age_s", max_age_s),
+            ("max_bytes", max_bytes),
+        ):
+            if value < 0:
+                raise ValueError(f"ResponseStore {name}={value} is invalid: expected >= 0.")
         self.max_responses = max_responses
         self.max_age_s = max_age_s
         self.max_bytes = max_bytes

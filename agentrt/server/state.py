@@ -11,6 +11,7 @@ from agentrt.engine.args import EngineArgs
 from agentrt.engine.async_engine import AsyncEngine
 from agentrt.server.errors import APIError
 from agentrt.server.metrics import ServerMetrics
+from agentrt.server.response_store import MAX_AGE_S, MAX_BYTES, MAX_RESPONSES
 
 EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"
 
@@ -27,6 +28,10 @@ class ServerConfig:
     drain_timeout_s: float = 30.0
     # How long a dead engine keeps answering (503) before the process exits non-zero.
     dead_engine_grace_s: float = 1.0
+    # The Responses API's store (previous_response_id, GET /v1/responses/{id}): its bounds.
+    max_stored_responses: int = MAX_RESPONSES
+    stored_response_ttl_s: float = MAX_AGE_S
+    max_stored_response_bytes: int = MAX_BYTES
 
     @property
     def model_name(self) -> str:
