@@ -24,6 +24,7 @@ from agentrt.tool_calls import OPEN_TAG, new_call_id
 
 @dataclass(slots=True)
 class _Call:
+    start: int  # offset of the call object in the text
     id: str = field(default_factory=new_call_id)
     name: str | None = None
     args_start: int | None = None  # offset of the arguments value in the text
@@ -75,12 +76,17 @@ class ToolCallStreamer:
         return "", self._deltas()
 
     def finish(self) -> str:
-        """At the reply's end: the content still held back (a reply that stopped while it
-        could still have become a call, `<tool` or spaces only), as plain text."""
-        if self.mode is not None:
+        """At the reply's end: the text no delta has carried, as plain text (nothing is
+        lost when max_tokens cuts a reply): all of it when no call was announced (a reply
+        that stopped while it could still have become a call, `<tool` or spaces only, or
+        one cut before its first call's name), else a last call cut before its name."""
+        if self.mode == "text":
             return ""
-        self.mode = "text"
-        return self.text
+        if not any(call.sent_header for call in self.calls):
+            self.mode = "text"  # no call after all
+            return self.text
+        last = self.calls[-1]
+        return "" if last.sent_header else self.text[last.start :]
 
     @property
     def is_tool_calls(self) -> bool:
@@ -108,7 +114,7 @@ class ToolCallStreamer:
                 self._open_value(i)
                 self._depth += 1
                 if ch == "{" and self._depth == self._call_depth:
-                    self.calls.append(_Call())
+                    self.calls.append(_Call(start=i))
             elif ch in "}]":
                 self._depth -= 1
                 self._close_container(i)

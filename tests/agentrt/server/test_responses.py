@@ -409,3 +409,78 @@ def test_logprobs_come_with_the_text_whole_and_streamed(client: openai.OpenAI):
     # The second run prefills less (the prefix cache), so the last bits may differ.
     expected = [lp.logprob for lp in logprobs]
     assert [lp.logprob for lp in streamed] == pytest.approx(expected, abs=1e-3)
+
+
+CHAT_WEATHER = {"type": "function", "function": {k: v for k, v in WEATHER.items() if k != "type"}}
+
+
+@pytest.mark.parametrize("max_tokens", [5, 14])  # cut in the call's name, in its arguments
+def test_a_reply_cut_off_in_a_tool_call_streams_what_it_produced(
+    client: openai.OpenAI, max_tokens: int
+):
+    """max_tokens ends the reply inside its call: chat streams what was produced (the call so
+    far, or the text of one cut before its name) with finish_reason "length", as the whole
+    reply's text; Responses makes it an incomplete function call, or message."""
+    question = [{"role": "user", "content": "What is the weather in Paris?"}]
+    body = {"model": MODEL, "messages": question, "tools": [CHAT_WEATHER], "temperature": 0}
+    body |= {"tool_choice": "required", "parallel_tool_calls": False, "max_tokens": max_tokens}
+    whole = client.chat.completions.create(**body).choices[0]
+    assert whole.finish_reason == "length" and not whole.message.tool_calls
+    content, names, arguments, finishes = "", [], "", []
+    for chunk in client.chat.completions.create(**body, stream=True):
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        for call in delta.tool_calls or ():
+            names += [call.function.name] if call.function.name else []
+            arguments += call.function.arguments or ""
+        finishes += [chunk.choices[0].finish_reason] if chunk.choices[0].finish_reason else []
+    assert finishes == ["length"]
+    if names:  # the call so far: its arguments' text is the rest of the reply's
+        assert names == ["get_weather"] and content == ""
+        assert whole.message.content == '{"name": "get_weather", "arguments": ' + arguments
+    else:
+        assert content == whole.message.content and content.startswith('{"name": "get')
+
+    responses = {"input": question, "tools": [WEATHER], "tool_choice": "required"}
+    responses |= {"parallel_tool_calls": False, "max_output_tokens": max_tokens}
+    response = _ask(client, **responses)
+    with client.responses.stream(model=MODEL, temperature=0, **responses) as stream:
+        events = list(stream)
+    assert events[-1].type == "response.incomplete"
+    for final in (response, events[-1].response):
+        assert final.status == "incomplete"
+        assert final.incomplete_details.reason == "max_output_tokens"
+        [item] = final.output
+        assert item.status == "incomplete"
+        if names:
+            assert (item.type, item.name, item.arguments) == ("function_call", *names, arguments)
+        else:
+            assert item.type == "message" and final.output_text == content
+
+
+def test_an_answer_cut_off_streams_what_it_produced(client: openai.OpenAI):
+    """Tools with an answer format (calls or the answer), cut off in the answer: its text so
+    far, finish_reason "length" in chat; an incomplete message in Responses."""
+    person = Person.model_json_schema()
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "John Smith is 42 and feels happy today."}],
+        "tools": [CHAT_WEATHER],
+        "response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": person}},
+        "max_tokens": 6,
+        "temperature": 0,
+    }
+    whole = client.chat.completions.create(**body).choices[0]
+    assert whole.finish_reason == "length" and whole.message.content.startswith('{"')
+    chunks = list(client.chat.completions.create(**body, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == whole.message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason] == ["length"]
+    responses = {"input": body["messages"], "tools": [WEATHER], "max_output_tokens": 6}
+    responses |= {"text": {"format": {"type": "json_schema", "name": "p", "schema": person}}}
+    with client.responses.stream(model=MODEL, temperature=0, **responses) as stream:
+        events = list(stream)
+    final = events[-1].response
+    assert events[-1].type == "response.incomplete" and final.status == "incomplete"
+    [message] = final.output
+    assert message.type == "message" and message.status == "incomplete"
+    assert final.output_text == whole.message.content

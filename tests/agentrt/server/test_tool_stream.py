@@ -80,3 +80,31 @@ def test_hermes_text_may_start_with_a_bracket(text, cuts):
     content, calls = _assemble(streamer, _split(text, cuts))
     assert calls == {}
     assert content + streamer.finish() == text and not streamer.is_tool_calls
+
+
+@pytest.mark.parametrize("name", REPLIES)
+def test_a_reply_cut_anywhere_loses_nothing(name):
+    """max_tokens may end a reply at any character: the calls announced so far keep their
+    arguments' text up to the cut, and what no delta carried comes out of `finish` as
+    content (all of it when no call was announced yet, else a last call cut before its
+    name)."""
+    style, reply = REPLIES[name]
+    _, full = _assemble(ToolCallStreamer(style), [reply])
+    for end in range(len(reply) + 1):
+        cut = reply[:end]
+        streamer = ToolCallStreamer(style)
+        content, calls = _assemble(streamer, list(cut))
+        content += streamer.finish()
+        if not calls:
+            assert content == cut and not streamer.is_tool_calls
+            continue
+        assert streamer.is_tool_calls
+        *done, last = sorted(calls)
+        assert all(calls[i]["arguments"] == full[i]["arguments"] for i in done)
+        arguments = calls[last]["arguments"]
+        assert full[last]["arguments"].startswith(arguments)
+        if arguments != full[last]["arguments"]:  # cut in them: up to the cut
+            assert cut.endswith(arguments) and content == ""
+        if content:  # a next call, cut before its name
+            assert cut.endswith(content) and content.startswith("{")
+            assert len(calls) < len(full)
