@@ -149,13 +149,14 @@ def split(text: str, request: ReasoningRequest) -> tuple[str | None, str]:
 
 
 def count_reasoning_tokens(tokenizer: Any, token_ids: list[int], request: ReasoningRequest) -> int:
-    """Output tokens up to the end marker, included (all of them while it is open)."""
+    """Output tokens up to the end marker, included (all of them while it is open; none when
+    the reply did not reason)."""
     if request.spec is None or not token_ids:
         return 0
     end_id = single_token_id(tokenizer, request.spec.end)
-    if end_id is not None:
-        return token_ids.index(end_id) + 1 if end_id in token_ids else len(token_ids)
-    if request.spec.end not in tokenizer.decode(token_ids):
+    if end_id is not None and end_id in token_ids:
+        return token_ids.index(end_id) + 1
+    if end_id is not None or request.spec.end not in tokenizer.decode(token_ids):
         started = request.opened or tokenizer.decode(token_ids[:8]).lstrip().startswith(
             request.spec.start
         )

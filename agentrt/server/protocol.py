@@ -312,6 +312,17 @@ class ResponsesStreamOptions(_Closed):
     include_obfuscation: bool | None = None
 
 
+class ReasoningConfig(_Closed):
+    """`reasoning`: an effort of "none" or "minimal" turns a reasoning model's thinking off,
+    any other effort on (a model without reasoning ignores it). No summaries are written:
+    the reasoning item carries the reasoning text itself (`content`), as vLLM's does."""
+
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None
+    generate_summary: Literal["auto", "concise", "detailed"] | None = None
+    context: Literal["auto", "current_turn", "all_turns"] | None = None
+
+
 class ResponsesRequest(_Closed):
     model: str | None = None
     input: str | list[InputItem]
@@ -336,7 +347,9 @@ class ResponsesRequest(_Closed):
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
     service_tier: str | None = None
-    reasoning: dict[str, Any] | None = None
+    reasoning: ReasoningConfig | None = None
+    # agentrt's extension, as in chat: a cap on the reasoning's tokens (then its end is forced).
+    max_reasoning_tokens: Annotated[int, Field(ge=0)] | None = None
     # Refused when set: this server has no background runs, conversations or stored prompts.
     background: bool | None = None
     conversation: str | dict[str, Any] | None = None

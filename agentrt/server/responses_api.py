@@ -9,9 +9,13 @@ the shape of the reply: output items (a message, or function calls), and a strea
 events with sequence numbers. Bodies and events are the `openai` package's own Responses
 types, so what this server sends is what the official client parses.
 
+A reasoning model's reply reasons first (`agentrt.reasoning`, as in chat): its reasoning is
+a `reasoning` output item before the message or calls, its tokens counted apart in
+`usage.output_tokens_details.reasoning_tokens`; `reasoning.effort` "none" / "minimal" turns
+the thinking off. Reasoning items sent back as input are not shown to the model again.
+
 Not served: built-in (hosted) tools, background runs, conversations and stored prompts are
-refused with a 400 naming the field. Reasoning items: none yet (no reasoning is separated
-from the reply); they would open before the message in `responses_output.OutputItems`.
+refused with a 400 naming the field; reasoning summaries are not written.
 """
 
 from __future__ import annotations
@@ -40,8 +44,9 @@ from pydantic import BaseModel
 from sse_starlette import EventSourceResponse, ServerSentEvent
 
 from agentrt.engine.outputs import CompletionOutput, RequestDelta, RequestOutput
+from agentrt.reasoning import ReasoningRequest, constrain, count_reasoning_tokens
 from agentrt.server.calls_or_answer import tool_names
-from agentrt.server.chat import chat_prompt
+from agentrt.server.chat import chat_prompt_and_reasoning
 from agentrt.server.errors import APIError, bad_request, failed_output, from_exception
 from agentrt.server.generation import Generation
 from agentrt.server.params import ChatConstraint, chat_constraint, choice_params
@@ -53,7 +58,14 @@ from agentrt.server.responses_items import (
     output_messages,
     renamed,
 )
-from agentrt.server.responses_output import OutputItems, ReplyShape, discard, dump, item_id
+from agentrt.server.responses_output import (
+    OutputItems,
+    ReplyShape,
+    ReplySplit,
+    discard,
+    dump,
+    item_id,
+)
 from agentrt.server.state import ServerState
 from agentrt.tool_calls import tool_call_style
 
@@ -108,20 +120,22 @@ async def create_response(
     tool_style = tool_call_style(state.engine.tokenizer)
     try:
         constraint = chat_constraint(chat, tool_style)
-        prompt_ids = chat_prompt(state, chat, constraint)
+        prompt_ids, reasoning = chat_prompt_and_reasoning(state, chat, constraint)
         params = choice_params(
             chat,
             max_tokens=chat.max_completion_tokens,
             max_tokens_field="max_output_tokens",
             logprobs=chat.top_logprobs if chat.logprobs else None,
-            structured=constraint.structured,
+            structured=constrain(constraint.structured, reasoning),
         )
     except Exception as exc:
         raise renamed(exc) from None
     generation = Generation(
         state.engine, state.metrics, [prompt_ids], params, param_names=_PARAM_NAMES
     )
-    view = ResponseView(state.model_name, request, chat, constraint, tool_style)
+    view = ResponseView(
+        state.model_name, request, chat, constraint, tool_style, reasoning, state.engine.tokenizer
+    )
 
     def keep(body: dict[str, Any], output: list[BaseModel]) -> None:
         if request.store is not False:
@@ -176,9 +190,13 @@ class ResponseView:
         chat: ChatCompletionRequest,
         constraint: ChatConstraint,
         tool_style: str,
+        reasoning: ReasoningRequest,
+        tokenizer: Any,
     ) -> None:
         self.model = model
         self.request = request
+        self.reasoning = reasoning  # how the reply reasons (spec None: it does not)
+        self.tokenizer = tokenizer
         self.id = item_id("resp")
         self.created_at = time.time()
         tools_active = constraint.tools is not None
@@ -225,13 +243,15 @@ class ResponseView:
         for name in ("user", "safety_identifier", "prompt_cache_key", "top_logprobs"):
             if getattr(request, name) is not None:
                 fields[name] = getattr(request, name)
+        if request.reasoning is not None:
+            fields["reasoning"] = request.reasoning.model_dump(exclude_none=True)
         if status == "incomplete":
             fields["incomplete_details"] = {"reason": "max_output_tokens"}
         if error is not None:
             code = "server_error" if error.status >= 500 else "invalid_prompt"
             fields["error"] = {"code": code, "message": error.message}
         if result is not None:
-            fields["usage"] = _usage(result)
+            fields["usage"] = self._usage(result)
             fields["completed_at"] = time.time()
         return ResponseObject(**fields)
 
@@ -261,13 +281,33 @@ class ResponseView:
             )
         )
 
+    def _usage(self, result: RequestOutput) -> ResponseUsage:
+        input_tokens = len(result.prompt_token_ids)
+        cached = result.num_cached_tokens
+        output_ids = result.outputs[0].token_ids
+        reasoning = count_reasoning_tokens(self.tokenizer, output_ids, self.reasoning)
+        return ResponseUsage(
+            input_tokens=input_tokens,
+            # The prompt tokens computed here enter the prefix cache (in full blocks).
+            input_tokens_details={
+                "cached_tokens": cached,
+                "cache_write_tokens": input_tokens - cached,
+            },
+            output_tokens=len(output_ids),
+            output_tokens_details={"reasoning_tokens": reasoning},
+            total_tokens=input_tokens + len(output_ids),
+        )
+
+    def _split(self, items: OutputItems) -> ReplySplit:
+        return ReplySplit(items, self.reasoning, self.tokenizer)
+
     async def items(self, completion: CompletionOutput) -> list[BaseModel]:
-        """The output items of a finished reply: its function calls, or one message. They
-        are read as a stream is (`OutputItems`, sending nothing), so a reply streamed and
-        one answered in full have the same items."""
-        items = OutputItems(self.shape, discard)
-        await items.feed(completion.text, completion.logprobs)
-        return await items.close(completion.finish_reason)
+        """The output items of a finished reply: its reasoning, then its function calls or
+        one message. They are read as a stream is (`OutputItems`, sending nothing), so a
+        reply streamed and one answered in full have the same items."""
+        reply = self._split(OutputItems(self.shape, discard))
+        await reply.feed(completion.text, completion.token_ids, completion.logprobs)
+        return await reply.close(completion.finish_reason)
 
     # -- the stream -----------------------------------------------------------------------
 
@@ -276,14 +316,15 @@ class ResponseView:
         finished response before its last event. A failure after the first event is a
         `response.failed`."""
         events = OutputItems(self.shape, emit)
+        reply = self._split(events)
         await events.send(ResponseCreatedEvent, response=self.response("in_progress", []))
         await events.send(ResponseInProgressEvent, response=self.response("in_progress", []))
         try:
             delta = first
-            await events.feed(delta.text, delta.logprobs)
+            await reply.feed(delta.text, delta.token_ids, delta.logprobs)
             while delta.output is None:
                 delta = await generation.next_delta(0)
-                await events.feed(delta.text, delta.logprobs)
+                await reply.feed(delta.text, delta.token_ids, delta.logprobs)
         except Exception as exc:
             failure = from_exception(exc)
         else:
@@ -292,26 +333,12 @@ class ResponseView:
             response = self.response("failed", events.output, error=failure)
             await events.send(ResponseFailedEvent, response=response)
             return
-        output = await events.close(delta.output.outputs[0].finish_reason)
+        output = await reply.close(delta.output.outputs[0].finish_reason)
         status = _status(delta.output)
         response = self.response(status, output, delta.output)
         done = ResponseCompletedEvent if status == "completed" else ResponseIncompleteEvent
         keep(dump(response), output)  # stored before the client hears it is done
         await events.send(done, response=response)
-
-
-def _usage(result: RequestOutput) -> ResponseUsage:
-    input_tokens = len(result.prompt_token_ids)
-    cached = result.num_cached_tokens
-    output_tokens = len(result.outputs[0].token_ids)
-    return ResponseUsage(
-        input_tokens=input_tokens,
-        # The prompt tokens computed here enter the prefix cache (in full blocks).
-        input_tokens_details={"cached_tokens": cached, "cache_write_tokens": input_tokens - cached},
-        output_tokens=output_tokens,
-        output_tokens_details={"reasoning_tokens": 0},
-        total_tokens=input_tokens + output_tokens,
-    )
 
 
 def _event_stream(produce, generation: Generation) -> EventSourceResponse:

@@ -1,7 +1,10 @@
 """The output items of a reply, built from its text as it streams, with the typed events
 that announce them (`openai.types.responses`): a message (`output_item.added`,
 `content_part.added`, `output_text.delta`..., then the `.done` events), or function calls
-(`output_item.added`, `function_call_arguments.delta`..., then the `.done` events).
+(`output_item.added`, `function_call_arguments.delta`..., then the `.done` events). A
+reasoning model's reasoning comes first, as a `reasoning` item (`output_item.added`,
+`content_part.added`, `reasoning_text.delta`..., then the `.done` events) whose `content`
+is the reasoning text (`ReplySplit` tells it from the answer).
 
 A whole reply goes through the same `OutputItems`, its events discarded, so a streamed
 reply and a whole one have the same items. Which a reply is comes from the chat
@@ -26,13 +29,21 @@ from openai.types.responses import (
     ResponseOutputItemDoneEvent,
     ResponseOutputMessage,
     ResponseOutputText,
+    ResponseReasoningItem,
+    ResponseReasoningTextDeltaEvent,
+    ResponseReasoningTextDoneEvent,
     ResponseTextDeltaEvent,
     ResponseTextDoneEvent,
+)
+from openai.types.responses.response_content_part_added_event import PartReasoningText
+from openai.types.responses.response_content_part_done_event import (
+    PartReasoningText as DonePartReasoningText,
 )
 from pydantic import BaseModel
 from sse_starlette import ServerSentEvent
 
 from agentrt.engine.outputs import Logprob
+from agentrt.reasoning import ReasoningRequest, count_reasoning_tokens
 from agentrt.server.calls_or_answer import CallsOrAnswerStreamer
 from agentrt.server.responses import chat_logprobs
 from agentrt.server.tool_stream import ToolCallStreamer
@@ -61,6 +72,13 @@ def message_item(
     )
 
 
+def reasoning_item(reasoning_id: str, text: str, status: str) -> ResponseReasoningItem:
+    content = [{"type": "reasoning_text", "text": text}] if text else []
+    return ResponseReasoningItem(
+        type="reasoning", id=reasoning_id, summary=[], content=content, status=status
+    )
+
+
 @dataclass(frozen=True, slots=True)
 class ReplyShape:
     """What a reply can be, from the chat constraint: calls in `tool_style` when
@@ -83,6 +101,7 @@ class OutputItems:
         self.emit = emit
         self.sequence_number = 0
         self.output: list[BaseModel] = []  # the items done so far
+        self.reasoning: dict[str, Any] | None = None  # the open reasoning item: id, text
         self.message: dict[str, Any] | None = None  # the open message: id, text, logprobs
         self.call: dict[str, Any] | None = None  # the open call: id, call_id, name, arguments
         self.calls: ToolCallStreamer | CallsOrAnswerStreamer | None = None
@@ -97,8 +116,47 @@ class OutputItems:
         self.sequence_number += 1
         await self.emit(ServerSentEvent(json.dumps(dump(event)), event=event.type))
 
+    async def reason(self, text: str) -> None:
+        """Reasoning text (before the answer): opens the reasoning item, then grows it."""
+        if self.reasoning is None:
+            self.reasoning = {"id": item_id("rs"), "text": ""}
+            item = reasoning_item(self.reasoning["id"], "", "in_progress")
+            await self.send(ResponseOutputItemAddedEvent, output_index=self._index, item=item)
+            await self.send(
+                ResponseContentPartAddedEvent,
+                item_id=item.id,
+                output_index=self._index,
+                content_index=0,
+                part=PartReasoningText(type="reasoning_text", text=""),
+            )
+        if not text:
+            return
+        self.reasoning["text"] += text
+        await self.send(
+            ResponseReasoningTextDeltaEvent,
+            item_id=self.reasoning["id"],
+            output_index=self._index,
+            content_index=0,
+            delta=text,
+        )
+
+    async def end_reasoning(self, status: str = "completed") -> None:
+        """Close the reasoning item, if one is open (its end marker came, or the reply's)."""
+        if self.reasoning is None:
+            return
+        reasoning, self.reasoning = self.reasoning, None
+        fields = {"item_id": reasoning["id"], "output_index": self._index, "content_index": 0}
+        await self.send(ResponseReasoningTextDoneEvent, text=reasoning["text"], **fields)
+        part = DonePartReasoningText(type="reasoning_text", text=reasoning["text"])
+        await self.send(ResponseContentPartDoneEvent, part=part, **fields)
+        item = reasoning_item(reasoning["id"], reasoning["text"], status)
+        await self.send(ResponseOutputItemDoneEvent, output_index=self._index, item=item)
+        self.output.append(item)
+
     async def feed(self, text: str, entries: list[dict[int, Logprob]] | None) -> None:
-        """What the reply adds: its text and the logprobs of its tokens."""
+        """What the reply's answer adds: its text and the logprobs of its tokens."""
+        if text:
+            await self.end_reasoning()
         if self.shape.top_n is not None and entries:
             self.logprobs += chat_logprobs(entries, self.shape.top_n)
         content, call_deltas = (text, []) if self.calls is None else self.calls.feed(text)
@@ -186,15 +244,17 @@ class OutputItems:
         """Close the open items at the end of the reply (a reply that is nothing yet is an
         empty message); returns the output."""
         status = "incomplete" if finish_reason == "length" else "completed"
+        await self.end_reasoning(status)  # the reply ended in its reasoning
         held = self.calls.finish() if self.calls is not None else ""
+        if self.call is not None:  # a call cut off (the held text is after it)
+            await self._close_call(status)
         if held:
             await self._text(held)
-        if self.call is not None:
-            await self._close_call(status)
         if self.message is None and not self.output:
             await self._text("")
         if self.message is not None:
             message = self.message
+            message["logprobs"] += self.logprobs  # of tokens without text (the end token)
             logprobs = message["logprobs"] if self.shape.top_n is not None else None
             item = message_item(message["id"], message["text"], status, logprobs)
             fields = {"item_id": message["id"], "output_index": self._index, "content_index": 0}
@@ -215,3 +275,50 @@ async def discard(event: ServerSentEvent) -> None:
 def event_type(cls: type[BaseModel]) -> str:
     (event_type,) = get_args(cls.model_fields["type"].annotation)
     return event_type
+
+
+class ReplySplit:
+    """Feeds a reply's deltas to `OutputItems`: a reasoning reply's reasoning to its reasoning
+    item, the answer (with the logprobs of the answer's tokens only) to the rest. Without
+    reasoning (`reasoning.spec` None) everything is the answer."""
+
+    def __init__(self, items: OutputItems, reasoning: ReasoningRequest, tokenizer: Any) -> None:
+        self.items = items
+        self.reasoning = reasoning
+        self.tokenizer = tokenizer
+        self.splitter = reasoning.stream()
+        self.token_ids: list[int] = []
+        self.entries: list[dict[int, Logprob]] = []  # held while the reasoning runs
+        self.num_sent_entries = 0
+        self.first_answer_token: int | None = None  # known once the answer starts
+
+    async def feed(
+        self, text: str, token_ids: list[int], entries: list[dict[int, Logprob]] | None
+    ) -> None:
+        if self.splitter is None:
+            await self.items.feed(text, entries)
+            return
+        self.token_ids += token_ids
+        self.entries += entries or []
+        await self._forward(*self.splitter.feed(text))
+
+    async def close(self, finish_reason: str | None) -> list[BaseModel]:
+        """The text still held back, then `OutputItems.close`."""
+        if self.splitter is not None:
+            await self._forward(*self.splitter.finish())
+        return await self.items.close(finish_reason)
+
+    async def _forward(self, thought: str, answer: str) -> None:
+        if thought:
+            await self.items.reason(thought)
+        if self.splitter.saw_end:
+            await self.items.end_reasoning()
+        entries = None
+        if self.splitter.mode == "answer":  # the answer's tokens follow the reasoning's
+            if self.first_answer_token is None:
+                self.first_answer_token = count_reasoning_tokens(
+                    self.tokenizer, self.token_ids, self.reasoning
+                )
+            entries = self.entries[max(self.first_answer_token, self.num_sent_entries) :]
+            self.num_sent_entries = len(self.entries)
+        await self.items.feed(answer, entries)
