@@ -28,6 +28,7 @@ from agentrt.server.params import ChatConstraint, chat_constraint, choice_params
 from agentrt.server.protocol import ChatCompletionRequest, ChatMessage
 from agentrt.server.responses import chat_logprobs, kv_transfer, new_id, now, usage
 from agentrt.server.state import ServerState
+from agentrt.server.tagged_stream import TextThenCallsStreamer
 from agentrt.server.tool_stream import ToolCallStreamer
 from agentrt.tool_calls import (
     parse_call_blocks,
@@ -254,10 +255,12 @@ class _ChatView:
         message = {"role": "assistant", "content": completion.text, "refusal": None}
         return message, _finish(completion.finish_reason, tool_calls=False)
 
-    def _streamer(self) -> ToolCallStreamer | CallsOrAnswerStreamer | None:
+    def _streamer(self) -> ToolCallStreamer | CallsOrAnswerStreamer | TextThenCallsStreamer | None:
         """What turns a streamed reply into deltas (None: plain text)."""
         if self.answer_too:
             return CallsOrAnswerStreamer(self.tool_style, self.tool_names)
+        if self.tools_active and self.tool_style == "hermes":  # text may precede the calls
+            return TextThenCallsStreamer()
         return ToolCallStreamer(self.tool_style) if self.tools_active else None
 
     def _text_delta(
