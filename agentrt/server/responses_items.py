@@ -26,7 +26,6 @@ from agentrt.server.protocol import (
 )
 
 _ITEMS = pydantic.TypeAdapter(list[InputItem])
-_NO_THINKING = ("none", "minimal")  # `reasoning.effort` values that turn thinking off
 _TEXT_PARTS = ("input_text", "output_text", "text")
 HOSTED_TOOLS_HINT = (
     "this server runs function tools only (the client runs them); built-in tools such as web "
@@ -158,10 +157,9 @@ def chat_request(
         "top_p": request.top_p,
         "parallel_tool_calls": request.parallel_tool_calls,
         "max_reasoning_tokens": request.max_reasoning_tokens,
+        # A reasoning model's switch, as chat reads it ("none" / "minimal": off).
+        "reasoning_effort": request.reasoning.effort if request.reasoning else None,
     }
-    effort = request.reasoning.effort if request.reasoning else None
-    if effort is not None:  # a reasoning model's switch (agentrt.reasoning); others ignore it
-        fields["chat_template_kwargs"] = {"enable_thinking": effort not in _NO_THINKING}
     if request.tools:
         fields["tools"] = [_function_tool(i, tool) for i, tool in enumerate(request.tools)]
     fields["tool_choice"] = _tool_choice(request.tool_choice)
