@@ -135,7 +135,8 @@ class RemoteBackend:
         if failed is not None:
             yield failed
             return
-        content, call_texts = text, None
+        # The server sends calls apart: a tools reply without any is text, whatever it says.
+        content, call_texts = text, [] if fmt.kind == "tools" else None
         if calls:
             text = _tool_payload(calls, fmt)
             call_texts = [json.dumps(item, ensure_ascii=False) for item in _call_items(calls)]
