@@ -192,3 +192,42 @@ def test_the_store_keeps_as_many_responses_as_served_and_for_as_long(
     time.sleep(max(0.0, STORE_TTL_S - (time.monotonic() - stored_at)) + 0.2)
     with pytest.raises(openai.NotFoundError):  # expired past --stored-response-ttl
         think_client.responses.retrieve(third.id)
+
+
+def test_reasoning_then_a_function_call_continues_without_the_reasoning(
+    think_client: openai.OpenAI,
+):
+    """With tools the reasoning comes before the calls; the continued conversation (the
+    stored one, and the same resent with the reasoning item) does not show it again."""
+    weather = {
+        "type": "function",
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 8}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    }
+    body = _body(think_client, text=openai.omit, tools=[weather], tool_choice="required")
+    body |= {"parallel_tool_calls": False, "input": "Weather in Oslo?"}
+    asked = think_client.responses.create(**body)
+    reasoning, call = asked.output
+    assert reasoning.type == "reasoning" and call.type == "function_call"
+    assert call.name == "get_weather" and set(json.loads(call.arguments)) == {"city"}
+    with think_client.responses.stream(**body) as stream:
+        final = stream.get_final_response()
+    assert [(i.type, getattr(i, "arguments", None)) for i in final.output] == [
+        ("reasoning", None),
+        ("function_call", call.arguments),
+    ]
+    output = {"type": "function_call_output", "call_id": call.call_id, "output": "Sunny."}
+    answer = dict(body, tool_choice="none", reasoning={"effort": "none"}, max_output_tokens=8)
+    continued = think_client.responses.create(
+        **answer | {"input": [output], "previous_response_id": asked.id}
+    )
+    resent = think_client.responses.create(
+        **answer | {"input": [{"role": "user", "content": body["input"]}, *asked.output, output]}
+    )
+    assert continued.usage.input_tokens == resent.usage.input_tokens
+    assert continued.output_text == resent.output_text
