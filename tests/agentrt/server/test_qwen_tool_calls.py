@@ -10,6 +10,7 @@ from collections.abc import Iterator
 import openai
 import pytest
 
+import agentrt
 from tests.agentrt.server.helpers import ServerProcess
 
 pytestmark = pytest.mark.slow
@@ -33,12 +34,17 @@ MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
 @pytest.fixture(scope="module")
-def qwen_client(tiny_qwen_checkpoint) -> Iterator[openai.OpenAI]:
+def qwen_server(tiny_qwen_checkpoint) -> Iterator[ServerProcess]:
     args = ("--model", str(tiny_qwen_checkpoint), "--dtype", "float32")
     with ServerProcess(
         *args, "--kv-cache-memory-gb", "0.02", "--grammar-timeout-s", "120"
     ) as server:
-        yield openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+        yield server
+
+
+@pytest.fixture(scope="module")
+def qwen_client(qwen_server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=qwen_server.url + "/v1", api_key="none", max_retries=0)
 
 
 NAMED = {"type": "function", "function": {"name": "get_weather"}}
@@ -130,3 +136,31 @@ def test_text_then_a_call_whole_and_streamed(qwen_client):
         call.function.arguments,
         "tool_calls",
     )
+
+
+@pytest.mark.anyio
+async def test_a_remote_agent_gets_the_text_and_the_call(qwen_server):
+    """The SDK pointed at the server: the step keeps the sentence as its content and runs the
+    call, as with the local backend (tests/agentrt/test_qwen_tools.py)."""
+    seen = []
+
+    @agentrt.tool
+    def get_weather(city: str) -> str:
+        """The weather in a city."""
+        seen.append(city)
+        return "sunny"
+
+    async with agentrt.Runtime(base_url=qwen_server.url + "/v1", api_key="none") as rt:
+        agent = agentrt.Agent(
+            rt,
+            tools=[get_weather],
+            max_steps=2,
+            max_tokens=48,
+            logit_bias={80022: 45.0, OPEN_ID: 60.0},  # "Hmm", then the call (see above)
+            repetition_penalty=2.0,
+        )
+        result = await agent.run("What is the weather in Paris?")
+    first = result.steps[0]
+    assert first.content == "Hmm" and [c.name for c in first.calls] == ["get_weather"]
+    assert seen == [first.calls[0].arguments["city"]]
+    assert result.messages[1]["content"] == "Hmm" and result.messages[1]["tool_calls"]
