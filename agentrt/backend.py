@@ -259,9 +259,10 @@ def to_completion(
 
 def split_completion(output: RequestOutput, reader: ReplySplitter, tools: bool) -> Completion:
     """`to_completion` of a reply read from its token ids: the answer, reasoning and calls
-    are the reader's (`raw_text` stays the engine's text, what the history re-sends)."""
+    are the reader's, and `raw_text` (what the history re-sends) is the reply with its
+    markers spelled, also where the detokenizer skipped them as special."""
     completion = to_completion(output)
-    completion.text = reader.text
+    completion.text, completion.raw_text = reader.text, reader.raw_text
     completion.reasoning = reader.reasoning
     completion.usage.reasoning_tokens = reader.num_reasoning_tokens
     if tools:

@@ -87,7 +87,8 @@ class ReplySplitter:
     """Feed a reply's token ids as they come (`feed`), then `finish()`; each returns the
     new pieces. After `finish`: `reasoning` (None: the reply did not reason), `content`,
     `calls` (JSON texts; an unclosed last call is in it too, as far as it got), `text`
-    (the answer as written, call tags spelled) and `num_reasoning_tokens` (markers
+    (the answer as written, call tags spelled), `raw_text` (the whole reply as written,
+    every marker spelled: what a history re-sends) and `num_reasoning_tokens` (markers
     included).
 
     `opened`: the prompt opened the reasoning block (the reply starts inside it). The
@@ -117,6 +118,7 @@ class ReplySplitter:
         self.content = ""
         self.calls: list[str] = []
         self.text = ""
+        self.raw_text = ""  # all the reply wrote, every marker spelled
         self.num_reasoning_tokens = 0
         self._answered = False  # content other than whitespace was written
         self._held = ""  # trailing whitespace of the content, not yet released
@@ -149,6 +151,7 @@ class ReplySplitter:
             self.num_reasoning_tokens += 1
             if token_id == m.think_end:
                 self._close(pieces)
+                self.raw_text += self._spelled(token_id)
                 self._part = self._open(CONTENT)
                 return
         elif kind == CONTENT:
@@ -157,16 +160,19 @@ class ReplySplitter:
                 self._held = ""
                 self.reasoning = ""
                 self.num_reasoning_tokens += 1
+                self.raw_text += self._spelled(token_id)
                 self._part = self._open(REASONING)
                 return
             if token_id == m.call_open:
                 self._close(pieces)
                 self._part = self._open(CALL)
                 self.calls.append("")
+                self.raw_text += OPEN_TAG
                 self._emit(pieces, OPEN_TAG)
                 return
         elif kind == CALL and token_id == m.call_close:
             self._close(pieces)
+            self.raw_text += CLOSE_TAG
             self._emit(pieces, CLOSE_TAG)
             self._part = self._open(CONTENT)
             return
@@ -181,6 +187,10 @@ class ReplySplitter:
             and not self._answered
             and not self.calls
         )
+
+    def _spelled(self, token_id: int) -> str:
+        """A marker token's text (an added token's text is its token string)."""
+        return self.tokenizer.convert_ids_to_tokens(token_id)
 
     # -- parts ----------------------------------------------------------------------------
 
@@ -200,6 +210,7 @@ class ReplySplitter:
     def _take(self, pieces: list[ReplyPiece], text: str) -> None:
         if not text:
             return
+        self.raw_text += text
         kind = self._part.kind
         if kind == REASONING:
             self.reasoning += text
@@ -238,6 +249,7 @@ class SplitReply:
     content: str
     calls: list[str] = field(default_factory=list)
     text: str = ""
+    raw_text: str = ""
     num_reasoning_tokens: int = 0
 
 
@@ -253,5 +265,6 @@ def split_reply(
         splitter.content,
         splitter.calls,
         splitter.text,
+        splitter.raw_text,
         splitter.num_reasoning_tokens,
     )

@@ -74,7 +74,7 @@ def test_special_tags_that_the_decoder_skips_are_not_lost(qwen_tokenizer_dir):
     markers = reply_markers(tokenizer, None, "hermes_tokens")
     reply = split_reply(tokenizer, markers, ids, skip_special_tokens=True)
     assert reply.calls == [CALL_JSON] and reply.content == "Sure."
-    assert reply.text == "Sure.\n" + WEATHER  # the tags spelled back
+    assert reply.text == reply.raw_text == "Sure.\n" + WEATHER  # the tags spelled back
 
 
 def test_streamed_pieces_add_up_to_the_whole_reply(think_tok):
@@ -90,6 +90,7 @@ def test_streamed_pieces_add_up_to_the_whole_reply(think_tok):
     assert whole.reasoning == "\nI write <tool_call> when I call.\n"
     assert whole.content == "\n\nLet me check." and whole.calls == [CALL_JSON, CALL_JSON]
     assert whole.num_reasoning_tokens == ids.index(markers.think_end) + 1
+    assert whole.raw_text == think_tok.decode(ids)  # what the model wrote, markers and all
     joined = {
         kind: "".join(p.text for p in pieces if p.kind == kind) for kind in (REASONING, CONTENT)
     }
@@ -103,6 +104,7 @@ def test_an_opened_block_a_cut_call_and_a_stop_string(think_tok):
     # The template opened the block (DeepSeek-R1 style): the reply starts inside it.
     opened = split_reply(think_tok, markers, _ids(think_tok, "hmm</think>Done."), opened=True)
     assert (opened.reasoning, opened.content, opened.num_reasoning_tokens) == ("hmm", "Done.", 3)
+    assert opened.raw_text == "hmm</think>Done."
     # max_tokens cut the call: what it wrote is the last call's text, unclosed.
     cut = split_reply(think_tok, markers, _ids(think_tok, WEATHER)[:5])
     assert cut.calls == ['{"name":'] and cut.reasoning is None
