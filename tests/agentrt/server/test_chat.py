@@ -85,7 +85,7 @@ def test_parse_returns_the_pydantic_model(client: openai.OpenAI, model_name: str
         temperature=0,
     )
     person = completion.choices[0].message.parsed
-    assert isinstance(person, Person)
+    assert isinstance(person, Person) and "Ada" in person.name  # the prompt's person, typed
     assert 0 <= person.age <= 120
 
 
@@ -97,10 +97,8 @@ def test_json_object_and_vllm_structured_outputs(client: openai.OpenAI, model_na
         max_tokens=30,
         temperature=0,
     )
-    if reply.choices[0].finish_reason == "stop":
-        assert isinstance(json.loads(reply.choices[0].message.content), dict)
-    else:
-        assert reply.choices[0].message.content.lstrip().startswith("{")
+    assert reply.choices[0].finish_reason == "stop"  # the object closes within 30 tokens
+    assert "ok" in json.loads(reply.choices[0].message.content)
     pick = client.chat.completions.create(
         model=model_name,
         messages=[{"role": "user", "content": "Pick a fruit."}],
