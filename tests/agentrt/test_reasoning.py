@@ -80,6 +80,17 @@ async def test_a_qwen3_model_thinks_in_its_own_tokens(think_llm, think_ids):
             "Again?", schema=Short, reasoning=False, logit_bias={start_id: 100.0}
         )
         assert session.last.reasoning is None and session.last.usage.reasoning_tokens == 0
+        # OpenAI's reasoning_effort: "none" turns it off too, "low" on.
+        await session.generate(
+            "Once more?", schema=Short, reasoning_effort="none", logit_bias={start_id: 100.0}
+        )
+        assert session.last.reasoning is None
+        await session.generate(
+            "Think?", schema=Short, reasoning_effort="low", max_reasoning_tokens=2
+        )
+        assert session.last.reasoning is not None  # the template opened nothing: forced
+        with pytest.raises(agentrt.InvalidRequestError, match="reasoning_effort"):
+            await session.generate("Bad?", schema=Short, reasoning_effort="huge")
         # Streaming: the reasoning deltas first, apart, then the answer's partial values.
         items = [
             item
