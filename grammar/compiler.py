@@ -30,6 +30,7 @@ from .reasoning import (
     think_lark,
     without_reasoning,
 )
+from .report import GrammarReport
 from .spec import GrammarSpec
 from .validate import FinalValidator
 from .workers import CompileWorkers, settle
@@ -130,7 +131,9 @@ class GrammarCompiler:
     def compile_async(self, spec: GrammarSpec, *, timeout_s: float | None = None) -> Future:
         """Start compiling on a worker thread; the Future fails after the time budget.
 
-        Returns a `concurrent.futures.Future[Grammar]` (already done on a cache hit).
+        Returns a `concurrent.futures.Future[Grammar]` (already done on a cache hit). Past
+        the budget the worker's slot goes to the next compile (workers.py) and no further
+        backend build of this spec starts.
         """
         if not isinstance(spec, GrammarSpec):
             raise GrammarSpecError(f"expected a GrammarSpec, got {type(spec).__name__}")
@@ -142,9 +145,14 @@ class GrammarCompiler:
             return future
         budget = self.timeout_s if timeout_s is None else timeout_s
 
+        def stage(name: str, fn: Callable[[], BackendGrammar]) -> BackendGrammar:
+            if future.done():  # past the budget: start no further backend build
+                raise _timeout(spec, budget)
+            return fn()
+
         def work() -> None:
             try:
-                grammar = self._compile_now(spec, key)
+                grammar = self._compile_now(spec, key, stage)
             except GrammarCompileError as exc:
                 settle(future, exc=exc)
             except Exception as exc:  # a backend bug must fail the request, not the engine
@@ -176,11 +184,12 @@ class GrammarCompiler:
             )
             if self.disk_cache:
                 self.disk_cache.put(key, routed)
+        report = report_of(routed)
         return Grammar(
             spec=spec,
-            report=report_of(routed),
+            report=report,
             backend_grammar=backend_grammar,
-            validator=FinalValidator(spec),
+            validator=FinalValidator(spec, proven=_proven(spec, report)),
             gate_eos=routed.gate_eos,
             max_digit_run=self.run_limits.max_digit_run if spec.kind in _JSON_KINDS else 0,
             tok=self.tok,
@@ -238,6 +247,17 @@ class GrammarCompiler:
         h = hashlib.sha256(spec.cache_key().encode())
         h.update(f"{self.tok.fingerprint}|{self.order}|{self.run_limits}|{self.bounds}".encode())
         return h.hexdigest()
+
+
+def _proven(spec: GrammarSpec, report: GrammarReport) -> frozenset[str]:
+    """What a matcher reaching its end proves (validate.py): every backend compiles a regex
+    spec into an exact automaton; a JSON schema's patterns only llguidance enforces exactly
+    (xgrammar's grammars are always post-checked)."""
+    if spec.kind == "regex":
+        return frozenset({"regex"})
+    if report.backend == "llguidance" and "pattern" not in report.post_checked:
+        return frozenset({"pattern"})
+    return frozenset()
 
 
 def _timeout(spec: GrammarSpec, budget: float) -> GrammarCompileTimeout:

@@ -60,7 +60,8 @@ def compile_spec(
         return source, build(source, get_backend, runs)
     errors: list[str] = []
     for name, kind, text in _sources(spec, order):
-        source = RoutedSource(name, kind, text, [], spec.kind == "regex")
+        # No EOS gate: a regex is compiled exactly, so the matcher's end proves the match.
+        source = RoutedSource(name, kind, text, [], False)
         try:
             return source, build(source, get_backend, runs)
         except BackendUnavailableError as exc:

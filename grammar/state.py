@@ -104,11 +104,19 @@ class GrammarState:
         return data.decode("utf-8", errors="replace")
 
     def validate_final(self, text: str | None = None) -> list[str]:
-        """Problems with the finished output (`text`, default: the accepted tokens).
+        """Problems with the finished output (`text`: the accepted tokens' text as the caller
+        decoded it; default: decoded here).
 
-        Empty list = valid. Covers every keyword the report lists as post-checked.
+        Empty list = valid. Covers every keyword the report lists as post-checked; what the
+        grammar enforced exactly is proven by this state reaching its end, not re-matched.
         """
-        return self._validator.errors(self.text() if text is None else text)
+        text = self.text() if text is None else text
+        return self._validator.errors(text, complete=self._complete())
+
+    def _complete(self) -> bool:
+        """The grammar accepts the output: it is at an end, or took a stop token there."""
+        ended = bool(self._token_ids) and self._token_ids[-1] in self.tok.stop_token_ids
+        return ended or self._m.is_accepting()
 
     def _digit_capped(self) -> bool:
         cap = self._max_digit_run

@@ -4,42 +4,65 @@
 outputs are checked with `jsonschema` against the user's original schema (format checking
 on, for the formats jsonschema knows), so anything the report lists as post-checked is
 verified here.
+
+A client's regex (a regex spec, a schema's `pattern` or `patternProperties`) must not be
+able to stall the engine thread that runs this check: a backtracking engine takes time
+exponential in the text on patterns like `(a+)+b`. So, on a matcher's own output
+(`complete=` given), what the token grammar enforced exactly (`proven`: its automaton
+accepted the text token by token, and reached its end) is not matched again; every other
+match runs on the `regex` package with a time budget per check (`MAX_REGEX_SECONDS` in
+all), and a match that does not finish in it is reported as not checked.
 """
 
 from __future__ import annotations
 
 import json
-import re
+import threading
+import time
 from typing import Any
+
+import regex
 
 from .formats import format_checker
 from .spec import GrammarSpec
 from .tools import tool_calls_schema
 
 _MAX_ERRORS = 8
+# What one `errors()` call may spend matching client regexes, all matches together.
+MAX_REGEX_SECONDS = 0.05
+# Keywords a grammar can prove (`proven`): the regex of a regex spec, JSON schemas' pattern.
+PROVABLE = frozenset({"regex", "pattern"})
 
 
 class FinalValidator:
-    def __init__(self, spec: GrammarSpec) -> None:
+    """The final check of one spec. `proven`: keywords of `PROVABLE` the compiled grammar
+    enforces exactly (a matcher that accepted the text and reached its end proved them)."""
+
+    def __init__(self, spec: GrammarSpec, *, proven: frozenset[str] = frozenset()) -> None:
         self.kind = spec.kind
+        self.proven = proven & PROVABLE
         self._schema_validator: Any = None
-        self._regex: re.Pattern[str] | None = None
+        self._proven_validator: Any = None  # the same, without the `pattern` keyword
+        self._regex: regex.Pattern[str] | None = None
         self._choices: frozenset[str] = frozenset()
         self._text_allowed = spec.option_dict.get("tool_choice") == "auto"
         self._spec = spec
+        self._budget = threading.local()  # .deadline of the errors() call on this thread
         if spec.kind in ("json_schema", "tools"):
             self._schema_validator = _LAZY  # built on first use: most outputs need no check
         elif spec.kind == "regex":
             try:
-                self._regex = re.compile(spec.text)
-            except re.error:
+                self._regex = regex.compile(spec.text)
+            except (regex.error, ValueError, OverflowError):
                 self._regex = None  # a backend-only regex dialect: the grammar is the check
         elif spec.kind == "choice":
             self._choices = frozenset(spec.json_value())
 
-    def errors(self, text: str) -> list[str]:
-        if self._schema_validator is _LAZY:
-            self._schema_validator = _json_validator(self._json_schema())
+    def errors(self, text: str, *, complete: bool | None = None) -> list[str]:
+        """Problems with `text` (empty = valid). `complete`: given when `text` is a matcher's
+        own output, whether its grammar reached an accepting end; then what it `proven` is
+        not matched again."""
+        self._budget.deadline = time.monotonic() + MAX_REGEX_SECONDS
         if self._schema_validator is not None:
             if self.kind == "tools" and not text.lstrip().startswith(("{", "[")):
                 return [] if self._text_allowed else ["expected a tool call, got text"]
@@ -47,12 +70,74 @@ class FinalValidator:
                 value = json.loads(text)
             except json.JSONDecodeError as exc:
                 return [f"output is not valid JSON: {exc}"]
-            return _schema_errors(self._schema_validator, value)
-        if self._regex is not None and not self._regex.fullmatch(text):
-            return [f"output does not match the regex {self._regex.pattern!r}"]
+            # A string in parsed JSON was closed through the grammar, which matched its
+            # pattern on the way: proven whether or not the whole output is complete.
+            skip = complete is not None and "pattern" in self.proven
+            return _schema_errors(self._validator(skip_pattern=skip), value)
+        if self._regex is not None:
+            if complete is not None and "regex" in self.proven:
+                if complete:
+                    return []
+                return [f"output does not match the regex {self._regex.pattern!r}: it ended early"]
+            match = self._bounded(self._regex.fullmatch, text)
+            if match is _TIMED_OUT:
+                return [_not_checked(self._regex.pattern)]
+            if match is None:
+                return [f"output does not match the regex {self._regex.pattern!r}"]
         if self._choices and text not in self._choices:
             return [f"output {text[:80]!r} is not one of the {len(self._choices)} choices"]
         return []
+
+    def _validator(self, *, skip_pattern: bool) -> Any:
+        if self._schema_validator is _LAZY:
+            schema = self._json_schema()
+            self._schema_validator = _json_validator(schema, self._pattern, self._pattern_props)
+            self._proven_validator = _json_validator(schema, None, self._pattern_props)
+        return self._proven_validator if skip_pattern else self._schema_validator
+
+    def _bounded(self, method: Any, text: str) -> Any:
+        """method(text) within what is left of this call's regex budget, else _TIMED_OUT."""
+        left = self._budget.deadline - time.monotonic()
+        if left <= 0:
+            return _TIMED_OUT
+        try:
+            return method(text, timeout=left)
+        except TimeoutError:
+            return _TIMED_OUT
+
+    def _search(self, pattern: str, text: str) -> Any:
+        try:
+            compiled = regex.compile(pattern)
+        except (regex.error, ValueError, OverflowError):
+            return True  # not a regex this engine reads: the grammar is the check
+        return self._bounded(compiled.search, text)
+
+    def _pattern(self, validator: Any, pattern: str, instance: Any, schema: Any) -> Any:
+        """jsonschema's `pattern` keyword, on the bounded engine."""
+        if not validator.is_type(instance, "string"):
+            return
+        import jsonschema
+
+        found = self._search(pattern, instance)
+        if found is _TIMED_OUT:
+            yield jsonschema.ValidationError(_not_checked(pattern))
+        elif found is None:
+            yield jsonschema.ValidationError(f"{instance[:80]!r} does not match {pattern!r}")
+
+    def _pattern_props(self, validator: Any, properties: Any, instance: Any, schema: Any) -> Any:
+        """jsonschema's `patternProperties` keyword, on the bounded engine."""
+        if not validator.is_type(instance, "object"):
+            return
+        import jsonschema
+
+        for pattern, subschema in properties.items():
+            for key, value in instance.items():
+                found = self._search(pattern, key)
+                if found is _TIMED_OUT:
+                    yield jsonschema.ValidationError(_not_checked(pattern))
+                    return
+                if found is not None:
+                    yield from validator.descend(value, subschema, path=key, schema_path=pattern)
 
     def _json_schema(self) -> Any:
         if self._spec.kind == "json_schema":
@@ -64,15 +149,33 @@ class FinalValidator:
 
 
 _LAZY = object()
+_TIMED_OUT = object()
 
 
-def _json_validator(schema: Any) -> Any:
+def _not_checked(pattern: str) -> str:
+    return (
+        f"the regex {pattern[:80]!r} could not be checked within {MAX_REGEX_SECONDS:g} s "
+        "(a pattern that backtracks); simplify it"
+    )
+
+
+def _json_validator(schema: Any, pattern: Any, pattern_properties: Any) -> Any:
     import jsonschema
 
     # No check_schema here: it costs milliseconds per compile, and the backends already
     # refused malformed schemas.
     cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
-    return cls(schema, format_checker=format_checker(cls.FORMAT_CHECKER))
+    keywords = {"patternProperties": pattern_properties}
+    if pattern is not None:
+        keywords["pattern"] = pattern
+    else:
+        keywords["pattern"] = _proven  # the grammar matched it
+    bounded = jsonschema.validators.extend(cls, keywords)
+    return bounded(schema, format_checker=format_checker(cls.FORMAT_CHECKER))
+
+
+def _proven(validator: Any, pattern: str, instance: Any, schema: Any) -> Any:
+    return iter(())
 
 
 def _schema_errors(validator: Any, value: Any) -> list[str]:

@@ -117,7 +117,7 @@ def test_other_kinds_go_to_the_first_backend_that_reads_them() -> None:
     with pytest.raises(GrammarCompileError, match="Lark grammars need llguidance"):
         run(GrammarSpec.from_ebnf('start: "x"'), FakeBackend("xgrammar"))
     regex, _ = run(GrammarSpec.from_regex("a+"), FakeBackend("outlines"))
-    assert regex.gate_eos and (regex.kind, regex.source) == ("regex", "a+")
+    assert not regex.gate_eos and (regex.kind, regex.source) == ("regex", "a+")
 
 
 def test_text_or_tool_call_needs_llguidance() -> None:

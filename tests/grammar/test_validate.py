@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import time
+
 from agentrt.grammar import GrammarSpec
 from agentrt.grammar.validate import FinalValidator
 
@@ -53,3 +56,38 @@ def test_regex_and_choice_outputs() -> None:
     choice = FinalValidator(GrammarSpec.from_choice(["yes", "no"])).errors
     assert choice("no") == [] and "not one of the 2 choices" in choice("maybe")[0]
     assert FinalValidator(GrammarSpec.any_text()).errors("anything") == []
+
+
+EVIL = r"(?:(a+)+[^\s\S])?a{40}"  # 40 a's; a backtracking engine tries 2^40 splits first
+
+
+def test_a_backtracking_regex_is_matched_within_a_time_bound() -> None:
+    # No matcher's verdict (the SDK checking a remote server's text): the bounded engine runs,
+    # and the whole check, however many strings carry the pattern, ends within its budget.
+    many = {"type": "array", "items": {"type": "string", "pattern": f"^{EVIL}$"}}
+    for spec, text in (
+        (GrammarSpec.from_regex(EVIL), "a" * 40),
+        (GrammarSpec.from_json_schema(many), json.dumps(["a" * 40] * 20)),
+        (
+            GrammarSpec.from_json_schema({"patternProperties": {EVIL: {}}}),
+            '{"' + "a" * 40 + '": 1}',
+        ),
+    ):
+        start = time.monotonic()
+        problems = FinalValidator(spec).errors(text)
+        assert time.monotonic() - start < 1.0
+        assert problems and "could not be checked within" in problems[0]
+    assert FinalValidator(GrammarSpec.from_json_schema(many)).errors('["a", "b"]')  # mismatch
+
+
+def test_what_the_grammar_proved_is_not_matched_again() -> None:
+    proven = FinalValidator(GrammarSpec.from_regex(EVIL), proven=frozenset({"regex"}))
+    start = time.monotonic()
+    assert proven.errors("a" * 40, complete=True) == []  # the matcher reached its end
+    assert "ended early" in proven.errors("a" * 39, complete=False)[0]
+    schema = GrammarSpec.from_json_schema({"type": "string", "pattern": EVIL})
+    proven = FinalValidator(schema, proven=frozenset({"pattern"}))
+    assert proven.errors(json.dumps("a" * 40), complete=True) == []
+    assert time.monotonic() - start < 0.5
+    # Not proven (xgrammar approximates patterns): still matched, bounded.
+    assert FinalValidator(schema).errors(json.dumps("b"), complete=True)
