@@ -63,3 +63,41 @@ def test_settle_keeps_the_first_outcome() -> None:
     settle(future, exc=GrammarCompileTimeout("first"))
     settle(future, result="second")  # the worker finishing after the watchdog: ignored
     assert isinstance(future.exception(), GrammarCompileTimeout)
+
+
+def _compile_threads() -> int:
+    return sum(t.name == "grammar-compile" for t in threading.enumerate())
+
+
+def test_slow_jobs_give_their_slots_away_at_their_deadline() -> None:
+    workers, release = CompileWorkers(max_workers=2, max_abandoned=4), threading.Event()
+    timeout = lambda: GrammarCompileTimeout("did not compile within 0.2 s")  # noqa: E731
+    slow = [_submit(workers, lambda: release.wait(30), 0.2, timeout) for _ in range(4)]
+    start = time.monotonic()
+    for future in slow:  # twice the workers: the last two wait for a slot, then time out
+        with pytest.raises(GrammarCompileTimeout):
+            future.result(timeout=5)
+    # The stuck jobs left the pool: a normal one runs at once on a fresh worker.
+    assert _submit(workers, lambda: 42, 10).result(timeout=5) == 42
+    assert time.monotonic() - start < 3
+    assert 2 <= workers.num_abandoned <= 4  # those that started (some never ran)
+    release.set()
+    assert workers.wait_idle(5) and workers.num_abandoned == 0
+
+
+def test_abandoned_workers_are_capped_and_the_pool_recovers() -> None:
+    before = _compile_threads()
+    workers, release = CompileWorkers(max_workers=2, max_abandoned=2), threading.Event()
+    timeout = lambda: GrammarCompileTimeout("did not compile within 0.2 s")  # noqa: E731
+    for _ in range(8):  # one after the other: each starts if a thread may, and sticks
+        with pytest.raises(GrammarCompileTimeout):
+            _submit(workers, lambda: release.wait(30), 0.2, timeout).result(timeout=10)
+    assert workers.num_abandoned == 4  # max_workers + max_abandoned threads, then no more
+    assert _compile_threads() - before <= 4
+    blocked = _submit(workers, lambda: 42, 0.5, timeout)  # every thread is stuck: it waits
+    with pytest.raises(GrammarCompileTimeout):
+        blocked.result(timeout=5)
+    release.set()  # the stuck calls return: their threads end and fresh ones take the queue
+    assert workers.wait_idle(5)
+    assert _submit(workers, lambda: 43, 10).result(timeout=5) == 43
+    assert workers.num_abandoned == 0
