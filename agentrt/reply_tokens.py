@@ -79,7 +79,6 @@ class ReplyPiece:
 class _Part:
     kind: str
     decoder: IncrementalDetokenizer
-    text: str = ""
     closed: bool = False
 
 
