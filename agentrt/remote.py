@@ -11,12 +11,12 @@ not send, runs here on the received text (`OutputFormat.final_errors`, the engin
 validator), so Session sees the same `structured_errors` as with the local backend.
 
 Reasoning travels as vLLM and `agentrt serve` spell it: `reasoning=True | False` as the chat
-template's `enable_thinking` (`chat_template_kwargs`), `max_reasoning_tokens` as is, and
-`reasoning_effort` as OpenAI's own parameter; the reply's `reasoning_content` deltas (or
+template's `enable_thinking` (`chat_template_kwargs`), `max_reasoning_tokens` and
+`reasoning_parser` as `agentrt serve` takes them, and `reasoning_effort` as OpenAI's own
+parameter; the reply's `reasoning_content` deltas (or
 `reasoning`, vLLM's newer name) stream as `ReasoningText`, and the completion carries the
 reasoning and its token count (`completion_tokens_details.reasoning_tokens`), as the local
-backend's does. (`reasoning_parser` names markers for the local tokenizer only: a server
-picks its model's own.) A reply that wrote text and then called tools keeps the text as
+backend's does. A reply that wrote text and then called tools keeps the text as
 its `content` beside the calls.
 
 HTTP errors come back through `agentrt.errors.ERROR_KINDS` read backwards: the error
@@ -206,8 +206,9 @@ class RemoteBackend:
         reasoning = reasoning or {}
         if reasoning.get("reasoning") in (True, False):
             extra["chat_template_kwargs"] = {"enable_thinking": reasoning["reasoning"]}
-        if reasoning.get("max_reasoning_tokens") is not None:
-            extra["max_reasoning_tokens"] = reasoning["max_reasoning_tokens"]
+        for name in ("max_reasoning_tokens", "reasoning_parser"):
+            if reasoning.get(name) is not None:
+                extra[name] = reasoning[name]
         if reasoning.get("reasoning_effort") is not None:
             request["reasoning_effort"] = reasoning["reasoning_effort"]
         if extra:

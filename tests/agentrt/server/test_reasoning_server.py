@@ -91,11 +91,17 @@ class Code(BaseModel):
 
 def test_the_remote_backend_sends_the_reasoning_options():
     backend = RemoteBackend(base_url="http://127.0.0.1:1/v1", model="m")
-    options = {"reasoning": False, "max_reasoning_tokens": 6, "reasoning_effort": "low"}
+    options = {
+        "reasoning": False,
+        "max_reasoning_tokens": 6,
+        "reasoning_effort": "low",
+        "reasoning_parser": "qwen3",
+    }
     request = backend.request([], resolve_format(Code), {}, options)
     assert request["extra_body"] == {
         "chat_template_kwargs": {"enable_thinking": False},
         "max_reasoning_tokens": 6,
+        "reasoning_parser": "qwen3",
     }
     assert request["reasoning_effort"] == "low"  # OpenAI's own parameter
     assert "extra_body" not in backend.request([], resolve_format(Code), {}, {"reasoning": "auto"})

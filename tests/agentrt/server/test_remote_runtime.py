@@ -97,6 +97,26 @@ async def test_tool_calls_come_back_as_the_local_payload(rt, smollm2_llm):
     assert [(c.name, c.arguments) for c in local_calls] == [(c.name, c.arguments) for c in calls]
 
 
+async def test_reasoning_with_named_markers_travels(rt):
+    """SmolLM2 has no reasoning markers: `reasoning_parser` names them and reasoning=True
+    forces the block on the server too (the local test: tests/agentrt/test_reasoning.py);
+    the reasoning comes back apart, bounded by max_reasoning_tokens."""
+    session = rt.session(system="You extract facts as JSON.")
+    person = await session.generate(
+        "John Smith is 42.",
+        schema=Person,
+        reasoning=True,
+        reasoning_parser="qwen3",
+        max_reasoning_tokens=12,
+    )
+    last = session.last
+    assert last.reasoning and "</think>" not in last.reasoning
+    assert Person.model_validate_json(last.text) == person
+    # 12 tokens of text and the two markers, spelled in SmolLM2's ordinary tokens.
+    assert 12 < last.usage.reasoning_tokens <= 12 + 2 * 6
+    assert last.usage.completion_tokens > last.usage.reasoning_tokens
+
+
 async def test_remote_errors_are_typed(server):
     async with agentrt.Runtime(base_url=server.url + "/v1", api_key="wrong") as rt:
         with pytest.raises(InvalidRequestError, match="API key"):
