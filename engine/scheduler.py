@@ -90,19 +90,14 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         """Queue a validated request. The caller has checked that it fits in the pool. A
         request the KV connector cannot take now (a p2p producer's holds at their cap) fails
-        at once with `ErrorCode.OVERLOADED` (take_errored), without entering the queue."""
+        at once (take_errored: `ErrorCode.OVERLOADED`, or INVALID_REQUEST for one that can
+        never be taken), without entering the queue."""
         refusal = self.connector.admit(request) if self.connector is not None else None
         if refusal is not None:
             request.status = RequestStatus.FINISHED_ERROR
+            code, message = refusal
             self.errored.append(
-                EngineCoreOutput(
-                    request.req_id,
-                    [],
-                    None,
-                    "error",
-                    error_code=ErrorCode.OVERLOADED,
-                    error=refusal,
-                )
+                EngineCoreOutput(request.req_id, [], None, "error", error_code=code, error=message)
             )
             return
         self.requests[request.req_id] = request

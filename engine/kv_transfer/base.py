@@ -35,6 +35,7 @@ import torch
 
 from agentrt.engine.block_hash import BlockHash, extend_block_hashes
 from agentrt.engine.config import KVTransferConfig
+from agentrt.engine.errors import ErrorCode
 from agentrt.engine.records import KVTransferStats, SchedulerOutput
 from agentrt.engine.request import Request
 
@@ -136,10 +137,10 @@ class KVConnector:
         loads, self._planned = self._planned, {}
         return KVConnectorMetadata(loads=loads)
 
-    def admit(self, request: Request) -> str | None:
-        """Why a new request cannot be taken now (the engine fails it with
-        `ErrorCode.OVERLOADED`, a 429: retry later), or None. An admitted request may
-        reserve room here, which `request_finished` gives back."""
+    def admit(self, request: Request) -> tuple[ErrorCode, str] | None:
+        """Why a new request cannot be taken (the engine fails it at once with this code and
+        message: `ErrorCode.OVERLOADED`, a 429, when it may fit later), or None. An admitted
+        request may reserve room here, which `request_finished` gives back."""
         return None
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict | None]:

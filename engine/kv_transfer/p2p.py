@@ -12,7 +12,8 @@ The flow is vLLM's (NIXL connector), driven by a proxy (`agentrt proxy`):
    `max_held_fraction` of its pool: a `do_remote_decode` request is admitted only if the
    blocks held, those reserved by the holds still computing, and its own fit under the cap
    (otherwise it fails at once with `ErrorCode.OVERLOADED`, which the server answers with
-   429 and Retry-After); if a hold still does not fit when the prefill ends, the producer
+   429 and Retry-After; one that could never fit is INVALID_REQUEST, a 400); if a hold
+   still does not fit when the prefill ends, the producer
    keeps nothing and says so (`do_remote_prefill: false` and `hold_refused`).
 2. The proxy sends the same request to a consumer with those params. It checks them (the
    signature and expiry, the engine id, this request's tokens by key, the producer among
@@ -62,7 +63,7 @@ import zmq
 from zmq.utils import z85
 
 from agentrt.engine.config import KVTransferConfig
-from agentrt.engine.errors import ConfigError
+from agentrt.engine.errors import ConfigError, ErrorCode
 from agentrt.engine.kv_transfer.auth import (
     KVAuthError,
     ParamsSigner,
@@ -148,10 +149,11 @@ class P2PConnector(KVConnector):
 
     # -- producer ----------------------------------------------------------------------------
 
-    def admit(self, request: Request) -> str | None:
+    def admit(self, request: Request) -> tuple[ErrorCode, str] | None:
         """Refuse a `do_remote_decode` request whose blocks (its prompt and max_tokens, all
-        pinned until a consumer fetches them) would take the held blocks past the cap;
-        otherwise reserve them until it finishes."""
+        pinned until a consumer fetches them) would take the held blocks past the cap
+        (OVERLOADED), or could never fit under it (INVALID_REQUEST); otherwise reserve them
+        until it finishes."""
         params = request.sampling_params.kv_transfer_params or {}
         if not self.config.saves or not params.get("do_remote_decode"):
             return None
@@ -161,13 +163,24 @@ class P2PConnector(KVConnector):
             num_held = sum(held.num_pinned for held in self._held.values())
             num_reserved = sum(self._reserved.values())
             max_held = self._max_held()
-            if num_held + num_reserved + num_blocks > max_held:
-                self.stats.num_holds_refused += 1
-                return (
+            refusal = None
+            if num_blocks > max_held:
+                refusal = (
+                    ErrorCode.INVALID_REQUEST,
+                    f"do_remote_decode: the prompt and max_tokens take {num_blocks} KV blocks, "
+                    f"more than the {max_held} this producer may hold for consumers at all "
+                    "(kv_max_held_fraction); send fewer tokens (the prefill needs max_tokens=1)",
+                )
+            elif num_held + num_reserved + num_blocks > max_held:
+                refusal = (
+                    ErrorCode.OVERLOADED,
                     f"this producer holds {num_held} and has reserved {num_reserved} of the "
                     f"{max_held} KV blocks it may hold for consumers (kv_max_held_fraction); "
-                    f"a prefill of {num_blocks} more blocks to hold is refused: retry later"
+                    f"a prefill of {num_blocks} more blocks to hold is refused: retry later",
                 )
+            if refusal is not None:
+                self.stats.num_holds_refused += 1
+                return refusal
             self._reserved[request.req_id] = num_blocks
         return None
 

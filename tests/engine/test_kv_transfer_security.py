@@ -312,6 +312,10 @@ def test_a_flood_of_holds_pins_at_most_the_cap(model, consumer, solo):
     assert {o.error_code for o in refused} == {ErrorCode.OVERLOADED}
     assert "kv_max_held_fraction" in refused[0].error and refused[0].kv_transfer_params is None
     assert capped.engine.stats().kv_transfer.num_holds_refused == 6
+    # One that could never fit under the cap is not told to retry.
+    huge = dataclasses.replace(REMOTE_DECODE, max_tokens=16 * BS)
+    never = capped.generate([prompt(150)], huge)[0]
+    assert never.error_code == ErrorCode.INVALID_REQUEST and "at all" in never.error
     # Other requests still run, and a held prefill still decodes remotely.
     assert tokens(capped, prompt(200)) == tokens(solo, prompt(200))
     decodes_remotely(consumer, solo, prompt(100), kept[0])
