@@ -251,13 +251,33 @@ class GrammarCompiler:
 
 def _proven(spec: GrammarSpec, report: GrammarReport) -> frozenset[str]:
     """What a matcher reaching its end proves (validate.py): every backend compiles a regex
-    spec into an exact automaton; a JSON schema's patterns only llguidance enforces exactly
-    (xgrammar's grammars are always post-checked)."""
+    spec into an exact automaton. A JSON schema's patterns are proven only by an exact
+    llguidance grammar (xgrammar's are always post-checked), and only where a pattern held
+    true cannot make the schema reject more: not under `not`, an `if`, oneOf's exclusivity
+    or a maxContains, whose checks need each pattern's real verdict."""
     if spec.kind == "regex":
         return frozenset({"regex"})
-    if report.backend == "llguidance" and "pattern" not in report.post_checked:
-        return frozenset({"pattern"})
-    return frozenset()
+    if spec.kind not in _JSON_KINDS or report.backend != "llguidance" or not report.exact:
+        return frozenset()
+    return frozenset() if _has_keys(spec.json_value(), _NOT_MONOTONE) else frozenset({"pattern"})
+
+
+_NOT_MONOTONE = frozenset({"not", "if", "oneOf", "maxContains"})
+
+
+def _has_keys(node: Any, keys: frozenset[str]) -> bool:
+    """Whether any object in a JSON value has one of `keys` (a property named so counts
+    too: a false alarm only costs the shortcut)."""
+    stack = [node]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            if keys & node.keys():
+                return True
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    return False
 
 
 def _timeout(spec: GrammarSpec, budget: float) -> GrammarCompileTimeout:

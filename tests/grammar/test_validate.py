@@ -91,3 +91,16 @@ def test_what_the_grammar_proved_is_not_matched_again() -> None:
     assert time.monotonic() - start < 0.5
     # Not proven (xgrammar approximates patterns): still matched, bounded.
     assert FinalValidator(schema).errors(json.dumps("b"), complete=True)
+
+
+def test_patterns_are_proven_only_where_their_verdict_cannot_reject_more(auto_compiler) -> None:
+    plain = {"type": "object", "properties": {"id": {"type": "string", "pattern": "^a"}}}
+    assert auto_compiler.compile(GrammarSpec.from_json_schema(plain)).validator.proven == {
+        "pattern"
+    }
+    # Under `not`, a pattern taken as true would make every value fail: it is matched.
+    negated = {"type": "string", "not": {"pattern": "^a"}}
+    grammar = auto_compiler.compile(GrammarSpec.from_json_schema(negated))
+    assert grammar.validator.proven == frozenset()
+    assert grammar.validator.errors('"xyz"', complete=True) == []
+    assert grammar.validator.errors('"abc"', complete=True)
