@@ -24,6 +24,7 @@ from typing import Any
 import anyio
 
 from agentrt.engine.args import EngineArgs
+from agentrt.engine.core.scheduler import SchedulerStats
 from agentrt.engine.core_client import (
     AbortRequests,
     AddRequest,
@@ -46,7 +47,6 @@ from agentrt.engine.llm_engine import LLMEngine
 from agentrt.engine.outputs import RequestDelta, RequestOutput
 from agentrt.engine.processor import Processor
 from agentrt.engine.sampling_params import SamplingParams
-from agentrt.engine.scheduler import SchedulerStats
 
 
 class RequestStream:

@@ -25,8 +25,8 @@ import signal
 
 import msgspec
 
+from agentrt.engine.core.scheduler import SchedulerStats
 from agentrt.engine.records import EngineCoreOutput, EngineCoreRequest
-from agentrt.engine.scheduler import SchedulerStats
 
 _IDLE_POLL_MS = 1000  # how often an idle core checks that its parent is still alive
 

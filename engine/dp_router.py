@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from agentrt.engine.block_hash import BlockHash, extend_block_hashes
+from agentrt.engine.core.block_hash import BlockHash, extend_block_hashes
 
 _WAITING_WEIGHT = 4  # vLLM's: a waiting request costs four running ones
 _MIN_AFFINITY_FRACTION = 0.5

@@ -16,10 +16,12 @@ import torch
 from agentrt.engine import envs
 from agentrt.engine.args import EngineArgs
 from agentrt.engine.config import KVTransferConfig, SpeculativeConfig
-from agentrt.engine.engine_core import EngineCore
+from agentrt.engine.core.engine_core import EngineCore
+from agentrt.engine.core.kv_cache_manager import KVCacheManager
+from agentrt.engine.core.scheduler import Scheduler, SchedulerStats
+from agentrt.engine.core.structured_output import StructuredOutputManager
 from agentrt.engine.errors import ConfigError
 from agentrt.engine.executor import TensorParallelExecutor
-from agentrt.engine.kv_cache_manager import KVCacheManager
 from agentrt.engine.kv_transfer import KVConnector, KVLayout, create_connector, engine_id
 from agentrt.engine.loader.fit import MemoryEstimate, available_memory, check_fit, weight_bytes
 from agentrt.engine.loader.gguf_file import is_gguf
@@ -32,10 +34,8 @@ from agentrt.engine.model_runner import ModelRunner, kv_block_bytes, kv_pool_blo
 from agentrt.engine.outputs import OutputProcessor, RequestDelta
 from agentrt.engine.processor import Processor
 from agentrt.engine.records import EngineCoreRequest
-from agentrt.engine.scheduler import Scheduler, SchedulerStats
 from agentrt.engine.spec_decode.draft_model import DraftModelProposer, draft_model_arch
 from agentrt.engine.spec_decode.manager import SpecDecodeManager
-from agentrt.engine.structured_output import StructuredOutputManager
 from agentrt.engine.worker import WorkerConfig, build_runner
 
 

@@ -28,6 +28,7 @@ import msgspec
 
 from agentrt.engine import errors
 from agentrt.engine.args import EngineArgs
+from agentrt.engine.core.scheduler import SchedulerStats
 from agentrt.engine.core_client import (
     AbortRequests,
     AddRequest,
@@ -57,7 +58,6 @@ from agentrt.engine.dp_router import DPRouter
 from agentrt.engine.errors import ConfigError, EngineDeadError, EngineError, ModelLoadError
 from agentrt.engine.model.checkpoint import load_tokenizer
 from agentrt.engine.outputs import OutputProcessor
-from agentrt.engine.scheduler import SchedulerStats
 
 _SHUTDOWN_TIMEOUT_S = 10.0  # a core still running this long after ShutdownCore is killed
 

@@ -33,11 +33,11 @@ from typing import Any
 
 import torch
 
-from agentrt.engine.block_hash import BlockHash, extend_block_hashes
 from agentrt.engine.config import KVTransferConfig
+from agentrt.engine.core.block_hash import BlockHash, extend_block_hashes
+from agentrt.engine.core.request import Request
 from agentrt.engine.errors import ErrorCode
 from agentrt.engine.records import KVTransferStats, SchedulerOutput
-from agentrt.engine.request import Request
 
 logger = logging.getLogger(__name__)
 

@@ -63,6 +63,7 @@ import zmq
 from zmq.utils import z85
 
 from agentrt.engine.config import KVTransferConfig
+from agentrt.engine.core.request import Request
 from agentrt.engine.errors import ConfigError, ErrorCode
 from agentrt.engine.kv_transfer.auth import (
     KVAuthError,
@@ -73,7 +74,6 @@ from agentrt.engine.kv_transfer.auth import (
     verify,
 )
 from agentrt.engine.kv_transfer.base import KVConnector, KVLayout, content_key
-from agentrt.engine.request import Request
 
 logger = logging.getLogger(__name__)
 

@@ -44,13 +44,13 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save
 
-from agentrt.engine.block_hash import BlockHash, extend_block_hashes
 from agentrt.engine.config import KVTransferConfig
+from agentrt.engine.core.block_hash import BlockHash, extend_block_hashes
+from agentrt.engine.core.request import Request
 from agentrt.engine.errors import ConfigError
 from agentrt.engine.kv_transfer.auth import KVAuthError, derive_key, mac
 from agentrt.engine.kv_transfer.base import BlockSave, KVConnector, KVConnectorMetadata, KVLayout
 from agentrt.engine.records import SchedulerOutput
-from agentrt.engine.request import Request
 
 logger = logging.getLogger(__name__)
 

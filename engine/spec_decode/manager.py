@@ -16,8 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from agentrt.engine.config import SpeculativeConfig
-from agentrt.engine.kv_cache_manager import KVCacheManager
-from agentrt.engine.request import Request, RequestStatus
+from agentrt.engine.core.kv_cache_manager import KVCacheManager
+from agentrt.engine.core.request import Request, RequestStatus
 from agentrt.engine.spec_decode.base import DraftContext, Proposer
 
 # The prompt head that, with the schema, groups requests in the suffix cache: a chat's

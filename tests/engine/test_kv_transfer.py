@@ -17,12 +17,12 @@ import time
 import pytest
 import zmq
 
-from agentrt.engine.block_hash import extend_block_hashes
+from agentrt.engine.core.block_hash import extend_block_hashes
+from agentrt.engine.core.request import RequestStatus
 from agentrt.engine.errors import ConfigError, InvalidRequestError
 from agentrt.engine.kv_transfer.auth import ParamsSigner
 from agentrt.engine.kv_transfer.p2p import curve_server_keys
 from agentrt.engine.llm import LLM
-from agentrt.engine.request import RequestStatus
 from agentrt.engine.sampling_params import SamplingParams, StructuredOutputsParams
 
 PROMPT = (

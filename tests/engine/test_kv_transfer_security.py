@@ -19,7 +19,7 @@ import zmq
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from agentrt.engine.block_hash import extend_block_hashes
+from agentrt.engine.core.block_hash import extend_block_hashes
 from agentrt.engine.errors import ConfigError, ErrorCode, InvalidRequestError
 from agentrt.engine.kv_transfer.auth import ParamsSigner, canonical, derive_key, mac
 from agentrt.engine.kv_transfer.p2p import curve_server_keys

@@ -4,8 +4,8 @@ not, alone or in a batch, and the caps no draft may cross."""
 from __future__ import annotations
 
 from agentrt.engine.config import SpeculativeConfig
-from agentrt.engine.kv_cache_manager import KVCacheManager
-from agentrt.engine.request import Request, RequestStatus
+from agentrt.engine.core.kv_cache_manager import KVCacheManager
+from agentrt.engine.core.request import Request, RequestStatus
 from agentrt.engine.sampling_params import SamplingParams
 from agentrt.engine.spec_decode.manager import BATCH_MAX_DRAFTS, PAUSE_STEPS, SpecDecodeManager
 from agentrt.engine.spec_decode.ngram import NgramProposer

@@ -9,9 +9,9 @@ from concurrent.futures import Future
 
 import torch
 
+from agentrt.engine.core.request import Request
 from agentrt.engine.errors import InvalidRequestError
 from agentrt.engine.records import GrammarBitmask
-from agentrt.engine.request import Request
 from agentrt.engine.sampling_params import StructuredOutputsParams
 from agentrt.grammar import (
     GenerationBounds,

@@ -18,7 +18,7 @@ from pydantic import BaseModel, Field
 from agentrt.engine.errors import ErrorCode, InvalidRequestError
 from agentrt.engine.sampling_params import SamplingParams, StructuredOutputsParams
 
-MASKBENCH = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "maskbench"
+MASKBENCH = Path(__file__).resolve().parents[3].parent / "shared" / "data" / "maskbench"
 
 
 class Color(enum.StrEnum):

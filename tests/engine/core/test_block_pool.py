@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agentrt.engine.block_pool import BlockPool, FreeBlockQueue, KVCacheBlock
+from agentrt.engine.core.block_pool import BlockPool, FreeBlockQueue, KVCacheBlock
 
 
 def free_ids(pool: BlockPool) -> list[int]:

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from agentrt.engine.block_hash import BlockHash, extend_block_hashes
-from agentrt.engine.block_pool import BlockPool, KVCacheBlock
-from agentrt.engine.request import Request
+from agentrt.engine.core.block_hash import BlockHash, extend_block_hashes
+from agentrt.engine.core.block_pool import BlockPool, KVCacheBlock
+from agentrt.engine.core.request import Request
 
 
 def cdiv(a: int, b: int) -> int:

@@ -16,8 +16,9 @@ from collections import deque
 from dataclasses import dataclass
 
 from agentrt.engine.config import SchedulerConfig
+from agentrt.engine.core.kv_cache_manager import KVCacheManager
+from agentrt.engine.core.request import Request, RequestStatus
 from agentrt.engine.errors import ErrorCode
-from agentrt.engine.kv_cache_manager import KVCacheManager
 from agentrt.engine.kv_transfer import KVConnector
 from agentrt.engine.records import (
     EngineCoreOutput,
@@ -27,7 +28,6 @@ from agentrt.engine.records import (
     SchedulerOutput,
     SpecDecodeStats,
 )
-from agentrt.engine.request import Request, RequestStatus
 
 
 @dataclass(frozen=True, slots=True)

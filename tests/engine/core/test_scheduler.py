@@ -8,11 +8,11 @@ import random
 import pytest
 
 from agentrt.engine.args import EngineArgs
-from agentrt.engine.kv_cache_manager import KVCacheManager
+from agentrt.engine.core.kv_cache_manager import KVCacheManager
+from agentrt.engine.core.request import Request, RequestStatus
+from agentrt.engine.core.scheduler import Scheduler
 from agentrt.engine.records import SampledToken, SamplerStepOutput
-from agentrt.engine.request import Request, RequestStatus
 from agentrt.engine.sampling_params import SamplingParams
-from agentrt.engine.scheduler import Scheduler
 
 EOS = 0
 

@@ -9,6 +9,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from agentrt.engine.core.request import Request, RequestStatus
+from agentrt.engine.core.scheduler import Scheduler
+from agentrt.engine.core.structured_output import StructuredOutputManager
 from agentrt.engine.records import (
     EngineCoreOutput,
     EngineCoreRequest,
@@ -17,12 +20,9 @@ from agentrt.engine.records import (
     SamplerStepOutput,
     SchedulerOutput,
 )
-from agentrt.engine.request import Request, RequestStatus
 from agentrt.engine.sampler import Sampler, SamplerOutput, SamplingMetadata
-from agentrt.engine.scheduler import Scheduler
 from agentrt.engine.spec_decode.manager import SpecDecodeManager
 from agentrt.engine.spec_decode.rejection_sampler import rejection_sample
-from agentrt.engine.structured_output import StructuredOutputManager
 from agentrt.kernels import apply_token_bitmask
 
 

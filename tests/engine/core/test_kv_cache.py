@@ -7,12 +7,12 @@ import hashlib
 import random
 import struct
 
-from agentrt.engine import block_hash
-from agentrt.engine.block_hash import ROOT_HASH, extend_block_hashes
-from agentrt.engine.kv_cache_manager import KVCacheManager
-from agentrt.engine.request import Request, RequestStatus
+from agentrt.engine.core import block_hash
+from agentrt.engine.core.block_hash import ROOT_HASH, extend_block_hashes
+from agentrt.engine.core.kv_cache_manager import KVCacheManager
+from agentrt.engine.core.request import Request, RequestStatus
 from agentrt.engine.sampling_params import SamplingParams
-from tests.engine.test_scheduler import make_scheduler, run_step, run_to_completion
+from tests.engine.core.test_scheduler import make_scheduler, run_step, run_to_completion
 
 BS = 4
 
