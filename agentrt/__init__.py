@@ -24,7 +24,7 @@ _EXPORTS = {
     "Agent": "agentrt.agent",
     "AgentResult": "agentrt.agent",
     "ExtractResult": "agentrt.extract",
-    "AsyncEngine": "agentrt.engine.async_engine",
+    "AsyncEngine": "agentrt.engine.client.async_engine",
     # errors
     "AgentError": "agentrt.errors",
     "AgentrtError": "agentrt.errors",

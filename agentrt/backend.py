@@ -11,9 +11,9 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from agentrt.engine.async_engine import AsyncEngine
+from agentrt.engine.client.async_engine import AsyncEngine
+from agentrt.engine.client.outputs import RequestOutput
 from agentrt.engine.errors import ErrorCode, InvalidRequestError
-from agentrt.engine.outputs import RequestOutput
 from agentrt.engine.sampling_params import SamplingParams
 from agentrt.formats import OutputFormat
 from agentrt.reasoning import (

@@ -33,7 +33,7 @@ def _params(args):
 
 
 def _generate(args) -> int:
-    from agentrt.engine.llm import LLM
+    from agentrt.engine.client.llm import LLM
 
     llm = LLM(**_engine_options(args))
     start = time.perf_counter()
@@ -51,7 +51,7 @@ def _generate(args) -> int:
 
 
 def _chat(args) -> int:
-    from agentrt.engine.llm import LLM
+    from agentrt.engine.client.llm import LLM
 
     llm = LLM(**_engine_options(args))
     messages = [{"role": "system", "content": args.system}] if args.system else []

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from agentrt.engine.detokenizer import IncrementalDetokenizer
+from agentrt.engine.client.detokenizer import IncrementalDetokenizer
 from agentrt.grammar.reasoning import ReasoningSpec, single_token_id
 from agentrt.tool_calls import CLOSE_TAG, OPEN_TAG
 

@@ -11,9 +11,9 @@ from typing import Any
 
 from agentrt.backend import Backend, LocalBackend
 from agentrt.engine.args import EngineArgs
-from agentrt.engine.async_engine import AsyncEngine
+from agentrt.engine.client.async_engine import AsyncEngine
+from agentrt.engine.client.llm_engine import LLMEngine
 from agentrt.engine.errors import ConfigError
-from agentrt.engine.llm_engine import LLMEngine
 from agentrt.extract import Document, ExtractResult, extract_iter, extract_many
 from agentrt.session import Session
 

@@ -38,7 +38,7 @@ from pathlib import Path
 import anyio
 import httpx
 
-from agentrt.engine.llm import LLM
+from agentrt.engine.client.llm import LLM
 from agentrt.engine.model.checkpoint import load_tokenizer, resolve_model
 from agentrt.engine.sampling_params import SamplingParams
 

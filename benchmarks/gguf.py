@@ -295,7 +295,7 @@ def agentrt_worker(job: dict) -> dict:
     import torch
     from latency import AGREEMENT_PROMPTS, teacher_forced_logits
 
-    from agentrt.engine.llm import LLM
+    from agentrt.engine.client.llm import LLM
     from agentrt.engine.sampling_params import SamplingParams
 
     torch.set_num_threads(job["threads"])

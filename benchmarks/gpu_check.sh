@@ -167,7 +167,7 @@ install() {
 import sys
 
 import agentrt
-import agentrt.engine.llm  # noqa: F401  (the engine, the grammar backends, the kernels)
+import agentrt.engine.client.llm  # noqa: F401  (the engine, the grammar backends, the kernels)
 import agentrt.grammar  # noqa: F401
 
 assert agentrt.__file__.startswith(sys.argv[1]), f"agentrt imported from {agentrt.__file__}"

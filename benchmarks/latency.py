@@ -37,7 +37,7 @@ import time
 import torch
 from pydantic import BaseModel, Field
 
-from agentrt.engine.llm import LLM
+from agentrt.engine.client.llm import LLM
 from agentrt.engine.model.checkpoint import gguf_source, load_tokenizer, resolve_model
 from agentrt.engine.records import ScheduledChunk, SchedulerOutput
 from agentrt.engine.sampling_params import SamplingParams, StructuredOutputsParams

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import statistics
 
-from agentrt.engine.llm import LLM
+from agentrt.engine.client.llm import LLM
 from agentrt.engine.sampling_params import SamplingParams
 
 RULES = [

@@ -28,7 +28,7 @@ import time
 from pydantic import BaseModel, Field
 
 import agentrt
-from agentrt.engine.llm import LLM
+from agentrt.engine.client.llm import LLM
 from agentrt.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from agentrt.grammar import GrammarCompiler, GrammarSpec, allocate_bitmask
 from agentrt.grammar.reasoning import REASONING_PARSERS, with_reasoning

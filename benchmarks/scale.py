@@ -33,7 +33,7 @@ import time
 
 import anyio
 
-from agentrt.engine.async_engine import AsyncEngine
+from agentrt.engine.client.async_engine import AsyncEngine
 from agentrt.engine.sampling_params import SamplingParams
 
 FILLER = "The report lists owners, deadlines and risks for every part of the roadmap. "
@@ -168,7 +168,7 @@ def tensor_parallel_figures(args) -> dict:
     stay loaded and take turns. On this machine the 3 ranks share 2 cores with one thread each
     and meet 2 all-reduces per layer (60 per step) over gloo: TP pays for itself only where
     each rank has its own device. Also a paper estimate of that case."""
-    from agentrt.engine.llm import LLM
+    from agentrt.engine.client.llm import LLM
 
     engines = {
         n: LLM(None, dtype="float32", kv_cache_memory_gb=0.25, tensor_parallel_size=n)

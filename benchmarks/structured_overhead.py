@@ -17,7 +17,7 @@ import time
 
 from pydantic import BaseModel, Field
 
-from agentrt.engine.llm import LLM
+from agentrt.engine.client.llm import LLM
 from agentrt.engine.sampling_params import SamplingParams, StructuredOutputsParams
 
 

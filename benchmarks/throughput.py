@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from agentrt.engine.llm import LLM
+from agentrt.engine.client.llm import LLM
 from agentrt.engine.sampling_params import SamplingParams
 
 WORDS = (

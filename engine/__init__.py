@@ -8,13 +8,13 @@ from __future__ import annotations
 import importlib
 
 _EXPORTS = {
-    "LLM": "agentrt.engine.llm",
+    "LLM": "agentrt.engine.client.llm",
     "EngineArgs": "agentrt.engine.args",
     "SpeculativeConfig": "agentrt.engine.config",
     "ParallelConfig": "agentrt.engine.config",
-    "CompletionOutput": "agentrt.engine.outputs",
-    "Logprob": "agentrt.engine.outputs",
-    "RequestOutput": "agentrt.engine.outputs",
+    "CompletionOutput": "agentrt.engine.client.outputs",
+    "Logprob": "agentrt.engine.client.outputs",
+    "RequestOutput": "agentrt.engine.client.outputs",
     "SamplingParams": "agentrt.engine.sampling_params",
     "StructuredOutputsParams": "agentrt.engine.sampling_params",
 }

@@ -123,7 +123,7 @@ async def run_benchmark_async(
     if engine is not None:
         config = _config(mode, dataset, load, engine_args=dataclasses.asdict(engine.args))
         return await _run_inprocess(engine, mode, dataset, load, config)
-    from agentrt.engine.async_engine import AsyncEngine
+    from agentrt.engine.client.async_engine import AsyncEngine
 
     engine_args = engine_args or EngineArgs()
     options = {k: v for k, v in dataclasses.asdict(engine_args).items() if k != "model"}

@@ -15,9 +15,9 @@ import anyio
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from agentrt.engine.async_engine import AsyncEngine
+from agentrt.engine.client.async_engine import AsyncEngine
+from agentrt.engine.client.llm_engine import LLMEngine
 from agentrt.engine.errors import ErrorCode, InvalidRequestError
-from agentrt.engine.llm_engine import LLMEngine
 from agentrt.server.chat import chat_prompt, create_chat_completion
 from agentrt.server.completions import create_completion
 from agentrt.server.errors import (

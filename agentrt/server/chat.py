@@ -9,8 +9,8 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response
 
+from agentrt.engine.client.outputs import CompletionOutput, RequestDelta, RequestOutput
 from agentrt.engine.errors import InvalidRequestError
-from agentrt.engine.outputs import CompletionOutput, RequestDelta, RequestOutput
 from agentrt.reasoning import (
     ReasoningRequest,
     constrain,

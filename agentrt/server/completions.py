@@ -8,8 +8,8 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response
 
+from agentrt.engine.client.outputs import RequestDelta, RequestOutput
 from agentrt.engine.errors import InvalidRequestError
-from agentrt.engine.outputs import RequestDelta, RequestOutput
 from agentrt.server.errors import bad_request, from_exception
 from agentrt.server.generation import Generation, respond
 from agentrt.server.params import choice_params, vllm_structured

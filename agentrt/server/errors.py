@@ -20,8 +20,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from agentrt.engine.client.outputs import RequestOutput
 from agentrt.engine.errors import ContextLengthError, EngineError, ErrorCode
-from agentrt.engine.outputs import RequestOutput
 from agentrt.errors import ERROR_KINDS, AgentrtError, code_of
 
 logger = logging.getLogger("agentrt.server")

@@ -19,9 +19,9 @@ import anyio
 from sse_starlette import EventSourceResponse
 from starlette.responses import JSONResponse, Response
 
-from agentrt.engine.async_engine import AsyncEngine, RequestStream
+from agentrt.engine.client.async_engine import AsyncEngine, RequestStream
+from agentrt.engine.client.outputs import RequestDelta, RequestOutput
 from agentrt.engine.errors import InvalidRequestError
-from agentrt.engine.outputs import RequestDelta, RequestOutput
 from agentrt.engine.sampling_params import SamplingParams
 from agentrt.server.errors import failed_output, from_exception
 from agentrt.server.metrics import RequestTimer, ServerMetrics

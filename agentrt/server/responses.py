@@ -8,7 +8,7 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
-from agentrt.engine.outputs import Logprob, RequestOutput
+from agentrt.engine.client.outputs import Logprob, RequestOutput
 
 
 def new_id(prefix: str) -> str:

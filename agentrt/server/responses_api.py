@@ -43,7 +43,7 @@ from openai.types.shared import ResponseFormatJSONObject, ResponseFormatText
 from pydantic import BaseModel
 from sse_starlette import EventSourceResponse, ServerSentEvent
 
-from agentrt.engine.outputs import CompletionOutput, RequestDelta, RequestOutput
+from agentrt.engine.client.outputs import CompletionOutput, RequestDelta, RequestOutput
 from agentrt.reasoning import ReasoningRequest, constrain, count_reasoning_tokens
 from agentrt.server.calls_or_answer import tool_names
 from agentrt.server.chat import chat_prompt_and_reasoning

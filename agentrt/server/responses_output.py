@@ -42,7 +42,7 @@ from openai.types.responses.response_content_part_done_event import (
 from pydantic import BaseModel
 from sse_starlette import ServerSentEvent
 
-from agentrt.engine.outputs import Logprob
+from agentrt.engine.client.outputs import Logprob
 from agentrt.reasoning import ReasoningRequest, count_reasoning_tokens
 from agentrt.server.calls_or_answer import CallsOrAnswerStreamer
 from agentrt.server.responses import chat_logprobs

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from agentrt.engine.args import EngineArgs
-from agentrt.engine.async_engine import AsyncEngine
+from agentrt.engine.client.async_engine import AsyncEngine
 from agentrt.server.errors import APIError
 from agentrt.server.metrics import ServerMetrics
 from agentrt.server.response_store import MAX_AGE_S, MAX_BYTES, MAX_RESPONSES

@@ -31,7 +31,7 @@ SCHEMA = {
 
 
 def llm(path, device: str, **options):
-    from agentrt.engine.llm import LLM
+    from agentrt.engine.client.llm import LLM
 
     return LLM(str(path), device=device, **{**OPTIONS, **options})
 

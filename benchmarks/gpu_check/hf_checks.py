@@ -88,7 +88,7 @@ def hf_top(reference: torch.Tensor) -> list[dict[int, float]]:
 
 
 def run(ctx: Context) -> dict:
-    from agentrt.engine.llm import LLM
+    from agentrt.engine.client.llm import LLM
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False

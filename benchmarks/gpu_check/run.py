@@ -203,7 +203,7 @@ def preload() -> bool:
     import transformers  # noqa: F401
     from transformers import AutoModelForCausalLM  # noqa: F401
 
-    import agentrt.engine.llm  # noqa: F401
+    import agentrt.engine.client.llm  # noqa: F401
     import agentrt.engine.model.tiny  # noqa: F401
 
     return not torch.cuda.is_initialized()

@@ -170,7 +170,7 @@ def count_syncs(llm, prompts, num_tokens: int, device: str) -> dict:
 def run(ctx: Context) -> dict:
     from transformers import AutoModelForCausalLM
 
-    from agentrt.engine.llm import LLM
+    from agentrt.engine.client.llm import LLM
 
     size = DRY if ctx.dry_run else FULL
     path, device = ctx.checkpoint("big"), ctx.device

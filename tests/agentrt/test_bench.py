@@ -35,7 +35,7 @@ def small(name: str = "random", output_len: int = 8) -> DatasetConfig:
 @pytest.fixture(scope="module")
 def results(smollm2_dir) -> dict:
     """Each in-process mode, run on one engine."""
-    from agentrt.engine.async_engine import AsyncEngine
+    from agentrt.engine.client.async_engine import AsyncEngine
 
     async def run() -> dict:
         out = {}

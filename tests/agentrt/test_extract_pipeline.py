@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from agentrt.engine.llm import LLM
+from agentrt.engine.client.llm import LLM
 from agentrt.extract import Document
 from agentrt.extract_job import ExtractJob, run_job
 from agentrt.runtime import Runtime

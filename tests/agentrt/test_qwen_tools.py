@@ -11,7 +11,7 @@ import pytest
 from pydantic import BaseModel, Field
 
 import agentrt
-from agentrt.engine.llm import LLM
+from agentrt.engine.client.llm import LLM
 from agentrt.formats import tools_format
 from agentrt.tool_calls import OPEN_TAG, parse_tool_calls, tool_call_style
 

@@ -11,7 +11,7 @@ import pytest
 from pydantic import BaseModel, Field
 
 import agentrt
-from agentrt.engine.llm import LLM
+from agentrt.engine.client.llm import LLM
 
 pytestmark = pytest.mark.anyio
 

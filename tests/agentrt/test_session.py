@@ -217,7 +217,7 @@ async def test_runs_under_asyncio_and_trio(smollm2_llm, anyio_backend):
 
 
 async def test_engine_fault_raises_engine_dead_error(tiny_checkpoint):
-    from agentrt.engine.llm import LLM
+    from agentrt.engine.client.llm import LLM
 
     llm = LLM(str(tiny_checkpoint("llama")), dtype="float32", kv_cache_memory_gb=0.01)
 

@@ -10,7 +10,7 @@ import pytest
 from pydantic import Field
 
 import agentrt
-from agentrt.engine.llm import LLM
+from agentrt.engine.client.llm import LLM
 from agentrt.grammar import GrammarCompiler
 from agentrt.grammar.tools import EXCLUDED_ARGUMENTS
 from agentrt.tool_calls import hermes_spec, parse_tool_calls, render_messages, tool_call_style

@@ -13,9 +13,9 @@ import pytest
 
 from agentrt.cli import build_parser
 from agentrt.engine.args import EngineArgs
-from agentrt.engine.async_engine import AsyncEngine
+from agentrt.engine.client.async_engine import AsyncEngine
+from agentrt.engine.client.llm import LLM
 from agentrt.engine.errors import ConfigError
-from agentrt.engine.llm import LLM
 from agentrt.runtime import Runtime
 from agentrt.server.state import ServerConfig
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from agentrt.engine.llm import LLM
+from agentrt.engine.client.llm import LLM
 from agentrt.engine.sampling_params import SamplingParams
 from tests.engine.conftest import hf_greedy
 

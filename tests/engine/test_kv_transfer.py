@@ -17,12 +17,12 @@ import time
 import pytest
 import zmq
 
+from agentrt.engine.client.llm import LLM
 from agentrt.engine.core.block_hash import extend_block_hashes
 from agentrt.engine.core.request import RequestStatus
 from agentrt.engine.errors import ConfigError, InvalidRequestError
 from agentrt.engine.kv_transfer.auth import ParamsSigner
 from agentrt.engine.kv_transfer.p2p import curve_server_keys
-from agentrt.engine.llm import LLM
 from agentrt.engine.sampling_params import SamplingParams, StructuredOutputsParams
 
 PROMPT = (
@@ -80,7 +80,7 @@ def stored_blocks(path) -> list:
 
 CONSUMER_SCRIPT = """
 import json, sys
-from agentrt.engine.llm import LLM
+from agentrt.engine.client.llm import LLM
 from agentrt.engine.sampling_params import SamplingParams
 llm = LLM(None, dtype="float32", kv_cache_memory_gb=0.05, kv_connector="storage",
           kv_role="consumer", kv_storage_path=sys.argv[1])

@@ -19,12 +19,12 @@ import zmq
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from agentrt.engine.client.llm import LLM
 from agentrt.engine.core.block_hash import extend_block_hashes
 from agentrt.engine.errors import ConfigError, ErrorCode, InvalidRequestError
 from agentrt.engine.kv_transfer.auth import ParamsSigner, canonical, derive_key, mac
 from agentrt.engine.kv_transfer.p2p import curve_server_keys
 from agentrt.engine.kv_transfer.storage import KEY_FILE, storage_secret
-from agentrt.engine.llm import LLM
 from agentrt.engine.sampling_params import SamplingParams
 
 SECRET = "the-instances-shared-secret"

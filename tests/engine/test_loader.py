@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from agentrt.engine.client.llm import LLM
 from agentrt.engine.errors import ModelTooLargeError
-from agentrt.engine.llm import LLM
 from agentrt.engine.loader.fit import GiB, MemoryEstimate, check_fit, weight_bytes
 from agentrt.engine.loader.gguf_file import metadata_dir
 from agentrt.engine.loader.gguf_loader import GGUFLoader
@@ -225,7 +225,7 @@ MEMORY_SCRIPT = textwrap.dedent(
     """
     import json, os, resource, sys
     import torch
-    from agentrt.engine.llm import LLM
+    from agentrt.engine.client.llm import LLM
     from agentrt.engine.sampling_params import SamplingParams
 
     def written():

@@ -10,8 +10,8 @@ import json
 import pytest
 import torch
 
+from agentrt.engine.client.llm import LLM
 from agentrt.engine.errors import ConfigError
-from agentrt.engine.llm import LLM
 from agentrt.engine.loader.gguf_file import open_gguf
 from agentrt.engine.loader.quantization import Q4_1, Q8_0, resolve_quantization
 from agentrt.engine.model.checkpoint import load_state_dict

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from agentrt.engine.client.llm import LLM
 from agentrt.engine.errors import ConfigError, EngineDeadError
-from agentrt.engine.llm import LLM
 from agentrt.engine.loader.load import load_weights
 from agentrt.engine.loader.safetensors_loader import SafetensorsLoader
 from agentrt.engine.loader.weights import Shard

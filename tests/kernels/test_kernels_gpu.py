@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from agentrt.engine.llm import LLM
+from agentrt.engine.client.llm import LLM
 from agentrt.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from agentrt.kernels import (
     apply_token_bitmask,

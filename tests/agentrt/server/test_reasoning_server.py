@@ -13,7 +13,7 @@ from pydantic import BaseModel, Field
 
 import agentrt
 from agentrt.backend import Completion
-from agentrt.engine.llm import LLM
+from agentrt.engine.client.llm import LLM
 from agentrt.formats import resolve_format
 from agentrt.reasoning import ReasoningText
 from agentrt.remote import RemoteBackend

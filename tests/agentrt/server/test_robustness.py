@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from agentrt.engine.args import EngineArgs
-from agentrt.engine.llm import LLM
+from agentrt.engine.client.llm import LLM
 from agentrt.server.state import ServerConfig
 from tests.agentrt.server.helpers import ServerProcess, in_process_server, metrics, wait_idle
 

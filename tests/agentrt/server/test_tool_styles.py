@@ -8,7 +8,7 @@ import json
 import openai
 import pytest
 
-from agentrt.engine.llm import LLM
+from agentrt.engine.client.llm import LLM
 from agentrt.server.state import ServerConfig
 from tests.agentrt.server.helpers import in_process_server
 from tests.agentrt.test_tool_style import HERMES_TEMPLATE

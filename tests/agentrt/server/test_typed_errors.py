@@ -14,9 +14,9 @@ import pytest
 
 from agentrt.backend import Completion, LocalBackend
 from agentrt.engine.args import EngineArgs
-from agentrt.engine.async_engine import AsyncEngine
+from agentrt.engine.client.async_engine import AsyncEngine
+from agentrt.engine.client.llm import LLM
 from agentrt.engine.errors import EngineError, ErrorCode
-from agentrt.engine.llm import LLM
 from agentrt.errors import (
     ERROR_KINDS,
     AgentrtError,

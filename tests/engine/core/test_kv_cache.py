@@ -155,7 +155,7 @@ def test_prefix_stats_count_each_admission_once():
 
 
 def test_one_sha256_chain_names_blocks_for_the_cache_the_router_and_the_connectors():
-    from agentrt.engine.dp_router import DPRouter
+    from agentrt.engine.client.dp_router import DPRouter
     from agentrt.engine.kv_transfer.base import content_key
 
     tokens = list(range(1000, 1013))  # three full blocks of 4 and one token
@@ -190,7 +190,7 @@ def test_a_hash_collision_is_never_served(monkeypatch):
 
 
 def test_colliding_prompts_keep_their_own_kv(monkeypatch, tiny_checkpoint):
-    from agentrt.engine.llm import LLM
+    from agentrt.engine.client.llm import LLM
 
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     prompts = [[rng_token(i, j) for j in range(40)] for i in range(2)]

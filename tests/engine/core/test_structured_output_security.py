@@ -16,8 +16,8 @@ import time
 
 import pytest
 
+from agentrt.engine.client.llm import LLM
 from agentrt.engine.errors import ErrorCode
-from agentrt.engine.llm import LLM
 from agentrt.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from agentrt.grammar import GrammarCompiler
 

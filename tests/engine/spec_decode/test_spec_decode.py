@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from agentrt.engine.llm import LLM
+from agentrt.engine.client.llm import LLM
 from agentrt.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from agentrt.grammar import GrammarSpec
 

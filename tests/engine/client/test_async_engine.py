@@ -7,14 +7,14 @@ from __future__ import annotations
 import anyio
 import pytest
 
-from agentrt.engine.async_engine import AsyncEngine
+from agentrt.engine.client.async_engine import AsyncEngine
+from agentrt.engine.client.llm import LLM
 from agentrt.engine.errors import (
     EngineDeadError,
     EngineOverloadedError,
     InvalidRequestError,
     ModelLoadError,
 )
-from agentrt.engine.llm import LLM
 from agentrt.engine.sampling_params import SamplingParams
 from tests.engine.conftest import stream_all
 
@@ -177,7 +177,7 @@ async def test_the_model_is_built_on_the_engine_thread(tiny_checkpoint, monkeypa
     team (from building on another thread) throttles spin-waiting and slows every step."""
     import threading
 
-    from agentrt.engine import core_client
+    from agentrt.engine.client import core_client
 
     built_on = []
     real = core_client.LLMEngine

@@ -28,8 +28,7 @@ import msgspec
 
 from agentrt.engine import errors
 from agentrt.engine.args import EngineArgs
-from agentrt.engine.core.scheduler import SchedulerStats
-from agentrt.engine.core_client import (
+from agentrt.engine.client.core_client import (
     AbortRequests,
     AddRequest,
     CallEngine,
@@ -39,7 +38,7 @@ from agentrt.engine.core_client import (
     StopEngine,
     _ClientThread,
 )
-from agentrt.engine.core_process import (
+from agentrt.engine.client.core_process import (
     AbortCoreRequests,
     AddCoreRequest,
     CoreLoadFailed,
@@ -54,10 +53,11 @@ from agentrt.engine.core_process import (
     core_args,
     run_engine_core,
 )
-from agentrt.engine.dp_router import DPRouter
+from agentrt.engine.client.dp_router import DPRouter
+from agentrt.engine.client.outputs import OutputProcessor
+from agentrt.engine.core.scheduler import SchedulerStats
 from agentrt.engine.errors import ConfigError, EngineDeadError, EngineError, ModelLoadError
 from agentrt.engine.model.checkpoint import load_tokenizer
-from agentrt.engine.outputs import OutputProcessor
 
 _SHUTDOWN_TIMEOUT_S = 10.0  # a core still running this long after ShutdownCore is killed
 

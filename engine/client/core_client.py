@@ -3,7 +3,7 @@
 - `InprocClient`: the `LLMEngine` on a thread of this process (scheduler, model, sampler and
   the OutputProcessor all on that thread).
 - `MPClient`: one or more engine cores (`data_parallel_size`), each in its own spawned
-  process (`engine/core_process.py`), behind a client thread of this process that owns the
+  process (`engine/client/core_process.py`), behind a client thread of this process that owns the
   OutputProcessor (detokenizing, stop strings and logprobs stay in the front end, as in
   vLLM), the data-parallel router, and every socket. It turns a dead core process into a
   stopped loop, which `AsyncEngine` turns into `EngineDeadError` for every pending request.
@@ -24,9 +24,9 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from agentrt.engine.args import EngineArgs
-from agentrt.engine.core_process import EngineLimits, limits_of
+from agentrt.engine.client.core_process import EngineLimits, limits_of
+from agentrt.engine.client.llm_engine import LLMEngine
 from agentrt.engine.errors import EngineDeadError
-from agentrt.engine.llm_engine import LLMEngine
 from agentrt.engine.records import EngineCoreRequest
 
 _MAX_QUEUED_STEPS = 64  # steps waiting for the pump before the client thread blocks

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from agentrt.engine.client.llm import LLM
 from agentrt.engine.errors import ConfigError, InvalidRequestError
-from agentrt.engine.llm import LLM
 from agentrt.engine.sampling_params import SamplingParams
 
 OK = SamplingParams(temperature=0.0, max_tokens=4)

@@ -14,7 +14,8 @@ import anyio
 import pytest
 from pydantic import BaseModel
 
-from agentrt.engine.async_engine import AsyncEngine
+from agentrt.engine.client.async_engine import AsyncEngine
+from agentrt.engine.client.llm import LLM
 from agentrt.engine.errors import (
     ConfigError,
     EngineDeadError,
@@ -22,7 +23,6 @@ from agentrt.engine.errors import (
     InvalidRequestError,
     ModelLoadError,
 )
-from agentrt.engine.llm import LLM
 from agentrt.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from tests.engine.conftest import stream_all
 

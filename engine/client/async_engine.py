@@ -1,7 +1,7 @@
 """AsyncEngine: the engine behind an async API (anyio, so asyncio and trio both work).
 
 Threads, processes and ownership:
-- An engine-core client (`engine/core_client.py`) owns the engine: `InprocClient` runs the
+- An engine-core client (`engine/client/core_client.py`) owns the engine: `InprocClient` runs the
   `LLMEngine` on a background thread; `MPClient` (`engine_process=True`, or
   `data_parallel_size` > 1) runs each engine core in its own process behind a client thread.
   The event loop talks to either through a command queue (add / abort / call / stop).
@@ -24,8 +24,7 @@ from typing import Any
 import anyio
 
 from agentrt.engine.args import EngineArgs
-from agentrt.engine.core.scheduler import SchedulerStats
-from agentrt.engine.core_client import (
+from agentrt.engine.client.core_client import (
     AbortRequests,
     AddRequest,
     CallEngine,
@@ -36,6 +35,10 @@ from agentrt.engine.core_client import (
     RequestFailed,
     StopEngine,
 )
+from agentrt.engine.client.llm_engine import LLMEngine
+from agentrt.engine.client.outputs import RequestDelta, RequestOutput
+from agentrt.engine.client.processor import Processor
+from agentrt.engine.core.scheduler import SchedulerStats
 from agentrt.engine.errors import (
     ConfigError,
     EngineDeadError,
@@ -43,9 +46,6 @@ from agentrt.engine.errors import (
     EngineOverloadedError,
     InvalidRequestError,
 )
-from agentrt.engine.llm_engine import LLMEngine
-from agentrt.engine.outputs import RequestDelta, RequestOutput
-from agentrt.engine.processor import Processor
 from agentrt.engine.sampling_params import SamplingParams
 
 
@@ -144,7 +144,7 @@ class AsyncEngine:
         )
         self.client: EngineCoreClient
         if self.args.create_configs().parallel.uses_engine_process:
-            from agentrt.engine.mp_client import MPClient
+            from agentrt.engine.client.mp_client import MPClient
 
             self.client = MPClient(self.args)
         else:

@@ -141,8 +141,8 @@ def run_engine_core(
     import zmq
 
     from agentrt.engine import envs
+    from agentrt.engine.client.llm_engine import LLMEngine
     from agentrt.engine.errors import EngineError
-    from agentrt.engine.llm_engine import LLMEngine
 
     # The parent owns this process's lifetime: ^C or SIGTERM sent to the process group goes
     # to the front end, which drains and shuts the cores down (or they notice it died).

@@ -5,10 +5,10 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
+from agentrt.engine.client.llm_engine import LLMEngine
+from agentrt.engine.client.outputs import RequestOutput
+from agentrt.engine.client.processor import Prompt
 from agentrt.engine.errors import InvalidRequestError
-from agentrt.engine.llm_engine import LLMEngine
-from agentrt.engine.outputs import RequestOutput
-from agentrt.engine.processor import Prompt
 from agentrt.engine.records import EngineCoreRequest
 from agentrt.engine.sampling_params import SamplingParams
 

@@ -11,7 +11,7 @@ import anyio
 import pytest
 
 import agentrt
-from agentrt.engine.dp_router import DPRouter
+from agentrt.engine.client.dp_router import DPRouter
 from agentrt.engine.sampling_params import SamplingParams
 
 BLOCK = 4

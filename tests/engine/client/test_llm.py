@@ -158,7 +158,7 @@ def test_cli_reports_bad_input(smollm2_dir):
 
 
 def test_bf16_engine_answers_like_fp32(smollm2_dir):
-    from agentrt.engine.llm import LLM
+    from agentrt.engine.client.llm import LLM
 
     llm = LLM(None, dtype="bfloat16", kv_cache_memory_gb=0.1)
     assert llm.runner.kv_caches[0].dtype == torch.bfloat16

@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from agentrt.engine.detokenizer import IncrementalDetokenizer
+from agentrt.engine.client.detokenizer import IncrementalDetokenizer
 from agentrt.engine.errors import ErrorCode
 from agentrt.engine.records import EngineCoreOutput, SpecDecodeStats
 from agentrt.engine.sampling_params import SamplingParams

@@ -9,10 +9,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from agentrt.engine import outputs as outputs_module
+from agentrt.engine.client import outputs as outputs_module
+from agentrt.engine.client.outputs import Logprob, OutputProcessor, RequestDelta
 from agentrt.engine.errors import ErrorCode
 from agentrt.engine.model.checkpoint import load_tokenizer
-from agentrt.engine.outputs import Logprob, OutputProcessor, RequestDelta
 from agentrt.engine.records import EngineCoreOutput, SampledToken
 from agentrt.engine.sampling_params import SamplingParams
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from agentrt.engine.client.processor import Processor
 from agentrt.engine.errors import ContextLengthError, ErrorCode, InvalidRequestError
-from agentrt.engine.processor import Processor
 from agentrt.engine.sampling_params import SamplingParams
 
 VOCAB = 49_152  # SmolLM2's
@@ -131,7 +131,7 @@ def test_llm_and_async_engine_refuse_non_integer_token_prompts(smollm2_llm):
 @pytest.mark.anyio
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
 async def test_async_engine_refuses_a_non_integer_token_prompt(smollm2_llm, anyio_backend):
-    from agentrt.engine.async_engine import AsyncEngine
+    from agentrt.engine.client.async_engine import AsyncEngine
 
     async with AsyncEngine(engine=smollm2_llm.engine) as engine:
         with pytest.raises(InvalidRequestError) as info:

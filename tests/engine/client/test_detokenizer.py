@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from agentrt.engine.detokenizer import IncrementalDetokenizer
+from agentrt.engine.client.detokenizer import IncrementalDetokenizer
 from agentrt.engine.errors import EngineError
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -15,6 +15,8 @@ import torch
 
 from agentrt.engine import envs
 from agentrt.engine.args import EngineArgs
+from agentrt.engine.client.outputs import OutputProcessor, RequestDelta
+from agentrt.engine.client.processor import Processor
 from agentrt.engine.config import KVTransferConfig, SpeculativeConfig
 from agentrt.engine.core.engine_core import EngineCore
 from agentrt.engine.core.kv_cache_manager import KVCacheManager
@@ -31,8 +33,6 @@ from agentrt.engine.model.arch import ModelArchConfig
 from agentrt.engine.model.checkpoint import load_hf_config, load_tokenizer, resolve_model
 from agentrt.engine.model.parallel import check_tensor_parallel, shard_arch
 from agentrt.engine.model_runner import ModelRunner, kv_block_bytes, kv_pool_blocks
-from agentrt.engine.outputs import OutputProcessor, RequestDelta
-from agentrt.engine.processor import Processor
 from agentrt.engine.records import EngineCoreRequest
 from agentrt.engine.spec_decode.draft_model import DraftModelProposer, draft_model_arch
 from agentrt.engine.spec_decode.manager import SpecDecodeManager
