@@ -21,9 +21,9 @@ import time
 
 import torch
 
-from agentrt.engine.attention import get_attention_backend
-from agentrt.engine.model_runner import attention_metadata, prepare_input
 from agentrt.engine.records import ScheduledChunk
+from agentrt.engine.worker.attention import get_attention_backend
+from agentrt.engine.worker.model_runner import attention_metadata, prepare_input
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
 CPU = torch.device("cpu")

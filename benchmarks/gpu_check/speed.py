@@ -43,7 +43,7 @@ class StepTimer:
         self._wrap(core.scheduler, "update_from_output", "scheduling")
         self._wrap(core.runner, "execute", "execute")
         self._wrap(core, "_sample", "sampling")
-        import agentrt.engine.model_runner as model_runner
+        import agentrt.engine.worker.model_runner as model_runner
 
         # Where the runner no longer calls a module-level prepare_input, forward includes it.
         self.times_prepare_input = hasattr(model_runner, "prepare_input")

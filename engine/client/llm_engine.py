@@ -23,7 +23,6 @@ from agentrt.engine.core.kv_cache_manager import KVCacheManager
 from agentrt.engine.core.scheduler import Scheduler, SchedulerStats
 from agentrt.engine.core.structured_output import StructuredOutputManager
 from agentrt.engine.errors import ConfigError
-from agentrt.engine.executor import TensorParallelExecutor
 from agentrt.engine.kv_transfer import KVConnector, KVLayout, create_connector, engine_id
 from agentrt.engine.loader.fit import MemoryEstimate, available_memory, check_fit, weight_bytes
 from agentrt.engine.loader.gguf_file import is_gguf
@@ -32,11 +31,12 @@ from agentrt.engine.loader.quantization import resolve_quantization
 from agentrt.engine.model.arch import ModelArchConfig
 from agentrt.engine.model.checkpoint import load_hf_config, load_tokenizer, resolve_model
 from agentrt.engine.model.parallel import check_tensor_parallel, shard_arch
-from agentrt.engine.model_runner import ModelRunner, kv_block_bytes, kv_pool_blocks
 from agentrt.engine.records import EngineCoreRequest
 from agentrt.engine.spec_decode.draft_model import DraftModelProposer, draft_model_arch
 from agentrt.engine.spec_decode.manager import SpecDecodeManager
-from agentrt.engine.worker import WorkerConfig, build_runner
+from agentrt.engine.worker.executor import TensorParallelExecutor
+from agentrt.engine.worker.model_runner import ModelRunner, kv_block_bytes, kv_pool_blocks
+from agentrt.engine.worker.worker import WorkerConfig, build_runner
 
 
 class LLMEngine:

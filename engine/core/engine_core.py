@@ -20,9 +20,9 @@ from agentrt.engine.records import (
     SamplerStepOutput,
     SchedulerOutput,
 )
-from agentrt.engine.sampler import Sampler, SamplerOutput, SamplingMetadata
 from agentrt.engine.spec_decode.manager import SpecDecodeManager
 from agentrt.engine.spec_decode.rejection_sampler import rejection_sample
+from agentrt.engine.worker.sampler import Sampler, SamplerOutput, SamplingMetadata
 from agentrt.kernels import apply_token_bitmask
 
 

@@ -16,12 +16,12 @@ import torch.nn.functional as F
 from torch import nn
 
 import agentrt.kernels as kernels
-from agentrt.engine.attention import AttentionMetadata
 from agentrt.engine.model.arch import ModelArchConfig
 from agentrt.engine.model.rope import RotaryEmbedding, Rotate
+from agentrt.engine.worker.attention import AttentionMetadata
 
 if TYPE_CHECKING:
-    from agentrt.engine.distributed import TensorParallelGroup
+    from agentrt.engine.worker.distributed import TensorParallelGroup
 
 
 class RMSNorm(nn.Module):
@@ -149,7 +149,7 @@ class FusedStep(NamedTuple):
     """What every layer's `forward_fused` shares in one step."""
 
     ops: kernels.CpuOps
-    attention: Any  # the 'cpu' attention backend (engine/attention.py)
+    attention: Any  # the 'cpu' attention backend (engine/worker/attention.py)
     meta: AttentionMetadata
     positions: torch.Tensor  # (T,) int64
     cos_sin: torch.Tensor  # (max positions, head_dim) fp32

@@ -27,9 +27,9 @@ from agentrt.engine.config import SpeculativeConfig
 from agentrt.engine.errors import ConfigError
 from agentrt.engine.model.arch import ModelArchConfig
 from agentrt.engine.model.checkpoint import load_hf_config, load_state_dict, resolve_model
-from agentrt.engine.model_runner import ModelRunner, kv_block_bytes
 from agentrt.engine.records import ScheduledChunk, SchedulerOutput
 from agentrt.engine.spec_decode.base import DraftContext
+from agentrt.engine.worker.model_runner import ModelRunner, kv_block_bytes
 
 
 def draft_model_arch(config: SpeculativeConfig, target_arch: ModelArchConfig) -> ModelArchConfig:

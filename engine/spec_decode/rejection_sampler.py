@@ -26,7 +26,7 @@ from itertools import chain
 
 import torch
 
-from agentrt.engine.sampler import draw_inverse_cdf
+from agentrt.engine.worker.sampler import draw_inverse_cdf
 
 
 def rejection_sample(

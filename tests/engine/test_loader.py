@@ -24,9 +24,9 @@ from agentrt.engine.loader.weights import Shard, Split
 from agentrt.engine.model.arch import ModelArchConfig
 from agentrt.engine.model.checkpoint import load_hf_config, load_state_dict
 from agentrt.engine.model.ggml_linear import GGMLEmbedding, GGMLLinear
-from agentrt.engine.model_runner import ModelRunner
 from agentrt.engine.records import ScheduledChunk, SchedulerOutput
 from agentrt.engine.sampling_params import SamplingParams
+from agentrt.engine.worker.model_runner import ModelRunner
 from agentrt.kernels.ggml_linear import GGMLWeight
 
 from .gguf_files import BLOCK_TYPES, Q, write_tiny_gguf

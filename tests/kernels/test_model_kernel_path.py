@@ -15,8 +15,8 @@ import agentrt.kernels as kernels
 from agentrt.engine.model.arch import ModelArchConfig
 from agentrt.engine.model.checkpoint import load_hf_config, load_state_dict
 from agentrt.engine.model.llama import LlamaForCausalLM, RMSNorm
-from agentrt.engine.model_runner import ModelRunner
 from agentrt.engine.records import ScheduledChunk, SchedulerOutput
+from agentrt.engine.worker.model_runner import ModelRunner
 from agentrt.kernels import dispatch
 
 BLOCK_SIZE = 4

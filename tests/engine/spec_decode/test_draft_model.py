@@ -19,10 +19,10 @@ from agentrt.engine.config import SpeculativeConfig
 from agentrt.engine.errors import ConfigError
 from agentrt.engine.model.arch import ModelArchConfig
 from agentrt.engine.model.checkpoint import load_hf_config
-from agentrt.engine.model_runner import kv_block_bytes
 from agentrt.engine.records import ScheduledChunk
 from agentrt.engine.spec_decode.base import DraftContext
 from agentrt.engine.spec_decode.draft_model import DraftModelProposer, draft_model_arch
+from agentrt.engine.worker.model_runner import kv_block_bytes
 from tests.engine.conftest import hf_greedy
 
 CPU = torch.device("cpu")

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from agentrt.engine.distributed import connect_store
+from agentrt.engine.worker.distributed import connect_store
 
 
 def listening_addresses(port: int) -> set[str]:

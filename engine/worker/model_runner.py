@@ -13,7 +13,6 @@ import torch
 
 import agentrt.kernels as kernels
 from agentrt.engine import envs
-from agentrt.engine.attention import AttentionMetadata, get_attention_backend
 from agentrt.engine.config import CacheConfig
 from agentrt.engine.loader.load import load_weights
 from agentrt.engine.loader.safetensors_loader import StateDictLoader
@@ -23,10 +22,11 @@ from agentrt.engine.model.llama import LlamaForCausalLM
 from agentrt.engine.model.parallel import shard_arch
 from agentrt.engine.model.rope import RotaryEmbedding
 from agentrt.engine.records import ModelInput, ScheduledChunk, SchedulerOutput
+from agentrt.engine.worker.attention import AttentionMetadata, get_attention_backend
 
 if TYPE_CHECKING:
-    from agentrt.engine.distributed import TensorParallelGroup
     from agentrt.engine.kv_transfer import KVConnector
+    from agentrt.engine.worker.distributed import TensorParallelGroup
 
 
 def kv_block_bytes(arch: ModelArchConfig, block_size: int, dtype: torch.dtype) -> int:

@@ -13,14 +13,14 @@ import torch
 from agentrt.engine.config import CacheConfig
 from agentrt.engine.model.arch import ModelArchConfig
 from agentrt.engine.model.checkpoint import load_hf_config, load_state_dict
-from agentrt.engine.model_runner import (
+from agentrt.engine.records import ScheduledChunk, SchedulerOutput
+from agentrt.engine.worker.model_runner import (
     ModelRunner,
     attention_metadata,
     kv_block_bytes,
     kv_pool_blocks,
     prepare_input,
 )
-from agentrt.engine.records import ScheduledChunk, SchedulerOutput
 
 CPU = torch.device("cpu")
 BS = 8  # block size of the runners below: prompts span several blocks

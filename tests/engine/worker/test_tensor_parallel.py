@@ -199,14 +199,14 @@ def test_tp3_embedded_matches_tp1(smollm2_llm: LLM) -> None:
 
 
 def test_two_nodes_by_rendezvous_env(tiny_llama: Path, tiny_tp1: LLM, monkeypatch) -> None:
-    """Rank 1 as its own process (`python -m agentrt.engine.worker`), as on a second machine;
+    """Rank 1 as its own process (`python -m agentrt.engine.worker.worker`), as on a second machine;
     this process is rank 0 by RANK=0: the engine starts no workers of its own."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     rendezvous = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
     worker = subprocess.Popen(
-        [sys.executable, "-m", "agentrt.engine.worker"],
+        [sys.executable, "-m", "agentrt.engine.worker.worker"],
         env={**os.environ, **rendezvous, "RANK": "1", "LOCAL_RANK": "0"},
     )
     try:
@@ -226,7 +226,7 @@ def test_worker_rank_is_refused_by_the_engine(tiny_llama: Path, monkeypatch) -> 
     for name, value in {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"}.items():
         monkeypatch.setenv(name, value)
     monkeypatch.setenv("MASTER_PORT", "29999")
-    with pytest.raises(ConfigError, match=r"RANK=1.*python -m agentrt.engine.worker"):
+    with pytest.raises(ConfigError, match=r"RANK=1.*python -m agentrt.engine.worker.worker"):
         LLM(str(tiny_llama), dtype="float32", num_kv_blocks=64, tensor_parallel_size=2)
 
 

@@ -3,7 +3,7 @@ step's forward with rank 0 (which schedules, samples and talks to the caller).
 
 A worker is always this module's entry point,
 
-    python -m agentrt.engine.worker      (or `run_from_env()` from a script)
+    python -m agentrt.engine.worker.worker      (or `run_from_env()` from a script)
 
 reading the torchrun-style rendezvous variables `RANK`, `WORLD_SIZE` (= N), `MASTER_ADDR`,
 `MASTER_PORT` (and `LOCAL_RANK`, which picks the GPU). It is started one of two ways:
@@ -34,12 +34,12 @@ import torch
 
 from agentrt.engine import envs
 from agentrt.engine.config import DTYPES
-from agentrt.engine.distributed import TensorParallelGroup, connect_store
 from agentrt.engine.errors import EngineDeadError
 from agentrt.engine.loader.load import get_loader
 from agentrt.engine.model.arch import ModelArchConfig
 from agentrt.engine.model.checkpoint import load_hf_config, resolve_model
-from agentrt.engine.model_runner import ModelRunner
+from agentrt.engine.worker.distributed import TensorParallelGroup, connect_store
+from agentrt.engine.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -124,7 +124,7 @@ def run_from_env() -> None:
     rdzv = envs.rendezvous()
     if rdzv is None or rdzv.rank == 0:
         raise SystemExit(
-            "agentrt.engine.worker runs ranks 1..N-1 of a tensor-parallel engine: set RANK "
+            "agentrt.engine.worker.worker runs ranks 1..N-1 of a tensor-parallel engine: set RANK "
             "(>= 1), WORLD_SIZE, MASTER_ADDR and MASTER_PORT; rank 0 is the process that "
             "creates LLM(..., tensor_parallel_size=WORLD_SIZE)."
         )

@@ -10,17 +10,17 @@ import logging
 import pytest
 import torch
 
-from agentrt.engine.attention import (
+from agentrt.engine.errors import ConfigError
+from agentrt.engine.model.arch import ModelArchConfig
+from agentrt.engine.records import ScheduledChunk
+from agentrt.engine.worker.attention import (
     CpuAttentionBackend,
     KernelAttentionBackend,
     TorchAttentionBackend,
     get_attention_backend,
     preferred_backend,
 )
-from agentrt.engine.errors import ConfigError
-from agentrt.engine.model.arch import ModelArchConfig
-from agentrt.engine.model_runner import attention_metadata, prepare_input
-from agentrt.engine.records import ScheduledChunk
+from agentrt.engine.worker.model_runner import attention_metadata, prepare_input
 from agentrt.kernels import dispatch, load_cpu_attention, paged_attention_ref
 
 CPU = torch.device("cpu")
@@ -57,7 +57,7 @@ def test_auto_picks_triton_on_cuda_when_triton_imports(monkeypatch):
 
 def test_auto_falls_back_to_torch_on_cuda_without_triton(monkeypatch, caplog):
     monkeypatch.setattr(dispatch, "triton_available", lambda: False)
-    with caplog.at_level(logging.WARNING, logger="agentrt.engine.attention"):
+    with caplog.at_level(logging.WARNING, logger="agentrt.engine.worker.attention"):
         backend = get_attention_backend("auto", CUDA)
     assert type(backend) is TorchAttentionBackend
     assert "attention_backend='triton' is unavailable" in caplog.text
@@ -68,7 +68,7 @@ def test_auto_falls_back_to_torch_on_cuda_without_triton(monkeypatch, caplog):
 
 
 def test_auto_falls_back_to_torch_when_the_kernel_cannot_build(no_compiler, caplog):
-    with caplog.at_level(logging.WARNING, logger="agentrt.engine.attention"):
+    with caplog.at_level(logging.WARNING, logger="agentrt.engine.worker.attention"):
         backend = get_attention_backend("auto", CPU)
     assert type(backend) is TorchAttentionBackend
     assert "compiling cpu_attention.c with 'false' failed" in caplog.text
@@ -88,7 +88,7 @@ def test_auto_falls_back_to_torch_for_shapes_the_kernel_does_not_take(caplog):
         "max_position_embeddings": 64,
     }
     arch = ModelArchConfig.from_hf_dict(config)
-    with caplog.at_level(logging.WARNING, logger="agentrt.engine.attention"):
+    with caplog.at_level(logging.WARNING, logger="agentrt.engine.worker.attention"):
         backend = get_attention_backend("auto", CPU, arch, block_size=16)
     assert type(backend) is TorchAttentionBackend
     assert "head_dim 72" in caplog.text

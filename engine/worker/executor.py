@@ -15,9 +15,9 @@ import time
 import torch
 
 from agentrt.engine import envs
-from agentrt.engine.distributed import TensorParallelGroup, connect_store
 from agentrt.engine.errors import ConfigError, EngineDeadError
-from agentrt.engine.worker import WorkerConfig, threads_per_rank
+from agentrt.engine.worker.distributed import TensorParallelGroup, connect_store
+from agentrt.engine.worker.worker import WorkerConfig, threads_per_rank
 
 logger = logging.getLogger(__name__)
 
@@ -30,7 +30,7 @@ class TensorParallelExecutor:
 
     With RANK, WORLD_SIZE (= size), MASTER_ADDR and MASTER_PORT set (envs.rendezvous), this
     process must be rank 0: it hosts the store at MASTER_ADDR:MASTER_PORT and the other ranks
-    run `python -m agentrt.engine.worker`. Otherwise it starts size - 1 local workers, each
+    run `python -m agentrt.engine.worker.worker`. Otherwise it starts size - 1 local workers, each
     that same command in a fresh interpreter with the rendezvous variables set (a free port
     of 127.0.0.1): spawn semantics, without multiprocessing's re-import of the caller's
     `__main__`, so a script with no `if __name__ == "__main__"` guard works too. Either way
@@ -49,7 +49,7 @@ class TensorParallelExecutor:
             if rdzv.rank != 0:
                 raise ConfigError(
                     f"this process has RANK={rdzv.rank}: only rank 0 creates the engine; run "
-                    "`python -m agentrt.engine.worker` (or agentrt.engine.worker."
+                    "`python -m agentrt.engine.worker.worker` (or agentrt.engine.worker.worker."
                     "run_from_env()) on ranks 1..WORLD_SIZE-1."
                 )
             host, port = rdzv.master_addr, rdzv.master_port
@@ -115,7 +115,7 @@ class TensorParallelExecutor:
             self._previous_threads = 0
 
     def _spawn(self, rank: int, port: int) -> subprocess.Popen:
-        """Worker `rank` on this machine: `python -m agentrt.engine.worker`."""
+        """Worker `rank` on this machine: `python -m agentrt.engine.worker.worker`."""
         env = dict(
             os.environ,
             RANK=str(rank),
@@ -125,7 +125,7 @@ class TensorParallelExecutor:
             MASTER_ADDR="127.0.0.1",
             MASTER_PORT=str(port),
         )
-        return subprocess.Popen([sys.executable, "-m", "agentrt.engine.worker"], env=env)
+        return subprocess.Popen([sys.executable, "-m", "agentrt.engine.worker.worker"], env=env)
 
     def _wait_for_all(self, stage: str) -> None:
         """Wait until every worker has set `<stage>/<rank>` in the store, failing fast when a
@@ -139,7 +139,7 @@ class TensorParallelExecutor:
                 raise EngineDeadError(
                     f"tensor-parallel workers did not answer within {self.timeout_s:.0f} s "
                     f"(missing {', '.join(missing)}): start ranks 1..{self.size - 1} with "
-                    "`python -m agentrt.engine.worker` and the same MASTER_ADDR/MASTER_PORT, "
+                    "`python -m agentrt.engine.worker.worker` and the same MASTER_ADDR/MASTER_PORT, "
                     "or raise AGENTRT_TP_TIMEOUT_S."
                 )
             time.sleep(_POLL_S)

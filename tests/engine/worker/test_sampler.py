@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from agentrt.engine.errors import InvalidRequestError
-from agentrt.engine.sampler import (
+from agentrt.engine.sampling_params import SamplingParams
+from agentrt.engine.worker.sampler import (
     TOP_P_CANDIDATES,
     Sampler,
     SamplingMetadata,
@@ -16,7 +17,6 @@ from agentrt.engine.sampler import (
     apply_top_p,
     draw_inverse_cdf,
 )
-from agentrt.engine.sampling_params import SamplingParams
 
 
 def build(
