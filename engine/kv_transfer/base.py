@@ -72,7 +72,7 @@ def engine_id(
 
 
 def content_key(token_ids: list[int], block_size: int) -> str:
-    """The name of a prefix of whole blocks: its last block's chained hash (block_hash.py,
+    """The name of a prefix of whole blocks: its last block's chained hash (core/block_hash.py,
     the prefix cache's) in hex; equal keys mean equal tokens."""
     return extend_block_hashes([], token_ids, block_size)[-1].hex()
 

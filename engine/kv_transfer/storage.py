@@ -8,7 +8,7 @@ prefix cache shared by several processes. Files are written whole and renamed in
 reader never sees half a file).
 
 Trust: whoever can write the directory must not be able to plant KV for a prefix.
-- A block's file name is a MAC of its chained hash (block_hash.py) and its MAC covers the
+- A block's file name is a MAC of its chained hash (core/block_hash.py) and its MAC covers the
   engine id, the hash, the block's token ids and its data, under keys derived from the
   secret (auth.py): without the secret nobody can name the file of a prefix or make a file
   that loads. The tokens are not stored: the reader MACs its own, so a file holding other

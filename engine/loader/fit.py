@@ -4,7 +4,7 @@ The weights are counted from the checkpoint's tensor table (no tensor is read), 
 format `quantization` holds them (a GGUF's own blocks: their bytes in the file; dense: the
 elements times the dtype's size); the KV pool as `kv_pool_blocks` sizes it, on every rank.
 Free memory is the OS's `MemAvailable` on the CPU (page cache it may reclaim included) and
-the device's free memory on CUDA. The CPU pool is mapped lazily (model_runner.py), so a
+the device's free memory on CUDA. The CPU pool is mapped lazily (worker/model_runner.py), so a
 model refused here would fail later, under load, with the pool filling up: refusing at
 once, with the numbers and the options that would make it fit, is the useful answer.
 """
