@@ -25,11 +25,11 @@ PROMPTS = [
 ]
 NUM_TOKENS = 64
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
-# Under scheduling pressure the first 24 of those tokens: every variant still chunks,
-# preempts or caps as it says, at a third of the decode steps (greedy: HF's first 24 tokens
-# of 64 are its 24-token continuation).
-PRESSURE_TOKENS = 24
-PRESSURE_GREEDY = SamplingParams(temperature=0.0, max_tokens=PRESSURE_TOKENS, ignore_eos=True)
+# Engines under scheduling pressure and the prefix-cache pass compare the first 24 of those
+# tokens: every variant still chunks, preempts, caps or hits as it says, at a third of the
+# decode steps (greedy: HF's first 24 tokens of 64 are its 24-token continuation).
+SHORT_TOKENS = 24
+SHORT_GREEDY = SamplingParams(temperature=0.0, max_tokens=SHORT_TOKENS, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
@@ -47,8 +47,9 @@ def test_embedded_model_batched_equals_hf(smollm2_llm, hf_reference):
 
 
 def test_embedded_model_one_at_a_time_equals_hf(smollm2_llm, hf_reference):
-    for prompt, expected in zip(PROMPTS, hf_reference, strict=True):
-        assert _token_ids(smollm2_llm.generate(prompt, GREEDY)) == [expected], prompt
+    # one request per step: plain text, a chat turn, emoji and CJK (the batch test has all)
+    for i in (0, 5, 7):
+        assert _token_ids(smollm2_llm.generate(PROMPTS[i], GREEDY)) == [hf_reference[i]]
 
 
 @pytest.mark.parametrize(
@@ -70,8 +71,8 @@ def test_embedded_model_one_at_a_time_equals_hf(smollm2_llm, hf_reference):
 )
 def test_embedded_model_under_scheduling_pressure_equals_hf(smollm2_dir, hf_reference, engine_args):
     llm = LLM(None, dtype="float32", **engine_args)
-    expected = [ids[:PRESSURE_TOKENS] for ids in hf_reference]
-    assert _token_ids(llm.generate(PROMPTS, PRESSURE_GREEDY)) == expected
+    expected = [ids[:SHORT_TOKENS] for ids in hf_reference]
+    assert _token_ids(llm.generate(PROMPTS, SHORT_GREEDY)) == expected
     if "num_kv_blocks" in engine_args:
         assert llm.scheduler.num_preemptions > 0
     llm.kv_manager.check_invariants()
@@ -113,10 +114,10 @@ def test_prefix_cache_hits_keep_outputs_identical(smollm2_llm, hf_reference):
     """Second pass over the same prompts: prompts of two or more blocks hit the cache and
     still produce HF's tokens, in a batch and alone."""
     smollm2_llm.reset_prefix_cache()
-    first = smollm2_llm.generate(PROMPTS, GREEDY)
+    first = smollm2_llm.generate(PROMPTS, SHORT_GREEDY)
     assert all(o.num_cached_tokens == 0 for o in first)
-    second = smollm2_llm.generate(PROMPTS, GREEDY)
-    assert _token_ids(second) == hf_reference
+    second = smollm2_llm.generate(PROMPTS, SHORT_GREEDY)
+    assert _token_ids(second) == [ids[:SHORT_TOKENS] for ids in hf_reference]
     block = smollm2_llm.cache_config.block_size
     for out in second:
         expected = (len(out.prompt_token_ids) - 1) // block * block
