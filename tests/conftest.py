@@ -28,7 +28,8 @@ def pytest_configure(config: pytest.Config) -> None:
     workers = getattr(config.option, "numprocesses", None)
     if not isinstance(workers, int) or workers < 2 or os.environ.get("PYTEST_XDIST_WORKER"):
         return
-    threads = str(max(1, len(os.sched_getaffinity(0)) // workers))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    threads = str(max(1, (cores or 1) // workers))
     os.environ.setdefault("OMP_NUM_THREADS", threads)
     os.environ.setdefault("AGENTRT_NUM_THREADS", threads)
 
