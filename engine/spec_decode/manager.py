@@ -64,7 +64,7 @@ class SpecDecodeManager:
         `jump_forward`: the scheduler appends the tokens a grammar forces unsampled, so
         they join a draft where it reaches them (accepted with the drafts before them, as
         jump-forward would append them). `costly_rows`: a row costs real time even in a
-        step of one request (the CPU's int4/int8 kernels), so a request alone drafts fewer
+        step of one request (the CPU's GGML block kernels), so a request alone drafts fewer
         tokens while its drafts are rejected, as in a batch."""
         self.config = config
         self.proposer = proposer
