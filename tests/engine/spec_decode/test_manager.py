@@ -7,7 +7,12 @@ from agentrt.engine.config import SpeculativeConfig
 from agentrt.engine.core.kv_cache_manager import KVCacheManager
 from agentrt.engine.core.request import Request, RequestStatus
 from agentrt.engine.sampling_params import SamplingParams
-from agentrt.engine.spec_decode.manager import BATCH_MAX_DRAFTS, PAUSE_STEPS, SpecDecodeManager
+from agentrt.engine.spec_decode.manager import (
+    ACCEPTANCE_WEIGHT,
+    BATCH_MAX_DRAFTS,
+    PAUSE_STEPS,
+    SpecDecodeManager,
+)
 from agentrt.engine.spec_decode.ngram import NgramProposer
 
 # A prompt that repeats itself: prompt lookup always drafts from it (up to 10 tokens).
@@ -30,6 +35,8 @@ def make_manager(costly_rows: bool = False, **options) -> SpecDecodeManager:
 
 
 def drafts(manager: SpecDecodeManager, requests: list[Request], num_running: int) -> list[int]:
+    for request in requests:
+        request.spec_token_ids = []  # the scheduler took the last step's drafts
     manager.propose(requests, num_running)
     return [len(r.spec_token_ids) for r in requests]
 
@@ -39,6 +46,15 @@ def reject_all(manager: SpecDecodeManager, request: Request, times: int = 1) -> 
         manager.verified(request, 8, 0)
 
 
+def acceptance(*rates: float) -> float:
+    """The documented rule: a moving average from 1.0 with ACCEPTANCE_WEIGHT on the newest
+    step's accepted / drafted."""
+    value = 1.0
+    for rate in rates:
+        value = (1 - ACCEPTANCE_WEIGHT) * value + ACCEPTANCE_WEIGHT * rate
+    return value
+
+
 def test_in_a_batch_low_acceptance_shortens_drafts_and_a_cap_applies():
     """A row costs compute in a batch; a request alone keeps its length (a step's cost
     hardly depends on its rows there) until its acceptance is low enough to pause it."""
@@ -46,32 +62,51 @@ def test_in_a_batch_low_acceptance_shortens_drafts_and_a_cap_applies():
     alone, batched = make_request("alone"), make_request("batched")
     assert drafts(manager, [alone], 1) == [8]
     assert drafts(manager, [batched], 2) == [BATCH_MAX_DRAFTS]
-    reject_all(manager, alone, 2)  # acceptance 1.0 -> 0.49
-    reject_all(manager, batched, 2)
-    assert drafts(manager, [alone], 1) == [8]
-    assert drafts(manager, [batched], 2) == [2]  # round(4 * 0.49)
+    history = [0.0]
+    counts = []
+    for _ in range(3):  # each rejection shortens the batched drafts, never the lone ones
+        reject_all(manager, alone)
+        reject_all(manager, batched)
+        assert drafts(manager, [alone], 1) == [8]
+        (num,) = drafts(manager, [batched], 2)
+        assert num == max(1, round(BATCH_MAX_DRAFTS * acceptance(*history)))
+        counts.append(num)
+        history.append(0.0)
+    assert counts == sorted(counts, reverse=True) and counts[-1] < BATCH_MAX_DRAFTS, counts
+    history.pop()
     manager.verified(batched, 2, 2)  # acceptance recovers
-    assert drafts(manager, [batched], 2) == [3]  # round(4 * 0.643)
+    (recovered,) = drafts(manager, [batched], 2)
+    assert recovered == max(1, round(BATCH_MAX_DRAFTS * acceptance(*history, 1.0)))
+    assert recovered > counts[-1]
 
 
 def test_where_rows_are_costly_low_acceptance_shortens_drafts_alone_too():
     manager = make_manager(costly_rows=True)
     alone = make_request("alone")
     assert drafts(manager, [alone], 1) == [8]
-    reject_all(manager, alone, 2)  # acceptance 1.0 -> 0.49
-    assert drafts(manager, [alone], 1) == [4]  # round(8 * 0.49)
+    reject_all(manager, alone, 2)
+    (num,) = drafts(manager, [alone], 1)
+    assert num == round(8 * acceptance(0.0, 0.0)) and num < 8
 
 
 def test_acceptance_below_the_minimum_pauses_drafting_then_retries():
-    manager = make_manager(adaptive_min_acceptance=0.1)
+    minimum = 0.1
+    manager = make_manager(adaptive_min_acceptance=minimum)
     request, batched = make_request("r"), make_request("batched")
-    reject_all(manager, request, 7)  # 0.7 ** 7 = 0.08 < 0.1
-    reject_all(manager, batched, 7)
+    # The fewest rejections that take the average below the minimum.
+    times = next(n for n in range(1, 100) if acceptance(*[0.0] * n) < minimum)
+    reject_all(manager, request, times - 1)
+    reject_all(manager, batched, times - 1)
+    assert drafts(manager, [request], 1) == [8]  # one step short: still drafting
+    assert drafts(manager, [batched], 2)[0] > 0
+    reject_all(manager, request)
+    reject_all(manager, batched)
     for _ in range(PAUSE_STEPS):
         assert drafts(manager, [request], 1) == [0]
         assert drafts(manager, [batched], 2) == [0]
     assert drafts(manager, [request], 1) == [8]  # retried
-    assert drafts(manager, [batched], 2) == [1]  # at 2 x the minimum: round(4 * 0.2)
+    # Retried at twice the minimum acceptance.
+    assert drafts(manager, [batched], 2) == [max(1, round(BATCH_MAX_DRAFTS * 2 * minimum))]
 
 
 def test_without_adaptive_drafts_keep_their_length():
