@@ -87,8 +87,11 @@ def test_tiny_models_generate_deterministically(tiny_checkpoint, arch, mode):
 
 
 def test_embedded_model_quantized_is_deterministic_and_close(quantized_llm, smollm2_llm):
-    """Greedy twice gives the same tokens; against fp32 the first tokens agree (the
-    benchmark measures agreement and perplexity over a prompt set)."""
+    """Greedy twice gives the same tokens; against fp32 most tokens agree: measured, the
+    default engine's three prompts agree for 8, 24 and 24 of 24 tokens, bf16 activations'
+    for 24, 13 and 24 (the benchmark measures agreement and perplexity over a prompt set).
+    The bound: two prompts whole and two thirds of all the tokens before the first
+    difference."""
     first = _ids(quantized_llm.generate(PROMPTS, GREEDY))
     assert _ids(quantized_llm.generate(PROMPTS, GREEDY)) == first
     reference = _ids(smollm2_llm.generate(PROMPTS, GREEDY))
@@ -96,7 +99,8 @@ def test_embedded_model_quantized_is_deterministic_and_close(quantized_llm, smol
         next((i for i, (a, b) in enumerate(zip(x, y, strict=True)) if a != b), len(x))
         for x, y in zip(first, reference, strict=True)
     ]
-    assert sum(agree) >= len(PROMPTS) * 4, agree
+    assert sum(agree) >= 2 * len(PROMPTS) * GREEDY.max_tokens // 3, agree
+    assert agree.count(GREEDY.max_tokens) >= 2, agree
 
 
 def test_fused_cpu_glue_matches_the_torch_path():
