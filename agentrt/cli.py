@@ -107,7 +107,7 @@ def _serve(args) -> int:
 
 
 def _proxy(args) -> int:
-    from agentrt.server.proxy import run_proxy
+    from agentrt.server.proxy_app import run_proxy
 
     return run_proxy(args)
 
@@ -182,7 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
     from agentrt.server.cli import add_serve_args
 
     add_serve_args(commands.add_parser("serve", help="an OpenAI-compatible HTTP server"))
-    from agentrt.server.proxy import add_proxy_args
+    from agentrt.server.proxy_app import add_proxy_args
 
     add_proxy_args(
         commands.add_parser("proxy", help="a prefill/decode proxy in front of two serve instances")

@@ -23,23 +23,20 @@ does (the instances then take the same key); every body is limited to `max_reque
 client's own `kv_transfer_params` never pass: the field is the proxy's to set, and the decode
 instance accepts only what a producer signed (engine/kv_transfer/auth.py).
 
-Serving needs the `server` extra (fastapi, uvicorn, prometheus_client; httpx comes with
-openai). `add_proxy_args` needs none of them, so the CLI builds its parser without them.
+This module is what goes upstream and how replies come back (`DisaggProxy`); the ASGI app,
+its routes and the command line are `proxy_app.py`.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
-import os
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import httpx
-    from fastapi import FastAPI, Request
     from starlette.responses import Response
 
     from agentrt.server.errors import APIError
@@ -47,9 +44,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger("agentrt.proxy")
 
 PREFILL_TIMEOUT_S = 60.0
-MAX_REQUEST_BYTES = 8 * 2**20  # agentrt serve's default (ServerConfig.max_request_bytes)
 DECODE_TIMEOUT_S = 600.0
-COMPLETION_PATHS = ("/v1/chat/completions", "/v1/completions")
 # Why a prefill failed; the label of `agentrt_proxy_prefill_fallbacks_total`.
 FALLBACK_REASONS = ("unreachable", "timeout", "server_error")
 # Fields of the client's body the prefill request drops: a one-token, one-choice request must
@@ -57,10 +52,6 @@ FALLBACK_REASONS = ("unreachable", "timeout", "server_error")
 PREFILL_DROPPED_FIELDS = ("max_completion_tokens", "min_tokens", "n", "best_of", "stream_options")
 # Headers of the decode instance's reply kept besides the content type (a 429's back-off).
 RELAYED_HEADERS = ("retry-after",)
-
-_INSTALL_HINT = (
-    "agentrt proxy needs fastapi, uvicorn and prometheus_client: pip install 'agentrt[server]'"
-)
 
 
 def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
@@ -283,162 +274,3 @@ def _checked_urls(role: str, urls: Sequence[str]) -> tuple[str, ...]:
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"{role} URL {url!r} must start with http:// or https://")
     return tuple(url.rstrip("/") for url in urls)
-
-
-def _forwarded_headers(request: Request) -> dict[str, str]:
-    auth = request.headers.get("authorization")
-    return {"authorization": auth} if auth is not None else {}
-
-
-async def _json_object(request: Request) -> dict[str, Any]:
-    from agentrt.server.errors import bad_request
-
-    try:
-        body = json.loads(await request.body())
-    except ValueError as exc:
-        raise bad_request(f"the request body is not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise bad_request(f"the request body must be a JSON object, got {type(body).__name__}")
-    return body
-
-
-def create_proxy_app(
-    prefill_urls: Sequence[str],
-    decode_urls: Sequence[str],
-    *,
-    prefill_timeout_s: float = PREFILL_TIMEOUT_S,
-    decode_timeout_s: float = DECODE_TIMEOUT_S,
-    api_key: str | None = None,
-    max_request_bytes: int = MAX_REQUEST_BYTES,
-) -> FastAPI:
-    """The proxy's ASGI app. `api_key`: required as 'Authorization: Bearer KEY' on every
-    route but /health. Raises ValueError for an empty URL list, a URL that is not http(s), a
-    timeout that is not positive or a body limit below 1."""
-    try:
-        from contextlib import asynccontextmanager
-
-        from fastapi import FastAPI
-        from prometheus_client import CONTENT_TYPE_PLAIN_0_0_4
-        from starlette.responses import JSONResponse, Response
-
-        from agentrt.server.errors import install_error_handlers
-        from agentrt.server.middleware import GuardMiddleware
-    except ImportError as exc:  # pragma: no cover - the hint is the point
-        raise ImportError(_INSTALL_HINT) from exc
-
-    if max_request_bytes < 1:
-        raise ValueError(f"max_request_bytes must be at least 1, got {max_request_bytes}")
-
-    proxy = DisaggProxy(
-        prefill_urls,
-        decode_urls,
-        prefill_timeout_s=prefill_timeout_s,
-        decode_timeout_s=decode_timeout_s,
-    )
-
-    @asynccontextmanager
-    async def lifespan(app: FastAPI):
-        yield
-        await proxy.aclose()
-
-    app = FastAPI(title="agentrt proxy", lifespan=lifespan)
-    app.state.proxy = proxy
-    install_error_handlers(app)
-
-    # Starlette routes (the endpoint gets the request, nothing is injected): the proxy passes
-    # bodies through and leaves their validation to the instances.
-    async def complete(request: Request) -> Response:
-        body = await _json_object(request)
-        proxy.metrics.requests.inc()
-        headers = _forwarded_headers(request)
-        path = request.url.path
-        outcome = await proxy.prefill(path, body, headers)
-        if outcome.rejection is not None:
-            return outcome.rejection
-        return await proxy.forward(
-            "POST", path, headers, decode_body(body, outcome.kv_transfer_params)
-        )
-
-    async def models(request: Request) -> Response:
-        return await proxy.forward("GET", "/v1/models", _forwarded_headers(request))
-
-    async def health(request: Request) -> Response:
-        return JSONResponse({"status": "ok"})  # open to anyone: no upstream addresses
-
-    async def metrics(request: Request) -> Response:
-        return Response(proxy.metrics.render(), media_type=CONTENT_TYPE_PLAIN_0_0_4)
-
-    for path in COMPLETION_PATHS:
-        app.add_route(path, complete, methods=["POST"])
-    app.add_route("/v1/models", models, methods=["GET"])
-    app.add_route("/health", health, methods=["GET"])
-    app.add_route("/metrics", metrics, methods=["GET"])
-    app.add_middleware(GuardMiddleware, api_key=api_key, max_request_bytes=max_request_bytes)
-    return app
-
-
-def add_proxy_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--prefill",
-        action="append",
-        required=True,
-        metavar="URL",
-        help="a prefill instance, e.g. http://127.0.0.1:8100 (repeat for several: round-robin)",
-    )
-    parser.add_argument(
-        "--decode",
-        action="append",
-        required=True,
-        metavar="URL",
-        help="a decode instance (repeat for several: round-robin)",
-    )
-    parser.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback)")
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument(
-        "--api-key",
-        default=os.environ.get("AGENTRT_API_KEY"),
-        help="require 'Authorization: Bearer KEY' on every route but /health, checked before "
-        "anything is forwarded (default: $AGENTRT_API_KEY; none = open)",
-    )
-    parser.add_argument("--max-request-bytes", type=int, default=MAX_REQUEST_BYTES, help="else 413")
-    parser.add_argument(
-        "--prefill-timeout",
-        type=float,
-        default=PREFILL_TIMEOUT_S,
-        help="seconds a prefill may take before the decode instance prefills instead",
-    )
-    parser.add_argument(
-        "--decode-timeout",
-        type=float,
-        default=DECODE_TIMEOUT_S,
-        help="seconds the decode instance may stay silent (connect, or between chunks)",
-    )
-    parser.add_argument("--log-level", default="info")
-
-
-def run_proxy(args: argparse.Namespace) -> int:
-    """Serve until SIGTERM / SIGINT; 2 for invalid options. The proxy holds no requests of
-    its own to drain: uvicorn's stop (finish open responses, then re-raise the signal) is
-    enough."""
-    import sys
-
-    try:
-        import uvicorn
-    except ImportError:  # pragma: no cover - the hint is the point
-        raise ImportError(_INSTALL_HINT) from None
-
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    try:
-        app = create_proxy_app(
-            args.prefill,
-            args.decode,
-            prefill_timeout_s=args.prefill_timeout,
-            decode_timeout_s=args.decode_timeout,
-            api_key=args.api_key or None,
-            max_request_bytes=args.max_request_bytes,
-        )
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower())
-    return 0

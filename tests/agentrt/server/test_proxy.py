@@ -22,7 +22,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from agentrt.cli import build_parser
-from agentrt.server.proxy import create_proxy_app, run_proxy
+from agentrt.server.proxy_app import create_proxy_app, run_proxy
 from tests.agentrt.server.helpers import free_port, metrics
 
 AUTH = "Bearer sk-proxy-test"

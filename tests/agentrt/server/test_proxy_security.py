@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from agentrt.cli import build_parser
-from agentrt.server.proxy import MAX_REQUEST_BYTES, create_proxy_app
+from agentrt.server.proxy_app import MAX_REQUEST_BYTES, create_proxy_app
 from agentrt.server.state import ServerConfig
 from tests.agentrt.server.helpers import ServerProcess, metrics
 from tests.agentrt.server.test_proxy import ServerThread, Stub, stub_app
