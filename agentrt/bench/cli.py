@@ -188,7 +188,8 @@ def run_tune(args: argparse.Namespace) -> int:
     import json
     import sys
 
-    from agentrt.bench.tune import SearchSpace, config_file, format_table, plot, tune
+    from agentrt.bench.tune import SearchSpace, tune
+    from agentrt.bench.tune_report import config_file, format_table, plot
 
     if args.plot:
         try:

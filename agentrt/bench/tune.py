@@ -18,6 +18,8 @@ final round is never chosen. The winner is the final round's best goodput within
 bound, if it beats the baseline's by at least `min_gain` (MIN_GAIN, 5%: two runs of one
 configuration differ by a few percent here, and a change of settings should not rest on
 noise); else the baseline (the table then shows the defaults are the best).
+
+What the search found is reported by `tune_report` (the table, the chart, the config file).
 """
 
 from __future__ import annotations
@@ -26,8 +28,8 @@ import dataclasses
 import itertools
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -44,6 +46,8 @@ PRUNE_OVER_BOUND = 1.5  # screened P99 above 1.5x the bound: cannot get within i
 PRUNE_MARGIN = 0.25  # screened goodput 25% below the best within the bound: cannot win
 MIN_GAIN = 0.05  # the gain over the baseline a winner must have (see the module doc)
 BOUNDS = ("e2e", "ttft")
+# One configuration's run: (engine options, workload, load) -> its figures.
+Measure = Callable[[EngineArgs, DatasetConfig, LoadConfig], BenchResult]
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,9 +171,12 @@ def tune(
     keep: int = 3,
     min_gain: float = MIN_GAIN,
     on_trial=None,
+    measure: Measure | None = None,
 ) -> TuneResult:
     """Search `space` around `base` for the most goodput with P99 `bound_on` latency at most
-    `bound_ms` on `dataset` under `load`. `on_trial(trial, round)` is called after each run."""
+    `bound_ms` on `dataset` under `load`. `on_trial(trial, round)` is called after each run.
+    `measure(args, workload, load)` runs one configuration (default: `run_benchmark` on a
+    fresh in-process engine); the search decides only from what it returns."""
     if bound_on not in BOUNDS:
         raise BenchConfigError(f"bound_on={bound_on!r}: expected one of {BOUNDS}.")
     if not bound_ms > 0:
@@ -180,12 +187,17 @@ def tune(
         raise BenchConfigError(f"min_gain={min_gain} is invalid: expected >= 0.")
     bounds = {f"goodput_{bound_on}_ms": bound_ms}
     load = dataclasses.replace(load, **bounds)
-    mode = "structured" if dataset.structured else "throughput"
+    if measure is None:
+        mode = "structured" if dataset.structured else "throughput"
+
+        def measure(args: EngineArgs, workload: DatasetConfig, load: LoadConfig) -> BenchResult:
+            return run_benchmark(mode, workload, load, engine_args=args)
+
     result = TuneResult(bound_on, bound_ms, min_gain=min_gain)
     baseline = Trial({}, base)
     result.trials.append(baseline)
     for changes in space.changes():
-        if all(_same(getattr(base, k), v) for k, v in changes.items()):
+        if all(same_option(getattr(base, k), v) for k, v in changes.items()):
             continue  # the baseline itself
         try:
             args = dataclasses.replace(base, **changes)
@@ -196,7 +208,7 @@ def tune(
 
     def run(trial: Trial, workload: DatasetConfig, round_name: str) -> BenchResult | None:
         try:
-            outcome = run_benchmark(mode, workload, load, engine_args=trial.args)
+            outcome = measure(trial.args, workload, load)
         except (EngineError, BenchConfigError) as exc:
             trial.status = f"failed: {exc}"
             return None
@@ -275,126 +287,6 @@ def _prune(trials: list[Trial], bound_on: str, bound_ms: float, keep: int, basel
         baseline.status = ""  # always in the final round: the gain is measured against it
 
 
-def config_file(result: TuneResult, dataset: DatasetConfig) -> dict[str, Any]:
-    """What `--output` holds: the chosen engine options (those that differ from EngineArgs'
-    defaults) under "engine_args", which `agentrt serve --config` and `Runtime(config=...)`
-    read, and the figures that chose them under "tune"."""
-    best = result.best
-    if best is None:
-        raise BenchConfigError("no configuration met the bound: nothing to write.")
-    defaults = EngineArgs()
-    engine_args = {
-        f.name: _json_value(getattr(best.args, f.name))
-        for f in dataclasses.fields(EngineArgs)
-        if not _same(getattr(best.args, f.name), getattr(defaults, f.name))
-    }
-    baseline = result.baseline.final
-    return {
-        "engine_args": engine_args,
-        "tune": {
-            "objective": f"goodput with P99 {result.bound_on} <= {result.bound_ms:g} ms",
-            "workload": dataclasses.asdict(dataset),
-            "load": {
-                k: "inf" if v == math.inf else v
-                for k, v in dataclasses.asdict(result.load).items()
-                if k not in ("num_iters", "num_iters_warmup", "progress")
-            },
-            "chosen": best.label,
-            "goodput": best.final.goodput,
-            "p99_ms": p99(best.final, result.bound_on),
-            "baseline_goodput": baseline.goodput if baseline else None,
-            "gain_vs_baseline": gain(best, result.baseline),
-            "configurations_tried": len(result.trials),
-        },
-    }
-
-
-def format_table(result: TuneResult) -> str:
-    """Every configuration tried: its screen and final figures and its verdict."""
-    bound = result.bound_on.upper()
-    width = max(len("configuration"), *(len(t.label) for t in result.trials)) + 1
-    header = (
-        f"{'#':>3}  {'configuration':<{width}}{'screen goodput':>15}{f'P99 {bound}':>12}"
-        f"{'goodput':>10}{f'P99 {bound}':>12}{'valid':>7}  verdict"
-    )
-    lines = [header, "-" * len(header)]
-    for i, trial in enumerate(result.trials):
-        screen, final = trial.screen, trial.final
-
-        def cells(r: BenchResult | None) -> tuple[str, str]:
-            if r is None:
-                return "", ""
-            return f"{r.goodput:.3f}/s", f"{p99(r, result.bound_on):.0f} ms"
-
-        s_good, s_p99 = cells(screen)
-        f_good, f_p99 = cells(final)
-        latest = trial.latest()
-        valid = (
-            ""
-            if latest is None or latest.valid_fraction is None
-            else f"{latest.valid_fraction:.0%}"
-        )
-        lines.append(
-            f"{i:>3}  {trial.label:<{width}}{s_good:>15}{s_p99:>12}{f_good:>10}{f_p99:>12}"
-            f"{valid:>7}  {trial.status}"
-        )
-    if result.best is not None:
-        if result.best is result.baseline:
-            lines.append(
-                "\nthe baseline is the best: no configuration has "
-                f"{result.min_gain:.0%} more goodput within the bound"
-            )
-        else:
-            ratio = gain(result.best, result.baseline)
-            versus = (
-                "the baseline failed" if ratio is None else f"{ratio:.2f}x the baseline's goodput"
-            )
-            lines.append(f"\nbest: {result.best.label} ({versus})")
-    else:
-        lines.append("\nno configuration met the bound")
-    return "\n".join(lines)
-
-
-def plot(result: TuneResult, path: str | Path) -> None:
-    """Latency (P99) vs goodput of every configuration run, numbered as in the table, the
-    chosen one marked; needs matplotlib (`pip install 'agentrt[plot]'`)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 5))
-    for index, trial in enumerate(result.trials):
-        run = trial.latest()
-        if run is None:
-            continue
-        chosen = trial is result.best
-        ax.scatter(
-            run.goodput,
-            p99(run, result.bound_on),
-            marker="*" if chosen else "o",
-            s=220 if chosen else 40,
-            color="tab:red" if chosen else ("tab:blue" if trial.final else "tab:gray"),
-            zorder=3 if chosen else 2,
-            label=f"#{index} {trial.label}" if trial.final else None,  # finalists named
-        )
-        ax.annotate(
-            f"#{index}",
-            (run.goodput, p99(run, result.bound_on)),
-            fontsize=7,
-            xytext=(4, 4),
-            textcoords="offset points",
-        )
-    ax.axhline(result.bound_ms, color="tab:red", linestyle="--", linewidth=1, label="bound")
-    ax.set_xlabel("goodput (valid completions / s)")
-    ax.set_ylabel(f"P99 {result.bound_on.upper()} (ms)")
-    ax.set_title("agentrt tune: # as in the table; gray = screened only, star = chosen")
-    ax.legend(loc="upper left", fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
 def _short(name: str) -> str:
     return {
         "max_num_seqs": "seqs",
@@ -413,11 +305,11 @@ def _value(value: Any) -> str:
     return str(value)
 
 
-def _same(a: Any, b: Any) -> bool:
-    return _json_value(a) == _json_value(b)
+def same_option(a: Any, b: Any) -> bool:
+    return option_json(a) == option_json(b)
 
 
-def _json_value(value: Any) -> Any:
+def option_json(value: Any) -> Any:
     """An option as JSON: dtypes by name, a speculative config as its dict (or parsed)."""
     if isinstance(value, torch.dtype):
         return str(value).removeprefix("torch.")
