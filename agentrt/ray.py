@@ -22,9 +22,15 @@ actor and runs its unfinished batches again (map_batches' defaults: max_restarts
 max_task_retries=-1); a batch's rows are emitted only when the whole batch is done, so a
 retried batch yields each row once.
 
-`run_on_ray` is `agentrt extract --ray ADDRESS`: the driver reads the input (same ids,
-resume and bad-row rules as a local run), sends the documents in windows of
-`RAY_WINDOW_DOCS` to the cluster, and writes each batch's results as it arrives.
+`run_on_ray` is `agentrt extract --ray ADDRESS`: the driver reads the input lazily (same
+ids, resume and bad-row rules as a local run) and streams it in batches to `num_actors`
+Ray actors, each holding one Extractor (so one engine) for the whole job: their prefix
+caches keep the instruction from the first batch to the last. An actor holds at most
+BATCHES_PER_ACTOR batches at once, so the driver's memory is bounded by
+`num_actors x BATCHES_PER_ACTOR x batch_size` documents, not by the input. The actors are
+started with `max_restarts=-1` and `max_task_retries=-1`, as Ray Data's are: a dead actor is
+started again (a new engine) and its unfinished batches run there; a batch's results come
+back only when the whole batch is done, so each document's result is written once.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from agentrt.engine.errors import ErrorCode
@@ -41,9 +48,9 @@ from agentrt.formats import resolve_format
 
 RESULT_COLUMNS = ("value", "error_type", "error_code", "error_message")
 USAGE_COLUMNS = ("prompt_tokens", "cached_tokens", "completion_tokens", "num_steered_tokens")
-# Documents sent to the cluster at once by `run_on_ray`; each window starts its actors
-# (and so their engines) anew.
-RAY_WINDOW_DOCS = 8192
+# Batches `run_on_ray` keeps on one actor at once: one running while the next waits there,
+# so an actor never idles for the driver's round trip (the two run on one engine together).
+BATCHES_PER_ACTOR = 2
 
 
 def _import_ray():
@@ -187,61 +194,95 @@ def run_on_ray(
     pending: Iterator[Document],
     on_result: Callable[[ExtractResult], None],
     stop,
+    *,
+    extractor: Callable[..., Any] = Extractor,
 ) -> None:
     """`agentrt extract --ray`: the job's pending documents through `job.num_actors`
-    Extractor actors. `job.ray_address`: "local" starts a cluster in this process, "auto"
+    actors, each holding one `extractor(**options)` (an Extractor; tests pass one that dies)
+    for the whole job. `job.ray_address`: "local" starts a cluster in this process, "auto"
     or host:port joins one. Returns when the input is done or `stop` is set (the batches in
-    flight then have no result; a resume runs them again)."""
+    flight then have no result; a resume runs them again). The actors end with it."""
     ray = connect(job.ray_address)
     engine_options = dict(job.engine_options)
     model = engine_options.pop("model", None)
-    kwargs = {
+    options = {
         "schema": schema,
         "instructions": instructions,
         "model": model,
         "engine_options": engine_options,
         "sampling": dict(job.sampling),
     }
-    while not stop.is_set():
-        window = _window(pending, on_result)
-        if not window:
-            return
-        ds = ray.data.from_items([{"row": i, "text": doc.text} for i, doc in enumerate(window)])
-        out = ds.map_batches(
-            Extractor,
-            fn_constructor_kwargs=kwargs,
-            concurrency=job.num_actors,
-            batch_size=job.batch_size,
-            num_cpus=1,
-        )
-        for batch in out.iter_batches(batch_size=None, batch_format="pandas"):
-            for row in batch.to_dict("records"):
-                index = int(row["row"])
-                on_result(result_from_row(index, window[index].id, _nulls(row)))
-            if stop.is_set():
+    actor_class = ray.remote(num_cpus=1, max_restarts=-1, max_task_retries=-1)(_ExtractorActor)
+    actors = [actor_class.remote(extractor, options) for _ in range(job.num_actors)]
+    # ref -> (its actor, its documents); in flight until the actor's whole batch is back.
+    in_flight: dict[Any, tuple[int, list[_Sent]]] = {}
+    load = [0] * len(actors)  # batches in flight per actor
+    batches = _batches(pending, on_result, job.batch_size)
+    try:
+        while not stop.is_set():
+            while len(in_flight) < len(actors) * BATCHES_PER_ACTOR:
+                documents = next(batches, None)
+                if documents is None:
+                    break
+                actor = min(range(len(actors)), key=load.__getitem__)
+                batch = {"row": list(range(len(documents))), "text": [d.text for d in documents]}
+                in_flight[actors[actor].extract.remote(batch)] = actor, documents
+                load[actor] += 1
+            if not in_flight:
                 return
+            (ref,), _ = ray.wait(list(in_flight), num_returns=1)
+            actor, documents = in_flight.pop(ref)
+            load[actor] -= 1
+            out = ray.get(ref)
+            rows = [
+                dict(zip(out, values, strict=True)) for values in zip(*out.values(), strict=True)
+            ]
+            for row in rows:
+                document = documents[row["row"]]
+                on_result(result_from_row(document.index, document.id, row))
+    finally:
+        for actor in actors:
+            ray.kill(actor)
 
 
-def _window(pending: Iterator[Document], on_result) -> list[Document]:
-    """The next documents to send; rows that could not be read are written at once."""
-    window: list[Document] = []
+class _ExtractorActor:
+    """The Ray actor around one extractor: async, so Ray runs its batches on one event loop
+    (the one the extractor's Runtime lives on), the waiting batch beside the running one."""
+
+    def __init__(self, extractor: Callable[..., Any], options: dict[str, Any]) -> None:
+        self.extractor = extractor(**options)
+
+    async def extract(self, batch: dict[str, list]) -> dict[str, list]:
+        return await self.extractor(batch)
+
+
+def _batches(pending: Iterator[Document], on_result, batch_size: int) -> Iterator[list[_Sent]]:
+    """The documents to send, `batch_size` at a time, each numbered in the order sent; rows
+    that could not be read are written at once."""
+    batch: list[_Sent] = []
+    num_sent = 0
     for document in pending:
         if document.error is not None:
             on_result(ExtractResult(-1, id=document.id, error=document.error))
             continue
-        window.append(document)
-        if len(window) == RAY_WINDOW_DOCS:
-            break
-    return window
+        batch.append(_Sent(num_sent, document.id, document.text))
+        num_sent += 1
+        if len(batch) == batch_size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+@dataclass(frozen=True, slots=True)
+class _Sent:
+    """A document sent to an actor: its number in the order sent, its id and text."""
+
+    index: int
+    id: str | int
+    text: str
 
 
 def _plain(item: Any) -> Any:
     """A numpy scalar as the Python value (Ray hands batches over as numpy arrays)."""
     return item.item() if hasattr(item, "item") else item
-
-
-def _nulls(row: dict[str, Any]) -> dict[str, Any]:
-    """pandas' NaN / None for missing values, as None."""
-    return {
-        k: (None if v is None or (isinstance(v, float) and v != v) else v) for k, v in row.items()
-    }

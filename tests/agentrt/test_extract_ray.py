@@ -5,6 +5,7 @@ same results as a local run."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from pathlib import Path
@@ -12,8 +13,9 @@ from pathlib import Path
 import pytest
 import ray
 
-from agentrt.extract_job import ExtractJob, run_job
-from agentrt.ray import Extractor
+from agentrt.extract import Document
+from agentrt.extract_job import DEFAULT_INSTRUCTIONS, ExtractJob, StopFlag, run_job
+from agentrt.ray import BATCHES_PER_ACTOR, Extractor, run_on_ray
 from tests.agentrt.test_extract import DOCS, INSTRUCTIONS, Contact
 
 pytestmark = [pytest.mark.slow, pytest.mark.anyio]
@@ -30,15 +32,22 @@ def cluster():
 
 
 class KillOnce:
-    """An Extractor whose actor dies (os._exit) on the batch holding KILLED_ROW, once: the
-    process that removes the marker file first is the one that dies."""
+    """An Extractor whose actor dies (os._exit) on the batch holding row `killed_row`, once:
+    the process that removes the marker file first is the one that dies. With `starts`,
+    each construction appends its process id to that file."""
 
-    def __init__(self, marker: str, **options) -> None:
+    def __init__(
+        self, marker: str, killed_row: int = KILLED_ROW, starts: str | None = None, **options
+    ) -> None:
         self.marker = marker
+        self.killed_row = killed_row
         self.extractor = Extractor(**options)
+        if starts is not None:
+            with open(starts, "a") as f:
+                f.write(f"{os.getpid()}\n")
 
     async def __call__(self, batch):
-        if KILLED_ROW in list(batch["row"]):
+        if self.killed_row in list(batch["row"]):
             try:
                 os.unlink(self.marker)
             except FileNotFoundError:
@@ -116,3 +125,46 @@ def test_extract_command_on_ray_writes_what_a_local_run_writes(
         return {r["id"]: (r["value"], r["error"] and r["error"]["code"]) for r in records}
 
     assert by_id(tmp_path / "ray.jsonl") == by_id(tmp_path / "local.jsonl")
+
+
+def test_actors_live_across_the_whole_job(cluster, tiny_checkpoint, tmp_path: Path):
+    """`run_on_ray` keeps its actors, so their engines, for the whole input: 24 documents in
+    batches of 2 on 2 actors holding at most BATCHES_PER_ACTOR batches each (12 batches, 3x
+    what is ever in flight) start 2 extractors, and one more for the actor killed mid-job,
+    whose batch runs again on its restarted actor; every id comes back once (before, each
+    window of documents started its actors anew: checked, windows of 4 batches start 7)."""
+    batch_size, num_actors, num_docs = 2, 2, 24
+    assert num_docs == 3 * num_actors * BATCHES_PER_ACTOR * batch_size
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}}
+    job = ExtractJob(
+        schema="-",
+        input="-",
+        output="-",
+        sampling={"max_tokens": 12},
+        engine_options={"model": str(tiny_checkpoint("llama")), "dtype": "float32"},
+        ray_address="local",
+        num_actors=num_actors,
+        batch_size=batch_size,
+    )
+    marker, starts = tmp_path / "kill-once", tmp_path / "starts"
+    marker.touch()
+    killed_row = 1  # of a batch: every batch has a row 1, so the first actor's first dies
+    documents = (Document(f"d{i}", f"Document {i}.") for i in range(num_docs))
+    results = []
+    run_on_ray(
+        job,
+        schema,
+        DEFAULT_INSTRUCTIONS.format(schema=json.dumps(schema)),
+        documents,
+        results.append,
+        StopFlag(),
+        extractor=functools.partial(
+            KillOnce, marker=str(marker), killed_row=killed_row, starts=str(starts)
+        ),
+    )
+    assert not marker.exists()  # an actor did die
+    pids = starts.read_text().split()
+    assert len(pids) == len(set(pids)) == num_actors + 1, pids  # the restart only
+    assert sorted(r.id for r in results) == sorted(f"d{i}" for i in range(num_docs))
+    assert sorted(r.index for r in results) == list(range(num_docs))
+    assert all(r.ok for r in results), [r.error for r in results if not r.ok]
