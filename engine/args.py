@@ -4,12 +4,16 @@
 and every `agentrt` command derives its engine flags from the fields below (flag name, type,
 default, choices and help), so an option, its flag and its default cannot drift apart.
 `EngineArgs` itself only collects the values: each is validated by the config record that
-owns it (`ModelConfig`, `CacheConfig`, `SchedulerConfig`, ...), built by `create_configs()`.
+owns it (`CacheConfig`, `SchedulerConfig`, ...) when `EngineArgs` is created, before
+anything loads; `create_engine_config()` then resolves them once (the checkpoint's path and
+config, "auto" made concrete, the KV pool sized) into the frozen `EngineConfig` the engine
+and its tensor-parallel ranks take their parts of.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import types
@@ -36,10 +40,18 @@ from agentrt.engine.config import (
     SchedulerConfig,
     SpeculativeConfig,
     StructuredOutputsConfig,
+    check_model_options,
     check_option_names,
     resolve_dtype,
 )
 from agentrt.engine.errors import ConfigError
+from agentrt.engine.loader.gguf_file import is_gguf
+from agentrt.engine.loader.quantization import resolve_quantization
+from agentrt.engine.model.arch import ModelArchConfig
+from agentrt.engine.model.checkpoint import load_hf_config, resolve_model
+from agentrt.engine.model.parallel import check_tensor_parallel, shard_arch
+from agentrt.engine.spec_decode.draft_model import resolve_draft_model
+from agentrt.engine.worker.model_runner import kv_pool_blocks
 
 
 def _option(default: Any, help_text: str, *, choices: tuple[str, ...] | None = None) -> Any:
@@ -182,7 +194,7 @@ class EngineArgs:
     )
 
     def __post_init__(self) -> None:
-        self.create_configs()  # every value is checked by the record that owns it
+        self._option_configs()  # every value is checked (by the record that owns it) first
 
     # -- construction ------------------------------------------------------------------------
 
@@ -222,8 +234,76 @@ class EngineArgs:
         )
         return data
 
-    def create_configs(self) -> EngineConfig:
-        """The validated config records (each raises `ConfigError` naming a bad value)."""
+    def create_engine_config(self) -> EngineConfig:
+        """Every option resolved, once, into the frozen record the engine's components take
+        their parts of: the checkpoint found (`resolve_model`; its config read, never its
+        weights), "auto" made concrete (dtype, quantization), the context length capped at
+        the model's, the KV pool sized. Raises `ConfigError` naming a bad value,
+        `ModelLoadError` when the model cannot be found."""
+        options = self._option_configs()
+        model = self._resolve_model()
+        parallel: ParallelConfig = options["parallel"]
+        check_tensor_parallel(model.arch, parallel.tensor_parallel_size)
+        speculative: SpeculativeConfig | None = options["speculative"]
+        draft = None
+        if speculative is not None and speculative.method == "draft_model":
+            draft = resolve_draft_model(speculative, model)  # one pool holds both models' KV
+        cache: CacheConfig = options.pop("cache")
+        # Under tensor parallelism a block holds one rank's KV heads (a draft model runs
+        # whole on rank 0): the pool's budget is per rank.
+        num_blocks = kv_pool_blocks(
+            shard_arch(model.arch, parallel.tensor_parallel_size),
+            cache,
+            model.dtype,
+            draft.arch if draft is not None else None,
+        )
+        return EngineConfig(
+            **options,
+            model=model,
+            draft_model=draft,
+            cache=dataclasses.replace(cache, num_blocks=num_blocks),
+        )
+
+    def _resolve_model(self) -> ModelConfig:
+        path = resolve_model(self.model)
+        hf_config = load_hf_config(path)
+        arch = ModelArchConfig.from_hf_dict(hf_config)
+        return ModelConfig(
+            model=None if self.model is None else str(self.model),
+            path=path,
+            hf_config=hf_config,
+            arch=arch,
+            dtype=resolve_dtype(self.dtype, self.device),
+            device=self.device,
+            max_model_len=min(
+                self.max_model_len or arch.max_position_embeddings, arch.max_position_embeddings
+            ),
+            seed=self.seed,
+            attention_backend=self.attention_backend,
+            quantization=resolve_quantization(
+                self.quantization, self.dtype, self.device, is_gguf(path)
+            ),
+        )
+
+    def create_parallel_config(self) -> ParallelConfig:
+        """Where the engine core runs (needs no model: a front end decides with it whether
+        to start core processes)."""
+        return ParallelConfig(
+            tensor_parallel_size=self.tensor_parallel_size,
+            data_parallel_size=self.data_parallel_size,
+            engine_process=self.engine_process,
+        )
+
+    def _option_configs(self) -> dict[str, Any]:
+        """The records that need no model, by `EngineConfig` field; each validates its
+        values, and the model options are checked too (nothing is read)."""
+        resolve_dtype(self.dtype, self.device)
+        check_model_options(
+            device=self.device,
+            quantization=self.quantization,
+            attention_backend=self.attention_backend,
+            max_model_len=self.max_model_len,
+        )
         speculative = SpeculativeConfig.parse(self.speculative_config)
         # Grammar drafts are the tokens jump-forward would append unverified: one replaces
         # the other.
@@ -233,16 +313,7 @@ class EngineArgs:
                 f"kv_port={self.kv_port} with data_parallel_size={self.data_parallel_size}: "
                 "each replica serves its own blocks, on a port of its own; leave kv_port=0."
             )
-        return EngineConfig(
-            model=ModelConfig(
-                model=self.model,
-                dtype=resolve_dtype(self.dtype, self.device),
-                device=self.device,
-                max_model_len=self.max_model_len,
-                seed=self.seed,
-                attention_backend=self.attention_backend,
-                quantization=self.quantization,
-            ),
+        return dict(
             cache=CacheConfig(
                 block_size=self.block_size,
                 kv_cache_memory_gb=self.kv_cache_memory_gb,
@@ -259,11 +330,7 @@ class EngineArgs:
             ),
             structured_outputs=StructuredOutputsConfig(grammar_timeout_s=self.grammar_timeout_s),
             speculative=speculative,
-            parallel=ParallelConfig(
-                tensor_parallel_size=self.tensor_parallel_size,
-                data_parallel_size=self.data_parallel_size,
-                engine_process=self.engine_process,
-            ),
+            parallel=self.create_parallel_config(),
             kv_transfer=None
             if self.kv_connector is None
             else KVTransferConfig(

@@ -2,7 +2,9 @@
 
 Each error names the field, the value and what was expected. The records have no defaults:
 `EngineArgs` (args.py) holds every default once and builds them. Values that depend on the
-model (context length, vocabulary) are resolved when the engine loads it.
+model (its path, architecture, weight format, context length, the KV pool's size) are
+resolved once, by `EngineArgs.create_engine_config`, into the `EngineConfig` every component
+takes its part of.
 """
 
 from __future__ import annotations
@@ -10,10 +12,12 @@ from __future__ import annotations
 import difflib
 import json
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 
 import torch
 
 from agentrt.engine.errors import ConfigError
+from agentrt.engine.model.arch import ModelArchConfig
 
 DTYPES = {
     "float32": torch.float32,
@@ -30,7 +34,8 @@ ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")
 # GGUF's own block formats through the GGML kernels, "int8" / "int4" quantize a checkpoint
 # to Q8_0 / Q4_1 blocks at load, "none" holds every weight dense in `dtype` (a GGUF
 # dequantized in memory at load). "auto": gguf for a GGUF on the CPU with dtype "auto", else
-# none; resolved when the engine reads the model (LLMEngine). The GGML kernels are CPU ones.
+# none; resolved with the model (EngineArgs.create_engine_config). The GGML kernels are
+# CPU ones.
 QUANTIZATIONS = ("auto", "none", "gguf", "int8", "int4")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 # KV transfer (engine/kv_transfer/): "storage" saves full blocks to a directory and loads
@@ -66,55 +71,84 @@ def resolve_dtype(dtype: str | torch.dtype, device: str) -> torch.dtype:
     return DTYPES[dtype]
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """The canonical name of a resolved dtype ("float32", "bfloat16", "float16"): its form
+    in JSON (the config tensor-parallel ranks receive), a key of DTYPES."""
+    return str(dtype).removeprefix("torch.")
+
+
+def check_model_options(
+    *, device: str, quantization: str, attention_backend: str, max_model_len: int | None
+) -> None:
+    """The model options' values, before anything is read (`EngineArgs` checks them on
+    creation; `ModelConfig` then holds what they resolve to)."""
+    _check(quantization in QUANTIZATIONS, "quantization", quantization, f"one of {QUANTIZATIONS}")
+    _check(
+        quantization in ("auto", "none") or device == "cpu",
+        "quantization",
+        quantization,
+        "'auto' or 'none' on CUDA (the GGML kernels are CPU ones; a GGUF runs dequantized "
+        "to the dtype there)",
+    )
+    _check(
+        attention_backend in ATTENTION_BACKENDS,
+        "attention_backend",
+        attention_backend,
+        f"one of {ATTENTION_BACKENDS}",
+    )
+    _check(
+        device in ("cpu", "cuda") or device.startswith("cuda:"),
+        "device",
+        device,
+        "'cpu' or 'cuda[:N]'",
+    )
+    _check(
+        max_model_len is None or max_model_len >= 1,
+        "max_model_len",
+        max_model_len,
+        "a positive integer or None",
+    )
+
+
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
-    """Which weights to run and how. `model=None` is the embedded SmolLM2-135M-Instruct."""
+    """Which weights run and how, resolved once (`EngineArgs.create_engine_config`): the
+    checkpoint's path, its config and architecture, the dtype, the weight format and the
+    context length as they will be used. Nothing below reads the user's strings again."""
 
-    model: str | None
+    model: str | None  # as the user gave it (None: the embedded SmolLM2-135M-Instruct)
+    path: Path  # the local checkpoint it resolved to (checkpoint.resolve_model)
+    hf_config: dict  # its config.json (a GGUF's: from its metadata)
+    arch: ModelArchConfig  # read from hf_config
     dtype: torch.dtype
     device: str
-    max_model_len: int | None  # None: the model's max_position_embeddings
+    max_model_len: int  # the option, capped at the model's max_position_embeddings
     seed: int
     attention_backend: str
-    quantization: str  # one of QUANTIZATIONS
+    quantization: str  # "none", "gguf", "int8" or "int4" ("auto" resolved)
 
-    def __post_init__(self) -> None:
-        _check(
-            self.quantization in QUANTIZATIONS,
-            "quantization",
-            self.quantization,
-            f"one of {QUANTIZATIONS}",
-        )
-        _check(
-            self.quantization in ("auto", "none") or self.device == "cpu",
-            "quantization",
-            self.quantization,
-            "'auto' or 'none' on CUDA (the GGML kernels are CPU ones; a GGUF runs dequantized "
-            "to the dtype there)",
-        )
-        _check(
-            self.attention_backend in ATTENTION_BACKENDS,
-            "attention_backend",
-            self.attention_backend,
-            f"one of {ATTENTION_BACKENDS}",
-        )
-        _check(
-            self.device in ("cpu", "cuda") or self.device.startswith("cuda:"),
-            "device",
-            self.device,
-            "'cpu' or 'cuda[:N]'",
-        )
-        _check(
-            self.max_model_len is None or self.max_model_len >= 1,
-            "max_model_len",
-            self.max_model_len,
-            "a positive integer or None",
+    def to_json_dict(self) -> dict:
+        """Plain JSON values (the path as a string, the dtype by its canonical name); the
+        architecture is not sent: `from_json_dict` reads it from `hf_config` again."""
+        data = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "arch"}
+        return {**data, "path": str(self.path), "dtype": dtype_name(self.dtype)}
+
+    @classmethod
+    def from_json_dict(cls, data: dict) -> ModelConfig:
+        return cls(
+            **{
+                **data,
+                "path": Path(data["path"]),
+                "dtype": DTYPES[data["dtype"]],
+                "arch": ModelArchConfig.from_hf_dict(data["hf_config"]),
+            }
         )
 
 
 @dataclass(frozen=True, slots=True)
 class CacheConfig:
-    """The paged KV cache. `num_blocks=None` sizes the pool from `kv_cache_memory_gb`."""
+    """The paged KV cache. `num_blocks=None` (an option) sizes the pool from
+    `kv_cache_memory_gb`; in an `EngineConfig` it is the pool's size."""
 
     block_size: int
     kv_cache_memory_gb: float
@@ -436,12 +470,17 @@ class KVTransferConfig:
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
-    """Every config record of one engine (built by `EngineArgs.create_configs`)."""
+    """One engine's configuration, resolved once (`EngineArgs.create_engine_config`) and
+    frozen: the model as it will run, the KV pool sized, and the parts each component takes
+    (the scheduler its `scheduler`, a tensor-parallel rank its `model` and `cache`, ...)."""
 
     model: ModelConfig
-    cache: CacheConfig
+    cache: CacheConfig  # num_blocks sized (never None here)
     scheduler: SchedulerConfig
     structured_outputs: StructuredOutputsConfig
     speculative: SpeculativeConfig | None  # None: no speculative decoding
+    # speculative method "draft_model": the draft checkpoint, resolved as `model` is (its
+    # dtype, device and context length are the target's).
+    draft_model: ModelConfig | None
     parallel: ParallelConfig
     kv_transfer: KVTransferConfig | None  # None: no KV connector

@@ -159,7 +159,7 @@ async def _run_inprocess(
         load = dataclasses.replace(load, request_rate=math.inf, max_concurrency=1)
     else:
         requests = make_requests(dataset)
-    cap = engine.limits.max_num_seqs * engine.args.data_parallel_size
+    cap = engine.config.scheduler.max_num_seqs * engine.config.parallel.data_parallel_size
     cap += engine.max_waiting_requests  # past it the engine refuses new requests
     load = dataclasses.replace(load, max_concurrency=min(load.max_concurrency or cap, cap))
     records, duration = await drive(

@@ -38,6 +38,7 @@ from agentrt.engine.client.core_client import (
 from agentrt.engine.client.llm_engine import LLMEngine
 from agentrt.engine.client.outputs import RequestDelta, RequestOutput
 from agentrt.engine.client.processor import Processor
+from agentrt.engine.config import EngineConfig
 from agentrt.engine.core.scheduler import SchedulerStats
 from agentrt.engine.errors import (
     ConfigError,
@@ -143,7 +144,7 @@ class AsyncEngine:
             else self.args.max_waiting_requests
         )
         self.client: EngineCoreClient
-        if self.args.create_configs().parallel.uses_engine_process:
+        if self.args.create_parallel_config().uses_engine_process:
             from agentrt.engine.client.mp_client import MPClient
 
             self.client = MPClient(self.args)
@@ -157,7 +158,7 @@ class AsyncEngine:
         self._accepting = False
         self.tokenizer = None
         self.processor: Processor | None = None
-        self.limits = None  # the engine's limits (`EngineLimits`), once started
+        self.config: EngineConfig | None = None  # the engine's resolved config, once started
 
     @property
     def engine(self) -> LLMEngine | None:
@@ -166,7 +167,7 @@ class AsyncEngine:
 
     @property
     def model_path(self) -> str:
-        return self.limits.model_path
+        return str(self.config.model.path)
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -178,19 +179,9 @@ class AsyncEngine:
         except BaseException:
             self.client.put(StopEngine())  # cancelled while building: end the thread
             raise
-        self.limits = limits = front_end.limits
+        self.config = front_end.config
         self.tokenizer = front_end.tokenizer
-        self.processor = Processor(
-            self.tokenizer,
-            vocab_size=limits.vocab_size,
-            max_model_len=limits.max_model_len,
-            block_size=limits.block_size,
-            num_kv_blocks=limits.num_kv_blocks,
-            eos_token_ids=frozenset(limits.eos_token_ids),
-            kv_transfer=(self.engine.args if self.engine else self.args)
-            .create_configs()
-            .kv_transfer,
-        )
+        self.processor = Processor.for_engine(self.config, self.tokenizer)
         self._task_group = anyio.create_task_group()
         await self._task_group.__aenter__()
         self._task_group.start_soon(self._pump)
@@ -328,7 +319,8 @@ class AsyncEngine:
         self._check_alive()
         if not self._accepting:
             raise EngineDeadError("the engine is shutting down and admits no new requests.")
-        limit = self.limits.max_num_seqs * self.args.data_parallel_size + self.max_waiting_requests
+        replicas = self.config.parallel.data_parallel_size
+        limit = self.config.scheduler.max_num_seqs * replicas + self.max_waiting_requests
         if len(self._streams) >= limit:
             raise EngineOverloadedError(
                 f"{len(self._streams)} requests are pending (limit {limit}: max_num_seqs per "

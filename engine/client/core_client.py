@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from agentrt.engine.args import EngineArgs
-from agentrt.engine.client.core_process import EngineLimits, limits_of
 from agentrt.engine.client.llm_engine import LLMEngine
+from agentrt.engine.config import EngineConfig
 from agentrt.engine.errors import EngineDeadError
 from agentrt.engine.records import EngineCoreRequest
 
@@ -90,10 +90,10 @@ class LoopStopped:
 
 @dataclass(frozen=True, slots=True)
 class FrontEnd:
-    """What the front end validates requests with: the engine's limits and its own copy of
-    the tokenizer (never shared with the client thread)."""
+    """What the front end validates requests with: the engine's resolved config (of all its
+    replicas) and its own copy of the tokenizer (never shared with the client thread)."""
 
-    limits: EngineLimits
+    config: EngineConfig
     tokenizer: Any
 
 
@@ -191,7 +191,7 @@ class InprocClient(_ClientThread):
         try:
             if owned:
                 self.engine = LLMEngine(**dataclasses.asdict(self.args))
-            built.set_result(FrontEnd(limits_of(self.engine), copy.deepcopy(self.engine.tokenizer)))
+            built.set_result(FrontEnd(self.engine.config, copy.deepcopy(self.engine.tokenizer)))
         except BaseException as exc:
             built.set_exception(exc)
             return

@@ -9,9 +9,9 @@ processes' sentinels at once (data parallelism, and noticing a dead core), and b
 what vLLM uses for the same boundary. Every message is a msgspec Struct encoded as msgpack:
 plain data only, so nothing with live state (a tensor, a lock, a pickled callable) crosses.
 
-Protocol (per replica): the core connects to the front end's sockets, loads the model and
-sends `CoreReady` (or `CoreLoadFailed`, naming the error type, which the front end raises as
-the same type). Then it receives `AddCoreRequest` / `AbortCoreRequests` / `UtilityCall` /
+Protocol (per replica): the front end resolves the engine config once and spawns each core
+with it; the core connects to the front end's sockets, loads the model and sends `CoreReady`
+(or `CoreLoadFailed`, naming the error type, which the front end raises as the same type). Then it receives `AddCoreRequest` / `AbortCoreRequests` / `UtilityCall` /
 `ShutdownCore` and sends `CoreStepOutputs` after every step (with its queue lengths, which the
 data-parallel router reads as load), `CoreRequestFailed` for a request it could not take and
 `UtilityResult` for each utility call. It exits on `ShutdownCore` or when its parent dies.
@@ -22,11 +22,16 @@ from __future__ import annotations
 import dataclasses
 import os
 import signal
+from typing import TYPE_CHECKING
 
 import msgspec
 
 from agentrt.engine.core.scheduler import SchedulerStats
 from agentrt.engine.records import EngineCoreOutput, EngineCoreRequest
+
+if TYPE_CHECKING:
+    from agentrt.engine.args import EngineArgs
+    from agentrt.engine.config import EngineConfig
 
 _IDLE_POLL_MS = 1000  # how often an idle core checks that its parent is still alive
 
@@ -62,22 +67,8 @@ UTILITIES = frozenset({"stats", "reset_prefix_cache"})
 # -- core -> front end -------------------------------------------------------------------------
 
 
-class EngineLimits(msgspec.Struct, frozen=True):
-    """What a front end needs to validate requests without loading the weights: the model's
-    checkpoint (to read its tokenizer) and the limits the Processor checks."""
-
-    model_path: str
-    vocab_size: int
-    max_model_len: int
-    block_size: int
-    num_kv_blocks: int
-    eos_token_ids: list[int]
-    max_num_seqs: int
-
-
 class CoreReady(msgspec.Struct, tag=True, frozen=True):
     replica: int
-    limits: EngineLimits
 
 
 class CoreLoadFailed(msgspec.Struct, tag=True, frozen=True):
@@ -116,27 +107,20 @@ class UtilityResult(msgspec.Struct, tag=True, frozen=True):
 CoreOutput = CoreReady | CoreLoadFailed | CoreStepOutputs | CoreRequestFailed | UtilityResult
 
 
-def limits_of(engine) -> EngineLimits:
-    """The front end's limits of a built `LLMEngine`."""
-    return EngineLimits(
-        model_path=str(engine.model_path),
-        vocab_size=engine.arch.vocab_size,
-        max_model_len=engine.max_model_len,
-        block_size=engine.cache_config.block_size,
-        num_kv_blocks=engine.kv_manager.num_blocks,
-        eos_token_ids=sorted(engine.eos_token_ids),
-        max_num_seqs=engine.scheduler_config.max_num_seqs,
-    )
-
-
 # -- the core process --------------------------------------------------------------------------
 
 
 def run_engine_core(
-    args_dict: dict, replica: int, num_replicas: int, input_addr: str, output_addr: str
+    args: EngineArgs,
+    config: EngineConfig,
+    replica: int,
+    num_replicas: int,
+    input_addr: str,
+    output_addr: str,
 ) -> None:
-    """Entry point of a spawned core process: `args_dict` are the `EngineArgs` fields (the
-    parent already set engine_process=False and data_parallel_size=1)."""
+    """Entry point of a spawned core process: the options and the config the front end
+    resolved from them (`core_config`: one in-process engine each), so a core reads nothing
+    the front end already decided."""
     import torch
     import zmq
 
@@ -172,12 +156,12 @@ def run_engine_core(
 
     try:
         try:
-            engine = LLMEngine(**args_dict)
+            engine = LLMEngine.from_engine_config(args, config)
         except Exception as exc:
             error_type = type(exc).__name__ if isinstance(exc, EngineError) else ""
             send(CoreLoadFailed(replica, error_type, str(exc)))
             return
-        send(CoreReady(replica, limits_of(engine)))
+        send(CoreReady(replica))
         try:
             _serve(engine, replica, inputs, send)
         finally:
@@ -258,7 +242,10 @@ def _utility(engine, replica: int, call_id: int, name: str) -> UtilityResult:
         return UtilityResult(replica, call_id, error=repr(exc))
 
 
-def core_args(args) -> dict:
-    """The `EngineArgs` fields one core process builds its engine from: a plain in-process
-    engine (the core is not itself a client), tensor parallelism passed through."""
-    return dataclasses.asdict(dataclasses.replace(args, engine_process=False, data_parallel_size=1))
+def core_config(args: EngineArgs, config: EngineConfig) -> tuple[EngineArgs, EngineConfig]:
+    """What one core process builds its engine from: a plain in-process engine (the core is
+    not itself a client), tensor parallelism passed through."""
+    one = {"engine_process": False, "data_parallel_size": 1}
+    return dataclasses.replace(args, **one), dataclasses.replace(
+        config, parallel=dataclasses.replace(config.parallel, **one)
+    )

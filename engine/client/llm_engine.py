@@ -6,7 +6,6 @@ drive one of these. It is not thread-safe: exactly one thread calls its methods.
 
 from __future__ import annotations
 
-import dataclasses
 import weakref
 from pathlib import Path
 from typing import Any
@@ -17,7 +16,7 @@ from agentrt.engine import envs
 from agentrt.engine.args import EngineArgs
 from agentrt.engine.client.outputs import OutputProcessor, RequestDelta
 from agentrt.engine.client.processor import Processor
-from agentrt.engine.config import KVTransferConfig, SpeculativeConfig
+from agentrt.engine.config import EngineConfig, KVTransferConfig, SpeculativeConfig
 from agentrt.engine.core.engine_core import EngineCore
 from agentrt.engine.core.kv_cache_manager import KVCacheManager
 from agentrt.engine.core.scheduler import Scheduler, SchedulerStats
@@ -25,18 +24,15 @@ from agentrt.engine.core.structured_output import StructuredOutputManager
 from agentrt.engine.errors import ConfigError
 from agentrt.engine.kv_transfer import KVConnector, KVLayout, create_connector, engine_id
 from agentrt.engine.loader.fit import MemoryEstimate, available_memory, check_fit, weight_bytes
-from agentrt.engine.loader.gguf_file import is_gguf
 from agentrt.engine.loader.load import get_loader
-from agentrt.engine.loader.quantization import resolve_quantization
-from agentrt.engine.model.arch import ModelArchConfig
-from agentrt.engine.model.checkpoint import load_hf_config, load_tokenizer, resolve_model
-from agentrt.engine.model.parallel import check_tensor_parallel, shard_arch
+from agentrt.engine.model.checkpoint import load_tokenizer
+from agentrt.engine.model.parallel import shard_arch
 from agentrt.engine.records import EngineCoreRequest
-from agentrt.engine.spec_decode.draft_model import DraftModelProposer, draft_model_arch
+from agentrt.engine.spec_decode.draft_model import DraftModelProposer
 from agentrt.engine.spec_decode.manager import SpecDecodeManager
 from agentrt.engine.worker.executor import TensorParallelExecutor
-from agentrt.engine.worker.model_runner import ModelRunner, kv_block_bytes, kv_pool_blocks
-from agentrt.engine.worker.worker import WorkerConfig, build_runner
+from agentrt.engine.worker.model_runner import ModelRunner, kv_block_bytes
+from agentrt.engine.worker.worker import build_runner
 
 
 class LLMEngine:
@@ -46,55 +42,52 @@ class LLMEngine:
 
     def __init__(self, model: str | None = None, **options: Any) -> None:
         """`options` are the fields of `EngineArgs` (`dtype`, `max_num_seqs`, ...)."""
-        self.args = EngineArgs.from_options(model, **options)
-        config = self.args.create_configs()
-        self.model_config = config.model
-        self.cache_config = config.cache
-        self.scheduler_config = config.scheduler
-        if config.parallel.uses_engine_process:
+        args = EngineArgs.from_options(model, **options)
+        if args.create_parallel_config().uses_engine_process:
             raise ConfigError(
                 "engine_process=True and data_parallel_size>1 are options of AsyncEngine, "
                 "Runtime and `agentrt serve`, which then run engine cores in their own "
                 "processes; an LLMEngine runs in this one: leave engine_process=False and "
                 "data_parallel_size=1 here (tensor_parallel_size works)."
             )
+        self._build(args, args.create_engine_config())
+
+    @classmethod
+    def from_engine_config(cls, args: EngineArgs, config: EngineConfig) -> LLMEngine:
+        """The engine of a config already resolved from `args` (an engine-core process
+        receives both from its front end, which resolved them)."""
+        engine = cls.__new__(cls)
+        engine._build(args, config)
+        return engine
+
+    def _build(self, args: EngineArgs, config: EngineConfig) -> None:
+        assert not config.parallel.uses_engine_process, "a core process runs one LLMEngine"
+        self.args = args
+        self.config = config
+        self.model_config = config.model
+        self.cache_config = config.cache
+        self.scheduler_config = config.scheduler
+        self.model_path = config.model.path
+        self.arch = config.model.arch
+        self.max_model_len = config.model.max_model_len
         tp_size = config.parallel.tensor_parallel_size
         threads = envs.num_threads()
         if threads:
             torch.set_num_threads(threads)
         torch.manual_seed(config.model.seed)
-        path = resolve_model(model)
-        self.model_path = path
-        quantization = resolve_quantization(
-            config.model.quantization, self.args.dtype, config.model.device, is_gguf(path)
-        )
-        self.model_config = dataclasses.replace(config.model, quantization=quantization)
-        hf_config = load_hf_config(path)
-        self.arch = ModelArchConfig.from_hf_dict(hf_config)
-        check_tensor_parallel(self.arch, tp_size)
-        self.tokenizer = load_tokenizer(path)
-        self.max_model_len = min(
-            config.model.max_model_len or self.arch.max_position_embeddings,
-            self.arch.max_position_embeddings,
-        )
-        block_size = config.cache.block_size
-        spec_config = config.speculative
-        draft_arch = None
-        if spec_config is not None and spec_config.method == "draft_model":
-            draft_arch = draft_model_arch(spec_config, self.arch)  # one pool holds both KVs
-        # Under tensor parallelism a block holds one rank's KV heads (the draft model, if
-        # any, runs whole on rank 0): the pool's budget is per rank.
-        rank_arch = shard_arch(self.arch, tp_size)
-        num_blocks = kv_pool_blocks(rank_arch, config.cache, config.model.dtype, draft_arch)
-        kv_bytes = num_blocks * kv_block_bytes(rank_arch, block_size, config.model.dtype)
-        if draft_arch is not None:
-            kv_bytes += num_blocks * kv_block_bytes(draft_arch, block_size, config.model.dtype)
-        self._check_fit(path, tp_size, kv_bytes * tp_size)
-        self.runner = self._start_runner(model, tp_size, num_blocks)
+        self.tokenizer = load_tokenizer(config.model.path)
+        num_blocks = config.cache.num_blocks
+        self._check_fit(tp_size, num_blocks)
+        self.runner = self._start_runner(tp_size)
         self.kv_manager = KVCacheManager(
-            num_blocks, block_size, enable_prefix_caching=config.cache.enable_prefix_caching
+            num_blocks,
+            config.cache.block_size,
+            enable_prefix_caching=config.cache.enable_prefix_caching,
         )
-        self.connector = self._kv_connector(config.kv_transfer, path, hf_config, tp_size)
+        self.connector = self._kv_connector(
+            config.kv_transfer, config.model.path, config.model.hf_config, tp_size
+        )
+        spec_config = config.speculative
         self.scheduler = Scheduler(
             self.scheduler_config,
             self.kv_manager,
@@ -102,14 +95,12 @@ class LLMEngine:
             speculative_method=spec_config.method if spec_config is not None else None,
             connector=self.connector,
         )
-        eos = set(self.arch.eos_token_ids)
-        if self.tokenizer.eos_token_id is not None:
-            eos.add(self.tokenizer.eos_token_id)
-        self.eos_token_ids = frozenset(eos)
+        self.processor = self.make_processor(self.tokenizer)
+        self.eos_token_ids = self.processor.eos_token_ids
         structured = StructuredOutputManager(
             self.tokenizer,
             self.arch.vocab_size,
-            sorted(eos),
+            sorted(self.eos_token_ids),
             config.structured_outputs.grammar_timeout_s,
         )
         self.engine_core = EngineCore(
@@ -118,48 +109,45 @@ class LLMEngine:
             self.arch.vocab_size,
             structured,
             overlap_grammar=self.runner.device.type == "cuda",
-            spec=self._spec_decode(spec_config, num_blocks, structured),
+            spec=self._spec_decode(spec_config, structured),
         )
-        self.processor = self.make_processor(self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
 
-    def _check_fit(self, path: Path, tp_size: int, kv_bytes: int) -> None:
+    def _check_fit(self, tp_size: int, num_blocks: int) -> None:
         """Weights (from the checkpoint's tensor table) + KV pool against free memory, before
         anything is allocated (loader/fit.py); raises ModelTooLargeError."""
-        device = torch.device(self.model_config.device)
+        model, block_size = self.config.model, self.config.cache.block_size
+        # Under tensor parallelism a block holds one rank's KV heads (a draft model, if any,
+        # runs whole on rank 0).
+        block_bytes = kv_block_bytes(shard_arch(model.arch, tp_size), block_size, model.dtype)
+        if self.config.draft_model is not None:
+            block_bytes += kv_block_bytes(self.config.draft_model.arch, block_size, model.dtype)
+        device = torch.device(model.device)
         estimate = MemoryEstimate(
             weight_bytes=weight_bytes(
-                get_loader(path).tensor_table(),
-                self.arch,
-                self.model_config.dtype,
-                self.model_config.quantization,
+                get_loader(model.path).tensor_table(),
+                model.arch,
+                model.dtype,
+                model.quantization,
                 tp_size,
             ),
-            kv_bytes=kv_bytes,
+            kv_bytes=num_blocks * block_bytes * tp_size,
             available_bytes=available_memory(device),
         )
-        check_fit(estimate, quantization=self.model_config.quantization, device=device)
+        check_fit(estimate, quantization=model.quantization, device=device)
 
-    def _start_runner(self, model: str | None, tp_size: int, num_blocks: int) -> ModelRunner:
+    def _start_runner(self, tp_size: int) -> ModelRunner:
         """Rank 0's model runner; with tensor_parallel_size > 1 the workers too, which load
-        their shards while this process loads its own (`shutdown()` stops them)."""
-        config = WorkerConfig(
-            model=None if model is None else str(model),
-            dtype=str(self.model_config.dtype).removeprefix("torch."),
-            device_type=torch.device(self.model_config.device).type,
-            block_size=self.cache_config.block_size,
-            num_blocks=num_blocks,
-            max_model_len=self.max_model_len,
-            attention_backend=self.model_config.attention_backend,
-            quantization=self.model_config.quantization,
-        )
+        their shards (of the same resolved model and cache config) while this process loads
+        its own (`shutdown()` stops them)."""
+        model, cache = self.config.model, self.config.cache
         if tp_size == 1:
             self.executor = None
-            return build_runner(config, torch.device(self.model_config.device), None)
-        self.executor = TensorParallelExecutor(tp_size, config)
+            return build_runner(model, cache, torch.device(model.device), None)
+        self.executor = TensorParallelExecutor(tp_size, model, cache)
         weakref.finalize(self, self.executor.shutdown)  # workers exit with the engine
         try:
-            runner = build_runner(config, self.executor.device, self.executor.group)
+            runner = build_runner(model, cache, self.executor.device, self.executor.group)
             self.executor.wait_ready()
         except BaseException:
             self.executor.shutdown()
@@ -205,10 +193,7 @@ class LLMEngine:
             self.connector.shutdown()
 
     def _spec_decode(
-        self,
-        config: SpeculativeConfig | None,
-        num_blocks: int,
-        structured: StructuredOutputManager,
+        self, config: SpeculativeConfig | None, structured: StructuredOutputManager
     ) -> SpecDecodeManager | None:
         """The proposer the speculative config names, behind the manager that drafts."""
         if config is None:
@@ -224,14 +209,7 @@ class LLMEngine:
             proposer = SuffixProposer(config, self.tokenizer)
         elif config.method == "draft_model":
             proposer = DraftModelProposer(
-                config,
-                target_arch=self.arch,
-                dtype=self.model_config.dtype,
-                device=self.runner.device,
-                block_size=self.cache_config.block_size,
-                num_blocks=num_blocks,
-                max_model_len=self.max_model_len,
-                attention_backend=self.model_config.attention_backend,
+                self.config.draft_model, self.config.cache, device=self.runner.device
             )
         return SpecDecodeManager(
             config,
@@ -248,15 +226,7 @@ class LLMEngine:
     def make_processor(self, tokenizer) -> Processor:
         """A Processor checking this engine's limits (a front end may bring its own copy of
         the tokenizer so it can tokenize on another thread)."""
-        return Processor(
-            tokenizer,
-            vocab_size=self.arch.vocab_size,
-            max_model_len=self.max_model_len,
-            block_size=self.cache_config.block_size,
-            num_kv_blocks=self.kv_manager.num_blocks,
-            eos_token_ids=self.eos_token_ids,
-            kv_transfer=self.connector.config if self.connector is not None else None,
-        )
+        return Processor.for_engine(self.config, tokenizer)
 
     def add_request(self, request: EngineCoreRequest, prompt: str | None) -> None:
         """Queue a request the Processor built; `prompt` is its text, if it had one."""

@@ -46,15 +46,15 @@ from agentrt.engine.client.core_process import (
     CoreReady,
     CoreRequestFailed,
     CoreStepOutputs,
-    EngineLimits,
     ShutdownCore,
     UtilityCall,
     UtilityResult,
-    core_args,
+    core_config,
     run_engine_core,
 )
 from agentrt.engine.client.dp_router import DPRouter
 from agentrt.engine.client.outputs import OutputProcessor
+from agentrt.engine.config import EngineConfig
 from agentrt.engine.core.scheduler import SchedulerStats
 from agentrt.engine.errors import ConfigError, EngineDeadError, EngineError, ModelLoadError
 from agentrt.engine.model.checkpoint import load_tokenizer
@@ -107,16 +107,17 @@ class MPClient(_ClientThread):
         self._context = zmq.Context(1)
         self._dir = tempfile.mkdtemp(prefix="agentrt-core-")
         try:
-            limits = self._start_cores()
-            tokenizer = load_tokenizer(limits.model_path)  # no weights: the cores hold them
+            config = self.args.create_engine_config()  # resolved once, here, for every core
+            self._start_cores(config)
+            tokenizer = load_tokenizer(config.model.path)  # no weights: the cores hold them
             self.output_processor = OutputProcessor(copy.deepcopy(tokenizer))
-            self.router = DPRouter(self.num_replicas, limits.block_size)
+            self.router = DPRouter(self.num_replicas, config.cache.block_size)
         except BaseException as exc:
             self._exit(None)
             self._close()  # no core outlives a failed start
             built.set_exception(exc)
             return
-        built.set_result(FrontEnd(limits, tokenizer))
+        built.set_result(FrontEnd(config, tokenizer))
         error: BaseException | None = None
         try:
             self._loop()
@@ -138,8 +139,9 @@ class MPClient(_ClientThread):
         os.close(self._wake_r)
         shutil.rmtree(self._dir, ignore_errors=True)
 
-    def _start_cores(self) -> EngineLimits:
-        """Spawn the cores and wait for each one's handshake; raises its load error."""
+    def _start_cores(self, config: EngineConfig) -> None:
+        """Spawn the cores (each builds its engine from `config`) and wait for each one's
+        handshake; raises its load error."""
         import zmq
 
         self._outputs_socket = self._context.socket(zmq.PULL)
@@ -147,7 +149,7 @@ class MPClient(_ClientThread):
         self._outputs_socket.bind(output_addr)
         self._inputs: list = []
         spawn = multiprocessing.get_context("spawn")
-        args = core_args(self.args)
+        args, core = core_config(self.args, config)
         for replica in range(self.num_replicas):
             socket = self._context.socket(zmq.PUSH)
             socket.setsockopt(zmq.SNDHWM, 0)
@@ -156,7 +158,7 @@ class MPClient(_ClientThread):
             self._inputs.append(socket)
             process = spawn.Process(
                 target=run_engine_core,
-                args=(args, replica, self.num_replicas, input_addr, output_addr),
+                args=(args, core, replica, self.num_replicas, input_addr, output_addr),
                 name=f"agentrt-core-{replica}",
             )
             process.start()
@@ -165,12 +167,12 @@ class MPClient(_ClientThread):
         self._poller.register(self._outputs_socket, zmq.POLLIN)
         for process in self.processes:
             self._poller.register(process.sentinel, zmq.POLLIN)
-        ready: dict[int, EngineLimits] = {}
+        ready: set[int] = set()
         while len(ready) < self.num_replicas:
             events = dict(self._poller.poll())
             while (message := self._recv()) is not None:
                 if isinstance(message, CoreReady):
-                    ready[message.replica] = message.limits
+                    ready.add(message.replica)
                 elif isinstance(message, CoreLoadFailed):
                     raise _load_error(message)
             for replica, process in enumerate(self.processes):
@@ -181,7 +183,6 @@ class MPClient(_ClientThread):
                         f"{process.exitcode} while loading the model; its output above says why."
                     )
         self._poller.register(self._wake_r, zmq.POLLIN)
-        return ready[0]
 
     def _loop(self) -> None:
         """Until StopEngine: wait for outputs, commands or a dead core, then handle them."""

@@ -9,7 +9,7 @@ import operator
 import time
 from collections.abc import Iterable, Sequence
 
-from agentrt.engine.config import KVTransferConfig
+from agentrt.engine.config import EngineConfig, KVTransferConfig
 from agentrt.engine.core.structured_output import to_grammar_spec
 from agentrt.engine.errors import ContextLengthError, InvalidRequestError
 from agentrt.engine.kv_transfer.auth import check_client_params
@@ -40,6 +40,23 @@ class Processor:
         self.block_size = block_size
         self.num_kv_blocks = num_kv_blocks
         self.eos_token_ids = eos_token_ids
+
+    @classmethod
+    def for_engine(cls, config: EngineConfig, tokenizer) -> Processor:
+        """The Processor of an engine's resolved config: its model's vocabulary, context
+        length and end-of-sequence ids (the config's and the tokenizer's), its KV pool."""
+        eos = set(config.model.arch.eos_token_ids)
+        if tokenizer.eos_token_id is not None:
+            eos.add(tokenizer.eos_token_id)
+        return cls(
+            tokenizer,
+            vocab_size=config.model.arch.vocab_size,
+            max_model_len=config.model.max_model_len,
+            block_size=config.cache.block_size,
+            num_kv_blocks=config.cache.num_blocks,
+            eos_token_ids=frozenset(eos),
+            kv_transfer=config.kv_transfer,
+        )
 
     @property
     def max_request_tokens(self) -> int:

@@ -3,8 +3,8 @@
 The draft model runs in its own `ModelRunner` whose KV tensors have the target's block size
 and block count, so they are indexed by the very block ids of the target's block tables: one
 block allocation holds a position's KV for both models, and the engine sizes the pool with
-the sum of both models' bytes per block (`draft_model_arch` gives the draft's shapes before
-the pool exists).
+the sum of both models' bytes per block (`resolve_draft_model` gives the draft's shapes,
+in the engine config, before the pool exists).
 
 Drafting is greedy (argmax), so the draft distribution q is one-hot and the rejection sampler
 treats it exactly. One `propose` call, for requests of context length L and k drafts:
@@ -19,11 +19,12 @@ the request's tokens now; see `_num_valid`.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
-from agentrt.engine.config import SpeculativeConfig
+from agentrt.engine.config import CacheConfig, ModelConfig, SpeculativeConfig
 from agentrt.engine.errors import ConfigError
 from agentrt.engine.model.arch import ModelArchConfig
 from agentrt.engine.model.checkpoint import load_hf_config, load_state_dict, resolve_model
@@ -32,19 +33,25 @@ from agentrt.engine.spec_decode.base import DraftContext
 from agentrt.engine.worker.model_runner import ModelRunner, kv_block_bytes
 
 
-def draft_model_arch(config: SpeculativeConfig, target_arch: ModelArchConfig) -> ModelArchConfig:
-    """The draft model's architecture, read from its config.json alone (no weights), so the
-    engine can size the KV pool before building the proposer. Raises `ConfigError` when the
-    draft's vocabulary is not the target's, `ModelLoadError` when the model cannot be found."""
+def resolve_draft_model(config: SpeculativeConfig, target: ModelConfig) -> ModelConfig:
+    """The draft model of `config`, resolved once as the target is (part of the engine
+    config): its checkpoint, config.json and architecture, read without its weights so the
+    engine can size the KV pool before building the proposer; dense, in the target's dtype,
+    device and context length. Raises `ConfigError` when the draft's vocabulary is not the
+    target's, `ModelLoadError` when the model cannot be found."""
     assert config.model is not None, "SpeculativeConfig requires a model for draft_model"
-    arch = ModelArchConfig.from_hf_dict(load_hf_config(resolve_model(config.model)))
-    if arch.vocab_size != target_arch.vocab_size:
+    path = resolve_model(config.model)
+    hf_config = load_hf_config(path)
+    arch = ModelArchConfig.from_hf_dict(hf_config)
+    if arch.vocab_size != target.arch.vocab_size:
         raise ConfigError(
             f"speculative_config.model={config.model!r} has vocab_size {arch.vocab_size}, but "
-            f"the target model's is {target_arch.vocab_size}. A draft model must share the "
+            f"the target model's is {target.arch.vocab_size}. A draft model must share the "
             "target's tokenizer: use a smaller model of the same family (same vocabulary)."
         )
-    return arch
+    return dataclasses.replace(
+        target, model=config.model, path=path, hf_config=hf_config, arch=arch, quantization="none"
+    )
 
 
 @dataclass(slots=True)
@@ -61,38 +68,28 @@ class DraftKVState:
 class DraftModelProposer:
     """Greedy drafts from a draft model with its own paged KV in the target's block pool.
 
-    `block_size` and `num_blocks` must be the target's: the draft KV is indexed by the
-    target's block tables. `max_model_len` is the engine's; the proposer keeps it below the
-    draft's own `max_position_embeddings` and never drafts past it. Not thread-safe.
+    The pool (`cache`: block size and count) is the target's: the draft KV is indexed by the
+    target's block tables. The context length is the engine's; the proposer keeps it below
+    the draft's own `max_position_embeddings` and never drafts past it. Not thread-safe.
     """
 
     method = "draft_model"
 
-    def __init__(
-        self,
-        config: SpeculativeConfig,
-        *,
-        target_arch: ModelArchConfig,
-        dtype: torch.dtype,
-        device: torch.device,
-        block_size: int,
-        num_blocks: int,
-        max_model_len: int,
-        attention_backend: str = "auto",
-    ) -> None:
-        self.arch = draft_model_arch(config, target_arch)
-        self.block_size = block_size
-        self.dtype = dtype
-        self.max_model_len = min(max_model_len, self.arch.max_position_embeddings)
+    def __init__(self, draft: ModelConfig, cache: CacheConfig, device: torch.device) -> None:
+        """`draft`: the engine config's resolved draft model; `cache`: the target's pool."""
+        self.arch = draft.arch
+        self.block_size = cache.block_size
+        self.dtype = draft.dtype
+        self.max_model_len = min(draft.max_model_len, self.arch.max_position_embeddings)
         self.runner = ModelRunner(
             self.arch,
-            load_state_dict(resolve_model(config.model)),
-            dtype=dtype,
+            load_state_dict(draft.path),
+            dtype=draft.dtype,
             device=device,
-            block_size=block_size,
-            num_blocks=num_blocks,
+            block_size=cache.block_size,
+            num_blocks=cache.num_blocks,
             max_model_len=self.max_model_len,
-            attention_backend=attention_backend,
+            attention_backend=draft.attention_backend,
         )
         self._states: dict[str, DraftKVState] = {}
 

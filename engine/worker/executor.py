@@ -15,9 +15,10 @@ import time
 import torch
 
 from agentrt.engine import envs
+from agentrt.engine.config import CacheConfig, ModelConfig
 from agentrt.engine.errors import ConfigError, EngineDeadError
 from agentrt.engine.worker.distributed import TensorParallelGroup, connect_store
-from agentrt.engine.worker.worker import WorkerConfig, threads_per_rank
+from agentrt.engine.worker.worker import encode_worker_config, rank_device, threads_per_rank
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +41,7 @@ class TensorParallelExecutor:
     worker exits, fails to load or does not answer within `AGENTRT_TP_TIMEOUT_S`.
     """
 
-    def __init__(self, size: int, config: WorkerConfig) -> None:
+    def __init__(self, size: int, model: ModelConfig, cache: CacheConfig) -> None:
         self.size = size
         self.processes: list[subprocess.Popen] = []
         self.timeout_s = envs.tp_timeout_s()
@@ -59,10 +60,10 @@ class TensorParallelExecutor:
         self._previous_threads = torch.get_num_threads()
         torch.set_num_threads(threads_per_rank(local_world_size))
         self.store = connect_store(0, size, host, port, self.timeout_s)
-        self.store.set("config", config.encode())
+        self.store.set("config", encode_worker_config(model, cache))
         if rdzv is None or rdzv.world_size != size:
             self.processes = [self._spawn(rank, self.store.port) for rank in range(1, size)]
-        self.device = config.device(local_rank)
+        self.device = rank_device(model, local_rank)
         self.group: TensorParallelGroup | None = None
         try:
             self._wait_for_all("hello")

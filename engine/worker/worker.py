@@ -13,13 +13,14 @@ reading the torchrun-style rendezvous variables `RANK`, `WORLD_SIZE` (= N), `MAS
 - by the user, for several machines: with those variables set in every process, rank 0
   creates the engine (`LLM(..., tensor_parallel_size=N)`, which then starts nothing) and
   every other rank, on any machine that reaches MASTER_ADDR, runs the command above. Rank 0 hosts the
-  rendezvous store at MASTER_ADDR:MASTER_PORT and sends the workers its engine options;
-  each worker loads the model itself (the same local checkpoint path, or the embedded one).
+  rendezvous store at MASTER_ADDR:MASTER_PORT and sends the workers the model and cache
+  parts of its resolved engine config; each worker loads its shard of the checkpoint at the
+  path rank 0 resolved (the same checkpoint must be at that path on every machine).
 
 Protocol, all through the store and then the groups of distributed.py: a worker connects,
-says `hello/<rank>`, reads rank 0's `WorkerConfig`, joins the groups, loads its shard, says
-`ready/<rank>` ("ok" or the error that stopped it), then runs forwards until rank 0 shuts
-the group down. A worker exits when rank 0 does: its next wait fails.
+says `hello/<rank>`, reads rank 0's config (`encode_worker_config`), joins the groups,
+loads its shard, says `ready/<rank>` ("ok" or the error that stopped it), then runs
+forwards until rank 0 shuts the group down. A worker exits when rank 0 does: its next wait fails.
 """
 
 from __future__ import annotations
@@ -33,40 +34,30 @@ import sys
 import torch
 
 from agentrt.engine import envs
-from agentrt.engine.config import DTYPES
-from agentrt.engine.errors import EngineDeadError
+from agentrt.engine.config import CacheConfig, ModelConfig
+from agentrt.engine.errors import EngineDeadError, ModelLoadError
 from agentrt.engine.loader.load import get_loader
-from agentrt.engine.model.arch import ModelArchConfig
-from agentrt.engine.model.checkpoint import load_hf_config, resolve_model
 from agentrt.engine.worker.distributed import TensorParallelGroup, connect_store
 from agentrt.engine.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class WorkerConfig:
-    """What every rank needs to build its shard of the model, as rank 0 resolved it. Sent
-    to the workers as JSON through the rendezvous store."""
+def encode_worker_config(model: ModelConfig, cache: CacheConfig) -> str:
+    """The parts of rank 0's resolved engine config every rank builds its shard from, as the
+    JSON it sends through the rendezvous store: the checkpoint's resolved path and config,
+    the dtype by its canonical name, the KV pool as rank 0 sized it."""
+    return json.dumps({"model": model.to_json_dict(), "cache": dataclasses.asdict(cache)})
 
-    model: str | None  # as the user gave it (None: the embedded model); each rank resolves it
-    dtype: str  # a key of config.DTYPES
-    device_type: str  # "cpu" or "cuda" (rank r runs on cuda:LOCAL_RANK)
-    block_size: int
-    num_blocks: int  # the KV pool, the same on every rank (rank 0 sized it)
-    max_model_len: int
-    attention_backend: str
-    quantization: str
 
-    def encode(self) -> str:
-        return json.dumps(dataclasses.asdict(self))
+def decode_worker_config(data: bytes | str) -> tuple[ModelConfig, CacheConfig]:
+    parts = json.loads(data)
+    return ModelConfig.from_json_dict(parts["model"]), CacheConfig(**parts["cache"])
 
-    @classmethod
-    def decode(cls, data: bytes | str) -> WorkerConfig:
-        return cls(**json.loads(data))
 
-    def device(self, local_rank: int) -> torch.device:
-        return torch.device("cpu" if self.device_type == "cpu" else f"cuda:{local_rank}")
+def rank_device(model: ModelConfig, local_rank: int) -> torch.device:
+    """The device of the rank with this `local_rank`: the CPU, or GPU `local_rank`."""
+    return torch.device("cpu" if model.device == "cpu" else f"cuda:{local_rank}")
 
 
 def threads_per_rank(local_world_size: int) -> int:
@@ -76,21 +67,25 @@ def threads_per_rank(local_world_size: int) -> int:
 
 
 def build_runner(
-    config: WorkerConfig, device: torch.device, tp: TensorParallelGroup | None
+    model: ModelConfig, cache: CacheConfig, device: torch.device, tp: TensorParallelGroup | None
 ) -> ModelRunner:
-    """This rank's model runner: the checkpoint resolved here, its loader reading only this
-    rank's slices (`tp`)."""
-    path = resolve_model(config.model)
+    """This rank's model runner, of the resolved config: the checkpoint at `model.path`, its
+    loader reading only this rank's slices (`tp`). Nothing is resolved again here."""
+    if not model.path.exists():
+        raise ModelLoadError(
+            f"{model.path} (the checkpoint rank 0 resolved {model.model!r} to) is not on this "
+            "machine: every rank reads the same checkpoint at the same path."
+        )
     return ModelRunner(
-        ModelArchConfig.from_hf_dict(load_hf_config(path)),
-        get_loader(path),
-        dtype=DTYPES[config.dtype],
+        model.arch,
+        get_loader(model.path),
+        dtype=model.dtype,
         device=device,
-        block_size=config.block_size,
-        num_blocks=config.num_blocks,
-        max_model_len=config.max_model_len,
-        attention_backend=config.attention_backend,
-        quantization=config.quantization,
+        block_size=cache.block_size,
+        num_blocks=cache.num_blocks,
+        max_model_len=model.max_model_len,
+        attention_backend=model.attention_backend,
+        quantization=model.quantization,
         tp=tp,
     )
 
@@ -102,12 +97,12 @@ def run_worker(
     timeout_s = envs.tp_timeout_s()
     store = connect_store(rank, world_size, host, port, timeout_s)
     store.set(f"hello/{rank}", "")
-    config = WorkerConfig.decode(store.get("config"))
+    model, cache = decode_worker_config(store.get("config"))
     torch.set_num_threads(threads_per_rank(local_world_size))
-    device = config.device(local_rank)
+    device = rank_device(model, local_rank)
     tp = TensorParallelGroup(store, rank, world_size, device, timeout_s)
     try:
-        runner = build_runner(config, device, tp)
+        runner = build_runner(model, cache, device, tp)
     except Exception as exc:
         store.set(f"ready/{rank}", f"{type(exc).__name__}: {exc}")
         raise

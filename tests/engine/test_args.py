@@ -152,8 +152,8 @@ def test_speculative_config_as_vllm_takes_it():
     record = SpeculativeConfig(method="ngram", num_speculative_tokens=3, prompt_lookup_max=5)
     as_dict = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 5}
     for value in (record, as_dict, json.dumps(as_dict)):
-        assert EngineArgs(speculative_config=value).create_configs().speculative == record
-    assert EngineArgs().create_configs().speculative is None
+        assert EngineArgs(speculative_config=value).create_engine_config().speculative == record
+    assert EngineArgs().create_engine_config().speculative is None
     assert SpeculativeConfig("grammar").num_speculative_tokens == 16
     with pytest.raises(ConfigError, match="'num_spec_tokens'.*'num_speculative_tokens'"):
         LLM(None, speculative_config={"method": "ngram", "num_spec_tokens": 2})
@@ -198,8 +198,8 @@ def test_runtime_passes_options_to_its_engine(tiny_checkpoint):
 
 def test_auto_dtype_follows_the_configured_device():
     """fp32 for a CPU model even on a machine with a GPU; bf16 for a CUDA one."""
-    assert str(EngineArgs(device="cpu").create_configs().model.dtype) == "torch.float32"
-    assert str(EngineArgs(device="cuda:0").create_configs().model.dtype) == "torch.bfloat16"
+    assert str(EngineArgs(device="cpu").create_engine_config().model.dtype) == "torch.float32"
+    assert str(EngineArgs(device="cuda:0").create_engine_config().model.dtype) == "torch.bfloat16"
 
 
 def test_a_config_file_gives_runtime_its_options(tmp_path, tiny_checkpoint):

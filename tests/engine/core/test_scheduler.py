@@ -30,7 +30,7 @@ def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, budget=32, polic
     args = EngineArgs(
         max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, scheduling_policy=policy
     )
-    return Scheduler(args.create_configs().scheduler, kv, max_model_len=1024)
+    return Scheduler(args.create_engine_config().scheduler, kv, max_model_len=1024)
 
 
 def run_step(scheduler: Scheduler, token: int = 7):
@@ -199,7 +199,9 @@ def test_drafts_follow_only_a_chunk_that_reaches_the_known_end():
     computed as if they were known tokens."""
     kv = KVCacheManager(64, 4)
     args = EngineArgs(max_num_batched_tokens=32, long_prefill_token_threshold=2)
-    scheduler = Scheduler(args.create_configs().scheduler, kv, 1024, speculative_method="ngram")
+    scheduler = Scheduler(
+        args.create_engine_config().scheduler, kv, 1024, speculative_method="ngram"
+    )
     request = make_request("a", 6, 20)
     scheduler.add_request(request)
     run_step(scheduler)  # the prompt, 2 tokens per step
@@ -222,7 +224,9 @@ def test_drafts_follow_only_a_chunk_that_reaches_the_known_end():
 def test_drafts_are_dropped_before_anyone_is_preempted():
     kv = KVCacheManager(3, 4)
     args = EngineArgs(max_num_batched_tokens=32)
-    scheduler = Scheduler(args.create_configs().scheduler, kv, 1024, speculative_method="ngram")
+    scheduler = Scheduler(
+        args.create_engine_config().scheduler, kv, 1024, speculative_method="ngram"
+    )
     first, second = make_request("a", 3, 20), make_request("b", 3, 20)
     scheduler.add_request(first)
     scheduler.add_request(second)

@@ -15,13 +15,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from agentrt.engine.args import EngineArgs
 from agentrt.engine.config import SpeculativeConfig
 from agentrt.engine.errors import ConfigError
 from agentrt.engine.model.arch import ModelArchConfig
 from agentrt.engine.model.checkpoint import load_hf_config
 from agentrt.engine.records import ScheduledChunk
 from agentrt.engine.spec_decode.base import DraftContext
-from agentrt.engine.spec_decode.draft_model import DraftModelProposer, draft_model_arch
+from agentrt.engine.spec_decode.draft_model import DraftModelProposer, resolve_draft_model
 from agentrt.engine.worker.model_runner import kv_block_bytes
 from tests.engine.conftest import hf_greedy
 
@@ -42,16 +43,16 @@ def arch_of(path: Path) -> ModelArchConfig:
 def make_proposer(
     draft: Path, target: Path | None = None, *, max_model_len: int = 256, backend: str = "auto"
 ) -> DraftModelProposer:
-    return DraftModelProposer(
-        SpeculativeConfig(method="draft_model", model=str(draft), num_speculative_tokens=K),
-        target_arch=arch_of(target or draft),
-        dtype=torch.float32,
-        device=CPU,
+    config = EngineArgs(
+        str(target or draft),
+        dtype="float32",
         block_size=BS,
-        num_blocks=NUM_BLOCKS,
+        num_kv_blocks=NUM_BLOCKS,
         max_model_len=max_model_len,
         attention_backend=backend,
-    )
+        speculative_config={"method": "draft_model", "model": str(draft)},
+    ).create_engine_config()
+    return DraftModelProposer(config.draft_model, config.cache, CPU)
 
 
 def context(req_id: str, token_ids: list[int], num_preemptions: int = 0, blocks=None):
@@ -267,22 +268,16 @@ def test_kv_block_bytes_are_the_draft_models(llama, qwen3):
     assert proposer.kv_block_bytes == kv_block_bytes(arch_of(qwen3), BS, torch.float32)
     assert proposer.kv_block_bytes == 2 * BS * 2 * 32 * 4 * 2
     config = SpeculativeConfig(method="draft_model", model=str(qwen3))
-    assert draft_model_arch(config, arch_of(llama)) == arch_of(qwen3)
+    target = EngineArgs(str(llama), dtype="float32").create_engine_config().model
+    draft = resolve_draft_model(config, target)
+    assert draft.arch == arch_of(qwen3) and draft.path == qwen3.resolve()
+    assert (draft.dtype, draft.quantization) == (torch.float32, "none")
     assert proposer.max_model_len == 256
 
 
 def test_a_draft_model_with_another_vocabulary_is_refused(llama, qwen3):
-    target = dataclasses.replace(arch_of(llama), vocab_size=32000)
+    target = EngineArgs(str(llama), dtype="float32").create_engine_config().model
+    target = dataclasses.replace(target, arch=dataclasses.replace(target.arch, vocab_size=32000))
     config = SpeculativeConfig(method="draft_model", model=str(qwen3))
     with pytest.raises(ConfigError, match=r"vocab_size 49152, but the target model's is 32000"):
-        DraftModelProposer(
-            config,
-            target_arch=target,
-            dtype=torch.float32,
-            device=CPU,
-            block_size=BS,
-            num_blocks=NUM_BLOCKS,
-            max_model_len=256,
-        )
-    with pytest.raises(ConfigError, match="same vocabulary"):
-        draft_model_arch(config, target)
+        resolve_draft_model(config, target)
