@@ -27,6 +27,7 @@ from agentrt.engine.model.checkpoint import load_hf_config, load_state_dict
 from agentrt.engine.model.llama import LlamaForCausalLM
 from agentrt.engine.model.parallel import check_tensor_parallel, shard_arch
 from agentrt.engine.sampling_params import SamplingParams, StructuredOutputsParams
+from agentrt.engine.worker.worker import decode_worker_config
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 PERSON = {
@@ -73,6 +74,16 @@ def test_tp2_shards_heads_and_kv_cache(tiny_tp2: LLM) -> None:
     assert runner.kv_caches[0].shape == (64, 2, 16, 1, 16)  # one KV head per rank
     assert runner.model.layers[0].qkv_proj.weight.shape == ((2 + 2 * 1) * 16, 64)
     assert runner.model.layers[0].down_proj.weight.shape == (64, 64)  # 128 / 2 input columns
+
+
+def test_ranks_receive_rank_0s_resolved_model_and_cache(tiny_tp2: LLM) -> None:
+    """The workers build from the parts of rank 0's resolved config (the checkpoint's path,
+    the dtype by its canonical name, the pool as sized), not from the user's options."""
+    sent = tiny_tp2.engine.executor.store.get("config")
+    config = tiny_tp2.engine.config
+    assert decode_worker_config(sent) == (config.model, config.cache)
+    assert json.loads(sent)["model"]["dtype"] == "float32"
+    assert json.loads(sent)["model"]["path"] == str(config.model.path)
 
 
 def test_tp2_greedy_matches_tp1(tiny_tp1: LLM, tiny_tp2: LLM) -> None:
