@@ -1,5 +1,6 @@
 """Weight loaders, one per format (vLLM's `model_loader` at this project's size).
 
+    gguf_reader.py         the GGUF container: metadata values and the tensor table
     gguf_file.py           a GGUF file: tensors memory-mapped, config + tokenizer metadata
     gguf_loader.py         GGUFLoader: tensors in their own block layout, sliced per rank
     safetensors_loader.py  SafetensorsLoader: HF safetensors in their own dtype, per rank

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 from agentrt.engine.envs import cache_dir
 from agentrt.engine.errors import ModelLoadError
+from agentrt.engine.loader.gguf_reader import GGUFContainer
 
 if TYPE_CHECKING:
     import numpy as np
@@ -159,19 +160,14 @@ def reverse_rope_permute(weights: np.ndarray, num_heads: int) -> np.ndarray:
 
 
 class GGUFFile:
-    """One parsed GGUF file (`open_gguf` keeps one per path in a process: parsing the
-    metadata, a 49k-token vocabulary included, takes ~2 s). `tensors` maps HF parameter
-    names to gguf-py's `ReaderTensor`s, whose `data` are copy-on-write memory maps of the
-    file: (rows, row bytes) uint8 for block types, (rows, K) for F32/F16. Reading them
-    touches only the pages read; nothing is ever written back."""
+    """One parsed GGUF file (`open_gguf` keeps one per path in a process). `reader` is its
+    `GGUFContainer` (metadata values, tensors in file order); `tensors` maps HF parameter
+    names to its `GGUFTensor`s, whose `data` are copy-on-write memory maps of the file:
+    (rows, row bytes) uint8 for block types, (rows, K) for F32/F16. Reading them touches
+    only the pages read; nothing is ever written back."""
 
     def __init__(self, path: Path) -> None:
-        import gguf
-
-        try:
-            self.reader = gguf.GGUFReader(path, "c")
-        except (ValueError, OSError) as exc:
-            raise ModelLoadError(f"{path} is not a readable GGUF file: {exc}") from exc
+        self.reader = GGUFContainer(path)  # raises ModelLoadError for an unreadable file
         self.path = path
         self.architecture = str(self.field("general.architecture"))
         if self.architecture not in GGUF_ARCHITECTURES:
@@ -196,12 +192,12 @@ class GGUFFile:
 
     def field(self, key: str, default: Any = None) -> Any:
         """One scalar or string metadata value."""
-        field = self.reader.fields.get(key)
-        if field is None:
+        value = self.reader.fields.get(key)
+        if value is None:
             if default is None:
                 raise ModelLoadError(f"{self.path}: GGUF metadata key {key!r} is missing")
             return default
-        return field.contents()
+        return value
 
 
 def open_gguf(path: str | os.PathLike[str]) -> GGUFFile:
@@ -297,7 +293,7 @@ def _write_metadata(gguf_path: Path, out_dir: Path) -> None:
 
     gguf = open_gguf(gguf_path)  # validates the architecture and every tensor name
     try:
-        config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+        config = AutoConfig.for_model(**hf_config_fields(gguf.reader))
         tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
     except (ValueError, KeyError, OSError) as exc:
         raise ModelLoadError(f"transformers could not read {gguf_path}: {exc}") from exc
@@ -323,6 +319,35 @@ def _write_metadata(gguf_path: Path, out_dir: Path) -> None:
     mode = (out_dir / "config.json").stat().st_mode & 0o777
     for path in out_dir.iterdir():
         path.chmod(mode)
+
+
+def hf_config_fields(reader: GGUFContainer) -> dict[str, Any]:
+    """The HF config fields of a llama-family GGUF, by transformers' own key mapping
+    (`GGUF_TO_TRANSFORMERS_MAPPING`), as its `load_gguf_checkpoint` builds them for these
+    architectures, from metadata already parsed (that function parses the whole file again
+    with gguf-py's reader)."""
+    from transformers.modeling_gguf_pytorch_utils import GGUF_TO_TRANSFORMERS_MAPPING
+
+    fields = reader.fields
+    architecture = fields["general.architecture"]
+    renamed = architecture
+    if "llama" in architecture and fields.get("general.name") == "mistral":
+        renamed = "mistral"  # transformers' rule (it tests the name list for "mistral")
+    config: dict[str, Any] = {
+        "tie_word_embeddings": all(t.name != "output.weight" for t in reader.tensors)
+    }
+    renames = GGUF_TO_TRANSFORMERS_MAPPING["config"]
+    for key, value in fields.items():
+        prefix, _, config_key = key.replace(architecture, renamed).partition(".")
+        name = renames.get(prefix, {}).get(config_key)
+        if name is None or name == -1:
+            continue
+        if isinstance(value, str) and architecture in value:
+            value = value.replace(architecture, renamed)
+        config[name] = value
+    if "vocab_size" not in config and "tokenizer.ggml.tokens" in fields:
+        config["vocab_size"] = len(fields["tokenizer.ggml.tokens"])
+    return config
 
 
 def _config_dict(config: dict[str, Any], *, tied: bool) -> dict[str, Any]:

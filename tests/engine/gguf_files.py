@@ -131,18 +131,18 @@ def write_tiny_gguf(
 
 def _add_tokenizer(writer: gguf.GGUFWriter) -> None:
     fields = open_gguf(embedded_gguf_path()).reader.fields
-    writer.add_tokenizer_model(fields["tokenizer.ggml.model"].contents())
-    writer.add_tokenizer_pre(fields["tokenizer.ggml.pre"].contents())
-    tokens = fields["tokenizer.ggml.tokens"].contents()[:TINY_VOCAB]
+    writer.add_tokenizer_model(fields["tokenizer.ggml.model"])
+    writer.add_tokenizer_pre(fields["tokenizer.ggml.pre"])
+    tokens = fields["tokenizer.ggml.tokens"][:TINY_VOCAB]
     kept = set(tokens)
     merges = [
         m
-        for m in fields["tokenizer.ggml.merges"].contents()
+        for m in fields["tokenizer.ggml.merges"]
         if all(part in kept for part in m.split(" ")) and m.replace(" ", "") in kept
     ]
     writer.add_token_list(tokens)
-    writer.add_token_types(fields["tokenizer.ggml.token_type"].contents()[:TINY_VOCAB])
+    writer.add_token_types(fields["tokenizer.ggml.token_type"][:TINY_VOCAB])
     writer.add_token_merges(merges)
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
-    writer.add_chat_template(fields["tokenizer.chat_template"].contents())
+    writer.add_chat_template(fields["tokenizer.chat_template"])

@@ -24,6 +24,7 @@ from agentrt.engine.loader.gguf_file import (
     gguf_metadata,
     metadata_dir,
 )
+from agentrt.engine.loader.gguf_reader import GGUFContainer
 from agentrt.engine.model.checkpoint import (
     load_hf_config,
     load_state_dict,
@@ -283,3 +284,63 @@ def test_unknown_gguf_tensor_is_not_dropped_silently() -> None:
     assert gguf_file.gguf_to_hf_name("rope_freqs.weight") is None
     with pytest.raises(ModelLoadError, match="blk.0.ffn_gate_exps.weight"):
         gguf_file.gguf_to_hf_name("blk.0.ffn_gate_exps.weight")
+
+
+# --- the container reader ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("which", ["embedded", "tiny-llama"])
+def test_container_reads_what_gguf_py_reads(which, tiny_ggufs) -> None:
+    path = embedded_gguf_path() if which == "embedded" else tiny_ggufs["llama"]
+    ours = GGUFContainer(path)
+    theirs = gguf.GGUFReader(path)
+    header = {"GGUF.version", "GGUF.tensor_count", "GGUF.kv_count"}  # gguf-py's own entries
+    assert ours.fields.keys() == theirs.fields.keys() - header
+    assert ours.version == theirs.fields["GGUF.version"].contents()
+    for key, field in theirs.fields.items():
+        if key in header:
+            continue
+        expected = field.contents()
+        if isinstance(expected, float) or (
+            isinstance(expected, list) and expected and isinstance(expected[0], float)
+        ):
+            np.testing.assert_array_equal(np.float32(ours.fields[key]), np.float32(expected))
+        else:
+            assert ours.fields[key] == expected, key
+    assert [t.name for t in ours.tensors] == [t.name for t in theirs.tensors]
+    for mine, ref in zip(ours.tensors, theirs.tensors, strict=True):
+        assert mine.tensor_type == int(ref.tensor_type), mine.name
+        assert mine.shape == tuple(int(n) for n in ref.shape), mine.name
+        assert (mine.n_elements, mine.n_bytes) == (int(ref.n_elements), int(ref.n_bytes))
+        assert mine.offset == int(ref.data_offset), mine.name
+        assert np.array_equal(
+            mine.data.reshape(-1).view(np.uint8), ref.data.reshape(-1).view(np.uint8)
+        )
+
+
+def test_container_refuses_a_file_that_is_not_gguf_or_is_cut(tmp_path, tiny_ggufs) -> None:
+    not_gguf = tmp_path / "model.gguf"
+    not_gguf.write_bytes(b"PK\x03\x04" + bytes(64))
+    with pytest.raises(ModelLoadError, match="not a readable GGUF file.*magic"):
+        GGUFContainer(not_gguf)
+    data = tiny_ggufs["qwen2"].read_bytes()
+    header_cut = tmp_path / "header-cut.gguf"
+    header_cut.write_bytes(data[:4096])  # inside the vocabulary
+    with pytest.raises(ModelLoadError, match="not a readable GGUF file"):
+        GGUFContainer(header_cut)
+    tensors_cut = tmp_path / "tensors-cut.gguf"
+    tensors_cut.write_bytes(data[: len(data) - 1024])
+    with pytest.raises(ModelLoadError, match="runs past the end of the file"):
+        GGUFContainer(tensors_cut)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_config_from_parsed_fields_equals_transformers_own_gguf_config(arch, tiny_ggufs) -> None:
+    from transformers import AutoConfig
+
+    path = tiny_ggufs[arch]
+    theirs = AutoConfig.from_pretrained(path.parent, gguf_file=path.name).to_dict()
+    ours = AutoConfig.for_model(**gguf_file.hf_config_fields(GGUFContainer(path))).to_dict()
+    theirs.pop("_name_or_path"), ours.pop("_name_or_path")
+    assert ours == theirs
+    assert ours["model_type"] == arch and ours["vocab_size"] == TINY_VOCAB

@@ -1,0 +1,190 @@
+"""The GGUF container: metadata values and the tensor table, read straight from the file.
+
+gguf-py's `GGUFReader` builds a numpy view for every part of every metadata value: for a
+49k-token vocabulary that is ~4M memmap slices, ~2 s here (10+ s on a loaded machine),
+paid on every load and twice more inside transformers' GGUF config read. This reader walks
+the header once with `struct` on a read-only `mmap` (strings as bytes slices, numeric arrays
+through `np.frombuffer`) and maps the tensor data copy-on-write, so reading a tensor touches
+only the pages read and nothing is written back.
+
+Layout (GGUF v2/v3, little-endian): magic `GGUF`, version u32, tensor count u64, metadata
+count u64; each metadata entry a string key, a u32 value type and the value (strings: u64
+length + UTF-8 bytes; arrays: element type u32, count u64, elements); each tensor entry a
+name, u32 dims, u64 dims (ne0, the elements of a row, first), u32 GGML type, u64 offset
+into the data section, which starts at the next multiple of `general.alignment` (32).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+from dataclasses import dataclass
+from math import prod
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from agentrt.engine.errors import ModelLoadError
+
+MAGIC = b"GGUF"
+VERSIONS = (2, 3)
+DEFAULT_ALIGNMENT = 32
+
+# Metadata value types with a fixed width: struct format per type.
+_SCALARS = {
+    0: "<B",
+    1: "<b",
+    2: "<H",
+    3: "<h",
+    4: "<I",
+    5: "<i",
+    6: "<f",
+    7: "<?",
+    10: "<Q",
+    11: "<q",
+    12: "<d",
+}
+_NUMPY = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?"}
+_NUMPY.update({10: "<u8", 11: "<i8", 12: "<f8"})
+_STRING, _ARRAY = 8, 9
+
+# GGML types stored as plain values, and their numpy dtype (BF16 as its raw 16 bits).
+_DENSE = {0: np.float32, 1: np.float16, 30: np.uint16}
+
+
+@dataclass(frozen=True, slots=True)
+class GGUFTensor:
+    """One tensor of the file. `shape` in GGUF order (ne0, the elements of a row, first);
+    `data` a copy-on-write view of the file: (rows, row bytes) uint8 for a block type,
+    (rows, ne0) of its dtype for F32 / F16 / BF16 (BF16 as uint16)."""
+
+    name: str
+    shape: tuple[int, ...]
+    tensor_type: int
+    offset: int  # from the start of the file
+    n_bytes: int
+    data: np.ndarray
+
+    @property
+    def n_elements(self) -> int:
+        return prod(self.shape)
+
+
+class GGUFContainer:
+    """A parsed GGUF file: `fields` (metadata key -> value: int, float, bool, str, or a list
+    of them), `tensors` in file order, and `data`, the whole file memory-mapped
+    copy-on-write (the tensors' views point into it)."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        try:
+            with self.path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+                header = _Header(m, self.path)
+                self.version = header.version
+                self.fields = header.read_fields()
+                table = header.read_tensor_table()
+                alignment = int(self.fields.get("general.alignment", DEFAULT_ALIGNMENT))
+                data_start = -(-header.pos // alignment) * alignment
+        except (OSError, ValueError, struct.error, UnicodeDecodeError) as exc:
+            raise ModelLoadError(f"{self.path} is not a readable GGUF file: {exc}") from exc
+        self.data = np.memmap(self.path, mode="c", dtype=np.uint8)
+        self.tensors = [self._tensor(data_start, *entry) for entry in table]
+
+    def _tensor(
+        self, data_start: int, name: str, shape: tuple[int, ...], qtype: int, offset: int
+    ) -> GGUFTensor:
+        import gguf
+
+        start = data_start + offset
+        row = shape[0] if shape else 1
+        rows = prod(shape[1:])
+        if qtype in _DENSE:
+            dtype = np.dtype(_DENSE[qtype])
+            n_bytes = row * rows * dtype.itemsize
+            data = self._span(name, start, n_bytes).view(dtype).reshape(rows, row)
+        else:
+            try:
+                elems, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(qtype)]
+            except (ValueError, KeyError) as exc:
+                raise ModelLoadError(
+                    f"{self.path}: tensor {name!r} has unknown GGML type {qtype}."
+                ) from exc
+            if row % elems:
+                raise ModelLoadError(
+                    f"{self.path}: tensor {name!r} has rows of {row} elements, not a multiple "
+                    f"of its type's block of {elems}."
+                )
+            n_bytes = row // elems * size * rows
+            data = self._span(name, start, n_bytes).reshape(rows, row // elems * size)
+        if len(shape) == 1:
+            data = data.reshape(-1)
+        return GGUFTensor(name, shape, qtype, start, n_bytes, data)
+
+    def _span(self, name: str, start: int, n_bytes: int) -> np.ndarray:
+        if start + n_bytes > self.data.size:
+            raise ModelLoadError(
+                f"{self.path}: tensor {name!r} runs past the end of the file (truncated?)."
+            )
+        return self.data[start : start + n_bytes]
+
+
+class _Header:
+    """A cursor over the header bytes."""
+
+    def __init__(self, m: mmap.mmap, path: Path) -> None:
+        self.m = m
+        if m[:4] != MAGIC:
+            raise ValueError("it does not start with the GGUF magic bytes")
+        self.version, self.tensor_count, self.field_count = struct.unpack_from("<IQQ", m, 4)
+        if self.version not in VERSIONS:
+            raise ValueError(f"GGUF version {self.version} (supported: 2 and 3)")
+        self.pos = 24
+
+    def _unpack(self, fmt: str) -> Any:
+        (value,) = struct.unpack_from(fmt, self.m, self.pos)
+        self.pos += struct.calcsize(fmt)
+        return value
+
+    def _string(self) -> str:
+        length = self._unpack("<Q")
+        start = self.pos
+        self.pos += length
+        return self.m[start : self.pos].decode("utf-8")
+
+    def _value(self, kind: int) -> Any:
+        if kind in _SCALARS:
+            return self._unpack(_SCALARS[kind])
+        if kind == _STRING:
+            return self._string()
+        if kind != _ARRAY:
+            raise ValueError(f"metadata value type {kind} at byte {self.pos}")
+        element, count = struct.unpack_from("<IQ", self.m, self.pos)
+        self.pos += 12
+        if element in _NUMPY:
+            dtype = np.dtype(_NUMPY[element])
+            values = np.frombuffer(self.m, dtype, count, self.pos)
+            self.pos += count * dtype.itemsize
+            return values.tolist()
+        if element == _STRING:
+            return [self._string() for _ in range(count)]
+        return [self._value(element) for _ in range(count)]  # nested arrays
+
+    def read_fields(self) -> dict[str, Any]:
+        fields = {}
+        for _ in range(self.field_count):
+            key = self._string()
+            fields[key] = self._value(self._unpack("<I"))
+        return fields
+
+    def read_tensor_table(self) -> list[tuple[str, tuple[int, ...], int, int]]:
+        table = []
+        for _ in range(self.tensor_count):
+            name = self._string()
+            dims = struct.unpack_from(f"<{self._unpack('<I')}Q", self.m, self.pos)
+            self.pos += 8 * len(dims)
+            qtype, offset = struct.unpack_from("<IQ", self.m, self.pos)
+            self.pos += 12
+            table.append((name, tuple(int(d) for d in dims), int(qtype), int(offset)))
+        return table
