@@ -12,11 +12,11 @@ from agentrt.engine.sampling_params import SamplingParams
 from agentrt.engine.worker.sampler import (
     TOP_P_CANDIDATES,
     Sampler,
-    SamplingMetadata,
     apply_penalties,
     apply_top_p,
     draw_inverse_cdf,
 )
+from agentrt.engine.worker.sampling_metadata import SamplingMetadata
 
 
 def build(
