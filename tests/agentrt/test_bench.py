@@ -8,7 +8,7 @@ line is checked once end to end (latency, --result-json) and once against a real
 from __future__ import annotations
 
 import json
-import math
+import time
 
 import anyio
 import pytest
@@ -34,41 +34,54 @@ def small(name: str = "random", output_len: int = 8) -> DatasetConfig:
 
 @pytest.fixture(scope="module")
 def results(smollm2_dir) -> dict:
-    """Each in-process mode, run on one engine."""
+    """Each in-process mode, run on one engine: (result, the wall time around the run)."""
     from agentrt.engine.client.async_engine import AsyncEngine
 
     async def run() -> dict:
         out = {}
+
+        async def timed(name: str, *args, **kwargs) -> None:
+            start = time.perf_counter()
+            result = await run_benchmark_async(*args, engine=engine, **kwargs)
+            out[name] = result, time.perf_counter() - start
+
         async with AsyncEngine(dtype="float32", kv_cache_memory_gb=0.1) as engine:
-            out["throughput"] = await run_benchmark_async(
-                "throughput", small("shared-prefix"), engine=engine
-            )
-            out["rate"] = await run_benchmark_async(
+            await timed("throughput", "throughput", small("shared-prefix"))
+            await timed(
+                "rate",
                 "throughput",
                 small(),
                 LoadConfig(request_rate=50.0, max_concurrency=2, goodput_e2e_ms=1e-3),
-                engine=engine,
             )
             for dataset in ("extraction", "tool-calls"):
-                out[dataset] = await run_benchmark_async(
-                    "structured", small(dataset, output_len=64), engine=engine
-                )
+                await timed(dataset, "structured", small(dataset, output_len=64))
         return out
 
     return anyio.run(run)
 
 
-def check_consistent(result: dict) -> None:
+def check_consistent(result: dict, wall_s: float, output_tokens: int | None = None) -> None:
+    """The figures against measures of their own: the run lies within the wall time the
+    test measured around it and lasts at least its slowest request (that request's own
+    timings); with `output_tokens` known (ignore_eos), the token count is that."""
     assert result["completed"] + result["failed"] == result["num_prompts"]
     assert result["failed"] == 0, result["errors"]
     duration = result["duration_s"]
-    assert duration > 0
-    for key, tokens in (
+    slowest_s = result["e2e_ms"]["p99"] / 1000  # nearest rank: the maximum of a few
+    assert slowest_s * 0.99 <= duration <= wall_s, (slowest_s, duration, wall_s)
+    if result["mode"] == "latency":  # one request after another: their times add up
+        serial_s = result["e2e_ms"]["mean"] * result["completed"] / 1000
+        assert serial_s * 0.99 <= duration, (serial_s, duration)
+    if output_tokens is not None:
+        assert result["total_output_tokens"] == output_tokens
+    # A rate is a count over a time between the slowest request and the wall time.
+    for key, count in (
         ("output_throughput", result["total_output_tokens"]),
+        ("request_throughput", result["num_prompts"]),
         ("total_token_throughput", result["total_input_tokens"] + result["total_output_tokens"]),
-        ("request_throughput", result["completed"]),
     ):
-        assert math.isclose(result[key], tokens / duration, rel_tol=1e-2, abs_tol=1e-3), key
+        assert count / wall_s * 0.99 <= result[key] <= count / slowest_s * 1.01, key
+    assert result["total_token_throughput"] > result["output_throughput"]  # prompts count
     for key in ("ttft_ms", "itl_ms", "e2e_ms"):
         summary = result[key]
         if summary is not None:
@@ -79,26 +92,28 @@ def check_consistent(result: dict) -> None:
 
 
 def test_throughput_counts_and_rates_add_up(results) -> None:
-    result = results["throughput"].to_dict()
-    check_consistent(result)
-    assert result["total_output_tokens"] == 4 * 8  # ignore_eos: exactly output_len each
+    bench, wall_s = results["throughput"]
+    result = bench.to_dict()
+    check_consistent(result, wall_s, output_tokens=4 * 8)  # ignore_eos: output_len each
     assert result["ttft_ms"] is not None and result["itl_ms"] is not None
     assert result["ttft_ms"]["p99"] <= result["e2e_ms"]["p99"]
     assert result["valid_fraction"] is None
-    json.loads(results["throughput"].to_json())  # strict JSON (no Infinity)
+    json.loads(bench.to_json())  # strict JSON (no Infinity)
 
 
 def test_request_rate_concurrency_and_goodput_bound(results) -> None:
-    result = results["rate"].to_dict()
-    check_consistent(result)
+    bench, wall_s = results["rate"]
+    result = bench.to_dict()
+    check_consistent(result, wall_s, output_tokens=4 * 8)
     assert result["config"]["load"]["max_concurrency"] == 2
     assert result["goodput"] == 0.0  # no request ends within 1 microsecond
 
 
 @pytest.mark.parametrize("dataset", ["extraction", "tool-calls"])
 def test_structured_outputs_are_valid(results, dataset) -> None:
-    result = results[dataset].to_dict()
-    check_consistent(result)
+    bench, wall_s = results[dataset]
+    result = bench.to_dict()
+    check_consistent(result, wall_s)
     assert result["valid_fraction"] == 1.0
     assert result["goodput"] == result["request_throughput"]
 
@@ -121,10 +136,12 @@ def test_datasets_are_deterministic_and_carry_schemas() -> None:
 def test_cli_latency_writes_result_json(smollm2_dir, tmp_path, capsys) -> None:
     path = tmp_path / "latency.json"
     argv = ["bench", "latency", *ENGINE, *TINY, "--num-iters", "3", "--num-iters-warmup", "1"]
+    start = time.perf_counter()
     assert main([*argv, "--result-json", str(path)]) == 0
+    wall_s = time.perf_counter() - start
     assert "agentrt bench latency" in capsys.readouterr().out
     result = json.loads(path.read_text())
-    check_consistent(result)
+    check_consistent(result, wall_s, output_tokens=3 * 8)
     assert result["mode"] == "latency" and result["num_prompts"] == 3
     assert result["config"]["engine_args"]["kv_cache_memory_gb"] == 0.1
 
@@ -133,10 +150,11 @@ def test_cli_serve_against_a_server(smollm2_dir, tmp_path) -> None:
     path = tmp_path / "serve.json"
     with ServerProcess(*ENGINE, "--api-key", "k") as server:
         argv = ["bench", "serve", "--base-url", server.url, "--api-key", "k", *TINY]
+        start = time.perf_counter()
         assert main([*argv, "--request-rate", "20", "--result-json", str(path)]) == 0
+        wall_s = time.perf_counter() - start
     result = json.loads(path.read_text())
-    check_consistent(result)
-    assert result["total_output_tokens"] == 4 * 8
+    check_consistent(result, wall_s, output_tokens=4 * 8)
     assert result["ttft_ms"] is not None and result["itl_ms"] is not None
     assert result["config"]["endpoint"]["model"] == "SmolLM2-135M-Instruct"
 
