@@ -140,9 +140,13 @@ class SamplerStepOutput:
     # req_id -> its tokens, for each request that continues: one sampled token, after the
     # drafts the model accepted when the request had drafts to verify.
     tokens: dict[str, list[SampledToken]]
-    # Requests whose grammar allowed no token (`GrammarBitmask.dead_end_req_ids`): they have
-    # no entry in `tokens` and finish with an error.
+    # Requests whose grammar allowed no token (`GrammarBitmask.dead_end_req_ids`: no entry
+    # in `tokens`), or refused one after accepted drafts (`tokens` cut before it): they
+    # finish with an error.
     grammar_dead_end_req_ids: frozenset[str] = frozenset()
+    # Jump-forward: req_id -> the tokens its grammar forces after `tokens`, appended
+    # unsampled (StructuredOutputManager.accept; the next chunk computes them).
+    forced_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

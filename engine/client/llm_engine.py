@@ -92,7 +92,6 @@ class LLMEngine:
             self.scheduler_config,
             self.kv_manager,
             self.max_model_len,
-            speculative_method=spec_config.method if spec_config is not None else None,
             connector=self.connector,
         )
         self.processor = self.make_processor(self.tokenizer)
@@ -102,6 +101,7 @@ class LLMEngine:
             self.arch.vocab_size,
             sorted(self.eos_token_ids),
             config.structured_outputs.grammar_timeout_s,
+            jump_forward=self.scheduler_config.jump_forward,
         )
         self.engine_core = EngineCore(
             self.scheduler,
@@ -259,4 +259,4 @@ class LLMEngine:
         self.kv_manager.reset_prefix_cache()
 
     def stats(self) -> SchedulerStats:
-        return self.scheduler.stats()
+        return self.engine_core.stats()

@@ -1,8 +1,10 @@
-"""EngineCore: schedule -> run the model (and fill the grammar bitmask) -> sample -> update,
-one step at a time."""
+"""EngineCore: schedule -> run the model (and fill the grammar bitmask) -> sample -> advance
+the grammars -> update the requests -> validate finished outputs -> draft, one step at a
+time. Each part is its own object; this one only calls them in order."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -10,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from agentrt.engine.core.request import Request, RequestStatus
-from agentrt.engine.core.scheduler import Scheduler
+from agentrt.engine.core.scheduler import Scheduler, SchedulerStats
 from agentrt.engine.core.structured_output import StructuredOutputManager
 from agentrt.engine.records import (
     EngineCoreOutput,
@@ -86,10 +88,22 @@ class EngineCore:
         drafts = [c.token_ids[len(c.token_ids) - c.num_draft_tokens :] for c in sampled_chunks]
         logits, grammar = self._execute(scheduler_output, requests, drafts)
         sampled = self._sample(requests, drafts, logits, grammar)
-        outputs = self.scheduler.update_from_output(scheduler_output, sampled)
+        accepted = self.structured.accept(requests, sampled, self.scheduler.max_model_len)
+        outputs = self.scheduler.update_from_output(scheduler_output, accepted)
+        outputs = self.structured.finish(requests, outputs)
         if self.spec is not None:
-            self._propose(requests, drafts, sampled, outputs)
+            num_running = len(self.scheduler.running)
+            outputs = self.spec.update_from_output(requests, drafts, sampled, outputs, num_running)
         return errored + outputs
+
+    def stats(self) -> SchedulerStats:
+        stats = self.scheduler.stats()
+        if self.spec is None:
+            return stats
+        method = self.spec.config.method
+        return dataclasses.replace(
+            stats, spec_decode_method=method, spec_decode=dataclasses.replace(self.spec.stats)
+        )
 
     def _execute(
         self, so: SchedulerOutput, requests: list[Request], drafts: list[list[int]]
@@ -102,24 +116,6 @@ class EngineCore:
         pending = self._grammar_thread.submit(self.structured.bitmask, requests, drafts)
         logits = self.runner.execute(so)  # on a GPU: returns once the kernels are queued
         return logits, pending.result()
-
-    def _propose(
-        self,
-        requests: list[Request],
-        drafts: list[list[int]],
-        sampled: SamplerStepOutput,
-        outputs: list[EngineCoreOutput],
-    ) -> None:
-        """Speculative decoding, between steps: learn from this step's verification, let
-        finished requests go, and draft for the ones that continue."""
-        finished = {o.req_id: o.finish_reason for o in outputs if o.finished}
-        for request, draft in zip(requests, drafts, strict=True):
-            if draft and request.req_id in sampled.tokens:
-                self.spec.verified(request, len(draft), len(sampled.tokens[request.req_id]) - 1)
-            if request.req_id in finished:
-                completed = finished[request.req_id] in ("stop", "length")
-                self.spec.request_finished(request, completed)
-        self.spec.propose(requests, len(self.scheduler.running))
 
     def _sample(
         self,
@@ -146,7 +142,7 @@ class EngineCore:
             tokens = self._sample_with_drafts(requests, drafts, logits)
         else:
             tokens = _to_tokens(requests, self.sampler(logits, self._metadata(requests, logits)))
-        for req_id in dead:  # no token is allowed: the scheduler fails these requests
+        for req_id in dead:  # no token is allowed: these requests fail
             del tokens[req_id]
         return SamplerStepOutput(tokens, dead)
 

@@ -157,17 +157,31 @@ class Request:
 
     def check_stop(self, max_model_len: int) -> bool:
         """Update `status` after a token was appended; return True if the request finished."""
+        stop = self._stop(self.output_token_ids[-1], self.num_output_tokens, max_model_len)
+        if stop is None:
+            return False
+        self.status, self.stop_reason = stop
+        return True
+
+    def stop_index(self, token_ids: list[int], max_model_len: int) -> int | None:
+        """The index of the first of `token_ids` that would finish the request were they
+        appended in order (`check_stop`), or None. Changes nothing."""
+        for i, token_id in enumerate(token_ids):
+            if self._stop(token_id, self.num_output_tokens + i + 1, max_model_len) is not None:
+                return i
+        return None
+
+    def _stop(
+        self, token_id: int, num_output: int, max_model_len: int
+    ) -> tuple[RequestStatus, int | None] | None:
+        """The status and stop reason once `token_id` is output token number `num_output`."""
         params = self.sampling_params
-        last = self.output_token_ids[-1]
-        if self.num_output_tokens >= params.min_tokens:
-            if not params.ignore_eos and last in self.eos_token_ids:
-                self.status = RequestStatus.FINISHED_STOPPED
-                return True
-            if last in params.stop_token_ids:
-                self.status = RequestStatus.FINISHED_STOPPED
-                self.stop_reason = last
-                return True
-        if self.num_output_tokens >= self.max_tokens or self.num_tokens >= max_model_len:
-            self.status = RequestStatus.FINISHED_LENGTH_CAPPED
-            return True
-        return False
+        if num_output >= params.min_tokens:
+            if not params.ignore_eos and token_id in self.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED, None
+            if token_id in params.stop_token_ids:
+                return RequestStatus.FINISHED_STOPPED, token_id
+        num_tokens = self.num_prompt_tokens + num_output
+        if num_output >= self.max_tokens or num_tokens >= max_model_len:
+            return RequestStatus.FINISHED_LENGTH_CAPPED, None
+        return None

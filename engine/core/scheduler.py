@@ -54,11 +54,10 @@ class Scheduler:
         kv_manager: KVCacheManager,
         max_model_len: int,
         *,
-        speculative_method: str | None = None,
         connector: KVConnector | None = None,
     ):
-        """`speculative_method`: requests may carry drafts (`Request.spec_token_ids`, set by
-        the engine's SpecDecodeManager), verified with the request's next chunk.
+        """Requests may carry drafts (`Request.spec_token_ids`, set by the engine's
+        SpecDecodeManager), verified with the request's next chunk.
         `connector`: a KV connector (kv_transfer/), which may load a new request's prefix
         (the request waits in WAITING_FOR_REMOTE_KVS meanwhile) and keep a finished one's
         blocks until it has sent them."""
@@ -72,8 +71,6 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0
         self.errored: list[EngineCoreOutput] = []
-        self.speculative_method = speculative_method
-        self.spec_stats = SpecDecodeStats() if speculative_method else None
         self.connector = connector
         # Requests whose prefix the connector is loading, and finished ones whose blocks it
         # has yet to send.
@@ -95,10 +92,7 @@ class Scheduler:
         refusal = self.connector.admit(request) if self.connector is not None else None
         if refusal is not None:
             request.status = RequestStatus.FINISHED_ERROR
-            code, message = refusal
-            self.errored.append(
-                EngineCoreOutput(request.req_id, [], None, "error", error_code=code, error=message)
-            )
+            self.errored.append(_error_output(request, *refusal))
             return
         self.requests[request.req_id] = request
         self._insert_waiting(request)
@@ -298,37 +292,11 @@ class Scheduler:
             request.status = RequestStatus.FINISHED_ERROR
             self._free(request)
             self.errored.append(
-                EngineCoreOutput(
-                    request.req_id,
-                    [],
-                    None,
-                    "error",
-                    error_code=ErrorCode.INVALID_SCHEMA,
-                    error=request.structured.error,
-                )
+                _error_output(request, ErrorCode.INVALID_SCHEMA, request.structured.error)
             )
             return False
         request.status = RequestStatus.WAITING
         return True
-
-    def _fail_grammar_dead_end(
-        self, request: Request, new_token_ids: list[int] | None = None
-    ) -> EngineCoreOutput:
-        """The grammar allows no next token (the output so far cannot become valid).
-        `new_token_ids`: tokens this step appended before the dead end (accepted drafts)."""
-        self.running.remove(request)
-        request.status = RequestStatus.FINISHED_ERROR
-        self._free(request)
-        problems = request.structured.matcher.validate_final()
-        return EngineCoreOutput(
-            request.req_id,
-            new_token_ids or [],
-            None,
-            "error",
-            structured_errors=problems,
-            error_code=ErrorCode.STRUCTURED_OUTPUT_FAILED,
-            error="the output cannot be completed into a valid instance: " + "; ".join(problems),
-        )
 
     def take_errored(self) -> list[EngineCoreOutput]:
         """Requests that failed on their own since the last call (e.g. bad grammar)."""
@@ -371,8 +339,9 @@ class Scheduler:
     def update_from_output(
         self, scheduler_output: SchedulerOutput, sampled: SamplerStepOutput
     ) -> list[EngineCoreOutput]:
-        """Advance computed counts, append sampled tokens (accepted drafts first, then the
-        tokens their grammars force next), apply stop conditions and free the blocks of
+        """Advance computed counts, append each sampled request's tokens (accepted drafts,
+        one more, then those its grammar forces: `StructuredOutputManager.accept` has cut
+        them where the grammar refuses), apply stop conditions and free the blocks of
         finished requests. Returns one delta per request that sampled."""
         outputs = []
         for chunk in scheduler_output.chunks:
@@ -385,85 +354,47 @@ class Scheduler:
             request.clear_drafts()
             if not chunk.sample:
                 continue
+            tokens = sampled.tokens.get(chunk.req_id, [])
+            forced = sampled.forced_token_ids.get(chunk.req_id, [])
+            new_token_ids = self._append_tokens(request, [t.token_id for t in tokens], forced)
             if chunk.req_id in sampled.grammar_dead_end_req_ids:
-                outputs.append(self._fail_grammar_dead_end(request))
+                self.running.remove(request)
+                request.status = RequestStatus.FINISHED_ERROR
+                self._free(request)
+                code, why = ErrorCode.STRUCTURED_OUTPUT_FAILED, "its grammar allows no next token"
+                outputs.append(_error_output(request, code, why, new_token_ids))
                 continue
-            tokens = sampled.tokens[chunk.req_id]  # accepted drafts, then one more
-            if chunk.num_draft_tokens:
-                request.spec_stats.add(chunk.num_draft_tokens, len(tokens) - 1)
-                self.spec_stats.add(chunk.num_draft_tokens, len(tokens) - 1)
-            new_token_ids, refused = self._append_tokens(request, [t.token_id for t in tokens])
-            if refused:  # a token after an accepted draft may meet a dead end; otherwise
-                # this cannot happen with the bitmask applied: fail rather than go on
-                outputs.append(self._fail_grammar_dead_end(request, new_token_ids))
-                continue
-            if not request.status.finished:
-                new_token_ids += self._jump_forward(request)
-            structured_errors, num_steered, kv_transfer_params = None, 0, None
+            kv_transfer_params = None
             if request.status.finished:
                 self.running.remove(request)
                 kv_transfer_params = self._free(request)
-                if request.structured is not None:
-                    structured_errors = request.structured.matcher.validate_final()
-                    num_steered = request.structured.matcher.num_steered
             elif chunk.num_draft_tokens:
                 self.kv.free_excess_blocks(request)  # rejected drafts' slots go back
             outputs.append(
                 EngineCoreOutput(
                     req_id=request.req_id,
                     new_token_ids=new_token_ids,
-                    new_logprobs=tokens if tokens[0].logprob is not None else None,
+                    new_logprobs=tokens if tokens and tokens[0].logprob is not None else None,
                     finish_reason=request.status.finish_reason,
                     stop_reason=request.stop_reason,
                     num_cached_tokens=request.num_cached_tokens,
-                    structured_errors=structured_errors,
-                    num_steered_tokens=num_steered,
-                    spec_decode=(
-                        request.spec_stats
-                        if request.status.finished and self.spec_stats is not None
-                        else None
-                    ),
                     kv_transfer_params=kv_transfer_params,
                 )
             )
         return outputs
 
-    def _append_tokens(self, request: Request, token_ids: list[int]) -> tuple[list[int], bool]:
-        """Append one step's tokens (the accepted drafts, whose KV this step computed, then
-        the sampled one), through the grammar, until the request stops. Returns the tokens
-        appended, and whether the grammar refused the next one (the request then fails)."""
-        num_drafts = len(token_ids) - 1
+    def _append_tokens(self, request: Request, sampled: list[int], forced: list[int]) -> list[int]:
+        """Append one step's tokens until the request stops: the accepted drafts (whose KV
+        this step computed), the sampled one, then the forced ones. Returns those appended."""
+        num_drafts = len(sampled) - 1
+        token_ids = sampled + forced
         for i, token_id in enumerate(token_ids):
-            structured = request.structured
-            if structured is not None and not structured.matcher.accept_token(token_id):
-                return token_ids[:i], True
             request.append_output_token(token_id)
             if i < num_drafts:
                 request.num_computed_tokens += 1
             if request.check_stop(self.max_model_len):
-                return token_ids[: i + 1], False
-        return list(token_ids), False
-
-    def _jump_forward(self, request: Request) -> list[int]:
-        """Append the tokens the request's grammar forces next (none when it has no grammar,
-        asked for logprobs, or jump-forward is off), stopping where the request finishes.
-        They need no sampling step: the next chunk computes them with the following token."""
-        if (
-            not self.config.jump_forward
-            or request.structured is None
-            or request.sampling_params.logprobs is not None
-        ):
-            return []
-        matcher = request.structured.matcher
-        appended = []
-        for token_id in matcher.forced_tokens():
-            if not matcher.accept_token(token_id):
-                break
-            request.append_output_token(token_id)
-            appended.append(token_id)
-            if request.check_stop(self.max_model_len):
-                break
-        return appended
+                return token_ids[: i + 1]
+        return token_ids
 
     def stats(self) -> SchedulerStats:
         return SchedulerStats(
@@ -473,10 +404,15 @@ class Scheduler:
             num_preemptions=self.num_preemptions,
             prefix_cache_queried_tokens=self.kv.stats.num_queried_tokens,
             prefix_cache_hit_tokens=self.kv.stats.num_hit_tokens,
-            spec_decode_method=self.speculative_method,
-            spec_decode=dataclasses.replace(self.spec_stats)
-            if self.spec_stats is not None
-            else None,
             kv_connector=self.connector.config.connector if self.connector else None,
             kv_transfer=dataclasses.replace(self.connector.stats) if self.connector else None,
         )
+
+
+def _error_output(
+    request: Request, code: ErrorCode, message: str, new_token_ids: list[int] | None = None
+) -> EngineCoreOutput:
+    """The final output of a request that failed on its own (after `new_token_ids`)."""
+    return EngineCoreOutput(
+        request.req_id, new_token_ids or [], None, "error", error_code=code, error=message
+    )

@@ -8,16 +8,19 @@ the proposer, and cuts each draft where the request's grammar refuses a token an
 stop token. With jump-forward, the tokens the grammar forces join a draft, which goes on
 after them.
 The drafts wait in `Request.spec_token_ids` for the scheduler, which verifies them with the
-request's next chunk.
+request's next chunk; the counts of drafted and accepted tokens are kept here, per request
+(`Request.spec_stats`, reported with its final output) and for the engine (`stats`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from agentrt.engine.config import SpeculativeConfig
 from agentrt.engine.core.kv_cache_manager import KVCacheManager
 from agentrt.engine.core.request import Request, RequestStatus
+from agentrt.engine.records import EngineCoreOutput, SamplerStepOutput, SpecDecodeStats
 from agentrt.engine.spec_decode.base import DraftContext, Proposer
 
 # The prompt head that, with the schema, groups requests in the suffix cache: a chat's
@@ -74,7 +77,32 @@ class SpecDecodeManager:
         self.proposer_has_kv = proposer_has_kv
         self.jump_forward = jump_forward
         self.costly_rows = costly_rows
+        self.stats = SpecDecodeStats()  # drafted and accepted tokens of all requests so far
         self._adaptive: dict[str, _Adaptive] = {}
+
+    def update_from_output(
+        self,
+        requests: list[Request],
+        drafts: list[list[int]],
+        sampled: SamplerStepOutput,
+        outputs: list[EngineCoreOutput],
+        num_running: int,
+    ) -> list[EngineCoreOutput]:
+        """Between steps: count and learn from this step's verifications, let finished
+        requests go (their outputs get the request's counts), and draft for the ones that
+        continue."""
+        finished = {o.req_id: o.finish_reason for o in outputs if o.finished}
+        for request, draft in zip(requests, drafts, strict=True):
+            if draft and request.req_id in sampled.tokens:
+                self.verified(request, len(draft), len(sampled.tokens[request.req_id]) - 1)
+            if request.req_id in finished:
+                self.request_finished(request, finished[request.req_id] in ("stop", "length"))
+        self.propose(requests, num_running)
+        by_id = {r.req_id: r for r in requests}
+        return [
+            dataclasses.replace(o, spec_decode=by_id[o.req_id].spec_stats) if o.finished else o
+            for o in outputs
+        ]
 
     def propose(self, requests: list[Request], num_running: int) -> None:
         """Set `spec_token_ids` of each running request in `requests` (those that sampled
@@ -181,8 +209,12 @@ class SpecDecodeManager:
         request.spec_token_ids, request.spec_forced = draft, forced
 
     def verified(self, request: Request, num_drafts: int, num_accepted: int) -> None:
-        """Adaptive drafting learns from one verification step."""
-        if not self.config.adaptive or not num_drafts:
+        """One verification step: counted, and adaptive drafting learns from it."""
+        if not num_drafts:
+            return
+        request.spec_stats.add(num_drafts, num_accepted)
+        self.stats.add(num_drafts, num_accepted)
+        if not self.config.adaptive:
             return
         state = self._adaptive.setdefault(request.req_id, _Adaptive())
         rate = num_accepted / num_drafts

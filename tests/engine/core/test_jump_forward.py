@@ -4,7 +4,6 @@ Outputs stay valid, steps go down, and max_tokens, stop token ids and logprobs s
 
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import pytest
@@ -44,8 +43,9 @@ def run(smollm2_llm, monkeypatch):
     """run(params, jump_forward) -> (outputs, number of engine steps)."""
 
     def run(params, jump_forward: bool, prompts=PROMPTS):
-        config = dataclasses.replace(smollm2_llm.scheduler.config, jump_forward=jump_forward)
-        monkeypatch.setattr(smollm2_llm.scheduler, "config", config)
+        # Jump-forward is the structured-output manager's (StructuredOutputManager.accept).
+        structured = smollm2_llm.engine.engine_core.structured
+        monkeypatch.setattr(structured, "jump_forward", jump_forward)
         steps = 0
         step = smollm2_llm.engine.step
 

@@ -199,9 +199,7 @@ def test_drafts_follow_only_a_chunk_that_reaches_the_known_end():
     computed as if they were known tokens."""
     kv = KVCacheManager(64, 4)
     args = EngineArgs(max_num_batched_tokens=32, long_prefill_token_threshold=2)
-    scheduler = Scheduler(
-        args.create_engine_config().scheduler, kv, 1024, speculative_method="ngram"
-    )
+    scheduler = Scheduler(args.create_engine_config().scheduler, kv, 1024)
     request = make_request("a", 6, 20)
     scheduler.add_request(request)
     run_step(scheduler)  # the prompt, 2 tokens per step
@@ -224,9 +222,7 @@ def test_drafts_follow_only_a_chunk_that_reaches_the_known_end():
 def test_drafts_are_dropped_before_anyone_is_preempted():
     kv = KVCacheManager(3, 4)
     args = EngineArgs(max_num_batched_tokens=32)
-    scheduler = Scheduler(
-        args.create_engine_config().scheduler, kv, 1024, speculative_method="ngram"
-    )
+    scheduler = Scheduler(args.create_engine_config().scheduler, kv, 1024)
     first, second = make_request("a", 3, 20), make_request("b", 3, 20)
     scheduler.add_request(first)
     scheduler.add_request(second)
