@@ -170,7 +170,12 @@ class LlamaForCausalLM(nn.Module):
     ) -> None:
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # Built on the meta device and filled by the loader: an explicit `_weight` skips
+        # nn.Embedding's random init, whose meta-device normal_ imports torch._dynamo
+        # (~1 s of every engine start, several on a loaded machine).
+        self.embed_tokens = nn.Embedding(
+            cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(cfg.vocab_size, cfg.hidden_size)
+        )
         self.layers = nn.ModuleList(
             DecoderLayer(cfg, kernel_ops, tp) for _ in range(cfg.num_layers)
         )

@@ -11,8 +11,10 @@ from agentrt.engine.errors import ModelLoadError
 
 
 def inverse_frequencies(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
-    """(head_dim // 2,) float32, computed exactly as transformers does."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    """(head_dim // 2,) float32 on the CPU (also under a meta-device context, where torch's
+    reference ops would import torch._dynamo), computed exactly as transformers does."""
+    steps = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float()
+    inv_freq = 1.0 / (theta ** (steps / head_dim))
     rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
     if rope_type == "default":
         return inv_freq
@@ -56,7 +58,7 @@ class RotaryEmbedding:
         device: torch.device | None = None,
     ):
         inv_freq = inverse_frequencies(head_dim, theta, scaling)
-        positions = torch.arange(max_positions, dtype=torch.float32)
+        positions = torch.arange(max_positions, dtype=torch.float32, device="cpu")
         freqs = positions[:, None] * inv_freq[None, :]  # (P, D/2)
         self.cos_sin_cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(device)  # (P, D)
         self.head_dim = head_dim
