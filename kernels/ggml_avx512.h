@@ -5,6 +5,14 @@
 #ifndef AGENTRT_GGML_AVX512_H
 #define AGENTRT_GGML_AVX512_H
 
+// One fp16 field by F16C (vcvtph2ps): exact for every finite value; the fused kernels'
+// scales are finite (a NaN payload may differ from fp16_to_f32's, which dequantize keeps).
+static inline float fp16_fast(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return _cvtsh_ss(h);
+}
+
 // Each scale repeated twice: 8 per-32 values -> 16 per-16 groups.
 static inline __m512 twice(__m256 v) {
     const __m512i idx = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
@@ -337,8 +345,8 @@ static inline void kblock_q45k(int qtype, const uint8_t *b, KBlock *kb) {
         _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 15, 15, 14, 14, 13, 13,
                          12, 12, 11, 11, 10, 10, 9, 9, 8, 8),
         both));
-    kb->d = fp16_to_f32(b);
-    kb->dmin = fp16_to_f32(b + 2);
+    kb->d = fp16_fast(b);
+    kb->dmin = fp16_fast(b + 2);
     const uint8_t *qs = b + (qtype == T_Q4_K ? 16 : 48);
     const __m512i low4 = _mm512_set1_epi8(0x0f);
     const __m512i qh = qtype == T_Q5_K ? _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(b + 16)))
@@ -367,7 +375,7 @@ static inline void kblock_q6k(const uint8_t *b, KBlock *kb) {
             sc);
     }
     kb->mins = _mm256_slli_epi16(_mm512_castsi512_si256(sc), 5); // OFFSET 32 times the scale
-    kb->d = kb->dmin = fp16_to_f32(b + 208);
+    kb->d = kb->dmin = fp16_fast(b + 208);
     const __m512i low4 = _mm512_set1_epi8(0x0f), low2 = _mm512_set1_epi8(0x03);
     for (int h = 0; h < 2; h++) {
         const __m512i ql = _mm512_loadu_si512(b + 64 * h);
