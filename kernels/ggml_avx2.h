@@ -1,5 +1,5 @@
 // AVX2 parts of ggml_quants.c, included by it where AGENTRT_ISA == 1: the decoders of the
-// chunked path. They use ggml_quants.c's definitions above the point of inclusion; not a
+// chunked path, and the K-quant kernel with activations in blocks of 256. They use ggml_quants.c's definitions above the point of inclusion; not a
 // standalone header.
 
 #ifndef AGENTRT_GGML_AVX2_H
@@ -112,6 +112,170 @@ static void decode_q6k_avx2(const uint8_t *b, Chunk *c) {
             _mm256_store_si256((__m256i *)(c->u + 128 * h + 32 * k),
                                _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)));
         }
+    }
+}
+
+// ---- Q4_K, Q5_K and Q6_K with activations in blocks of 256 (ggml's Q8_K) ------------------
+//
+// ggml_avx512.h's K-quant kernel in 256-bit registers: per 32 weights one pmaddubsw (u times
+// a, pairs into int16) and one pmaddwd by the groups' integer scales into int32; one fp32
+// multiply-add per block for the scales and one for the mins. Activation rows as there
+// (act8k_bytes): q int8, d per 256, the sum of q per 16 (int16).
+
+static void quantize_row_q8k(const void *x, int bf16, int64_t k, uint8_t *out) {
+    int8_t *q = (int8_t *)out;
+    float *d = (float *)(out + k);
+    int16_t *bsum = (int16_t *)(out + (k + k / 256 * 4 + 63) / 64 * 64);
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int64_t b = 0; b < k / 256; b++) {
+        __m256 v[32];
+        __m256 m = _mm256_setzero_ps();
+        for (int i = 0; i < 32; i++) {
+            const int64_t at = b * 256 + 8 * i;
+            v[i] = bf16 ? _mm256_castsi256_ps(_mm256_slli_epi32(
+                              _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)x + at))), 16))
+                        : _mm256_loadu_ps((const float *)x + at);
+            m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[i]));
+        }
+        __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+        h = _mm_max_ss(h, _mm_movehdup_ps(h));
+        const float amax = _mm_cvtss_f32(h);
+        const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+        d[b] = amax / 127.0f;
+        const __m256 scale = _mm256_set1_ps(id);
+        for (int i = 0; i < 32; i += 2) { // 16 values: one group's q and its sum
+            const __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], scale));
+            const __m256i c = _mm256_cvtps_epi32(_mm256_mul_ps(v[i + 1], scale));
+            // int32 -> int16 (packs works per 128-bit lane: restore the order) -> int8
+            const __m256i w = _mm256_permute4x64_epi64(_mm256_packs_epi32(a, c), 0xd8);
+            const __m128i p = _mm_packs_epi16(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1));
+            _mm_storeu_si128((__m128i *)(q + b * 256 + 8 * i), p);
+            __m256i s = _mm256_add_epi32(a, c);
+            __m128i t = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+            t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4e));
+            t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xb1));
+            bsum[b * 16 + i / 2] = (int16_t)_mm_cvtsi128_si32(t);
+        }
+    }
+}
+
+typedef struct {
+    __m256i u[8], scale[8]; // u of 32 elements each; int16 scales of their pmaddubsw lanes
+    __m256i mins;           // int16 per group of 16: what multiplies its activation sum
+    float d, dmin;          // y = d * da * sum(scale u a) - dmin * da * sum(mins bsum)
+} KBlock;
+
+static inline void kblock_q45k(int qtype, const uint8_t *b, KBlock *kb) {
+    uint32_t s[4];
+    memcpy(s, b + 4, 12);
+    const uint32_t m6 = 0x3f3f3f3fu, m4 = 0x0f0f0f0fu, m2 = 0x03030303u;
+    const uint32_t mins_hi = ((s[2] >> 4) & m4) | (((s[1] >> 6) & m2) << 4);
+    const uint32_t mins_lo = s[1] & m6;
+    s[1] = (s[2] & m4) | (((s[0] >> 6) & m2) << 4);
+    s[0] &= m6;
+    s[2] = mins_lo;
+    s[3] = mins_hi; // bytes 0..7: the 8 scales (one per 32), 8..15: the 8 mins
+    const __m128i raw = _mm_loadu_si128((const __m128i *)s);
+    const __m128i sc16 = _mm_cvtepu8_epi16(raw); // 8 int16 scales
+    for (int j = 0; j < 8; j++) // every lane of sub-block j: scale j (bytes 2j, 2j + 1)
+        kb->scale[j] = _mm256_broadcastsi128_si256(
+            _mm_shuffle_epi8(sc16, _mm_set1_epi16((short)(((2 * j + 1) << 8) | (2 * j)))));
+    const __m128i mn16 = _mm_cvtepu8_epi16(_mm_srli_si128(raw, 8));
+    // each min twice: one per group of 16
+    kb->mins = _mm256_set_m128i(_mm_unpackhi_epi16(mn16, mn16), _mm_unpacklo_epi16(mn16, mn16));
+    kb->d = f16_avx2(b);
+    kb->dmin = f16_avx2(b + 2);
+    const uint8_t *qs = b + (qtype == T_Q4_K ? 16 : 48);
+    const __m256i low4 = _mm256_set1_epi8(0x0f), one = _mm256_set1_epi8(1);
+    const __m256i qh = qtype == T_Q5_K ? _mm256_loadu_si256((const __m256i *)(b + 16))
+                                       : _mm256_setzero_si256();
+    for (int j = 0; j < 4; j++) { // elements 64j.. low nibbles, 64j + 32.. high nibbles
+        const __m256i q = _mm256_loadu_si256((const __m256i *)(qs + 32 * j));
+        __m256i ul = _mm256_and_si256(q, low4), uh = _mm256_and_si256(_mm256_srli_epi16(q, 4), low4);
+        if (qtype == T_Q5_K) { // bit 2j of qh[l] for the low nibbles, 2j + 1 for the high
+            const __m128i sl = _mm_cvtsi32_si128(2 * j), sh = _mm_cvtsi32_si128(2 * j + 1);
+            ul = _mm256_or_si256(ul, _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(qh, sl), one), 4));
+            uh = _mm256_or_si256(uh, _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(qh, sh), one), 4));
+        }
+        kb->u[2 * j] = ul;
+        kb->u[2 * j + 1] = uh;
+    }
+}
+
+static inline void kblock_q6k(const uint8_t *b, KBlock *kb) {
+    const __m256i sc = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(b + 192)));
+    const __m128i lo = _mm256_castsi256_si128(sc), hi = _mm256_extracti128_si256(sc, 1);
+    for (int m = 0; m < 8; m++) { // 32 elements: group 2m in lanes 0..7, 2m + 1 in 8..15
+        const __m128i half = m < 4 ? lo : hi;
+        const int g = 2 * (m % 4);
+        const __m128i a = _mm_shuffle_epi8(half, _mm_set1_epi16((short)(((2 * g + 1) << 8) | (2 * g))));
+        const __m128i c = _mm_shuffle_epi8(half, _mm_set1_epi16((short)(((2 * g + 3) << 8) | (2 * g + 2))));
+        kb->scale[m] = _mm256_set_m128i(c, a);
+    }
+    kb->mins = _mm256_slli_epi16(sc, 5); // OFFSET 32 times the scale
+    kb->d = kb->dmin = f16_avx2(b + 208);
+    const __m256i low4 = _mm256_set1_epi8(0x0f), low2 = _mm256_set1_epi8(0x03);
+    for (int h = 0; h < 2; h++) { // see decode_q6k_avx2
+        const __m256i ql0 = _mm256_loadu_si256((const __m256i *)(b + 64 * h));
+        const __m256i ql1 = _mm256_loadu_si256((const __m256i *)(b + 64 * h + 32));
+        const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h));
+        for (int k = 0; k < 4; k++) {
+            const __m256i ql = k & 1 ? ql1 : ql0;
+            const __m256i l4 = _mm256_and_si256(k & 2 ? _mm256_srli_epi16(ql, 4) : ql, low4);
+            const __m256i h2 = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * k)), low2);
+            kb->u[4 * h + k] = _mm256_or_si256(l4, _mm256_slli_epi16(h2, 4));
+        }
+    }
+}
+
+#define TT_MAX 4 // activation rows a pass: their sums stay in registers
+
+static inline __attribute__((always_inline)) void kquant_rows(
+    int qtype, const uint8_t *row, int64_t num_blocks, int bytes, const uint8_t *act,
+    int64_t k, int64_t t0, const int TT, float *sums) {
+    const int64_t stride = act8k_bytes(k), d_at = k, bsum_at = (k + k / 256 * 4 + 63) / 64 * 64;
+    __m256 acc[TT_MAX], macc[TT_MAX];
+    for (int tt = 0; tt < TT; tt++) acc[tt] = macc[tt] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < num_blocks; i++) {
+        KBlock kb;
+        if (qtype == T_Q6_K)
+            kblock_q6k(row + i * bytes, &kb);
+        else
+            kblock_q45k(qtype, row + i * bytes, &kb);
+        for (int tt = 0; tt < TT; tt++) {
+            const uint8_t *a = act + (t0 + tt) * stride;
+            const int8_t *q = (const int8_t *)a + 256 * i;
+            const float da = ((const float *)(a + d_at))[i];
+            __m256i isum = _mm256_setzero_si256();
+            for (int m = 0; m < 8; m++)
+                isum = _mm256_add_epi32(
+                    isum, _mm256_madd_epi16(_mm256_maddubs_epi16(kb.u[m], _mm256_loadu_si256((const __m256i *)(q + 32 * m))),
+                                            kb.scale[m]));
+            const __m256i bs = _mm256_loadu_si256((const __m256i *)((const int16_t *)(a + bsum_at) + 16 * i));
+            const __m256i msum = _mm256_madd_epi16(bs, kb.mins);
+            acc[tt] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(kb.d * da), acc[tt]);
+            macc[tt] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(msum), _mm256_set1_ps(kb.dmin * da), macc[tt]);
+        }
+    }
+    for (int tt = 0; tt < TT; tt++) {
+        const __m256 v = _mm256_sub_ps(acc[tt], macc[tt]);
+        __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+        h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+        h = _mm_add_ss(h, _mm_movehdup_ps(h));
+        sums[tt] = _mm_cvtss_f32(h);
+    }
+}
+
+static void kquant_row(int qtype, const uint8_t *row, int64_t num_blocks, int bytes,
+                       const uint8_t *act, int64_t k, int64_t rows, float *sums) {
+    int64_t t = 0;
+    for (; t + TT_MAX <= rows; t += TT_MAX)
+        kquant_rows(qtype, row, num_blocks, bytes, act, k, t, TT_MAX, sums + t);
+    switch (rows - t) {
+    case 3: kquant_rows(qtype, row, num_blocks, bytes, act, k, t, 3, sums + t); break;
+    case 2: kquant_rows(qtype, row, num_blocks, bytes, act, k, t, 2, sums + t); break;
+    case 1: kquant_rows(qtype, row, num_blocks, bytes, act, k, t, 1, sums + t); break;
     }
 }
 

@@ -287,10 +287,6 @@ static void legacy_row(int qtype, const BlockType *bt, const uint8_t *row, int64
 // Activation rows (act8k_row): q int8 (kp), d (kp / 256 floats), and per 16 elements the sum
 // of q (int16), each part 64-byte aligned.
 
-static inline int64_t act8k_bytes(int64_t kp) {
-    return (kp + kp / 256 * 4 + 63) / 64 * 64 + (kp / 16 * 2 + 63) / 64 * 64;
-}
-
 static void quantize_row_q8k(const void *x, int bf16, int64_t k, uint8_t *out) {
     int8_t *q = (int8_t *)out;
     float *d = (float *)(out + k);

@@ -23,11 +23,12 @@
 // portable unpacking otherwise) and dotted with every activation row of the step, so a batch
 // of T rows reads each weight byte from memory once. On AVX-512 the legacy types (blocks of
 // 32 with one fp16 scale each) skip the chunk: pairs of blocks are decoded into registers and
-// dotted with 8 activation rows at a time (ggml_avx512.h); Q4_K, Q5_K and Q6_K take their
-// activations in blocks of 256 instead (ggml's Q8_K), which lets a block's group scales be
-// applied in integers (ggml_avx512.h, `ggml_act_block`). OpenMP threads split the output
-// rows. Long steps do not come here: ggml_linear.py hands them to a bf16 GEMM over tiles that
-// `ggml_dequantize_tile` decodes.
+// dotted with 8 activation rows at a time (ggml_avx512.h). On AVX-512 and AVX2, Q4_K, Q5_K
+// and Q6_K take their activations in blocks of 256 instead (ggml's Q8_K), which lets a
+// block's group scales be applied in integers (ggml_avx512.h, ggml_avx2.h,
+// `ggml_act_block`). OpenMP threads split the output rows. Every step size runs here; a long
+// step's activation rows go a tile (~256 KiB quantized) at a time against every weight row.
+// `ggml_dequantize_tile` decodes weights for a caller that wants them dense (a GPU).
 
 #include <math.h>
 #include <stdint.h>
@@ -400,6 +401,13 @@ static void decode_generic(int qtype, const BlockType *bt, const uint8_t *blocks
     }
 }
 
+// A row of activations in blocks of 256 (ggml's Q8_K), for the K-quant kernels of the SIMD
+// builds: q int8 (k), d (k / 256 floats), and per 16 elements the sum of q (int16), each
+// part 64-byte aligned.
+static inline int64_t act8k_bytes(int64_t kp) {
+    return (kp + kp / 256 * 4 + 63) / 64 * 64 + (kp / 16 * 2 + 63) / 64 * 64;
+}
+
 #if AGENTRT_ISA == 2
 #include "ggml_avx512.h"
 #elif AGENTRT_ISA == 1
@@ -572,9 +580,10 @@ static inline Acc dot_chunk(const Chunk *c, const int8_t *a, const float *da, co
 // Whether this build's dot multiplies u - 128 (see above): Q8_0 on AVX2.
 static inline int signed_wide(int qtype) { return AGENTRT_ISA == 1 && qtype == T_Q8_0; }
 
-// Whether this build runs the type with activations in blocks of 256 (ggml_avx512.h).
+// Whether this build runs the type with activations in blocks of 256 (ggml_avx512.h,
+// ggml_avx2.h).
 static inline int q8k_type(int qtype) {
-    return AGENTRT_ISA == 2 && (qtype == T_Q4_K || qtype == T_Q5_K || qtype == T_Q6_K);
+    return AGENTRT_ISA >= 1 && (qtype == T_Q4_K || qtype == T_Q5_K || qtype == T_Q6_K);
 }
 
 // The activation block this build quantizes to for the type: 256 or 32.
@@ -597,7 +606,7 @@ int ggml_linear(const void *x, int x_bf16, int64_t rows, int64_t k, const uint8_
     BlockType bt;
     if (!block_type(qtype, &bt) || k % bt.block_elems) return -1;
     const int64_t kp = (k + CHUNK_ELEMS - 1) / CHUNK_ELEMS * CHUNK_ELEMS;
-#if AGENTRT_ISA == 2
+#if AGENTRT_ISA >= 1
     const int64_t act_bytes = q8k_type(qtype) ? act8k_bytes(k) : act_row_bytes(kp);
 #else
     const int64_t act_bytes = act_row_bytes(kp);
@@ -616,7 +625,7 @@ int ggml_linear(const void *x, int x_bf16, int64_t rows, int64_t k, const uint8_
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < rows; t++) {
             const char *xt = (const char *)x + t * k * (x_bf16 ? 2 : 4);
-#if AGENTRT_ISA == 2
+#if AGENTRT_ISA >= 1
             if (q8k_type(qtype)) {
                 quantize_row_q8k(xt, x_bf16, k, act + t * act_bytes);
                 continue;
@@ -647,7 +656,10 @@ int ggml_linear(const void *x, int x_bf16, int64_t rows, int64_t k, const uint8_
 #if AGENTRT_ISA == 2
                 if (fused_legacy(qtype)) {
                     legacy_row(qtype, &bt, row, row_blocks, at, kp, tr, sums);
-                } else if (q8k_type(qtype)) {
+                } else
+#endif
+#if AGENTRT_ISA >= 1
+                if (q8k_type(qtype)) {
                     kquant_row(qtype, row, row_blocks, bt.block_bytes, at, k, tr, sums);
                 } else
 #endif
