@@ -22,7 +22,12 @@ from agentrt.engine.core.kv_cache_manager import KVCacheManager
 from agentrt.engine.core.scheduler import Scheduler, SchedulerStats
 from agentrt.engine.core.structured_output import StructuredOutputManager
 from agentrt.engine.errors import ConfigError
-from agentrt.engine.kv_transfer import KVConnector, KVLayout, create_connector, engine_id
+from agentrt.engine.kv_transfer import (
+    KVConnectorScheduler,
+    KVLayout,
+    create_connector_scheduler,
+    engine_id,
+)
 from agentrt.engine.loader.fit import MemoryEstimate, available_memory, check_fit, weight_bytes
 from agentrt.engine.loader.load import get_loader
 from agentrt.engine.model.checkpoint import load_tokenizer
@@ -110,6 +115,7 @@ class LLMEngine:
             structured,
             overlap_grammar=self.runner.device.type == "cuda",
             spec=self._spec_decode(spec_config, structured),
+            kv_connector=self.connector,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
 
@@ -156,14 +162,17 @@ class LLMEngine:
 
     def _kv_connector(
         self, config: KVTransferConfig | None, path: Path, hf_config: dict, tp_size: int
-    ) -> KVConnector | None:
-        """The KV connector the config names, its worker side running in this runner."""
+    ) -> KVConnectorScheduler | None:
+        """The KV connector the config names: its scheduler side (returned) and its worker
+        side on every rank, which moves that rank's KV heads."""
         if config is None:
             return None
-        if tp_size > 1:
+        if tp_size > 1 and config.connector == "p2p":
             raise ConfigError(
-                "kv_connector runs with tensor_parallel_size=1 only (each rank would have to "
-                "move its own KV heads); use data_parallel_size for more engines."
+                "kv_connector='p2p' runs with tensor_parallel_size=1 only: a consumer pulls "
+                "whole blocks from one producer socket, and under tensor parallelism each "
+                "rank holds its own KV heads; use data_parallel_size for more engines, or "
+                "kv_connector='storage' (each rank stores its own heads)."
             )
         layout = KVLayout(
             engine_id=engine_id(
@@ -179,18 +188,17 @@ class LLMEngine:
             head_dim=self.arch.head_dim,
             dtype=self.model_config.dtype,
         )
-        connector = create_connector(config, layout)
-        self.runner.set_connector(connector)
-        weakref.finalize(self, connector.shutdown)
-        return connector
+        worker = self.runner.start_kv_connector(config, layout)
+        weakref.finalize(self, worker.shutdown)
+        return create_connector_scheduler(config, layout.shard(0, tp_size), self.kv_manager, worker)
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers and the KV connector (finishing its writes); the
         engine cannot step afterwards. Also runs when the engine is garbage-collected."""
         if self.executor is not None:
             self.executor.shutdown()
-        if self.connector is not None:
-            self.connector.shutdown()
+        if self.runner.connector is not None:
+            self.runner.connector.shutdown()
 
     def _spec_decode(
         self, config: SpeculativeConfig | None, structured: StructuredOutputManager

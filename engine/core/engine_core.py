@@ -1,6 +1,6 @@
 """EngineCore: schedule -> run the model (and fill the grammar bitmask) -> sample -> advance
-the grammars -> update the requests -> validate finished outputs -> draft, one step at a
-time. Each part is its own object; this one only calls them in order."""
+the grammars -> update the requests -> validate finished outputs -> draft -> KV transfers,
+one step at a time. Each part is its own object; this one only calls them in order."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import torch
 from agentrt.engine.core.request import Request, RequestStatus
 from agentrt.engine.core.scheduler import Scheduler, SchedulerStats
 from agentrt.engine.core.structured_output import StructuredOutputManager
+from agentrt.engine.kv_transfer import KVConnectorScheduler
 from agentrt.engine.records import (
     EngineCoreOutput,
     EngineCoreRequest,
@@ -38,17 +39,21 @@ class EngineCore:
         *,
         overlap_grammar: bool = False,
         spec: SpecDecodeManager | None = None,
+        kv_connector: KVConnectorScheduler | None = None,
     ) -> None:
         """`overlap_grammar`: fill the grammar bitmask on a worker thread while the model
         runs. Worth it when the model runs on a GPU (the CPU is otherwise idle while the GPU
         computes); on the CPU both would compete for the same cores.
-        `spec`: speculative decoding (drafts proposed after each step, verified in the next)."""
+        `spec`: speculative decoding (drafts proposed after each step, verified in the next).
+        `kv_connector`: a KV connector's scheduler side (the scheduler's too); its worker side
+        runs in the runner, on every rank."""
         self.scheduler = scheduler
         self.runner = runner
         self.sampler = Sampler()
         self.vocab_size = vocab_size
         self.structured = structured
         self.spec = spec
+        self.kv_connector = kv_connector
         self._grammar_thread = (
             ThreadPoolExecutor(1, thread_name_prefix="agentrt-bitmask") if overlap_grammar else None
         )
@@ -71,16 +76,17 @@ class EngineCore:
         return aborted
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        """Requests to step, or loads of aborted requests still to end (their blocks)."""
+        loading = self.kv_connector is not None and bool(self.kv_connector.loading)
+        return self.scheduler.has_unfinished_requests() or loading
 
     @torch.inference_mode()
     def step(self) -> list[EngineCoreOutput]:
         scheduler_output = self.scheduler.schedule()
         errored = self.scheduler.take_errored()
         if scheduler_output.is_empty:
-            if scheduler_output.kv_connector_metadata is not None:
-                self.runner.start_kv_loads(scheduler_output)
-            if not errored and self.scheduler.has_unfinished_requests():
+            self._transfer_kv(scheduler_output.kv_connector_metadata)
+            if not errored and self.has_unfinished_requests():
                 time.sleep(0.001)  # only grammars compiling or KV loading: let them run
             return errored
         sampled_chunks = [c for c in scheduler_output.chunks if c.sample]
@@ -94,16 +100,39 @@ class EngineCore:
         if self.spec is not None:
             num_running = len(self.scheduler.running)
             outputs = self.spec.update_from_output(requests, drafts, sampled, outputs, num_running)
+        self._transfer_kv()
         return errored + outputs
+
+    def _transfer_kv(self, metadata: object | None = None) -> None:
+        """The KV connector between steps: its worker sides get `metadata` (the loads of a
+        step with nothing to compute) or what is pending (holds of requests that just
+        finished, before their outputs leave), and its scheduler side what they finished
+        (loaded requests may run, sent blocks go back)."""
+        if self.kv_connector is None:
+            return
+        if metadata is None:
+            metadata = self.kv_connector.take_pending_meta()
+        self.kv_connector.update_from_output(self.runner.transfer_kv(metadata))
 
     def stats(self) -> SchedulerStats:
         stats = self.scheduler.stats()
-        if self.spec is None:
-            return stats
-        method = self.spec.config.method
-        return dataclasses.replace(
-            stats, spec_decode_method=method, spec_decode=dataclasses.replace(self.spec.stats)
-        )
+        if self.spec is not None:
+            stats = dataclasses.replace(
+                stats,
+                spec_decode_method=self.spec.config.method,
+                spec_decode=dataclasses.replace(self.spec.stats),
+            )
+        if self.kv_connector is not None:
+            # Blocks saved are counted where they are written: rank 0's worker side.
+            num_saved = self.runner.connector.num_saved_blocks
+            stats = dataclasses.replace(
+                stats,
+                kv_connector=self.kv_connector.config.connector,
+                kv_transfer=dataclasses.replace(
+                    self.kv_connector.stats, num_saved_blocks=num_saved
+                ),
+            )
+        return stats
 
     def _execute(
         self, so: SchedulerOutput, requests: list[Request], drafts: list[list[int]]

@@ -19,7 +19,7 @@ from agentrt.engine.config import SchedulerConfig
 from agentrt.engine.core.kv_cache_manager import KVCacheManager
 from agentrt.engine.core.request import Request, RequestStatus
 from agentrt.engine.errors import ErrorCode
-from agentrt.engine.kv_transfer import KVConnector
+from agentrt.engine.kv_transfer import KVConnectorScheduler
 from agentrt.engine.records import (
     EngineCoreOutput,
     KVTransferStats,
@@ -38,11 +38,11 @@ class SchedulerStats:
     num_preemptions: int
     prefix_cache_queried_tokens: int
     prefix_cache_hit_tokens: int
-    # Speculative decoding (None when it is off): its method, and the drafted and accepted
-    # tokens of all requests so far.
+    # Speculative decoding (None when it is off; EngineCore.stats): its method, and the
+    # drafted and accepted tokens of all requests so far.
     spec_decode_method: str | None = None
     spec_decode: SpecDecodeStats | None = None
-    # KV transfer (None without a connector): its name and counts.
+    # KV transfer (None without a connector; EngineCore.stats): its name and counts.
     kv_connector: str | None = None
     kv_transfer: KVTransferStats | None = None
 
@@ -54,13 +54,13 @@ class Scheduler:
         kv_manager: KVCacheManager,
         max_model_len: int,
         *,
-        connector: KVConnector | None = None,
+        connector: KVConnectorScheduler | None = None,
     ):
         """Requests may carry drafts (`Request.spec_token_ids`, set by the engine's
         SpecDecodeManager), verified with the request's next chunk.
-        `connector`: a KV connector (kv_transfer/), which may load a new request's prefix
-        (the request waits in WAITING_FOR_REMOTE_KVS meanwhile) and keep a finished one's
-        blocks until it has sent them."""
+        `connector`: a KV connector's scheduler side (kv_transfer/), which may load a new
+        request's prefix (the request waits in WAITING_FOR_REMOTE_KVS until the connector
+        says it is loaded) and frees finished requests' blocks, or holds them to send."""
         self.config = config
         self.kv = kv_manager
         self.max_model_len = max_model_len
@@ -72,10 +72,6 @@ class Scheduler:
         self.num_preemptions = 0
         self.errored: list[EngineCoreOutput] = []
         self.connector = connector
-        # Requests whose prefix the connector is loading, and finished ones whose blocks it
-        # has yet to send.
-        self.loading: dict[str, Request] = {}
-        self.held: dict[str, Request] = {}
 
     def _order_key(self, request: Request) -> tuple:
         if self.config.policy == "priority":
@@ -109,8 +105,9 @@ class Scheduler:
         self.running.insert(bisect.bisect_right(keys, self._order_key(request)), request)
 
     def has_unfinished_requests(self) -> bool:
-        """Requests queued, running or loading, or failed with an output not yet taken."""
-        return bool(self.waiting or self.running or self.loading or self.errored)
+        """Requests queued (loading too) or running, or failed with an output not yet taken
+        (an aborted request whose load has not ended is the connector's)."""
+        return bool(self.waiting or self.running or self.errored)
 
     def finish_requests(self, req_ids: list[str], status: RequestStatus) -> list[str]:
         """Finish (e.g. abort) requests in any state and free their blocks at once.
@@ -126,7 +123,7 @@ class Scheduler:
                 self.waiting.remove(request)
             loading = request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
             request.status = status
-            if loading:  # a connector thread writes into its blocks: free them once it ends
+            if loading:  # a connector writes into its blocks: it frees them once it ends
                 del self.requests[req_id]
             else:
                 self._free(request)
@@ -134,41 +131,14 @@ class Scheduler:
         return finished
 
     def _free(self, request: Request) -> dict | None:
-        """Forget a finished request and free its blocks, unless the KV connector keeps them
-        to send (then they go back once it reports them sent). Returns the connector's
-        `kv_transfer_params` for the request's output."""
+        """Forget a finished request and free its blocks (the KV connector may hold them
+        until it has sent them). Returns the connector's `kv_transfer_params` for its
+        output (a connector may also say why it holds nothing: a p2p hold refused)."""
         del self.requests[request.req_id]
-        return self._release(request)
-
-    def _release(self, request: Request) -> dict | None:
-        """`_free` for a request already forgotten (its blocks held or being loaded)."""
-        params = None
         if self.connector is not None:
-            hold, params = self.connector.request_finished(
-                request, self.kv.block_ids(request.req_id)
-            )
-            if hold:
-                self.held[request.req_id] = request
-                return params
+            return self.connector.request_finished(request)
         self.kv.free(request)
-        return params  # a connector may say why it keeps nothing (a p2p hold refused)
-
-    def _update_from_kv_transfer(self) -> None:
-        """Take the connector's finished transfers: loaded requests may run (computing what
-        did not arrive themselves), sent requests' blocks go back."""
-        result = self.connector.get_finished()
-        for req_id, num_loaded in result.finished_loads.items():
-            request = self.loading.pop(req_id)
-            if request.status.finished:  # aborted while loading: no transfer to hold for
-                self._release(request)
-                continue
-            request.num_computed_tokens += num_loaded
-            self.kv.cache_computed_blocks(request, request.num_computed_tokens)
-            request.status = RequestStatus.WAITING
-        for req_id in result.finished_sends:
-            request = self.held.pop(req_id, None)
-            if request is not None:
-                self.kv.free(request)
+        return None
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
@@ -183,8 +153,6 @@ class Scheduler:
     # -- the step ----------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        if self.connector is not None:
-            self._update_from_kv_transfer()
         budget = self.config.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
         preempted: list[str] = []
@@ -279,7 +247,6 @@ class Scheduler:
             request, self.kv.block_ids(request.req_id), num_external
         )
         request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
-        self.loading[request.req_id] = request
         return num_external
 
     def _grammar_ready(self, request: Request) -> bool:
@@ -404,8 +371,6 @@ class Scheduler:
             num_preemptions=self.num_preemptions,
             prefix_cache_queried_tokens=self.kv.stats.num_queried_tokens,
             prefix_cache_hit_tokens=self.kv.stats.num_hit_tokens,
-            kv_connector=self.connector.config.connector if self.connector else None,
-            kv_transfer=dataclasses.replace(self.connector.stats) if self.connector else None,
         )
 
 

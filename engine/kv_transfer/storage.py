@@ -1,7 +1,10 @@
 """StorageConnector: full KV blocks saved to a directory and loaded back on a prefix match.
 
 One safetensors file per block, `<storage_path>/<engine id>/<name[:2]>/<name>.safetensors`,
-holding the block's KV of every layer and, as metadata, a MAC. Any instance of the same
+holding the block's KV of every layer and, as metadata, a MAC. Under tensor parallelism each
+rank stores and loads its own KV heads, in its own folder (`<engine id>-tp<rank>of<size>`);
+rank 0's files decide what is looked up and saved, and a rank whose file is missing or
+unusable loads less, so the request computes from there (every rank loads the same tokens). Any instance of the same
 model, dtype, quantization and block size with the same secret that points at the same
 directory finds what another one saved: a session's history offloaded and restored, or a
 prefix cache shared by several processes. Files are written whole and renamed into place (a
@@ -18,10 +21,12 @@ Trust: whoever can write the directory must not be able to plant KV for a prefix
   `<storage_path>/.kv-secret`, readable by its owner only (enough for one user's offload;
   instances of several users or machines that share the directory set the same secret).
 - Directories are created 0700 and files 0600 (KV reveals the prompt it was computed from).
-- `storage_max_gb` caps the directory: past it the least recently used files (saved or
-  loaded) are deleted. Each process counts what it sees (the files present when it started,
+- `storage_max_gb` caps the directory (each of N ranks its folder at 1/N of it): past it the
+  least recently used files (saved or loaded) are deleted. Each process counts what it sees (the files present when it started,
   then its own writes), so several writers may exceed the cap by what the others wrote since.
 
+The scheduler side (`StorageScheduler`) finds stored prefixes, plans loads and picks the
+blocks to save; the worker side (`StorageWorker`, one per rank) reads and writes the files.
 Saving: every block that becomes full of computed tokens (prompt or output) and is not
 stored yet, copied out of the pool after the step's forward and written on a thread.
 """
@@ -37,7 +42,7 @@ import struct
 import threading
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -46,10 +51,16 @@ from safetensors.torch import save
 
 from agentrt.engine.config import KVTransferConfig
 from agentrt.engine.core.block_hash import BlockHash, extend_block_hashes
+from agentrt.engine.core.kv_cache_manager import KVCacheManager
 from agentrt.engine.core.request import Request
 from agentrt.engine.errors import ConfigError
 from agentrt.engine.kv_transfer.auth import KVAuthError, derive_key, mac
-from agentrt.engine.kv_transfer.base import BlockSave, KVConnector, KVConnectorMetadata, KVLayout
+from agentrt.engine.kv_transfer.base import (
+    BlockSave,
+    KVConnectorScheduler,
+    KVConnectorWorker,
+    KVLayout,
+)
 from agentrt.engine.records import SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -66,6 +77,14 @@ class StorageLoad:
     block_hashes: list[BlockHash]
     token_ids: list[tuple[int, ...]]
     num_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class StorageMetadata:
+    """One step's transfers: loads by request, and the blocks full of computed tokens."""
+
+    loads: dict[str, StorageLoad] = field(default_factory=dict)
+    saves: list[BlockSave] = field(default_factory=list)
 
 
 def storage_secret(storage_path: Path) -> str:
@@ -100,47 +119,45 @@ def storage_secret(storage_path: Path) -> str:
     return path.read_text().strip()
 
 
-class StorageConnector(KVConnector):
+class StorageFiles:
+    """Where one rank's blocks are stored and how they are signed (both sides use it)."""
+
     def __init__(self, config: KVTransferConfig, layout: KVLayout) -> None:
-        super().__init__(config, layout)
         if not _HEX.fullmatch(layout.engine_id):
             raise ValueError(f"engine id {layout.engine_id!r} is not hex")  # names a folder
         storage_path = Path(config.storage_path)
         secret = config.secret or storage_secret(storage_path)
         self._name_key = derive_key(secret, "storage name")
         self._file_key = derive_key(secret, "storage file")
-        self.root = storage_path / layout.engine_id
+        self.layout = layout
+        self.root = storage_path / layout.shard_id
         self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
-        self._hashes: dict[str, list[BlockHash]] = {}  # per request: its full blocks' hashes
-        self._num_checked: dict[str, int] = {}  # per request: leading blocks saved or found
-        self._saving: list[torch.Tensor] = []  # this step's blocks, one tensor per layer
-        self._writer = ThreadPoolExecutor(1, thread_name_prefix="agentrt-kv-writer")
-        self._max_bytes = (
-            None if config.storage_max_gb is None else int(config.storage_max_gb * 2**30)
-        )
-        self._files: OrderedDict[Path, int] = OrderedDict()  # least recently used first
-        self._num_bytes = 0
-        self._files_lock = threading.Lock()
-        if self._max_bytes is not None:
-            self._index_existing_files()
 
     def path(self, block_hash: BlockHash) -> Path:
         """Where a block's file is: a MAC of its hash, so only the secret's holders know."""
         name = mac(self._name_key, block_hash)
         return self.root / name[:2] / f"{name}.safetensors"
 
-    def _file_mac(self, block_hash: BlockHash, tokens: tuple[int, ...], data: torch.Tensor) -> str:
+    def file_mac(self, block_hash: BlockHash, tokens: tuple[int, ...], data: torch.Tensor) -> str:
         token_bytes = struct.pack(f"<{len(tokens)}q", *tokens)
         kv_bytes = data.contiguous().view(torch.uint8).numpy().tobytes()
-        return mac(
-            self._file_key, self.layout.engine_id.encode(), block_hash, token_bytes, kv_bytes
-        )
+        return mac(self._file_key, self.layout.shard_id.encode(), block_hash, token_bytes, kv_bytes)
+
+
+class StorageScheduler(KVConnectorScheduler):
+    def __init__(self, config: KVTransferConfig, layout: KVLayout, kv: KVCacheManager) -> None:
+        super().__init__(config, layout, kv)
+        self.files = StorageFiles(config, layout)
+        self._hashes: dict[str, list[BlockHash]] = {}  # per request: its full blocks' hashes
+        self._num_checked: dict[str, int] = {}  # per request: leading blocks saved or found
+
+    def path(self, block_hash: BlockHash) -> Path:
+        """Where rank 0 stores a block (StorageFiles.path)."""
+        return self.files.path(block_hash)
 
     def _block_hashes(self, request: Request) -> list[BlockHash]:
         hashes = self._hashes.setdefault(request.req_id, [])
         return extend_block_hashes(hashes, request.all_token_ids, self.layout.block_size)
-
-    # -- scheduler side ----------------------------------------------------------------------
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
         if not self.config.loads:
@@ -154,26 +171,24 @@ class StorageConnector(KVConnector):
             num_found += 1
         return num_found * bs
 
-    def update_state_after_alloc(
-        self, request: Request, block_ids: list[int], num_external_tokens: int
-    ) -> None:
+    def _plan_load(self, request: Request, block_ids: list[int], num_tokens: int) -> StorageLoad:
         bs = self.layout.block_size
         first = request.num_computed_tokens // bs
-        blocks = range(first, first + num_external_tokens // bs)
+        blocks = range(first, first + num_tokens // bs)
         tokens = request.all_token_ids
-        self._planned[request.req_id] = StorageLoad(
+        return StorageLoad(
             block_ids=[block_ids[i] for i in blocks],
             block_hashes=[self._hashes[request.req_id][i] for i in blocks],
             token_ids=[tuple(tokens[i * bs : (i + 1) * bs]) for i in blocks],
-            num_tokens=num_external_tokens,
+            num_tokens=num_tokens,
         )
 
     def build_connector_meta(
         self, scheduler_output: SchedulerOutput, requests: dict[str, Request]
-    ) -> KVConnectorMetadata:
-        meta = super().build_connector_meta(scheduler_output, requests)
+    ) -> StorageMetadata:
+        loads = self._take_planned()
         if not self.config.saves:
-            return meta
+            return StorageMetadata(loads)
         bs = self.layout.block_size
         saves: dict[BlockHash, BlockSave] = {}  # by hash: two requests may share a block
         for chunk in scheduler_output.chunks:
@@ -189,17 +204,35 @@ class StorageConnector(KVConnector):
                     block = tuple(tokens[i * bs : (i + 1) * bs])
                     saves[hashes[i]] = BlockSave(chunk.block_ids[i], hashes[i], block)
             self._num_checked[chunk.req_id] = end
-        return KVConnectorMetadata(loads=meta.loads, saves=list(saves.values()))
+        return StorageMetadata(loads, list(saves.values()))
 
-    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict | None]:
+    def request_finished(self, request: Request) -> dict | None:
         self._hashes.pop(request.req_id, None)
         self._num_checked.pop(request.req_id, None)
-        return False, None  # saved blocks were copied out: nothing to hold
+        return super().request_finished(request)  # saved blocks were copied out: none held
 
-    # -- worker side -------------------------------------------------------------------------
+
+class StorageWorker(KVConnectorWorker):
+    metadata_type = StorageMetadata
+
+    def __init__(self, config: KVTransferConfig, layout: KVLayout) -> None:
+        super().__init__(config, layout)
+        self.files = StorageFiles(config, layout)
+        self._saving: list[torch.Tensor] = []  # this step's blocks, one tensor per layer
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="agentrt-kv-writer")
+        self._max_bytes = (
+            None
+            if config.storage_max_gb is None
+            else int(config.storage_max_gb * 2**30 / layout.tp_size)
+        )
+        self._files: OrderedDict[Path, int] = OrderedDict()  # least recently used first
+        self._num_bytes = 0
+        self._files_lock = threading.Lock()
+        if self._max_bytes is not None:
+            self._index_existing_files()
 
     def save_kv_layer(self, layer: int, kv_layer: torch.Tensor) -> None:
-        if self._meta.saves:
+        if self._meta is not None and self._meta.saves:
             index = torch.tensor([s.block_id for s in self._meta.saves], device=kv_layer.device)
             self._saving.append(kv_layer.index_select(0, index).cpu())
 
@@ -212,9 +245,9 @@ class StorageConnector(KVConnector):
 
     def _write(self, saves: list[BlockSave], data: torch.Tensor) -> None:
         for save_, block in zip(saves, data, strict=True):
-            path = self.path(save_.block_hash)
+            path = self.files.path(save_.block_hash)
             block = block.contiguous()
-            metadata = {"mac": self._file_mac(save_.block_hash, save_.token_ids, block)}
+            metadata = {"mac": self.files.file_mac(save_.block_hash, save_.token_ids, block)}
             blob = save({"kv": block}, metadata=metadata)
             try:
                 path.parent.mkdir(mode=0o700, exist_ok=True)
@@ -229,7 +262,7 @@ class StorageConnector(KVConnector):
                 logger.warning("could not store KV block %s: %s", path, exc)
                 continue
             with self._lock:
-                self.stats.num_saved_blocks += 1
+                self.num_saved_blocks += 1
             if self._max_bytes is not None:
                 self._used(path, len(blob))
 
@@ -238,7 +271,7 @@ class StorageConnector(KVConnector):
         for num_loaded, (block_id, block_hash, tokens) in enumerate(
             zip(plan.block_ids, plan.block_hashes, plan.token_ids, strict=True)
         ):
-            path = self.path(block_hash)
+            path = self.files.path(block_hash)
             try:
                 block = self._read(path, block_hash, tokens)
             except Exception as exc:  # noqa: BLE001 - missing, truncated, forged: recompute
@@ -259,7 +292,7 @@ class StorageConnector(KVConnector):
             raise ValueError(f"{block.dtype} {tuple(block.shape)} is not this engine's layout")
         found = metadata.get("mac")
         if not isinstance(found, str) or not hmac.compare_digest(
-            found, self._file_mac(block_hash, tokens, block)
+            found, self.files.file_mac(block_hash, tokens, block)
         ):
             raise KVAuthError("its MAC does not check out (unsigned, tampered, or other tokens)")
         return block
@@ -268,7 +301,7 @@ class StorageConnector(KVConnector):
 
     def _index_existing_files(self) -> None:
         files = []
-        for path in self.root.glob("*/*.safetensors"):
+        for path in self.files.root.glob("*/*.safetensors"):
             try:
                 info = path.stat()
             except OSError:

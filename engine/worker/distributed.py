@@ -2,9 +2,12 @@
 
 Every rank joins through one `TCPStore` (rank 0 hosts it) and holds two groups:
 
-- `control`: gloo, on the CPU. Rank 0 broadcasts each step's header on it: what comes next
-  (a step, or shutdown) and the step's sizes. Workers wait for a header without a time
-  limit (an engine may sit idle for hours); every other operation has `timeout_s`.
+- `control`: gloo, on the CPU. Rank 0 broadcasts each message's header on it: what comes
+  next (a step, a KV connector's metadata alone, the connector to start, or shutdown) and
+  its sizes, then the KV connector's metadata (bytes, as its worker side encodes them), if
+  any. Workers wait for a header without a time limit (an engine may sit idle for hours);
+  every other operation has `timeout_s`. The KV connectors' ranks also agree on which of
+  their loads are done here (`all_reduce_min`).
 - `device`: the group the model's tensors travel on: the control group itself on the CPU,
   NCCL on CUDA. The step's input (one int64 tensor: input ids, positions, slot mapping,
   query start offsets, sequence lengths and block tables, back to back) and the model's
@@ -21,6 +24,7 @@ from __future__ import annotations
 import datetime
 import ipaddress
 import socket
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -28,8 +32,10 @@ import torch.distributed as dist
 from agentrt.engine.errors import EngineDeadError
 from agentrt.engine.records import ModelInput
 
-_STEP, _SHUTDOWN = 1, 2
-_HEADER = 4  # (kind, T tokens, R requests, max blocks per request)
+# Message kinds: a step (and its KV connector metadata), shutdown, the KV connector to start,
+# a KV connector's metadata outside a step.
+STEP, _SHUTDOWN, KV_SETUP, KV = 1, 2, 3, 4
+_HEADER = 5  # (kind, T tokens, R requests, max blocks per request, KV metadata bytes)
 _IDLE_WAIT = datetime.timedelta(days=365)  # a worker waiting for the engine's next step
 
 
@@ -54,6 +60,16 @@ def connect_store(
         wait_for_workers=False,
         master_listen_fd=listen_fd,
     )
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerMessage:
+    """What a worker receives: `kind` (STEP: `inp` is set; KV_SETUP, KV: only `kv`), and
+    the KV connector's bytes (empty: none)."""
+
+    kind: int
+    inp: ModelInput | None
+    kv: bytes
 
 
 class TensorParallelGroup:
@@ -89,18 +105,26 @@ class TensorParallelGroup:
         except RuntimeError as exc:
             raise self._dead(exc) from exc
 
+    def all_reduce_min(self, values: list[int]) -> list[int]:
+        """The element-wise minimum of every rank's `values` (on the control group)."""
+        tensor = torch.tensor(values, dtype=torch.int64)
+        options = dist.AllreduceOptions()
+        options.reduceOp = dist.ReduceOp.MIN
+        options.timeout = self.timeout
+        try:
+            self.control.allreduce([tensor], options).wait()
+        except RuntimeError as exc:
+            raise self._dead(exc) from exc
+        return tensor.tolist()
+
     # -- rank 0 ----------------------------------------------------------------------------
 
-    def send_step(self, inp: ModelInput) -> None:
-        """Broadcast one step's model input to the workers (which then run the same forward).
-        Sampling rows (`logits_indices`) stay on rank 0: only it computes logits."""
-        if self.closed:
-            raise EngineDeadError(
-                "the tensor-parallel group is closed (shut down, or a rank died): start a "
-                "new engine."
-            )
+    def send_step(self, inp: ModelInput, kv: bytes = b"") -> None:
+        """Broadcast one step's model input to the workers (which then run the same forward),
+        with the KV connector's metadata for their worker sides. Sampling rows
+        (`logits_indices`) stay on rank 0: only it computes logits."""
         num_tokens, num_blocks = inp.input_ids.shape[0], inp.block_tables.shape[1]
-        header = torch.tensor([_STEP, num_tokens, len(inp.query_lens), num_blocks])
+        self._send_header(STEP, [num_tokens, len(inp.query_lens), num_blocks], kv)
         payload = torch.cat(
             [
                 inp.input_ids,
@@ -111,26 +135,54 @@ class TensorParallelGroup:
                 inp.block_tables.long().view(-1),
             ]
         )
-        self._broadcast(self.control, header)
         self._broadcast(self.device_group, payload)
+
+    def send_kv_setup(self, data: bytes) -> None:
+        """Tell the workers to start their worker side of a KV connector."""
+        self._send_header(KV_SETUP, [0, 0, 0], data)
+
+    def send_kv(self, kv: bytes) -> None:
+        """The KV connector's metadata outside a step; the workers then report their loads
+        (`all_reduce_min`) if any are in flight."""
+        self._send_header(KV, [0, 0, 0], kv)
 
     def send_shutdown(self) -> None:
         """Tell the workers to leave their loop; later calls do nothing."""
         if self.closed:
             return
         self.closed = True
-        self._broadcast(self.control, torch.tensor([_SHUTDOWN, 0, 0, 0]))
+        self._broadcast(self.control, torch.tensor([_SHUTDOWN, 0, 0, 0, 0]))
+
+    def _send_header(self, kind: int, sizes: list[int], kv: bytes) -> None:
+        if self.closed:
+            raise EngineDeadError(
+                "the tensor-parallel group is closed (shut down, or a rank died): start a "
+                "new engine."
+            )
+        self._broadcast(self.control, torch.tensor([kind, *sizes, len(kv)]))
+        if kv:
+            self._broadcast(self.control, torch.frombuffer(bytearray(kv), dtype=torch.uint8))
 
     # -- workers ---------------------------------------------------------------------------
 
-    def receive_step(self) -> ModelInput | None:
-        """Wait (without a time limit) for rank 0's next step; None when it shuts down."""
+    def receive(self) -> WorkerMessage | None:
+        """Wait (without a time limit) for rank 0's next message; None when it shuts down."""
         header = torch.zeros(_HEADER, dtype=torch.int64)
         self._broadcast(self.control, header, _IDLE_WAIT)
-        kind, num_tokens, num_requests, num_blocks = header.tolist()
+        kind, num_tokens, num_requests, num_blocks, num_kv_bytes = header.tolist()
         if kind == _SHUTDOWN:
             self.closed = True
             return None
+        kv = b""
+        if num_kv_bytes:
+            data = torch.empty(num_kv_bytes, dtype=torch.uint8)
+            self._broadcast(self.control, data)
+            kv = data.numpy().tobytes()
+        if kind != STEP:
+            return WorkerMessage(kind, None, kv)
+        return WorkerMessage(STEP, self._receive_input(num_tokens, num_requests, num_blocks), kv)
+
+    def _receive_input(self, num_tokens: int, num_requests: int, num_blocks: int) -> ModelInput:
         sizes = [num_tokens] * 3 + [num_requests + 1, num_requests, num_requests * num_blocks]
         payload = torch.empty(sum(sizes), dtype=torch.int64, device=self.device)
         self._broadcast(self.device_group, payload)

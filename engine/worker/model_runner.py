@@ -3,12 +3,15 @@ flat varlen batch, runs the model, and returns logits for the sampled positions 
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import json
 import math
 import mmap
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+import msgspec
 import torch
 
 import agentrt.kernels as kernels
@@ -25,7 +28,8 @@ from agentrt.engine.records import ModelInput, ScheduledChunk, SchedulerOutput
 from agentrt.engine.worker.attention import AttentionMetadata, get_attention_backend
 
 if TYPE_CHECKING:
-    from agentrt.engine.kv_transfer import KVConnector
+    from agentrt.engine.config import KVTransferConfig
+    from agentrt.engine.kv_transfer import KVConnectorWorker, KVLayout, KVTransferResult
     from agentrt.engine.worker.distributed import TensorParallelGroup
 
 
@@ -125,34 +129,74 @@ class ModelRunner:
             self.model.cpu_ops = kernels.load_cpu_ops(envs.cache_dir() / "kernels")
         shape = (num_blocks, 2, block_size, arch.num_kv_heads, arch.head_dim)
         self.kv_caches = [allocate_zeros(shape, dtype, device) for _ in range(arch.num_layers)]
-        self.connector: KVConnector | None = None
+        self.connector: KVConnectorWorker | None = None
 
-    def set_connector(self, connector: KVConnector) -> None:
-        """Run a KV connector's worker side with every step (kv_transfer/)."""
-        connector.register_kv_caches(self.kv_caches)
-        self.connector = connector
+    def start_kv_connector(self, config: KVTransferConfig, layout: KVLayout) -> KVConnectorWorker:
+        """Run this rank's worker side of a KV connector with every step: it moves this
+        rank's KV heads (`layout` is the whole model's). Rank 0 has the workers start theirs
+        (the config, its secret included, goes on the group's control channel, as every
+        step's tokens do)."""
+        from agentrt.engine.kv_transfer import create_connector_worker
+
+        rank, size = (0, 1) if self.tp is None else (self.tp.rank, self.tp.size)
+        if self.tp is not None and rank == 0:
+            self.tp.send_kv_setup(encode_kv_setup(config, layout))
+        self.connector = create_connector_worker(config, layout.shard(rank, size))
+        self.connector.register_kv_caches(self.kv_caches)
+        return self.connector
 
     def execute(self, scheduler_output: SchedulerOutput) -> torch.Tensor:
         """Run one step. Returns fp32 logits (S, vocab) in chunk order: for each chunk with
         `sample=True`, one row per draft token and one after the last token."""
         inp = prepare_input(scheduler_output.chunks, self.block_size, self.device)
-        if self.tp is not None:
-            self.tp.send_step(inp)  # the workers run the same forward on their shards
+        meta = scheduler_output.kv_connector_metadata
+        if self.tp is not None:  # the workers run the same step on their shards
+            self.tp.send_step(inp, self._encode_kv(meta))
+        hidden = self.run_step(inp, meta)
+        return self.model.compute_logits(hidden.index_select(0, inp.logits_indices))
+
+    def run_step(self, inp: ModelInput, kv_meta: object | None = None) -> torch.Tensor:
+        """The step on this rank: its KV loads started, the forward, its blocks saved.
+        Tensor-parallel workers call this with what rank 0 sent."""
         connector = self.connector
-        if connector is not None:
-            self.start_kv_loads(scheduler_output)
+        if connector is not None and kv_meta is not None:
+            connector.bind_connector_metadata(kv_meta)
+            connector.start_load_kv()
         hidden = self.forward(inp)
         if connector is not None:
             for layer, kv_cache in enumerate(self.kv_caches):
                 connector.save_kv_layer(layer, kv_cache)
             connector.wait_for_save()
-        return self.model.compute_logits(hidden.index_select(0, inp.logits_indices))
+        return hidden
 
-    def start_kv_loads(self, scheduler_output: SchedulerOutput) -> None:
-        """Hand the step's transfers to the KV connector and start its loads (also for a step
-        with nothing to compute, while every request waits for its KV)."""
-        self.connector.bind_connector_metadata(scheduler_output.kv_connector_metadata)
-        self.connector.start_load_kv()
+    def transfer_kv(self, kv_meta: object | None) -> KVTransferResult:
+        """Outside a forward: hand every rank's worker side `kv_meta` (loads of a step with
+        nothing to compute, holds of requests that just finished), and report the transfers
+        that finished, loads on every rank. Only rank 0 calls this; the workers follow."""
+        if self.tp is not None and (kv_meta is not None or self.connector.load_status()):
+            self.tp.send_kv(self._encode_kv(kv_meta))
+        return self.kv_transfer(kv_meta)
+
+    def kv_transfer(self, kv_meta: object | None) -> KVTransferResult:
+        """`transfer_kv` on this rank: a load is done once it is done on every rank, with the
+        tokens the rank that loaded fewest loaded (the ranks take their minimum)."""
+        connector = self.connector
+        if kv_meta is not None:
+            connector.bind_connector_metadata(kv_meta)
+            connector.start_load_kv()
+        status = connector.load_status()
+        if self.tp is not None and status:
+            status = self.tp.all_reduce_min(status)
+        return connector.get_finished(status)
+
+    def _encode_kv(self, kv_meta: object | None) -> bytes:
+        return b"" if kv_meta is None else msgspec.msgpack.encode(kv_meta)
+
+    def decode_kv(self, data: bytes) -> object | None:
+        """The worker side's metadata rank 0 sent (`_encode_kv`), None for none."""
+        if not data:
+            return None
+        return msgspec.msgpack.decode(data, type=self.connector.metadata_type)
 
     def forward(self, inp: ModelInput) -> torch.Tensor:
         """The model over one step's input: hidden states (T, hidden), KV cache written.
@@ -160,6 +204,23 @@ class ModelRunner:
         meta = attention_metadata(inp, self.block_size)
         self.attention.prepare(meta)
         return self.model(inp.input_ids, inp.positions, self.kv_caches, meta, self.attention)
+
+
+def encode_kv_setup(config: KVTransferConfig, layout: KVLayout) -> bytes:
+    """What a tensor-parallel worker needs to start its worker side of the connector."""
+    return json.dumps(
+        {"config": dataclasses.asdict(config), "layout": layout.encode()}, default=list
+    ).encode()
+
+
+def decode_kv_setup(data: bytes) -> tuple[KVTransferConfig, KVLayout]:
+    from agentrt.engine.config import KVTransferConfig
+    from agentrt.engine.kv_transfer import KVLayout
+
+    fields = json.loads(data)
+    config = fields["config"]
+    config["allowed_producers"] = tuple(config["allowed_producers"])
+    return KVTransferConfig(**config), KVLayout.decode(fields["layout"])
 
 
 def fused_cpu_glue(

@@ -20,7 +20,8 @@ reading the torchrun-style rendezvous variables `RANK`, `WORLD_SIZE` (= N), `MAS
 Protocol, all through the store and then the groups of distributed.py: a worker connects,
 says `hello/<rank>`, reads rank 0's config (`encode_worker_config`), joins the groups,
 loads its shard, says `ready/<rank>` ("ok" or the error that stopped it), then runs
-forwards until rank 0 shuts the group down. A worker exits when rank 0 does: its next wait fails.
+forwards (and its worker side of a KV connector, when rank 0 starts one) until rank 0 shuts
+the group down. A worker exits when rank 0 does: its next wait fails.
 """
 
 from __future__ import annotations
@@ -37,8 +38,8 @@ from agentrt.engine import envs
 from agentrt.engine.config import CacheConfig, ModelConfig
 from agentrt.engine.errors import EngineDeadError, ModelLoadError
 from agentrt.engine.loader.load import get_loader
-from agentrt.engine.worker.distributed import TensorParallelGroup, connect_store
-from agentrt.engine.worker.model_runner import ModelRunner
+from agentrt.engine.worker.distributed import KV_SETUP, STEP, TensorParallelGroup, connect_store
+from agentrt.engine.worker.model_runner import ModelRunner, decode_kv_setup
 
 logger = logging.getLogger(__name__)
 
@@ -107,9 +108,18 @@ def run_worker(
         store.set(f"ready/{rank}", f"{type(exc).__name__}: {exc}")
         raise
     store.set(f"ready/{rank}", "ok")
-    with torch.inference_mode():
-        while (inp := tp.receive_step()) is not None:
-            runner.forward(inp)
+    try:
+        with torch.inference_mode():
+            while (message := tp.receive()) is not None:
+                if message.kind == KV_SETUP:
+                    runner.start_kv_connector(*decode_kv_setup(message.kv))
+                elif message.kind == STEP:
+                    runner.run_step(message.inp, runner.decode_kv(message.kv))
+                else:
+                    runner.kv_transfer(runner.decode_kv(message.kv))
+    finally:
+        if runner.connector is not None:
+            runner.connector.shutdown()  # its writes finish before the process exits
 
 
 def run_from_env() -> None:

@@ -22,7 +22,7 @@ from agentrt.engine.core.block_hash import extend_block_hashes
 from agentrt.engine.core.request import RequestStatus
 from agentrt.engine.errors import ConfigError, InvalidRequestError
 from agentrt.engine.kv_transfer.auth import ParamsSigner
-from agentrt.engine.kv_transfer.p2p import curve_server_keys
+from agentrt.engine.kv_transfer.p2p_worker import curve_server_keys
 from agentrt.engine.sampling_params import SamplingParams, StructuredOutputsParams
 
 PROMPT = (
@@ -63,12 +63,22 @@ def test_options_are_validated():
         engine(kv_connector="nixl")
     with pytest.raises(ConfigError, match="kv_port=5555 with data_parallel_size=2"):
         LLM(None, kv_connector="p2p", kv_port=5555, data_parallel_size=2)
-    with pytest.raises(ConfigError, match="tensor_parallel_size=1 only"):
-        engine(kv_connector="storage", tensor_parallel_size=3)
     with pytest.raises(ConfigError, match="p2p' needs a shared secret"):
         engine(kv_connector="p2p")
     with pytest.raises(ConfigError, match="kv_allowed_producers"):
         engine(kv_connector="p2p", kv_secret=SECRET, kv_allowed_producers="localhost")
+
+
+def test_p2p_under_tensor_parallelism_is_refused(tiny_checkpoint):
+    with pytest.raises(ConfigError, match="p2p' runs with tensor_parallel_size=1 only"):
+        LLM(
+            str(tiny_checkpoint("llama")),
+            dtype="float32",
+            num_kv_blocks=64,
+            kv_connector="p2p",
+            kv_secret=SECRET,
+            tensor_parallel_size=2,
+        )
 
 
 # -- storage ----------------------------------------------------------------------------------
@@ -165,6 +175,59 @@ def test_a_damaged_block_is_detected_and_computed_again(tmp_path, reference, dam
     consumer.engine.kv_manager.check_invariants()
 
 
+@pytest.mark.slow
+def test_tensor_parallel_ranks_store_and_load_their_own_heads(tmp_path, reference):
+    """Three ranks (one of the embedded model's three KV heads each): every rank stores its
+    heads in its own folder; a new engine loads the prefix on every rank and decodes one
+    unsharded instance's tokens; a block missing on one rank makes every rank load less."""
+    other = "A short note on Paris, the capital of France, and its river, the Seine. " * 3
+    solo_other = engine(enable_prefix_caching=False).generate(other, GREEDY)[0].outputs[0]
+    path = str(tmp_path)
+    writer = engine(kv_connector="storage", kv_storage_path=path, tensor_parallel_size=3)
+    try:
+        first, first_other = writer.generate([PROMPT, other], GREEDY)
+        assert writer.engine.runner.kv_caches[0].shape[3] == 1  # one KV head per rank
+    finally:
+        writer.shutdown()
+    assert first.outputs[0].token_ids == reference["plain"]
+    assert first_other.outputs[0].token_ids == solo_other.token_ids
+    folders = sorted(p for p in tmp_path.iterdir() if p.is_dir())
+    assert [f.name.rsplit("-", 1)[1] for f in folders] == ["tp0of3", "tp1of3", "tp2of3"]
+    names = [sorted(p.relative_to(f) for p in stored_blocks(f)) for f in folders]
+    assert names[0] and names[0] == names[1] == names[2]  # the same blocks, each its heads
+    num_prompt = len(first.prompt_token_ids)
+    computed = [
+        len(o.prompt_token_ids) + len(o.outputs[0].token_ids) - 1 for o in (first, first_other)
+    ]
+    assert len(names[0]) == sum(n // 16 for n in computed)  # every full block of computed tokens
+    # Rank 2 loses the other prompt's second block: every rank loads one block of it.
+    other_ids = first_other.prompt_token_ids
+    second_block = writer.engine.connector.path(extend_block_hashes([], other_ids, 16)[1])
+    (folders[2] / second_block.relative_to(folders[0])).unlink()
+
+    reader = engine(
+        kv_connector="storage",
+        kv_storage_path=path,
+        tensor_parallel_size=3,
+        enable_prefix_caching=False,
+    )
+    try:
+        out = reader.generate(PROMPT, GREEDY)[0]
+        stats = reader.engine.stats().kv_transfer
+        out_other = reader.generate(other, GREEDY)[0]
+        stats_other = reader.engine.stats().kv_transfer
+        reader.engine.kv_manager.check_invariants()
+    finally:
+        reader.shutdown()
+    assert out.outputs[0].token_ids == reference["plain"]
+    loadable = (num_prompt - 1) // 16 * 16  # whole blocks, the last prompt token computed
+    assert stats.num_loaded_tokens == out.num_cached_tokens == loadable
+    assert stats.num_load_failures == 0
+    assert out_other.outputs[0].token_ids == solo_other.token_ids
+    assert out_other.num_cached_tokens == stats_other.num_loaded_tokens - loadable == 16
+    assert stats_other.num_load_failures == 1
+
+
 # -- p2p ----------------------------------------------------------------------------------------
 
 
@@ -198,7 +261,7 @@ def with_params(params: SamplingParams, kv: dict) -> SamplingParams:
 @pytest.mark.parametrize("kind", ["plain", "json"])
 def test_prefill_on_one_instance_decode_on_another(producer, consumer, reference, kind):
     kv = prefill(producer)
-    assert producer.engine.scheduler.held  # the blocks wait for the consumer
+    assert producer.engine.connector.held  # the blocks wait for the consumer
     before = consumer.engine.stats().kv_transfer
     params = with_params(GREEDY if kind == "plain" else JSON, kv)
     out = consumer.generate(PROMPT, params)[0]
@@ -209,7 +272,7 @@ def test_prefill_on_one_instance_decode_on_another(producer, consumer, reference
     assert out.num_cached_tokens == kv["remote_num_tokens"]
     # The producer freed its blocks once they were sent (seen at its next step).
     producer.generate("Hello", SamplingParams(max_tokens=1))
-    assert not producer.engine.scheduler.held
+    assert not producer.engine.connector.held
     for llm in (producer, consumer):
         llm.engine.kv_manager.check_invariants()
     consumer.engine.reset_prefix_cache()
@@ -253,7 +316,7 @@ def test_an_unfetched_prefill_is_freed_after_the_hold_timeout(reference):
     kv = prefill(producer)
     time.sleep(0.6)
     producer.generate("Hello", SamplingParams(max_tokens=1))  # a step notices the expiry
-    assert not producer.engine.scheduler.held
+    assert not producer.engine.connector.held
     assert producer.engine.kv_manager.usage() == 0
     # A consumer that comes late is told so and computes the prefill.
     late = p2p("consumer")
@@ -282,7 +345,7 @@ def test_waiting_for_kv_blocks_nobody_and_an_abort_frees_the_blocks_after_the_lo
     finished = {}
     while "fast" not in finished:
         finished.update((d.request_id, d.output) for d in core.step() if d.finished)
-    assert "slow" in core.scheduler.loading  # the other request finished meanwhile
+    assert "slow" in core.connector.loading  # the other request finished meanwhile
     assert silent.poll(30_000)  # its ask is there, unanswered
     identity, _ = silent.recv_multipart()
     core.abort_requests(["slow"])

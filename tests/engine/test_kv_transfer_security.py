@@ -23,7 +23,7 @@ from agentrt.engine.client.llm import LLM
 from agentrt.engine.core.block_hash import extend_block_hashes
 from agentrt.engine.errors import ConfigError, ErrorCode, InvalidRequestError
 from agentrt.engine.kv_transfer.auth import ParamsSigner, canonical, derive_key, mac
-from agentrt.engine.kv_transfer.p2p import curve_server_keys
+from agentrt.engine.kv_transfer.p2p_worker import curve_server_keys
 from agentrt.engine.kv_transfer.storage import KEY_FILE, storage_secret
 from agentrt.engine.sampling_params import SamplingParams
 
@@ -97,7 +97,7 @@ def decodes_remotely(consumer: LLM, solo: LLM, token_ids: list[int], kv: dict) -
 
 
 def held(producer: LLM) -> set[str]:
-    return set(producer.engine.scheduler.held)
+    return set(producer.engine.connector.held)
 
 
 # -- params from a client ---------------------------------------------------------------------
@@ -285,7 +285,7 @@ def test_malformed_and_oversized_messages_do_not_stop_the_server(producer, consu
         assert exchange(port, frames, timeout_ms=50, curve=None) is None
     # Larger than MAXMSGSIZE: ZMQ drops the peer, nothing is answered.
     assert exchange(port, [b"x" * (2 << 20)], timeout_ms=300) is None
-    assert producer.engine.connector._server.is_alive()
+    assert producer.engine.runner.connector._server.is_alive()
     assert kv["remote_request_id"] in held(producer)
     decodes_remotely(consumer, solo, token_ids, kv)
     again = prompt(8)
@@ -303,7 +303,7 @@ def test_a_flood_of_holds_pins_at_most_the_cap(model, consumer, solo):
     outputs = capped.generate([prompt(100 + seed) for seed in range(6)], REMOTE_DECODE)
     outputs += [capped.generate([prompt(106 + seed)], REMOTE_DECODE)[0] for seed in range(4)]
     core = capped.engine
-    num_held = sum(len(core.kv_manager.block_ids(r)) for r in core.scheduler.held)
+    num_held = sum(len(core.kv_manager.block_ids(r)) for r in core.connector.held)
     assert num_held == max_held
     kept = [o.kv_transfer_params for o in outputs if o.outputs[0].finish_reason != "error"]
     refused = [o for o in outputs if o.outputs[0].finish_reason == "error"]
