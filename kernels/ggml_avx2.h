@@ -1,5 +1,6 @@
 // AVX2 parts of ggml_quants.c, included by it where AGENTRT_ISA == 1: the decoders of the
-// chunked path, and the K-quant kernel with activations in blocks of 256. They use ggml_quants.c's definitions above the point of inclusion; not a
+// chunked path, the fused kernel of the legacy types and the K-quant kernel with activations
+// in blocks of 256. They use ggml_quants.c's definitions above the point of inclusion; not a
 // standalone header.
 
 #ifndef AGENTRT_GGML_AVX2_H
@@ -276,6 +277,72 @@ static void kquant_row(int qtype, const uint8_t *row, int64_t num_blocks, int by
     case 3: kquant_rows(qtype, row, num_blocks, bytes, act, k, t, 3, sums + t); break;
     case 2: kquant_rows(qtype, row, num_blocks, bytes, act, k, t, 2, sums + t); break;
     case 1: kquant_rows(qtype, row, num_blocks, bytes, act, k, t, 1, sums + t); break;
+    }
+}
+
+// ---- The legacy types on AVX2, fused ---------------------------------------------------------
+//
+// As ggml_avx512.h's: each block of 32 is decoded into one register and dotted with TT
+// activation rows directly, its fp16 scale times each row's block scale; no chunk. Q8_0 keeps
+// its signed bytes (|w| times a with w's sign: pmaddubsw's pair sums of u = q + 128 would
+// saturate), so it has no bias; the others add bias = min - OFFSET * scale times the row's
+// block sum.
+
+static inline __m256i legacy_u(int qtype, const uint8_t *b, int bytes) {
+    if (qtype == T_Q8_0) return _mm256_loadu_si256((const __m256i *)(b + 2)); // signed q
+    const int qs = bytes - 16; // after d (Q4_0), d m (Q4_1), d qh (Q5_0), d m qh (Q5_1)
+    const __m128i q = _mm_loadu_si128((const __m128i *)(b + qs)), low4 = _mm_set1_epi8(0x0f);
+    __m256i u = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), low4), _mm_and_si128(q, low4));
+    if (qtype == T_Q5_0 || qtype == T_Q5_1)
+        u = _mm256_or_si256(u, _mm256_and_si256(bytes_from_bits(b + qs - 4), _mm256_set1_epi8(16)));
+    return u;
+}
+
+static inline __attribute__((always_inline)) void legacy_rows(
+    int qtype, const BlockType *bt, const uint8_t *row, int64_t num_blocks, uint8_t *act,
+    int64_t kp, int64_t t0, const int TT, float *sums) {
+    const int bytes = bt->block_bytes, q8 = qtype == T_Q8_0;
+    const __m256i ones = _mm256_set1_epi16(1);
+    ActRow r[TT_MAX];
+    __m256 acc[TT_MAX];
+    float bias_acc[TT_MAX];
+    for (int tt = 0; tt < TT; tt++) {
+        r[tt] = act_row(act, kp, t0 + tt);
+        acc[tt] = _mm256_setzero_ps();
+        bias_acc[tt] = 0.0f;
+    }
+    for (int64_t i = 0; i < num_blocks; i++) {
+        const uint8_t *b = row + i * bytes;
+        const __m256i u = legacy_u(qtype, b, bytes);
+        const __m256i w = q8 ? _mm256_abs_epi8(u) : u;
+        const float d = f16_avx2(b);
+        const float bias = q8 ? 0.0f : bt->has_min ? f16_avx2(b + 2) : -(float)bt->offset * d;
+        for (int tt = 0; tt < TT; tt++) {
+            __m256i a = _mm256_loadu_si256((const __m256i *)(r[tt].q + 32 * i));
+            if (q8) a = _mm256_sign_epi8(a, u);
+            const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(w, a), ones);
+            acc[tt] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d * r[tt].d32[i]), acc[tt]);
+            bias_acc[tt] += bias * r[tt].s32[i];
+        }
+    }
+    for (int tt = 0; tt < TT; tt++) {
+        const __m256 v = acc[tt];
+        __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+        h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+        h = _mm_add_ss(h, _mm_movehdup_ps(h));
+        sums[tt] = _mm_cvtss_f32(h) + bias_acc[tt];
+    }
+}
+
+static void legacy_row(int qtype, const BlockType *bt, const uint8_t *row, int64_t num_blocks,
+                       uint8_t *act, int64_t kp, int64_t rows, float *sums) {
+    int64_t t = 0;
+    for (; t + TT_MAX <= rows; t += TT_MAX)
+        legacy_rows(qtype, bt, row, num_blocks, act, kp, t, TT_MAX, sums + t);
+    switch (rows - t) {
+    case 3: legacy_rows(qtype, bt, row, num_blocks, act, kp, t, 3, sums + t); break;
+    case 2: legacy_rows(qtype, bt, row, num_blocks, act, kp, t, 2, sums + t); break;
+    case 1: legacy_rows(qtype, bt, row, num_blocks, act, kp, t, 1, sums + t); break;
     }
 }
 

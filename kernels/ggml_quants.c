@@ -23,7 +23,8 @@
 // portable unpacking otherwise) and dotted with every activation row of the step, so a batch
 // of T rows reads each weight byte from memory once. On AVX-512 the legacy types (blocks of
 // 32 with one fp16 scale each) skip the chunk: pairs of blocks are decoded into registers and
-// dotted with 8 activation rows at a time (ggml_avx512.h). On AVX-512 and AVX2, Q4_K, Q5_K
+// dotted with 8 activation rows at a time (ggml_avx512.h; on AVX2 one block and 4 rows,
+// ggml_avx2.h). On AVX-512 and AVX2, Q4_K, Q5_K
 // and Q6_K take their activations in blocks of 256 instead (ggml's Q8_K), which lets a
 // block's group scales be applied in integers (ggml_avx512.h, ggml_avx2.h,
 // `ggml_act_block`). OpenMP threads split the output rows. Every step size runs here; a long
@@ -590,7 +591,7 @@ static inline int q8k_type(int qtype) {
 int ggml_act_block(int qtype) { return q8k_type(qtype) ? 256 : 32; }
 
 static inline int fused_legacy(int qtype) {
-    return AGENTRT_ISA == 2 && (qtype == T_Q4_0 || qtype == T_Q4_1 || qtype == T_Q5_0 ||
+    return AGENTRT_ISA >= 1 && (qtype == T_Q4_0 || qtype == T_Q4_1 || qtype == T_Q5_0 ||
                                 qtype == T_Q5_1 || qtype == T_Q8_0);
 }
 
@@ -653,13 +654,10 @@ int ggml_linear(const void *x, int x_bf16, int64_t rows, int64_t k, const uint8_
             for (int64_t nn = 0; nn < n_out; nn++) {
                 if (!acc || !sums) continue;
                 const uint8_t *row = w + nn * w_stride;
-#if AGENTRT_ISA == 2
+#if AGENTRT_ISA >= 1
                 if (fused_legacy(qtype)) {
                     legacy_row(qtype, &bt, row, row_blocks, at, kp, tr, sums);
-                } else
-#endif
-#if AGENTRT_ISA >= 1
-                if (q8k_type(qtype)) {
+                } else if (q8k_type(qtype)) {
                     kquant_row(qtype, row, row_blocks, bt.block_bytes, at, k, tr, sums);
                 } else
 #endif
