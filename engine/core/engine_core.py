@@ -64,6 +64,7 @@ class EngineCore:
         if core_request.grammar is not None:
             self.structured.start(request, core_request.grammar)
             request.status = RequestStatus.WAITING_FOR_GRAMMAR
+        self._transfer_kv()  # holds sent since the last step give their room back first
         self.scheduler.add_request(request)
 
     def abort_requests(self, req_ids: list[str]) -> list[str]:
