@@ -43,7 +43,8 @@ from agentrt.engine.worker.worker import build_runner
 class LLMEngine:
     """`model=None` runs the embedded SmolLM2-135M-Instruct; otherwise a local HF checkpoint
     directory or a .gguf file. Every option is validated on creation (`ConfigError`); `args`
-    holds them all, defaults included."""
+    holds them all, defaults included, and `config` what they resolved to, once
+    (`EngineArgs.create_engine_config`), which every component takes its part of."""
 
     def __init__(self, model: str | None = None, **options: Any) -> None:
         """`options` are the fields of `EngineArgs` (`dtype`, `max_num_seqs`, ...)."""
