@@ -23,6 +23,33 @@ static inline __m256i bytes_from_bits(const uint8_t *p) {
     return _mm256_cmpeq_epi8(_mm256_or_si256(x, others), _mm256_set1_epi64x(-1));
 }
 
+// Q4_K / Q5_K: u of elements 64j .. 64j + 31 (the low nibbles of qs[32j ..]) and 64j + 32 ..
+// 64j + 63 (the high ones); Q5_K adds bit 2j (2j + 1) of qh[l] as the fifth.
+static inline void q45k_u(int qtype, const uint8_t *b, int j, __m256i *ul, __m256i *uh) {
+    const uint8_t *qs = b + (qtype == T_Q4_K ? 16 : 48);
+    const __m256i low4 = _mm256_set1_epi8(0x0f), one = _mm256_set1_epi8(1);
+    const __m256i q = _mm256_loadu_si256((const __m256i *)(qs + 32 * j));
+    *ul = _mm256_and_si256(q, low4);
+    *uh = _mm256_and_si256(_mm256_srli_epi16(q, 4), low4);
+    if (qtype == T_Q5_K) {
+        const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 16));
+        const __m128i sl = _mm_cvtsi32_si128(2 * j), sh = _mm_cvtsi32_si128(2 * j + 1);
+        *ul = _mm256_or_si256(*ul, _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(qh, sl), one), 4));
+        *uh = _mm256_or_si256(*uh, _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(qh, sh), one), 4));
+    }
+}
+
+// Q6_K: u of elements 128h + 32k .. + 31: ql's nibbles (low for k = 0, 1, high for k = 2, 3;
+// bytes 32 (k & 1) on) | two bits of qh[32h + l] (bits 2k, 2k + 1) << 4.
+static inline __m256i q6k_u(const uint8_t *b, int h, int k) {
+    const __m256i low4 = _mm256_set1_epi8(0x0f), low2 = _mm256_set1_epi8(0x03);
+    const __m256i ql = _mm256_loadu_si256((const __m256i *)(b + 64 * h + 32 * (k & 1)));
+    const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h));
+    const __m256i lo = _mm256_and_si256(k & 2 ? _mm256_srli_epi16(ql, 4) : ql, low4);
+    const __m256i hi = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * k)), low2);
+    return _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));
+}
+
 // Legacy types (blocks of 32), one block per 32 bytes of u.
 static void decode_legacy_avx2(int qtype, const BlockType *bt, const uint8_t *blocks,
                                int num_blocks, int offset, Chunk *c) {
@@ -56,14 +83,7 @@ static void decode_legacy_avx2(int qtype, const BlockType *bt, const uint8_t *bl
 // Q4_K / Q5_K: one block (see decode_q45k_avx512).
 static void decode_q45k_avx2(int qtype, const uint8_t *b, Chunk *c) {
     uint32_t s[4];
-    memcpy(s, b + 4, 12);
-    const uint32_t m6 = 0x3f3f3f3fu, m4 = 0x0f0f0f0fu, m2 = 0x03030303u;
-    const uint32_t mins_hi = ((s[2] >> 4) & m4) | (((s[1] >> 6) & m2) << 4);
-    const uint32_t mins_lo = s[1] & m6;
-    s[1] = (s[2] & m4) | (((s[0] >> 6) & m2) << 4);
-    s[0] &= m6;
-    s[2] = mins_lo;
-    s[3] = mins_hi; // bytes 0..7: the 8 scales, 8..15: the 8 mins
+    k4_scales_mins(b, s); // bytes 0..7: the 8 scales (one per 32), 8..15: the 8 mins
     const __m128i raw = _mm_loadu_si128((const __m128i *)s);
     const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(raw));
     const __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(raw, 8)));
@@ -75,17 +95,9 @@ static void decode_q45k_avx2(int qtype, const uint8_t *b, Chunk *c) {
     const __m256 zero = _mm256_setzero_ps();
     _mm256_store_ps(c->bias, _mm256_sub_ps(zero, _mm256_mul_ps(dmin, _mm256_permutevar8x32_ps(mn, lo))));
     _mm256_store_ps(c->bias + 8, _mm256_sub_ps(zero, _mm256_mul_ps(dmin, _mm256_permutevar8x32_ps(mn, hi))));
-    const uint8_t *qs = b + (qtype == T_Q4_K ? 16 : 48);
-    const __m256i low4 = _mm256_set1_epi8(0x0f), one = _mm256_set1_epi8(1);
-    const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 16));
     for (int j = 0; j < 4; j++) {
-        const __m256i q = _mm256_loadu_si256((const __m256i *)(qs + 32 * j));
-        __m256i ul = _mm256_and_si256(q, low4), uh = _mm256_and_si256(_mm256_srli_epi16(q, 4), low4);
-        if (qtype == T_Q5_K) { // bit 2j of qh[l] for the low nibbles, 2j + 1 for the high
-            const __m128i sl = _mm_cvtsi32_si128(2 * j), sh = _mm_cvtsi32_si128(2 * j + 1);
-            ul = _mm256_or_si256(ul, _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(qh, sl), one), 4));
-            uh = _mm256_or_si256(uh, _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(qh, sh), one), 4));
-        }
+        __m256i ul, uh;
+        q45k_u(qtype, b, j, &ul, &uh);
         _mm256_store_si256((__m256i *)(c->u + 64 * j), ul);
         _mm256_store_si256((__m256i *)(c->u + 64 * j + 32), uh);
     }
@@ -101,19 +113,9 @@ static void decode_q6k_avx2(const uint8_t *b, Chunk *c) {
     _mm256_store_ps(c->scale + 8, s1);
     _mm256_store_ps(c->bias, _mm256_mul_ps(off, s0));
     _mm256_store_ps(c->bias + 8, _mm256_mul_ps(off, s1));
-    const __m256i low4 = _mm256_set1_epi8(0x0f), low2 = _mm256_set1_epi8(0x03);
-    for (int h = 0; h < 2; h++) {
-        const __m256i ql0 = _mm256_loadu_si256((const __m256i *)(b + 64 * h));
-        const __m256i ql1 = _mm256_loadu_si256((const __m256i *)(b + 64 * h + 32));
-        const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h));
-        for (int k = 0; k < 4; k++) {
-            const __m256i ql = k & 1 ? ql1 : ql0;
-            const __m256i lo = _mm256_and_si256(k & 2 ? _mm256_srli_epi16(ql, 4) : ql, low4);
-            const __m256i hi = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * k)), low2);
-            _mm256_store_si256((__m256i *)(c->u + 128 * h + 32 * k),
-                               _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)));
-        }
-    }
+    for (int h = 0; h < 2; h++)
+        for (int k = 0; k < 4; k++)
+            _mm256_store_si256((__m256i *)(c->u + 128 * h + 32 * k), q6k_u(b, h, k));
 }
 
 // ---- Q4_K, Q5_K and Q6_K with activations in blocks of 256 (ggml's Q8_K) ------------------
@@ -169,14 +171,7 @@ typedef struct {
 
 static inline void kblock_q45k(int qtype, const uint8_t *b, KBlock *kb) {
     uint32_t s[4];
-    memcpy(s, b + 4, 12);
-    const uint32_t m6 = 0x3f3f3f3fu, m4 = 0x0f0f0f0fu, m2 = 0x03030303u;
-    const uint32_t mins_hi = ((s[2] >> 4) & m4) | (((s[1] >> 6) & m2) << 4);
-    const uint32_t mins_lo = s[1] & m6;
-    s[1] = (s[2] & m4) | (((s[0] >> 6) & m2) << 4);
-    s[0] &= m6;
-    s[2] = mins_lo;
-    s[3] = mins_hi; // bytes 0..7: the 8 scales (one per 32), 8..15: the 8 mins
+    k4_scales_mins(b, s); // bytes 0..7: the 8 scales (one per 32), 8..15: the 8 mins
     const __m128i raw = _mm_loadu_si128((const __m128i *)s);
     const __m128i sc16 = _mm_cvtepu8_epi16(raw); // 8 int16 scales
     for (int j = 0; j < 8; j++) // every lane of sub-block j: scale j (bytes 2j, 2j + 1)
@@ -187,21 +182,7 @@ static inline void kblock_q45k(int qtype, const uint8_t *b, KBlock *kb) {
     kb->mins = _mm256_set_m128i(_mm_unpackhi_epi16(mn16, mn16), _mm_unpacklo_epi16(mn16, mn16));
     kb->d = f16_avx2(b);
     kb->dmin = f16_avx2(b + 2);
-    const uint8_t *qs = b + (qtype == T_Q4_K ? 16 : 48);
-    const __m256i low4 = _mm256_set1_epi8(0x0f), one = _mm256_set1_epi8(1);
-    const __m256i qh = qtype == T_Q5_K ? _mm256_loadu_si256((const __m256i *)(b + 16))
-                                       : _mm256_setzero_si256();
-    for (int j = 0; j < 4; j++) { // elements 64j.. low nibbles, 64j + 32.. high nibbles
-        const __m256i q = _mm256_loadu_si256((const __m256i *)(qs + 32 * j));
-        __m256i ul = _mm256_and_si256(q, low4), uh = _mm256_and_si256(_mm256_srli_epi16(q, 4), low4);
-        if (qtype == T_Q5_K) { // bit 2j of qh[l] for the low nibbles, 2j + 1 for the high
-            const __m128i sl = _mm_cvtsi32_si128(2 * j), sh = _mm_cvtsi32_si128(2 * j + 1);
-            ul = _mm256_or_si256(ul, _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(qh, sl), one), 4));
-            uh = _mm256_or_si256(uh, _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(qh, sh), one), 4));
-        }
-        kb->u[2 * j] = ul;
-        kb->u[2 * j + 1] = uh;
-    }
+    for (int j = 0; j < 4; j++) q45k_u(qtype, b, j, &kb->u[2 * j], &kb->u[2 * j + 1]);
 }
 
 static inline void kblock_q6k(const uint8_t *b, KBlock *kb) {
@@ -216,18 +197,8 @@ static inline void kblock_q6k(const uint8_t *b, KBlock *kb) {
     }
     kb->mins = _mm256_slli_epi16(sc, 5); // OFFSET 32 times the scale
     kb->d = kb->dmin = f16_avx2(b + 208);
-    const __m256i low4 = _mm256_set1_epi8(0x0f), low2 = _mm256_set1_epi8(0x03);
-    for (int h = 0; h < 2; h++) { // see decode_q6k_avx2
-        const __m256i ql0 = _mm256_loadu_si256((const __m256i *)(b + 64 * h));
-        const __m256i ql1 = _mm256_loadu_si256((const __m256i *)(b + 64 * h + 32));
-        const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h));
-        for (int k = 0; k < 4; k++) {
-            const __m256i ql = k & 1 ? ql1 : ql0;
-            const __m256i l4 = _mm256_and_si256(k & 2 ? _mm256_srli_epi16(ql, 4) : ql, low4);
-            const __m256i h2 = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * k)), low2);
-            kb->u[4 * h + k] = _mm256_or_si256(l4, _mm256_slli_epi16(h2, 4));
-        }
-    }
+    for (int h = 0; h < 2; h++)
+        for (int k = 0; k < 4; k++) kb->u[4 * h + k] = q6k_u(b, h, k);
 }
 
 #define TT_MAX 4 // activation rows a pass: their sums stay in registers

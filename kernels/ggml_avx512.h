@@ -75,14 +75,7 @@ static void decode_legacy_avx512(int qtype, const BlockType *bt, const uint8_t *
 // Q4_K / Q5_K: one block. The 12 bytes of 6-bit (scale, min) pairs -> 8 scales, 8 mins.
 static void decode_q45k_avx512(int qtype, const uint8_t *b, Chunk *c) {
     uint32_t s[4];
-    memcpy(s, b + 4, 12);
-    const uint32_t m6 = 0x3f3f3f3fu, m4 = 0x0f0f0f0fu, m2 = 0x03030303u;
-    const uint32_t mins_hi = ((s[2] >> 4) & m4) | (((s[1] >> 6) & m2) << 4);
-    const uint32_t mins_lo = s[1] & m6;
-    s[1] = (s[2] & m4) | (((s[0] >> 6) & m2) << 4);
-    s[0] &= m6;
-    s[2] = mins_lo;
-    s[3] = mins_hi; // bytes 0..7: the 8 scales, 8..15: the 8 mins
+    k4_scales_mins(b, s); // bytes 0..7: the 8 scales (one per 32), 8..15: the 8 mins
     const __m512 both = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)s)));
     const __m512 d = _mm512_set1_ps(fp16_to_f32(b)), dmin = _mm512_set1_ps(fp16_to_f32(b + 2));
     const __m512 dup_lo = _mm512_permutexvar_ps(
@@ -320,14 +313,7 @@ typedef struct {
 
 static inline void kblock_q45k(int qtype, const uint8_t *b, KBlock *kb) {
     uint32_t s[4];
-    memcpy(s, b + 4, 12);
-    const uint32_t m6 = 0x3f3f3f3fu, m4 = 0x0f0f0f0fu, m2 = 0x03030303u;
-    const uint32_t mins_hi = ((s[2] >> 4) & m4) | (((s[1] >> 6) & m2) << 4);
-    const uint32_t mins_lo = s[1] & m6;
-    s[1] = (s[2] & m4) | (((s[0] >> 6) & m2) << 4);
-    s[0] &= m6;
-    s[2] = mins_lo;
-    s[3] = mins_hi; // bytes 0..7: the 8 scales (one per 32), 8..15: the 8 mins
+    k4_scales_mins(b, s); // bytes 0..7: the 8 scales (one per 32), 8..15: the 8 mins
     const __m512i both = _mm512_castsi256_si512(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)s)));
     for (int k = 0; k < 4; k++) // lanes 0..15: sub-block 2k, 16..31: 2k + 1
         kb->scale[k] = _mm512_permutexvar_epi16(

@@ -402,6 +402,19 @@ static void decode_generic(int qtype, const BlockType *bt, const uint8_t *blocks
     }
 }
 
+// Q4_K / Q5_K on the SIMD builds: the block's 12 bytes of 6-bit (scale, min) pairs (see
+// k4_scale_min) -> s, bytes 0..7 the 8 scales, 8..15 the 8 mins, ggml's bit shuffle.
+static inline void k4_scales_mins(const uint8_t *b, uint32_t s[4]) {
+    memcpy(s, b + 4, 12);
+    const uint32_t m6 = 0x3f3f3f3fu, m4 = 0x0f0f0f0fu, m2 = 0x03030303u;
+    const uint32_t mins_hi = ((s[2] >> 4) & m4) | (((s[1] >> 6) & m2) << 4);
+    const uint32_t mins_lo = s[1] & m6;
+    s[1] = (s[2] & m4) | (((s[0] >> 6) & m2) << 4);
+    s[0] &= m6;
+    s[2] = mins_lo;
+    s[3] = mins_hi;
+}
+
 // A row of activations in blocks of 256 (ggml's Q8_K), for the K-quant kernels of the SIMD
 // builds: q int8 (k), d (k / 256 floats), and per 16 elements the sum of q (int16), each
 // part 64-byte aligned.
