@@ -25,7 +25,8 @@ from agentrt.engine.records import (
 )
 from agentrt.engine.spec_decode.manager import SpecDecodeManager
 from agentrt.engine.spec_decode.rejection_sampler import rejection_sample
-from agentrt.engine.worker.sampler import Sampler, SamplerOutput, SamplingMetadata
+from agentrt.engine.worker.sampler import Sampler, SamplerOutput
+from agentrt.engine.worker.sampling_metadata import SamplingMetadata
 from agentrt.kernels import apply_token_bitmask
 
 
