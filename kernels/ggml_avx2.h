@@ -52,7 +52,7 @@ static inline __m256i q6k_u(const uint8_t *b, int h, int k) {
 
 // Legacy types (blocks of 32), one block per 32 bytes of u.
 static void decode_legacy_avx2(int qtype, const BlockType *bt, const uint8_t *blocks,
-                               int num_blocks, int offset, Chunk *c) {
+                               int num_blocks, Chunk *c) {
     const int bytes = bt->block_bytes, qs = bytes - 16;
     const __m128i low4 = _mm_set1_epi8(0x0f);
     for (int i = 0; i < 8; i++) {
@@ -76,7 +76,7 @@ static void decode_legacy_avx2(int qtype, const BlockType *bt, const uint8_t *bl
         }
         _mm256_store_si256((__m256i *)(c->u + 32 * i), u);
         c->scale[2 * i] = c->scale[2 * i + 1] = d;
-        c->bias[2 * i] = c->bias[2 * i + 1] = m - (float)offset * d;
+        c->bias[2 * i] = c->bias[2 * i + 1] = m - (float)bt->offset * d;
     }
 }
 

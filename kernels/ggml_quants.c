@@ -390,11 +390,11 @@ typedef struct {
 
 // Any type: the portable unpacking, `num_blocks` blocks from `blocks`.
 static void decode_generic(int qtype, const BlockType *bt, const uint8_t *blocks, int num_blocks,
-                           int offset, Chunk *c) {
+                           Chunk *c) {
     float min[CHUNK_GROUPS] = {0};
     const int elems = num_blocks * bt->block_elems, groups = elems / GROUP;
     unpack_row(qtype, bt, blocks, num_blocks, c->u, c->scale, min);
-    for (int g = 0; g < groups; g++) c->bias[g] = min[g] - (float)offset * c->scale[g];
+    for (int g = 0; g < groups; g++) c->bias[g] = min[g] - (float)bt->offset * c->scale[g];
     if (elems < CHUNK_ELEMS) {
         memset(c->u + elems, 0, CHUNK_ELEMS - elems);
         memset(c->scale + groups, 0, (CHUNK_GROUPS - groups) * sizeof(float));
@@ -430,7 +430,7 @@ static inline int64_t act8k_bytes(int64_t kp) {
 
 // `num_blocks` blocks from `blocks` (one K-quant block, or up to 8 legacy ones) -> c.
 static inline void decode_chunk(int qtype, const BlockType *bt, const uint8_t *blocks,
-                                int num_blocks, int offset, Chunk *c) {
+                                int num_blocks, Chunk *c) {
 #if AGENTRT_ISA == 2
     switch (qtype) {
     case T_Q4_0:
@@ -451,13 +451,13 @@ static inline void decode_chunk(int qtype, const BlockType *bt, const uint8_t *b
     case T_Q4_1:
     case T_Q5_0:
     case T_Q5_1:
-    case T_Q8_0: decode_legacy_avx2(qtype, bt, blocks, num_blocks, offset, c); return;
+    case T_Q8_0: decode_legacy_avx2(qtype, bt, blocks, num_blocks, c); return;
     case T_Q4_K:
     case T_Q5_K: decode_q45k_avx2(qtype, blocks, c); return;
     case T_Q6_K: decode_q6k_avx2(blocks, c); return;
     }
 #endif
-    decode_generic(qtype, bt, blocks, num_blocks, offset, c);
+    decode_generic(qtype, bt, blocks, num_blocks, c);
 }
 
 // w (N rows, `w_stride` bytes apart, K elements each) -> out (N, K) rows `out_stride`
@@ -476,7 +476,7 @@ int ggml_dequantize_tile(const uint8_t *w, int64_t w_stride, int qtype, int64_t 
         for (int64_t b0 = 0; b0 < row_blocks; b0 += blocks_per_chunk) {
             const int nb = row_blocks - b0 < blocks_per_chunk ? (int)(row_blocks - b0)
                                                               : blocks_per_chunk;
-            decode_chunk(qtype, &bt, w + n * w_stride + b0 * bt.block_bytes, nb, bt.offset, &c);
+            decode_chunk(qtype, &bt, w + n * w_stride + b0 * bt.block_bytes, nb, &c);
             const int64_t e0 = b0 * bt.block_elems, groups = nb * bt.block_elems / GROUP;
             for (int64_t g = 0; g < groups; g++) {
                 float v[GROUP];
@@ -518,8 +518,7 @@ static inline float acc_sum(Acc a) { return _mm512_reduce_add_ps(a); }
 // vpdpbusd sums 4 products (u unsigned, a signed) per int32 lane: lanes 4g..4g+3 of each 64
 // hold group g, scaled in fp32 by its scale * da.
 static inline Acc dot_chunk(const Chunk *c, const int8_t *a, const float *da, const float *fsum,
-                            Acc acc, int wide) {
-    (void)wide;
+                            Acc acc) {
     const __m512 s = _mm512_mul_ps(_mm512_load_ps(c->scale), _mm512_loadu_ps(da));
     const __m512i four = _mm512_set1_epi32(4);
     __m512i idx = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
@@ -546,12 +545,11 @@ static inline float acc_sum(Acc v) {
 }
 
 // pmaddubsw (pairs, int16) then pmaddwd by ones: int32 lanes of 4 products, lanes 4g..4g+3
-// of each 32 holding group g. `wide` (Q8_0, u up to 255): pmaddubsw's int16 pair sums would
-// saturate, so it multiplies signed w = u - 128 (|w| times a with w's sign) and the bias
-// counts OFFSET - 128.
+// of each 32 holding group g. Only Q2_K and Q3_K come here (u < 8: no saturation); the other
+// types run fused (ggml_avx2.h).
 static inline Acc dot_chunk(const Chunk *c, const int8_t *a, const float *da, const float *fsum,
-                            Acc acc, int wide) {
-    const __m256i ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8((char)0x80);
+                            Acc acc) {
+    const __m256i ones = _mm256_set1_epi16(1);
     const __m256i two = _mm256_set1_epi32(2);
     __m256 part[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
     for (int h = 0; h < 2; h++) {
@@ -559,13 +557,8 @@ static inline Acc dot_chunk(const Chunk *c, const int8_t *a, const float *da, co
         part[h] = _mm256_fmadd_ps(_mm256_load_ps(c->bias + 8 * h), _mm256_loadu_ps(fsum + 8 * h), part[h]);
         __m256i idx = _mm256_set_epi32(1, 1, 1, 1, 0, 0, 0, 0);
         for (int k = 0; k < 4; k++) {
-            __m256i w = _mm256_load_si256((const __m256i *)(c->u + 128 * h + 32 * k));
-            __m256i x = _mm256_loadu_si256((const __m256i *)(a + 128 * h + 32 * k));
-            if (wide) {
-                w = _mm256_xor_si256(w, flip);
-                x = _mm256_sign_epi8(x, w);
-                w = _mm256_abs_epi8(w);
-            }
+            const __m256i w = _mm256_load_si256((const __m256i *)(c->u + 128 * h + 32 * k));
+            const __m256i x = _mm256_loadu_si256((const __m256i *)(a + 128 * h + 32 * k));
             const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), ones);
             part[k & 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_permutevar8x32_ps(s, idx),
                                           part[k & 1]);
@@ -580,8 +573,7 @@ static inline Acc acc_zero(void) { return 0.0f; }
 static inline float acc_sum(Acc a) { return a; }
 
 static inline Acc dot_chunk(const Chunk *c, const int8_t *a, const float *da, const float *fsum,
-                            Acc acc, int wide) {
-    (void)wide;
+                            Acc acc) {
     for (int g = 0; g < CHUNK_GROUPS; g++) {
         int32_t isum = 0;
         for (int i = 0; i < GROUP; i++) isum += (int32_t)c->u[g * GROUP + i] * a[g * GROUP + i];
@@ -590,9 +582,6 @@ static inline Acc dot_chunk(const Chunk *c, const int8_t *a, const float *da, co
     return acc;
 }
 #endif
-
-// Whether this build's dot multiplies u - 128 (see above): Q8_0 on AVX2.
-static inline int signed_wide(int qtype) { return AGENTRT_ISA == 1 && qtype == T_Q8_0; }
 
 // Whether this build runs the type with activations in blocks of 256 (ggml_avx512.h,
 // ggml_avx2.h).
@@ -628,8 +617,6 @@ int ggml_linear(const void *x, int x_bf16, int64_t rows, int64_t k, const uint8_
     uint8_t *act = aligned_alloc(64, (size_t)(rows * act_bytes));
     if (!act) return -2;
     const int64_t tile = ACT_TILE_BYTES / act_bytes < 8 ? 8 : ACT_TILE_BYTES / act_bytes / 8 * 8;
-    const int wide = signed_wide(qtype);
-    const int offset = bt.offset - (wide ? 128 : 0);
     const int blocks_per_chunk = CHUNK_ELEMS / bt.block_elems;
     const int64_t row_blocks = k / bt.block_elems;
     int failed = 0;
@@ -679,12 +666,12 @@ int ggml_linear(const void *x, int x_bf16, int64_t rows, int64_t k, const uint8_
                     for (int64_t b0 = 0; b0 < row_blocks; b0 += blocks_per_chunk) {
                         const int nb = row_blocks - b0 < blocks_per_chunk ? (int)(row_blocks - b0)
                                                                           : blocks_per_chunk;
-                        decode_chunk(qtype, &bt, row + b0 * bt.block_bytes, nb, offset, &chunk);
+                        decode_chunk(qtype, &bt, row + b0 * bt.block_bytes, nb, &chunk);
                         const int64_t e0 = b0 * bt.block_elems, g0 = e0 / GROUP;
                         for (int64_t t = 0; t < tr; t++) {
                             const ActRow r = act_row(at, kp, t);
                             acc[t] =
-                                dot_chunk(&chunk, r.q + e0, r.d16 + g0, r.s16 + g0, acc[t], wide);
+                                dot_chunk(&chunk, r.q + e0, r.d16 + g0, r.s16 + g0, acc[t]);
                         }
                     }
                     for (int64_t t = 0; t < tr; t++) sums[t] = acc_sum(acc[t]);
