@@ -10,16 +10,23 @@ from agentrt.engine.args import EngineArgs
 from agentrt.server.response_store import MAX_AGE_S, MAX_BYTES, MAX_RESPONSES
 
 
-def add_serve_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--served-model-name", default=None, help="the model id clients send")
+def add_listen_args(parser: argparse.ArgumentParser, api_key_checked: str = "") -> None:
+    """--host, --port and --api-key of an HTTP front (`agentrt serve`, `agentrt proxy`):
+    loopback and open unless told otherwise. `api_key_checked`: when the key is checked, if
+    that needs saying."""
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback)")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument(
         "--api-key",
         default=os.environ.get("AGENTRT_API_KEY"),
-        help="require 'Authorization: Bearer KEY' on every route but /health "
+        help=f"require 'Authorization: Bearer KEY' on every route but /health{api_key_checked} "
         "(default: $AGENTRT_API_KEY; none = open)",
     )
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--served-model-name", default=None, help="the model id clients send")
+    add_listen_args(parser)
     parser.add_argument("--max-request-bytes", type=int, default=8 * 2**20, help="else 413")
     parser.add_argument(
         "--drain-timeout", type=float, default=30.0, help="seconds SIGTERM waits for requests"

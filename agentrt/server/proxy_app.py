@@ -10,10 +10,10 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from agentrt.server.cli import add_listen_args
 from agentrt.server.proxy import DECODE_TIMEOUT_S, PREFILL_TIMEOUT_S, DisaggProxy, decode_body
 
 if TYPE_CHECKING:
@@ -134,14 +134,7 @@ def add_proxy_args(parser: argparse.ArgumentParser) -> None:
         metavar="URL",
         help="a decode instance (repeat for several: round-robin)",
     )
-    parser.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback)")
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument(
-        "--api-key",
-        default=os.environ.get("AGENTRT_API_KEY"),
-        help="require 'Authorization: Bearer KEY' on every route but /health, checked before "
-        "anything is forwarded (default: $AGENTRT_API_KEY; none = open)",
-    )
+    add_listen_args(parser, ", checked before anything is forwarded")
     parser.add_argument("--max-request-bytes", type=int, default=MAX_REQUEST_BYTES, help="else 413")
     parser.add_argument(
         "--prefill-timeout",
