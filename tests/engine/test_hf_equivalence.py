@@ -9,7 +9,7 @@ import torch
 
 from agentrt.engine.client.llm import LLM
 from agentrt.engine.sampling_params import SamplingParams
-from tests.engine.conftest import hf_greedy
+from tests.engine.conftest import hf_greedy_batch
 
 PROMPTS = [
     "The history of Rome",
@@ -35,7 +35,7 @@ SHORT_GREEDY = SamplingParams(temperature=0.0, max_tokens=SHORT_TOKENS, ignore_e
 @pytest.fixture(scope="module")
 def hf_reference(smollm2_llm, hf_smollm2) -> list[list[int]]:
     tokenizer = smollm2_llm.tokenizer
-    return [hf_greedy(hf_smollm2, tokenizer.encode(p), NUM_TOKENS) for p in PROMPTS]
+    return hf_greedy_batch(hf_smollm2, [tokenizer.encode(p) for p in PROMPTS], NUM_TOKENS)
 
 
 def _token_ids(outputs) -> list[list[int]]:
@@ -102,7 +102,7 @@ def test_tiny_models_equal_hf(tiny_checkpoint, arch, engine):
     llm = LLM(str(path), dtype="float32", **(engine_args | TINY_ENGINES[engine]))
     prompts = [llm.tokenizer.encode(p) for p in PROMPTS]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    expected = [hf_greedy(hf, ids, 24) for ids in prompts]
+    expected = hf_greedy_batch(hf, prompts, 24)
     assert _token_ids(llm.generate(prompts, params)) == expected
     assert _token_ids(llm.generate(prompts[0], params)) == expected[:1]
     if engine == "preemption":
