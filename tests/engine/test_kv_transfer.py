@@ -49,10 +49,16 @@ def engine(**options) -> LLM:
 
 
 @pytest.fixture(scope="module")
-def reference() -> dict[str, list[int]]:
+def solo() -> LLM:
+    """One instance without a connector nor a prefix cache: what each prompt gives computed
+    alone (tests only generate on it, so it stays as built)."""
+    return engine(enable_prefix_caching=False)
+
+
+@pytest.fixture(scope="module")
+def reference(solo: LLM) -> dict[str, list[int]]:
     """What one instance without a connector generates."""
-    llm = engine(enable_prefix_caching=False)
-    plain, constrained = llm.generate([PROMPT, PROMPT], [GREEDY, JSON])
+    plain, constrained = solo.generate([PROMPT, PROMPT], [GREEDY, JSON])
     return {"plain": plain.outputs[0].token_ids, "json": constrained.outputs[0].token_ids}
 
 
@@ -126,7 +132,7 @@ def test_a_second_process_reuses_the_stored_prefix(tmp_path, reference):
     assert result["failures"] == 0
 
 
-def test_a_session_turn_loads_its_history_and_json_stays_exact(tmp_path, reference):
+def test_a_session_turn_loads_its_history_and_json_stays_exact(tmp_path, solo, reference):
     path = str(tmp_path)
     first = engine(kv_connector="storage", kv_storage_path=path)
     turn1 = first.generate(PROMPT, JSON)[0]
@@ -139,8 +145,8 @@ def test_a_session_turn_loads_its_history_and_json_stays_exact(tmp_path, referen
     second = engine(kv_connector="storage", kv_storage_path=path, enable_prefix_caching=False)
     follow_up = history + second.engine.tokenizer.encode(" Now the same for Paris:")
     out = second.generate(follow_up, JSON)[0]
-    solo = engine(enable_prefix_caching=False).generate(follow_up, JSON)[0]
-    assert out.outputs[0].token_ids == solo.outputs[0].token_ids
+    alone = solo.generate(follow_up, JSON)[0]
+    assert out.outputs[0].token_ids == alone.outputs[0].token_ids
     assert out.num_cached_tokens == (len(history) - 1) // 16 * 16
     second.engine.kv_manager.check_invariants()
 
@@ -176,12 +182,12 @@ def test_a_damaged_block_is_detected_and_computed_again(tmp_path, reference, dam
 
 
 @pytest.mark.slow
-def test_tensor_parallel_ranks_store_and_load_their_own_heads(tmp_path, reference):
+def test_tensor_parallel_ranks_store_and_load_their_own_heads(tmp_path, solo, reference):
     """Three ranks (one of the embedded model's three KV heads each): every rank stores its
     heads in its own folder; a new engine loads the prefix on every rank and decodes one
     unsharded instance's tokens; a block missing on one rank makes every rank load less."""
     other = "A short note on Paris, the capital of France, and its river, the Seine. " * 3
-    solo_other = engine(enable_prefix_caching=False).generate(other, GREEDY)[0].outputs[0]
+    solo_other = solo.generate(other, GREEDY)[0].outputs[0]
     path = str(tmp_path)
     writer = engine(kv_connector="storage", kv_storage_path=path, tensor_parallel_size=3)
     try:
@@ -212,20 +218,20 @@ def test_tensor_parallel_ranks_store_and_load_their_own_heads(tmp_path, referenc
         enable_prefix_caching=False,
     )
     try:
-        out = reader.generate(PROMPT, GREEDY)[0]
+        # Both prompts in one batch (half the decode steps of three ranks on two cores): each
+        # request's cached tokens say which one loaded what.
+        out, out_other = reader.generate([PROMPT, other], GREEDY)
         stats = reader.engine.stats().kv_transfer
-        out_other = reader.generate(other, GREEDY)[0]
-        stats_other = reader.engine.stats().kv_transfer
         reader.engine.kv_manager.check_invariants()
     finally:
         reader.shutdown()
     assert out.outputs[0].token_ids == reference["plain"]
     loadable = (num_prompt - 1) // 16 * 16  # whole blocks, the last prompt token computed
-    assert stats.num_loaded_tokens == out.num_cached_tokens == loadable
-    assert stats.num_load_failures == 0
+    assert out.num_cached_tokens == loadable
     assert out_other.outputs[0].token_ids == solo_other.token_ids
-    assert out_other.num_cached_tokens == stats_other.num_loaded_tokens - loadable == 16
-    assert stats_other.num_load_failures == 1
+    assert out_other.num_cached_tokens == 16
+    assert stats.num_loaded_tokens == loadable + 16
+    assert stats.num_load_failures == 1
 
 
 # -- p2p ----------------------------------------------------------------------------------------
@@ -298,13 +304,13 @@ def test_a_dead_producer_means_a_local_prefill(consumer, reference):
     consumer.engine.reset_prefix_cache()
 
 
-def test_params_of_another_prompt_are_refused(producer, consumer):
+def test_params_of_another_prompt_are_refused(producer, consumer, solo):
     kv = prefill(producer, "A different prompt, long enough to fill a block or two of KV. " * 2)
     other = "An unrelated question that is also long enough for a block or two. " * 2
     before = consumer.engine.stats().kv_transfer
-    solo = engine(enable_prefix_caching=False).generate(other, GREEDY)[0]
+    alone = solo.generate(other, GREEDY)[0]
     out = consumer.generate(other, with_params(GREEDY, kv))[0]
-    assert out.outputs[0].token_ids == solo.outputs[0].token_ids
+    assert out.outputs[0].token_ids == alone.outputs[0].token_ids
     stats = consumer.engine.stats().kv_transfer
     assert stats.num_load_failures == before.num_load_failures + 1
     assert stats.num_loaded_tokens == before.num_loaded_tokens
