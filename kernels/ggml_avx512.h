@@ -271,6 +271,77 @@ static void legacy_row(int qtype, const BlockType *bt, const uint8_t *row, int64
 }
 
 
+// ---- Q4_0, Q4_1 and Q8_0 interleaved by 16 rows ---------------------------------------------
+//
+// ggml_linear.py's `interleave` lays 16 weight rows out block by block (its docstring has the
+// layout): the 16 rows' d (fp16), their m (Q4_1), then the block's quants by 4-element
+// column, each column one 64-byte register whose lane r is row r's 4 values (Q4_0 / Q4_1: a
+// byte holds column c's element in its low nibble and column c + 4's in its high one; Q8_0:
+// u = q + 128). One vpdpbusd per column against the activation's 4 bytes of that column,
+// broadcast, sums each row's products in its own lane: the 16 rows' scales are one vector, no
+// sum across lanes is left at the end, and the decoded block serves X16_TT activation rows.
+
+#define X16_TT 4 // activation rows a pass over a group's blocks
+
+static inline __attribute__((always_inline)) void x16_rows(int qtype, const uint8_t *group,
+                                                           int64_t num_blocks, const uint8_t *act,
+                                                           int64_t kp, const int TT, float *sums) {
+    const int q8 = qtype == T_Q8_0, has_min = qtype == T_Q4_1;
+    const int64_t block = 16 * (q8 ? 34 : has_min ? 20 : 18);
+    const __m512 offset = _mm512_set1_ps(q8 ? -128.0f : -8.0f);
+    // Row tt's q, d32 and s32 at fixed offsets from its base (see act_row).
+    const int64_t stride = act_row_bytes(kp), d32_at = kp + kp / 2;
+    const int64_t s32_at = kp + 4 * (kp / 8 + kp / 32);
+    const __m512i low = _mm512_set1_epi8(0x0f);
+    __m512 acc[X16_TT];
+    for (int tt = 0; tt < TT; tt++) acc[tt] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < num_blocks; b++) {
+        const uint8_t *p = group + b * block;
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+        const __m512 bias = has_min ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 32)))
+                                    : _mm512_mul_ps(d, offset);
+        const uint8_t *qs = p + (has_min ? 64 : 32);
+        __m512i u[8];
+        if (q8) {
+            for (int c = 0; c < 8; c++) u[c] = _mm512_loadu_si512(qs + 64 * c);
+        } else {
+            for (int c = 0; c < 4; c++) {
+                const __m512i v = _mm512_loadu_si512(qs + 64 * c);
+                u[c] = _mm512_and_si512(v, low);
+                u[c + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+            }
+        }
+        for (int tt = 0; tt < TT; tt++) {
+            const uint8_t *a = act + tt * stride;
+            const int32_t *q = (const int32_t *)(a + 32 * b);
+            __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+            for (int c = 0; c < 8; c += 2) {
+                s0 = _mm512_dpbusd_epi32(s0, u[c], _mm512_set1_epi32(q[c]));
+                s1 = _mm512_dpbusd_epi32(s1, u[c + 1], _mm512_set1_epi32(q[c + 1]));
+            }
+            const float da = ((const float *)(a + d32_at))[b], sa = ((const float *)(a + s32_at))[b];
+            const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));
+            acc[tt] = _mm512_fmadd_ps(d, _mm512_mul_ps(dot, _mm512_set1_ps(da)), acc[tt]);
+            acc[tt] = _mm512_fmadd_ps(bias, _mm512_set1_ps(sa), acc[tt]);
+        }
+    }
+    for (int tt = 0; tt < TT; tt++) _mm512_storeu_ps(sums + 16 * tt, acc[tt]);
+}
+
+// The 16 rows of `group` for `rows` activation rows from `act` -> sums (rows x 16).
+static void x16_group(int qtype, const uint8_t *group, int64_t num_blocks, const uint8_t *act,
+                      int64_t kp, int64_t rows, float *sums) {
+    const int64_t stride = act_row_bytes(kp);
+    int64_t t = 0;
+    for (; t + X16_TT <= rows; t += X16_TT)
+        x16_rows(qtype, group, num_blocks, act + t * stride, kp, X16_TT, sums + 16 * t);
+    switch (rows - t) {
+    case 3: x16_rows(qtype, group, num_blocks, act + t * stride, kp, 3, sums + 16 * t); break;
+    case 2: x16_rows(qtype, group, num_blocks, act + t * stride, kp, 2, sums + 16 * t); break;
+    case 1: x16_rows(qtype, group, num_blocks, act + t * stride, kp, 1, sums + 16 * t); break;
+    }
+}
+
 // ---- Q4_K, Q5_K and Q6_K with activations in blocks of 256 (ggml's Q8_K) ------------------
 //
 // One activation scale per 256 lets a K-quant block's integer sums be scaled in integers:

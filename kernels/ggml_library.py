@@ -102,7 +102,7 @@ class GGMLKernels:
         lib = ctypes.CDLL(str(path))  # CDLL releases the GIL during calls
         ptr, i64, cint = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
         lib.ggml_linear.argtypes = [ptr, cint, i64, i64, ptr, i64, cint, i64, ptr, i64]
-        lib.ggml_linear.argtypes += [cint, cint]
+        lib.ggml_linear.argtypes += [cint, cint, cint]
         lib.ggml_dequantize.argtypes = [ptr, i64, cint, i64, i64, ptr, i64, cint]
         lib.ggml_dequantize_tile.argtypes = [ptr, i64, cint, i64, i64, ptr, i64, cint, cint]
         for fn in (lib.ggml_linear, lib.ggml_dequantize, lib.ggml_dequantize_tile, lib.ggml_isa):
@@ -113,6 +113,11 @@ class GGMLKernels:
         lib.ggml_act_block.argtypes = [cint]
         lib.ggml_act_block.restype = cint
         self._act_block = lib.ggml_act_block
+        lib.ggml_interleave.argtypes = [ptr, i64, cint, i64, i64, ptr, cint]
+        lib.ggml_interleave.restype = cint
+        lib.ggml_interleaves.argtypes = [cint]
+        lib.ggml_interleaves.restype = cint
+        self._interleaves = lib.ggml_interleaves
         built = ["scalar", "avx2", "avx512"][lib.ggml_isa()]
         if built != isa:
             raise KernelBuildError(f"{path} was built for {built}, not {isa}.")
@@ -122,6 +127,27 @@ class GGMLKernels:
         """The block (32 or 256 elements) this build quantizes activations to for the type:
         each block's x is rounded to int8 with one scale d = max|x| / 127."""
         return self._act_block(int(qtype))
+
+    def interleaves(self, qtype: int) -> bool:
+        """Whether this build runs the type faster interleaved (ggml_linear.interleave)."""
+        return bool(self._interleaves(int(qtype)))
+
+    def interleave(self, weight: GGMLWeight, out: torch.Tensor) -> None:
+        """out uint8 (N / 16, 16 * row_bytes), contiguous = the weight interleaved by 16 rows
+        (ggml_linear.interleave has the layout); the caller checked type and shape."""
+        data = weight.data
+        assert out.is_contiguous() and out.numel() == data.shape[0] * data.shape[1]
+        rc = self._lib.ggml_interleave(
+            data.data_ptr(),
+            data.stride(0),
+            int(weight.qtype),
+            weight.out_features,
+            weight.in_features,
+            out.data_ptr(),
+            torch.get_num_threads(),
+        )
+        if rc:
+            raise KernelInputError(f"ggml_interleave: {_type_name(weight.qtype)} refused")
 
     def linear(self, x: torch.Tensor, weight: GGMLWeight, out: torch.Tensor) -> None:
         """out (T, N) (fp32 or bf16, row stride >= N) = x (T, K) @ W.T; the caller has
@@ -143,6 +169,7 @@ class GGMLKernels:
                 out.stride(0),
                 out.dtype is bf16,
                 torch.get_num_threads(),
+                weight.interleaved,
             ),
         )
         rc = self._linear_packed(args.buffer_info()[0])  # `args` lives through the call

@@ -24,7 +24,8 @@
 // of T rows reads each weight byte from memory once. On AVX-512 the legacy types (blocks of
 // 32 with one fp16 scale each) skip the chunk: pairs of blocks are decoded into registers and
 // dotted with 8 activation rows at a time (ggml_avx512.h; on AVX2 one block and 4 rows,
-// ggml_avx2.h). On AVX-512 and AVX2, Q4_K, Q5_K
+// ggml_avx2.h); Q4_0, Q4_1 and Q8_0 weights interleaved by 16 rows at load
+// (`ggml_interleave`) take a kernel whose vector lanes are those rows (ggml_avx512.h). On AVX-512 and AVX2, Q4_K, Q5_K
 // and Q6_K take their activations in blocks of 256 instead (ggml's Q8_K), which lets a
 // block's group scales be applied in integers (ggml_avx512.h, ggml_avx2.h,
 // `ggml_act_block`). OpenMP threads split the output rows. Every step size runs here; a long
@@ -592,6 +593,18 @@ static inline int q8k_type(int qtype) {
 // The activation block this build quantizes to for the type: 256 or 32.
 int ggml_act_block(int qtype) { return q8k_type(qtype) ? 256 : 32; }
 
+// The types `interleave` (ggml_linear.py) lays out by 16 rows, on the AVX-512 build only.
+static inline int x16_type(int qtype) {
+    return AGENTRT_ISA == 2 && (qtype == T_Q4_0 || qtype == T_Q4_1 || qtype == T_Q8_0);
+}
+
+static inline void store_out(void *out, int out_bf16, int64_t at, float v) {
+    if (out_bf16)
+        ((uint16_t *)out)[at] = f32_to_bf16(v);
+    else
+        ((float *)out)[at] = v;
+}
+
 static inline int fused_legacy(int qtype) {
     return AGENTRT_ISA >= 1 && (qtype == T_Q4_0 || qtype == T_Q4_1 || qtype == T_Q5_0 ||
                                 qtype == T_Q5_1 || qtype == T_Q8_0);
@@ -605,9 +618,12 @@ static inline int fused_legacy(int qtype) {
 // or K not a multiple of its block; -2 when memory runs out.
 int ggml_linear(const void *x, int x_bf16, int64_t rows, int64_t k, const uint8_t *w,
                 int64_t w_stride, int qtype, int64_t n_out, void *out, int64_t out_stride,
-                int out_bf16, int num_threads) {
+                int out_bf16, int num_threads, int interleaved) {
     BlockType bt;
     if (!block_type(qtype, &bt) || k % bt.block_elems) return -1;
+    if (interleaved && !(x16_type(qtype) && n_out % 16 == 0)) return -1;
+    // Units of work: weight rows, or groups of 16 interleaved ones (`w_stride` apart).
+    const int64_t rows_per_unit = interleaved ? 16 : 1, units = n_out / rows_per_unit;
     const int64_t kp = (k + CHUNK_ELEMS - 1) / CHUNK_ELEMS * CHUNK_ELEMS;
 #if AGENTRT_ISA >= 1
     const int64_t act_bytes = q8k_type(qtype) ? act8k_bytes(k) : act_row_bytes(kp);
@@ -639,7 +655,7 @@ int ggml_linear(const void *x, int x_bf16, int64_t rows, int64_t k, const uint8_
         // whose buffer could not be had only marks the failure.
         Chunk chunk;
         Acc *acc = aligned_alloc(64, ((rows * sizeof(Acc) + 63) / 64) * 64);
-        float *sums = malloc(rows * sizeof(float));
+        float *sums = malloc(rows * rows_per_unit * sizeof(float));
         if (!acc || !sums) {
 #pragma omp atomic write
             failed = 1;
@@ -651,9 +667,19 @@ int ggml_linear(const void *x, int x_bf16, int64_t rows, int64_t k, const uint8_
             const int64_t tr = rows - t0 < tile ? rows - t0 : tile;
             uint8_t *at = act + t0 * act_bytes;
 #pragma omp for schedule(static)
-            for (int64_t nn = 0; nn < n_out; nn++) {
+            for (int64_t nn = 0; nn < units; nn++) {
                 if (!acc || !sums) continue;
                 const uint8_t *row = w + nn * w_stride;
+#if AGENTRT_ISA == 2
+                if (interleaved) {
+                    x16_group(qtype, row, row_blocks, at, kp, tr, sums);
+                    for (int64_t t = 0; t < tr; t++)
+                        for (int r = 0; r < 16; r++)
+                            store_out(out, out_bf16, (t0 + t) * out_stride + 16 * nn + r,
+                                      sums[16 * t + r]);
+                    continue;
+                }
+#endif
 #if AGENTRT_ISA >= 1
                 if (fused_legacy(qtype)) {
                     legacy_row(qtype, &bt, row, row_blocks, at, kp, tr, sums);
@@ -676,12 +702,8 @@ int ggml_linear(const void *x, int x_bf16, int64_t rows, int64_t k, const uint8_
                     }
                     for (int64_t t = 0; t < tr; t++) sums[t] = acc_sum(acc[t]);
                 }
-                if (out_bf16)
-                    for (int64_t t = 0; t < tr; t++)
-                        ((uint16_t *)out)[(t0 + t) * out_stride + nn] = f32_to_bf16(sums[t]);
-                else
-                    for (int64_t t = 0; t < tr; t++)
-                        ((float *)out)[(t0 + t) * out_stride + nn] = sums[t];
+                for (int64_t t = 0; t < tr; t++)
+                    store_out(out, out_bf16, (t0 + t) * out_stride + nn, sums[t]);
             }
         }
         free(acc);
@@ -691,12 +713,46 @@ int ggml_linear(const void *x, int x_bf16, int64_t rows, int64_t k, const uint8_
     return failed ? -2 : 0;
 }
 
-// ggml_linear with its 12 arguments in one int64 array, in order (pointers as integers): one
+// ggml_linear with its 13 arguments in one int64 array, in order (pointers as integers): one
 // ctypes argument to convert instead of twelve (~1 us a call from Python).
 int ggml_linear_packed(const int64_t *a) {
     return ggml_linear((const void *)a[0], (int)a[1], a[2], a[3], (const uint8_t *)a[4], a[5],
-                       (int)a[6], a[7], (void *)a[8], a[9], (int)a[10], (int)a[11]);
+                       (int)a[6], a[7], (void *)a[8], a[9], (int)a[10], (int)a[11],
+                       (int)a[12]);
 }
 
 // The instruction set this library was built for (0 portable C, 1 AVX2, 2 AVX-512 VNNI).
 int ggml_isa(void) { return AGENTRT_ISA; }
+
+// Whether this build runs the type interleaved by 16 rows (ggml_linear.py's `interleave`).
+int ggml_interleaves(int qtype) { return x16_type(qtype); }
+
+// n rows of w (`w_stride` bytes apart) of a Q4_0, Q4_1 or Q8_0 weight -> out, interleaved by
+// 16 rows (the layout of ggml_linear.py's `interleave`). Returns 0; -1 for another type or
+// n not a multiple of 16.
+int ggml_interleave(const uint8_t *w, int64_t w_stride, int qtype, int64_t n, int64_t k,
+                    uint8_t *out, int num_threads) {
+    BlockType bt;
+    if (!block_type(qtype, &bt) || k % 32 || n % 16 ||
+        !(qtype == T_Q4_0 || qtype == T_Q4_1 || qtype == T_Q8_0))
+        return -1;
+    const int size = bt.block_bytes, head = qtype == T_Q4_1 ? 4 : 2, cols = (size - head) / 4;
+    const int64_t num_blocks = k / 32, group_bytes = 16 * num_blocks * size;
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t g = 0; g < n / 16; g++) {
+        for (int64_t b = 0; b < num_blocks; b++) {
+            uint8_t *o = out + g * group_bytes + b * 16 * size;
+            for (int r = 0; r < 16; r++) {
+                const uint8_t *blk = w + (16 * g + r) * w_stride + b * size;
+                for (int f = 0; f < head; f += 2) memcpy(o + 16 * f + 2 * r, blk + f, 2);
+                for (int c = 0; c < cols; c++) {
+                    uint8_t *q = o + 16 * head + 64 * c + 4 * r;
+                    memcpy(q, blk + head + 4 * c, 4);
+                    if (qtype == T_Q8_0)
+                        for (int i = 0; i < 4; i++) q[i] ^= 0x80;
+                }
+            }
+        }
+    }
+    return 0;
+}

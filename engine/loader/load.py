@@ -21,7 +21,7 @@ from agentrt.engine.loader.quantization import convert, weight_format
 from agentrt.engine.loader.weights import ParamSpec, Shard, WeightLoader, parameter_specs
 from agentrt.engine.model.arch import ModelArchConfig
 from agentrt.engine.model.ggml_linear import GGMLEmbedding, GGMLLinear
-from agentrt.kernels.ggml_linear import GGMLWeight
+from agentrt.kernels.ggml_linear import ROWS_INTERLEAVED, GGMLWeight, default_kernels, interleave
 
 
 def get_loader(path: str | os.PathLike[str]) -> WeightLoader:
@@ -74,9 +74,13 @@ def load_weights(
             )
             loader.release(parts)
             parts = [fused]
+        if spec.name != "embed_tokens.weight" and device.type == "cpu":
+            parts = _kernel_layout(parts, loader)
         _install(model, spec, parts, dtype, device)
     if model.lm_head is None and model.logits_proj is None:
         if isinstance(model.embed_tokens, GGMLEmbedding):  # tied: the same blocks project
+            if device.type == "cpu":  # lookups gather their rows from the interleaved blocks
+                model.embed_tokens.weight = _kernel_layout([model.embed_tokens.weight], loader)[0]
             model.logits_proj = GGMLLinear([model.embed_tokens.weight])
     unused = sorted(n for n in available - used if "rotary_emb" not in n)
     if model.lm_head is None and "lm_head.weight" in unused:
@@ -85,6 +89,27 @@ def load_weights(
         raise ModelLoadError(f"checkpoint has tensors the model does not use: {unused[:5]}")
     left = [n for n, p in model.named_parameters() if p.is_meta]
     assert not left, f"parameters not loaded: {left[:5]}"
+
+
+def _kernel_layout(parts: list, loader: WeightLoader) -> list:
+    """Each block part the CPU kernels run faster with its rows interleaved by 16 (Q4_0,
+    Q4_1 and Q8_0 on AVX-512: kernels/ggml_linear.py `interleave`), interleaved: a copy, the
+    map's pages of the part released, so one layout is held (a tied embedding's lookups
+    gather their rows from it)."""
+    kernels = default_kernels()
+    out = []
+    for part in parts:
+        if (
+            isinstance(part, GGMLWeight)
+            and not part.interleaved
+            and part.out_features % ROWS_INTERLEAVED == 0
+            and kernels.interleaves(part.qtype)
+        ):
+            packed = interleave(part)
+            loader.release([part])
+            part = packed
+        out.append(part)
+    return out
 
 
 def _one_block_type(parts: list) -> bool:

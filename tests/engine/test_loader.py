@@ -27,7 +27,7 @@ from agentrt.engine.model.ggml_linear import GGMLEmbedding, GGMLLinear
 from agentrt.engine.records import ScheduledChunk, SchedulerOutput
 from agentrt.engine.sampling_params import SamplingParams
 from agentrt.engine.worker.model_runner import ModelRunner
-from agentrt.kernels.ggml_linear import GGMLWeight
+from agentrt.kernels.ggml_linear import GGMLWeight, default_kernels
 
 from .gguf_files import BLOCK_TYPES, Q, write_tiny_gguf
 
@@ -88,6 +88,9 @@ def test_block_types_run_close_to_the_dequantized_fp32_model(gguf_dir, arch, qty
     assert isinstance(quantized.model.logits_proj, GGMLLinear)
     if extra.get("tied", True):  # the output projection runs the embedding's own blocks
         assert quantized.model.logits_proj.weights[0] is quantized.model.embed_tokens.weight
+    # Q4_0 / Q4_1 / Q8_0 projections held once, interleaved by 16 rows on AVX-512 builds
+    interleaves = default_kernels().interleaves(qtype)
+    assert {w.interleaved for w in layer.down_proj.weights} == {interleaves}
     assert (quantized.model.cpu_ops is not None) == (arch == "llama")  # fused glue: no bias
     assert dense.model.layers[0].qkv_proj.weight.dtype == torch.float32
     got, want = prompt_logits(quantized), prompt_logits(dense)

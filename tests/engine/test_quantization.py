@@ -18,6 +18,7 @@ from agentrt.engine.model.checkpoint import load_state_dict
 from agentrt.engine.model.ggml_linear import GGMLEmbedding, GGMLLinear
 from agentrt.engine.records import ScheduledChunk, SchedulerOutput
 from agentrt.engine.sampling_params import SamplingParams, StructuredOutputsParams
+from agentrt.kernels.ggml_linear import default_kernels, deinterleave
 
 MODES = ("int8", "int4")
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
@@ -39,9 +40,10 @@ def quantized_llm(request) -> LLM:
 def test_gguf_mode_holds_the_files_own_blocks(smollm2_dir):
     """The embedded model's projections are its Q4_1 blocks and its tied embedding its Q8_0
     blocks, one copy shared by the lookup and the output projection; o_proj and down_proj
-    are views of the file's memory map (nothing copied); q/k/v and gate/up, one block type
-    each, are stacked into one weight (q/k rows un-permuted). Dequantized they are bit for
-    bit the weights dtype="float32" runs."""
+    are views of the file's memory map (nothing copied), or on AVX-512 copies interleaved
+    by 16 rows (the map's pages released); q/k/v and gate/up, one block type each, are
+    stacked into one weight (q/k rows un-permuted). Dequantized they are bit for bit the
+    weights dtype="float32" runs."""
     llm = LLM(None, kv_cache_memory_gb=0.05)
     model = llm.engine.runner.model
     assert llm.engine.model_config.quantization == "gguf" and model.cpu_ops is not None
@@ -50,14 +52,19 @@ def test_gguf_mode_holds_the_files_own_blocks(smollm2_dir):
     assert model.logits_proj.weights == [embed.weight]
     state = load_state_dict(smollm2_dir)
     assert torch.equal(embed.weight.dequantize(), state["model.embed_tokens.weight"])
-    tensors = open_gguf(smollm2_dir).reader.tensors
-    mapped = {t.name: torch.from_numpy(t.data).data_ptr() for t in tensors}
+    tensors = {t.name: torch.from_numpy(t.data) for t in open_gguf(smollm2_dir).reader.tensors}
+    interleaved = default_kernels().interleaves(Q4_1)  # AVX-512: rows interleaved by 16
+    assert embed.weight.interleaved == interleaved
     for i in (0, len(model.layers) - 1):
         layer, p = model.layers[i], f"model.layers.{i}."
         for name, file_name in (("o_proj", "attn_output"), ("down_proj", "ffn_down")):
             (weight,) = getattr(layer, name).weights
-            assert weight.qtype == Q4_1
-            assert weight.data.data_ptr() == mapped[f"blk.{i}.{file_name}.weight"]
+            mapped = tensors[f"blk.{i}.{file_name}.weight"]
+            assert weight.qtype == Q4_1 and weight.interleaved == interleaved
+            if interleaved:  # a copy in the kernel's layout, of the file's very bytes
+                assert torch.equal(deinterleave(weight).data, mapped)
+            else:  # the map itself
+                assert weight.data.data_ptr() == mapped.data_ptr()
         (qkv,) = layer.qkv_proj.weights
         (gate_up,) = layer.gate_up_proj.weights
         assert qkv.qtype == gate_up.qtype == Q4_1
@@ -86,21 +93,42 @@ def test_tiny_models_generate_deterministically(tiny_checkpoint, arch, mode):
     assert _ids(again.generate(PROMPTS, GREEDY)) == first
 
 
+def teacher_forced(llm: LLM, text: list[int]) -> tuple[torch.Tensor, float]:
+    """(the next token at each position of `text`, the mean log-likelihood of text[1:]):
+    one chunk of the text with a logits row per position, the prefix cache left empty."""
+    llm.engine.reset_prefix_cache()
+    blocks = list(range(-(-len(text) // llm.engine.cache_config.block_size)))
+    chunk = ScheduledChunk("text", text, 0, blocks, True, num_draft_tokens=len(text) - 1)
+    logits = llm.engine.runner.execute(SchedulerOutput([chunk], len(text)))[:-1].float()
+    llm.engine.reset_prefix_cache()  # those blocks now hold the text's KV
+    logprobs = torch.log_softmax(logits, dim=-1)
+    return logits.argmax(-1), logprobs.gather(1, torch.tensor(text[1:])[:, None]).mean().item()
+
+
+STORY = (
+    ", the lamp burned all night long. Once upon a time there was a little girl who lived in "
+    "a village near the forest. Whenever she went out, she wore a red riding cloak."
+)
+
+
 def test_embedded_model_quantized_is_deterministic_and_close(quantized_llm, smollm2_llm):
-    """Greedy twice gives the same tokens; against fp32 most tokens agree: measured, the
-    default engine's three prompts agree for 8, 24 and 24 of 24 tokens, bf16 activations'
-    for 24, 13 and 24 (the benchmark measures agreement and perplexity over a prompt set).
-    The bound: two prompts whole and two thirds of all the tokens before the first
-    difference."""
+    """Greedy twice gives the same tokens; against the fp32 model, teacher-forced over a
+    text of ~60 tokens, the same next token at >= 90% of positions and the mean
+    log-likelihood within 1% (measured on AVX-512: the default engine 98% and 0.23%, bf16
+    activations 93% and 0.63%). Greedy runs are not compared whole: int8 activations move
+    near-ties (the three prompts' first difference from fp32 came at 14, 24+ and 24+ tokens
+    on the interleaved kernels, at 8, 24+, 24+ on the file's layout)."""
     first = _ids(quantized_llm.generate(PROMPTS, GREEDY))
+    assert all(len(ids) == GREEDY.max_tokens for ids in first)
     assert _ids(quantized_llm.generate(PROMPTS, GREEDY)) == first
-    reference = _ids(smollm2_llm.generate(PROMPTS, GREEDY))
-    agree = [
-        next((i for i, (a, b) in enumerate(zip(x, y, strict=True)) if a != b), len(x))
-        for x, y in zip(first, reference, strict=True)
-    ]
-    assert sum(agree) >= 2 * len(PROMPTS) * GREEDY.max_tokens // 3, agree
-    assert agree.count(GREEDY.max_tokens) >= 2, agree
+    text = smollm2_llm.tokenizer.encode(" ".join(PROMPTS) + STORY)
+    (got, got_mean), (want, want_mean) = (
+        teacher_forced(quantized_llm, text),
+        teacher_forced(smollm2_llm, text),
+    )
+    agreement = (got == want).float().mean().item()
+    assert agreement >= 0.9, agreement
+    assert abs(got_mean - want_mean) < 0.01 * abs(want_mean), (got_mean, want_mean)
 
 
 def test_fused_cpu_glue_matches_the_torch_path():
@@ -116,20 +144,10 @@ def test_fused_cpu_glue_matches_the_torch_path():
     assert model.cpu_ops is not None
     text = llm.tokenizer.encode(" ".join(PROMPTS) + ", the lamp burned all night long.")
 
-    def run() -> tuple[torch.Tensor, float]:
-        llm.engine.reset_prefix_cache()
-        # Teacher forced: one chunk of the text with a logits row per position.
-        blocks = list(range(-(-len(text) // llm.engine.cache_config.block_size)))
-        chunk = ScheduledChunk("text", text, 0, blocks, True, num_draft_tokens=len(text) - 1)
-        logits = llm.engine.runner.execute(SchedulerOutput([chunk], len(text)))[:-1]
-        llm.engine.reset_prefix_cache()  # those blocks now hold the text's KV
-        logprobs = torch.log_softmax(logits, dim=-1)
-        return logits.argmax(-1), logprobs.gather(1, torch.tensor(text[1:])[:, None]).mean().item()
-
-    fused, fused_mean = run()
+    fused, fused_mean = teacher_forced(llm, text)
     model.cpu_ops, ops = None, model.cpu_ops
     try:
-        unfused, unfused_mean = run()
+        unfused, unfused_mean = teacher_forced(llm, text)
     finally:
         model.cpu_ops = ops
     agreement = (fused == unfused).float().mean().item()

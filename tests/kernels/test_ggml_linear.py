@@ -130,6 +130,77 @@ def test_out_as_a_column_slice_of_a_wider_tensor(kern, weights):
         assert out[:, 2 * N :].isnan().all()  # nothing written past the slices
 
 
+# --- Q4_0, Q4_1 and Q8_0 interleaved by 16 rows (the AVX-512 build's layout) ----------------
+
+INTERLEAVED = sorted(G.INTERLEAVED_TYPES)
+
+
+@pytest.mark.parametrize("qtype", INTERLEAVED, ids=lambda t: Q(t).name)
+def test_interleaved_layout_is_the_documented_one_and_gives_back_its_rows(qtype):
+    w = G.random_weight(qtype, 48, K, seed=qtype)
+    x16 = G.interleave(w)
+    assert x16.interleaved and x16.out_features == 48 and x16.nbytes == w.nbytes
+    # The layout of `interleave`'s docstring, read at one place: group 0, row 5, block 1.
+    size = G.block_shape(qtype)[1]
+    head = 4 if qtype == Q.Q4_1 else 2
+    at = 16 * size  # block 1 of the group
+    assert torch.equal(x16.data[0, at + 10 : at + 12], w.data[5, size : size + 2])  # its d
+    column = x16.data[0, at + 16 * head + 64 + 20 : at + 16 * head + 64 + 24]  # column 1
+    want = w.data[5, size + head + 4 : size + head + 8]
+    assert torch.equal(column, want ^ 0x80 if qtype == Q.Q8_0 else want)
+    assert torch.equal(G.deinterleave(x16).data, w.data)
+    assert torch.equal(x16.dequantize(), w.dequantize())
+    ids = torch.tensor([47, 0, 16, 5, 5])
+    assert torch.equal(x16.select_rows(ids).data, w.data[ids])
+    assert torch.equal(G.ggml_embedding(ids, x16), G.ggml_embedding(ids, w))
+    part = x16.select_rows(slice(16, 48))  # whole groups: still interleaved, a view
+    assert part.interleaved and part.data.data_ptr() == x16.data[1].data_ptr()
+    assert torch.equal(part.dequantize(), w.dequantize()[16:48])
+    assert torch.equal(x16.select_rows(slice(3, 40, 2)).data, w.data[3:40:2])
+    assert torch.equal(pickle.loads(pickle.dumps(x16)).data, x16.data)
+
+
+@pytest.mark.skipif("avx512" not in ISAS, reason="the interleaved kernel is AVX-512's")
+@pytest.mark.parametrize("qtype", INTERLEAVED, ids=lambda t: Q(t).name)
+def test_interleaved_product_matches_gguf_reference(qtype):
+    kern = G.load_ggml_kernels(G.default_build_dir(), "avx512")
+    w = G.random_weight(qtype, 48, K, seed=qtype)
+    dense, x16 = G.dequantize_ref(w), G.interleave(w, kern)
+    gen = torch.Generator().manual_seed(qtype)
+    for rows in (1, 3, 16, 64):
+        x = torch.randn(rows, K, generator=gen)
+        y = G.ggml_linear(x, x16, kernels=kern)
+        check_product(y, x, dense, 32)
+        # the file's layout through the other kernel: the same sums in another order
+        torch.testing.assert_close(y, G.ggml_linear(x, w, kernels=kern), rtol=1e-5, atol=1e-5)
+    xb = torch.randn(5, K, generator=gen).bfloat16()
+    y = G.ggml_linear_bf16(xb, x16, kernels=kern)
+    torch.testing.assert_close(y, G.ggml_linear(xb, x16, kernels=kern).bfloat16(), atol=0, rtol=0)
+    # a row's numbers do not depend on its step (tiles of activations, passes of 4 rows)
+    x = torch.randn(520, K, generator=gen)
+    y = G.ggml_linear(x, x16, kernels=kern)
+    for t in (0, 3, 257, 519):
+        assert torch.equal(G.ggml_linear(x[t : t + 1], x16, kernels=kern)[0], y[t])
+
+
+def test_interleaving_is_refused_where_there_is_no_such_layout_or_kernel():
+    for qtype, rows in ((Q.Q4_K, 48), (Q.Q5_0, 48), (Q.Q4_0, 40)):
+        with pytest.raises(KernelInputError, match="no interleaved layout"):
+            G.interleave(G.random_weight(qtype, rows, K))
+    x16 = G.interleave(G.random_weight(Q.Q4_0, 48, K))
+    with pytest.raises(KernelInputError, match="expected uint8"):
+        G.GGMLWeight(x16.data[:, :-18], Q.Q4_0, K, interleaved=True)
+    with pytest.raises(KernelInputError, match="no interleaved layout"):
+        G.GGMLWeight(G.random_weight(Q.Q4_K, 16, K).data.reshape(1, -1), Q.Q4_K, K, True)
+    for isa in ISAS:  # only the AVX-512 build runs it; the others refuse, never misread it
+        kern = G.load_ggml_kernels(G.default_build_dir(), isa)
+        assert kern.interleaves(Q.Q4_0) == kern.interleaves(Q.Q8_0) == (isa == "avx512")
+        assert not kern.interleaves(Q.Q4_K)
+        if isa != "avx512":
+            with pytest.raises(KernelInputError, match="refused"):
+                G.ggml_linear(torch.randn(2, K), x16, kernels=kern)
+
+
 def test_select_rows(weights):
     w, dense = weights[Q.Q5_0]
     part = w.select_rows(slice(8, 24))
