@@ -115,6 +115,8 @@ class GGMLKernels:
         self._act_block = lib.ggml_act_block
         lib.ggml_interleave.argtypes = [ptr, i64, cint, i64, i64, ptr, cint]
         lib.ggml_interleave.restype = cint
+        lib.ggml_deinterleave_rows.argtypes = [ptr, i64, cint, ptr, i64, i64, ptr, i64]
+        lib.ggml_deinterleave_rows.restype = cint
         lib.ggml_interleaves.argtypes = [cint]
         lib.ggml_interleaves.restype = cint
         self._interleaves = lib.ggml_interleaves
@@ -136,7 +138,7 @@ class GGMLKernels:
         """out uint8 (N / 16, 16 * row_bytes), contiguous = the weight interleaved by 16 rows
         (ggml_linear.interleave has the layout); the caller checked type and shape."""
         data = weight.data
-        assert out.is_contiguous() and out.numel() == data.shape[0] * data.shape[1]
+        assert out.is_contiguous() and out.shape[0] * 16 == weight.out_features
         rc = self._lib.ggml_interleave(
             data.data_ptr(),
             data.stride(0),
@@ -148,6 +150,26 @@ class GGMLKernels:
         )
         if rc:
             raise KernelInputError(f"ggml_interleave: {_type_name(weight.qtype)} refused")
+
+    def deinterleave_rows(self, weight: GGMLWeight, index: torch.Tensor, out: torch.Tensor) -> None:
+        """out uint8 (R, row_bytes), contiguous = rows `index` (int64 (R,), contiguous, each
+        < N) of an interleaved weight, in the file's layout."""
+        assert out.is_contiguous() and index.dtype == torch.int64 and index.is_contiguous()
+        assert out.shape[0] == index.numel()
+        if index.numel() and not (0 <= int(index.min()) and int(index.max()) < weight.out_features):
+            raise KernelInputError(f"row index out of range [0, {weight.out_features})")
+        rc = self._lib.ggml_deinterleave_rows(
+            weight.data.data_ptr(),
+            weight.data.stride(0),
+            int(weight.qtype),
+            index.data_ptr(),
+            index.numel(),
+            weight.in_features,
+            out.data_ptr(),
+            out.stride(0),
+        )
+        if rc:
+            raise KernelInputError(f"ggml_deinterleave_rows: {_type_name(weight.qtype)} refused")
 
     def linear(self, x: torch.Tensor, weight: GGMLWeight, out: torch.Tensor) -> None:
         """out (T, N) (fp32 or bf16, row stride >= N) = x (T, K) @ W.T; the caller has

@@ -10,7 +10,8 @@ step. The C library is built on first use for the best instruction set of this C
 (AVX-512 VNNI, AVX2, or portable C); `AGENTRT_GGML_ISA=scalar|avx2|avx512` forces one
 (read once, on first use); every function also takes `kernels=load_ggml_kernels(build_dir,
 isa)` to run another build (ggml_library.py).
-On AVX-512, Q4_0, Q4_1 and Q8_0 run ~3x faster with the rows of a weight interleaved by 16
+On AVX-512, Q4_0, Q4_1, Q8_0, Q4_K (~3x) and Q6_K (~1.8x) run faster with the rows of a
+weight interleaved by 16
 (`interleave`, done once at load; `GGMLWeight.interleaved`): each vector lane sums one row,
 so the scales of 16 rows are one vector and no lanes are summed at the end.
 Every step size takes the same kernel, so a row's result does not depend on the step it is
@@ -66,7 +67,7 @@ __all__ = [  # the library's names are re-exported for callers and tests
     "selected_isa",
 ]
 # The types `interleave` lays out by ROWS_INTERLEAVED rows (the AVX-512 build runs them so).
-INTERLEAVED_TYPES = frozenset({_Q.Q4_0, _Q.Q4_1, _Q.Q8_0})
+INTERLEAVED_TYPES = frozenset({_Q.Q4_0, _Q.Q4_1, _Q.Q8_0, _Q.Q4_K, _Q.Q6_K})
 ROWS_INTERLEAVED = 16
 DENSE_DTYPES = {_Q.F32: torch.float32, _Q.F16: torch.float16, _Q.BF16: torch.bfloat16}
 SUPPORTED_TYPES = frozenset(QUANTIZED_TYPES | DENSE_DTYPES.keys())
@@ -137,23 +138,25 @@ class GGMLWeight:
                 f"block of {elems}.",
                 arg="in_features",
             )
-        row_bytes = self.in_features // elems * size * (ROWS_INTERLEAVED if self.interleaved else 1)
-        shape = "(N / 16, 16 * " if self.interleaved else "(N, "
+        if self.interleaved and self.qtype not in INTERLEAVED_TYPES:
+            raise KernelInputError(
+                f"{type_name(self.qtype)} has no interleaved layout.", arg="interleaved"
+            )
+        if self.interleaved:
+            row_bytes, rows = interleaved_row_bytes(self.qtype, self.in_features), "N / 16"
+        else:
+            row_bytes, rows = self.in_features // elems * size, "N"
         if d.dtype != torch.uint8 or d.dim() != 2 or d.shape[1] != row_bytes or d.is_cuda:
             raise KernelInputError(
                 f"GGMLWeight data is {d.dtype} {tuple(d.shape)} on {d.device}; expected uint8 "
-                f"{shape}{row_bytes // (ROWS_INTERLEAVED if self.interleaved else 1)}) on the "
-                f"CPU ({self.in_features} {type_name(self.qtype)} elements a row).",
+                f"({rows}, {row_bytes}) on the CPU ({self.in_features} {type_name(self.qtype)} "
+                "elements a row).",
                 arg="data",
             )
         if d.stride(1) != 1 or (d.shape[0] > 1 and d.stride(0) < row_bytes):
             raise KernelInputError(
                 f"GGMLWeight data has strides {d.stride()}; each row's bytes must be contiguous.",
                 arg="data",
-            )
-        if self.interleaved and self.qtype not in INTERLEAVED_TYPES:
-            raise KernelInputError(
-                f"{type_name(self.qtype)} has no interleaved layout.", arg="interleaved"
             )
         n = d.shape[0] * (ROWS_INTERLEAVED if self.interleaved else 1)
         args = (d.data_ptr(), d.stride(0), int(self.qtype), n, self.in_features)
@@ -217,19 +220,24 @@ class GGMLWeight:
         return self.data.view(DENSE_DTYPES[self.qtype])  # (N, K)
 
 
-# Bytes at the head of a block of each interleaved type (its fp16 d, and m for Q4_1).
-_HEAD_BYTES = {_Q.Q4_0: 2, _Q.Q4_1: 4, _Q.Q8_0: 2}
+def interleaved_row_bytes(qtype: int, in_features: int) -> int:
+    """Bytes of one group of 16 interleaved rows of K = `in_features` (`interleave`)."""
+    elems, size = block_shape(qtype)
+    if qtype == _Q.Q4_K:  # 16 rows' d, dmin, 8 scales and 8 mins unpacked, 128 quant bytes
+        return in_features // elems * (64 + 128 + 128 + 16 * 128)
+    return in_features // elems * ROWS_INTERLEAVED * size
 
 
 def interleave(weight: GGMLWeight, kernels: GGMLKernels | None = None) -> GGMLWeight:
-    """The weight with its rows interleaved by 16, for the AVX-512 kernel (ggml_avx512.h): a
-    copy, (N / 16, 16 * row_bytes), made by the C library (`kernels`, default
+    """The weight with its rows interleaved by 16, for the AVX-512 kernels (ggml_avx512.h): a
+    copy, (N / 16, interleaved_row_bytes), made by the C library (`kernels`, default
     `default_kernels()`). Each group of 16 rows goes block by block; a block of the group is
-    its 16 rows' fp16 d (32 bytes), then their m (Q4_1), then the block's quants by 4-byte
-    column: column c is the 16 rows' bytes 4c .. 4c + 3 (64 bytes, row r at 4r), 4 columns for
-    Q4_0 / Q4_1 (a byte holds two elements, c's and c + 16's), 8 for Q8_0, whose int8 quants
-    are stored as u = q + 128. `deinterleave` is the inverse (in torch). N must be a multiple
-    of 16."""
+    its 16 rows' fp16 d (32 bytes), then their m (Q4_1) or dmin (Q4_K), then (Q4_K) the 8
+    sub-block scales [8][16] and mins [4][16][2] unpacked from their 6-bit fields, then the
+    block's quants by 4-byte column: column c is the 16 rows' quant bytes 4c .. 4c + 3 (64
+    bytes, row r at 4r): 4 columns for Q4_0 / Q4_1 (a byte holds two elements, c's and
+    c + 16's), 8 for Q8_0 (its int8 quants stored as u = q + 128), 32 for Q4_K. N must be a
+    multiple of 16. `deinterleave` and `select_rows` give the file's rows back."""
     qtype, g = weight.qtype, ROWS_INTERLEAVED
     if weight.interleaved:
         return weight
@@ -240,50 +248,27 @@ def interleave(weight: GGMLWeight, kernels: GGMLKernels | None = None) -> GGMLWe
             f"multiple of {g} rows.",
             arg="weight",
         )
-    out = torch.empty(weight.out_features // g, g * weight.data.shape[1], dtype=torch.uint8)
+    width = interleaved_row_bytes(qtype, weight.in_features)
+    out = torch.empty(weight.out_features // g, width, dtype=torch.uint8)
     (kernels or default_kernels()).interleave(weight, out)
     return GGMLWeight(out, qtype, weight.in_features, interleaved=True)
 
 
 def _interleaved_rows(weight: GGMLWeight, index: torch.Tensor) -> torch.Tensor:
-    """Rows `index` of an interleaved weight in the file's layout (uint8 (R, row_bytes)),
-    gathered byte by byte: an embedding's lookups read only their rows."""
-    qtype, g = weight.qtype, ROWS_INTERLEAVED
-    _, size = block_shape(qtype)
-    head = _HEAD_BYTES[_Q(qtype)]
-    o = torch.arange(size)  # a byte's place in its block -> its place for lane 0, and per lane
-    place = torch.where(
-        o < head, g * (o // 2 * 2) + o % 2, g * head + 16 * ((o - head) // 4 * 4) + (o - head) % 4
-    )
-    lane_step = torch.where(o < head, 2, 4)
-    blocks = weight.data.shape[1] // (g * size)
-    place = (torch.arange(blocks)[:, None] * g * size + place).reshape(-1)  # (row_bytes,)
-    lane_step = lane_step.repeat(blocks)
-    index = index.reshape(-1).long()
-    at = (index // g * weight.data.stride(0))[:, None] + place + (index % g)[:, None] * lane_step
-    rows = weight.data.reshape(-1)[at]
-    if qtype == _Q.Q8_0:
-        rows.view(len(index), blocks, size)[..., head:] ^= 0x80
-    return rows
+    """Rows `index` of an interleaved weight in the file's layout, uint8 (R, row_bytes)."""
+    elems, size = block_shape(weight.qtype)
+    index = index.reshape(-1).long().contiguous()
+    out = torch.empty(len(index), weight.in_features // elems * size, dtype=torch.uint8)
+    default_kernels().deinterleave_rows(weight, index, out)
+    return out
 
 
 def deinterleave(weight: GGMLWeight) -> GGMLWeight:
     """The file's layout of an interleaved weight (a copy); any other weight as it is."""
     if not weight.interleaved:
         return weight
-    qtype, g = weight.qtype, ROWS_INTERLEAVED
-    _, size = block_shape(qtype)
-    head, groups = _HEAD_BYTES[_Q(qtype)], weight.data.shape[0]
-    packed = weight.data.reshape(groups, -1, g * size)  # (G, blocks, 16 * size)
-    blocks = torch.empty(groups, packed.shape[1], g, size, dtype=torch.uint8)
-    for f in range(0, head, 2):
-        blocks[..., f : f + 2] = packed[..., g * f : g * (f + 2)].unflatten(-1, (g, 2))
-    quants = packed[..., g * head :].unflatten(-1, (-1, g, 4)).transpose(2, 3)
-    blocks[..., head:].unflatten(-1, (-1, 4)).copy_(quants)
-    if qtype == _Q.Q8_0:
-        blocks[..., head:] ^= 0x80
-    rows = blocks.transpose(1, 2).reshape(groups * g, -1)
-    return GGMLWeight(rows, qtype, weight.in_features)
+    rows = _interleaved_rows(weight, torch.arange(weight.out_features))
+    return GGMLWeight(rows, weight.qtype, weight.in_features)
 
 
 def _check_x(x: torch.Tensor, weight: GGMLWeight, dtypes: tuple[torch.dtype, ...]) -> int:

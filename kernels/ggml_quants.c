@@ -24,8 +24,8 @@
 // of T rows reads each weight byte from memory once. On AVX-512 the legacy types (blocks of
 // 32 with one fp16 scale each) skip the chunk: pairs of blocks are decoded into registers and
 // dotted with 8 activation rows at a time (ggml_avx512.h; on AVX2 one block and 4 rows,
-// ggml_avx2.h); Q4_0, Q4_1 and Q8_0 weights interleaved by 16 rows at load
-// (`ggml_interleave`) take a kernel whose vector lanes are those rows (ggml_avx512.h). On AVX-512 and AVX2, Q4_K, Q5_K
+// ggml_avx2.h); on AVX-512, Q4_0, Q4_1, Q8_0, Q4_K and Q6_K weights interleaved by 16 rows
+// at load (`ggml_interleave`) take kernels whose vector lanes are those rows (ggml_avx512.h). On AVX-512 and AVX2, Q4_K, Q5_K
 // and Q6_K take their activations in blocks of 256 instead (ggml's Q8_K), which lets a
 // block's group scales be applied in integers (ggml_avx512.h, ggml_avx2.h,
 // `ggml_act_block`). OpenMP threads split the output rows. Every step size runs here; a long
@@ -59,6 +59,7 @@ enum {
 #define ACT_BLOCK 32            // elements per activation scale
 #define PARALLEL_WORK (1 << 16) // fewer weight elements than this run on one thread
 #define ACT_TILE_BYTES (1 << 18)  // quantized activation rows a pass over the weight rows
+#define X16K_BLOCK (64 + 128 + 128 + 2048) // a Q4_K block of 16 interleaved rows
 
 static inline float fp16_to_f32(const uint8_t *p) {
     const uint32_t h = (uint32_t)p[0] | ((uint32_t)p[1] << 8);
@@ -595,7 +596,9 @@ int ggml_act_block(int qtype) { return q8k_type(qtype) ? 256 : 32; }
 
 // The types `interleave` (ggml_linear.py) lays out by 16 rows, on the AVX-512 build only.
 static inline int x16_type(int qtype) {
-    return AGENTRT_ISA == 2 && (qtype == T_Q4_0 || qtype == T_Q4_1 || qtype == T_Q8_0);
+    return AGENTRT_ISA == 2 &&
+           (qtype == T_Q4_0 || qtype == T_Q4_1 || qtype == T_Q8_0 || qtype == T_Q4_K ||
+            qtype == T_Q6_K);
 }
 
 static inline void store_out(void *out, int out_bf16, int64_t at, float v) {
@@ -672,7 +675,12 @@ int ggml_linear(const void *x, int x_bf16, int64_t rows, int64_t k, const uint8_
                 const uint8_t *row = w + nn * w_stride;
 #if AGENTRT_ISA == 2
                 if (interleaved) {
-                    x16_group(qtype, row, row_blocks, at, kp, tr, sums);
+                    if (qtype == T_Q4_K)
+                        x16k_group(row, row_blocks, at, k, tr, sums);
+                    else if (qtype == T_Q6_K)
+                        x16q6_group(row, row_blocks, at, k, tr, sums);
+                    else
+                        x16_group(qtype, row, row_blocks, at, kp, tr, sums);
                     for (int64_t t = 0; t < tr; t++)
                         for (int r = 0; r < 16; r++)
                             store_out(out, out_bf16, (t0 + t) * out_stride + 16 * nn + r,
@@ -727,32 +735,132 @@ int ggml_isa(void) { return AGENTRT_ISA; }
 // Whether this build runs the type interleaved by 16 rows (ggml_linear.py's `interleave`).
 int ggml_interleaves(int qtype) { return x16_type(qtype); }
 
-// n rows of w (`w_stride` bytes apart) of a Q4_0, Q4_1 or Q8_0 weight -> out, interleaved by
-// 16 rows (the layout of ggml_linear.py's `interleave`). Returns 0; -1 for another type or
-// n not a multiple of 16.
+// ---- The layout interleaved by 16 rows (ggml_linear.py's `interleave` describes it) --------
+//
+// One block of a row <-> its place among the 16 rows' block (`o`, the group's block b;
+// lane r). Legacy types: the fp16 fields side by side, then the quants by 4-byte column
+// (Q8_0's as u = q + 128). Q4_K: d, dmin, then the 8 scales and the 8 mins unpacked from their
+// 12 bytes of 6-bit fields (scales [8][16], mins by pairs [4][16][2]), then the columns.
+
+static int interleaved_block(int qtype, int *head) {
+    switch (qtype) {
+    case T_Q4_0: *head = 2; return 18;
+    case T_Q4_1: *head = 4; return 20;
+    case T_Q8_0: *head = 2; return 34;
+    case T_Q4_K: *head = 4; return 144;
+    case T_Q6_K: *head = 0; return 210;
+    default: return 0;
+    }
+}
+
+// Q6_K's block <-> its lane r of the 16 rows' block: d, the 16 scales, ql's and qh's columns.
+static void q6k_block(uint8_t *blk, uint8_t *o, int r, int to_group) {
+#define Q6K_MOVE(group_at, block_at, n)                                                            \
+    (to_group ? memcpy(o + (group_at), blk + (block_at), n) : memcpy(blk + (block_at), o + (group_at), n))
+    Q6K_MOVE(2 * r, 208, 2);
+    for (int g = 0; g < 16; g++) Q6K_MOVE(32 + 16 * g + r, 192 + g, 1);
+    for (int c = 0; c < 32; c++) Q6K_MOVE(288 + 64 * c + 4 * r, 4 * c, 4);
+    for (int c = 0; c < 16; c++) Q6K_MOVE(2336 + 64 * c + 4 * r, 128 + 4 * c, 4);
+#undef Q6K_MOVE
+}
+
+static void interleave_block(int qtype, const uint8_t *blk, uint8_t *o, int r) {
+    int head;
+    const int size = interleaved_block(qtype, &head);
+    if (qtype == T_Q6_K) {
+        q6k_block((uint8_t *)blk, o, r, 1);
+        return;
+    }
+    for (int f = 0; f < head; f += 2) memcpy(o + 16 * f + 2 * r, blk + f, 2);
+    const uint8_t *q = blk + head;
+    uint8_t *cols = o + 16 * head;
+    if (qtype == T_Q4_K) {
+        for (int j = 0; j < 8; j++) {
+            int sc, m;
+            k4_scale_min(blk + 4, j, &sc, &m);
+            o[64 + 16 * j + r] = (uint8_t)sc;
+            o[192 + 32 * (j / 2) + 2 * r + (j & 1)] = (uint8_t)m;
+        }
+        q = blk + 16;
+        cols = o + 320;
+    }
+    const int n_cols = (qtype == T_Q4_K ? 128 : size - head) / 4;
+    for (int c = 0; c < n_cols; c++) {
+        uint8_t *dst = cols + 64 * c + 4 * r;
+        memcpy(dst, q + 4 * c, 4);
+        if (qtype == T_Q8_0)
+            for (int i = 0; i < 4; i++) dst[i] ^= 0x80;
+    }
+}
+
+static void deinterleave_block(int qtype, const uint8_t *o, int r, uint8_t *blk) {
+    int head;
+    const int size = interleaved_block(qtype, &head);
+    if (qtype == T_Q6_K) {
+        q6k_block(blk, (uint8_t *)o, r, 0);
+        return;
+    }
+    for (int f = 0; f < head; f += 2) memcpy(blk + f, o + 16 * f + 2 * r, 2);
+    uint8_t *q = blk + head;
+    const uint8_t *cols = o + 16 * head;
+    if (qtype == T_Q4_K) { // the 6-bit fields packed back (the inverse of k4_scale_min)
+        uint8_t sc[8], m[8];
+        for (int j = 0; j < 8; j++) {
+            sc[j] = o[64 + 16 * j + r];
+            m[j] = o[192 + 32 * (j / 2) + 2 * r + (j & 1)];
+        }
+        for (int j = 0; j < 4; j++) {
+            blk[4 + j] = (uint8_t)(sc[j] | ((sc[j + 4] >> 4) << 6));
+            blk[8 + j] = (uint8_t)(m[j] | ((m[j + 4] >> 4) << 6));
+            blk[12 + j] = (uint8_t)((sc[j + 4] & 15) | ((m[j + 4] & 15) << 4));
+        }
+        q = blk + 16;
+        cols = o + 320;
+    }
+    const int n_cols = (qtype == T_Q4_K ? 128 : size - head) / 4;
+    for (int c = 0; c < n_cols; c++) {
+        memcpy(q + 4 * c, cols + 64 * c + 4 * r, 4);
+        if (qtype == T_Q8_0)
+            for (int i = 0; i < 4; i++) q[4 * c + i] ^= 0x80;
+    }
+}
+
+// Bytes of one interleaved block of 16 rows.
+static inline int64_t group_block_bytes(int qtype) {
+    int head;
+    return qtype == T_Q4_K ? X16K_BLOCK : 16 * interleaved_block(qtype, &head);
+}
+
+// n rows of w (`w_stride` bytes apart) -> out, interleaved by 16. Returns 0; -1 for a type
+// without the layout, n not a multiple of 16 or K not of the block.
 int ggml_interleave(const uint8_t *w, int64_t w_stride, int qtype, int64_t n, int64_t k,
                     uint8_t *out, int num_threads) {
-    BlockType bt;
-    if (!block_type(qtype, &bt) || k % 32 || n % 16 ||
-        !(qtype == T_Q4_0 || qtype == T_Q4_1 || qtype == T_Q8_0))
-        return -1;
-    const int size = bt.block_bytes, head = qtype == T_Q4_1 ? 4 : 2, cols = (size - head) / 4;
-    const int64_t num_blocks = k / 32, group_bytes = 16 * num_blocks * size;
+    int head;
+    const int size = interleaved_block(qtype, &head), elems = qtype == T_Q4_K || qtype == T_Q6_K ? 256 : 32;
+    if (!size || k % elems || n % 16) return -1;
+    const int64_t num_blocks = k / elems, block = group_block_bytes(qtype);
 #pragma omp parallel for schedule(static) num_threads(num_threads)
-    for (int64_t g = 0; g < n / 16; g++) {
-        for (int64_t b = 0; b < num_blocks; b++) {
-            uint8_t *o = out + g * group_bytes + b * 16 * size;
-            for (int r = 0; r < 16; r++) {
-                const uint8_t *blk = w + (16 * g + r) * w_stride + b * size;
-                for (int f = 0; f < head; f += 2) memcpy(o + 16 * f + 2 * r, blk + f, 2);
-                for (int c = 0; c < cols; c++) {
-                    uint8_t *q = o + 16 * head + 64 * c + 4 * r;
-                    memcpy(q, blk + head + 4 * c, 4);
-                    if (qtype == T_Q8_0)
-                        for (int i = 0; i < 4; i++) q[i] ^= 0x80;
-                }
-            }
-        }
+    for (int64_t g = 0; g < n / 16; g++)
+        for (int64_t b = 0; b < num_blocks; b++)
+            for (int r = 0; r < 16; r++)
+                interleave_block(qtype, w + (16 * g + r) * w_stride + b * size,
+                                 out + (g * num_blocks + b) * block, r);
+    return 0;
+}
+
+// Rows `index[0 .. count)` of an interleaved weight (`w_stride` bytes a group of 16) -> out,
+// in the file's layout (`out_stride` bytes apart). Returns 0; -1 as ggml_interleave.
+int ggml_deinterleave_rows(const uint8_t *w, int64_t w_stride, int qtype, const int64_t *index,
+                           int64_t count, int64_t k, uint8_t *out, int64_t out_stride) {
+    int head;
+    const int size = interleaved_block(qtype, &head), elems = qtype == T_Q4_K || qtype == T_Q6_K ? 256 : 32;
+    if (!size || k % elems) return -1;
+    const int64_t num_blocks = k / elems, block = group_block_bytes(qtype);
+    for (int64_t i = 0; i < count; i++) {
+        const uint8_t *group = w + index[i] / 16 * w_stride;
+        for (int64_t b = 0; b < num_blocks; b++)
+            deinterleave_block(qtype, group + b * block, (int)(index[i] % 16),
+                               out + i * out_stride + b * size);
     }
     return 0;
 }

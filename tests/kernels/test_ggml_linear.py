@@ -135,19 +135,35 @@ def test_out_as_a_column_slice_of_a_wider_tensor(kern, weights):
 INTERLEAVED = sorted(G.INTERLEAVED_TYPES)
 
 
+def check_layout_at_one_place(x16: G.GGMLWeight, w: G.GGMLWeight, qtype: int) -> None:
+    """The layout of `interleave`'s docstring, read at group 0, row 5, block 1."""
+    size = G.block_shape(qtype)[1]
+    at = G.interleaved_row_bytes(qtype, K) // (K // G.block_shape(qtype)[0])  # block 1
+    blk, place = w.data[5, size : 2 * size], x16.data[0, at:]  # the file's; the group's
+    if qtype == Q.Q6_K:  # d; scale 3; ql's and qh's column 1
+        assert torch.equal(place[10:12], blk[208:210]) and place[32 + 48 + 5] == blk[192 + 3]
+        assert torch.equal(place[288 + 64 + 20 : 288 + 64 + 24], blk[4:8])
+        assert torch.equal(place[2336 + 64 + 20 : 2336 + 64 + 24], blk[128 + 4 : 128 + 8])
+        return
+    assert torch.equal(place[10:12], blk[:2])  # d
+    if qtype == Q.Q4_K:  # dmin; sub-block 2's 6-bit scale and min, unpacked; then columns
+        assert torch.equal(place[42:44], blk[2:4])
+        assert place[64 + 32 + 5] == blk[4 + 2] & 63 and place[192 + 32 + 10] == blk[8 + 2] & 63
+        columns, quants = 320, blk[16:]
+    else:
+        head = 4 if qtype == Q.Q4_1 else 2
+        columns, quants = 16 * head, blk[head:]
+    column = place[columns + 64 + 20 : columns + 64 + 24]  # column 1, lane 5
+    assert torch.equal(column, quants[4:8] ^ 0x80 if qtype == Q.Q8_0 else quants[4:8])
+
+
 @pytest.mark.parametrize("qtype", INTERLEAVED, ids=lambda t: Q(t).name)
 def test_interleaved_layout_is_the_documented_one_and_gives_back_its_rows(qtype):
     w = G.random_weight(qtype, 48, K, seed=qtype)
     x16 = G.interleave(w)
-    assert x16.interleaved and x16.out_features == 48 and x16.nbytes == w.nbytes
-    # The layout of `interleave`'s docstring, read at one place: group 0, row 5, block 1.
-    size = G.block_shape(qtype)[1]
-    head = 4 if qtype == Q.Q4_1 else 2
-    at = 16 * size  # block 1 of the group
-    assert torch.equal(x16.data[0, at + 10 : at + 12], w.data[5, size : size + 2])  # its d
-    column = x16.data[0, at + 16 * head + 64 + 20 : at + 16 * head + 64 + 24]  # column 1
-    want = w.data[5, size + head + 4 : size + head + 8]
-    assert torch.equal(column, want ^ 0x80 if qtype == Q.Q8_0 else want)
+    assert x16.interleaved and x16.out_features == 48
+    assert x16.nbytes == (w.nbytes if qtype != Q.Q4_K else w.nbytes * 2368 // 2304)
+    check_layout_at_one_place(x16, w, qtype)
     assert torch.equal(G.deinterleave(x16).data, w.data)
     assert torch.equal(x16.dequantize(), w.dequantize())
     ids = torch.tensor([47, 0, 16, 5, 5])
@@ -170,9 +186,10 @@ def test_interleaved_product_matches_gguf_reference(qtype):
     for rows in (1, 3, 16, 64):
         x = torch.randn(rows, K, generator=gen)
         y = G.ggml_linear(x, x16, kernels=kern)
-        check_product(y, x, dense, 32)
+        check_product(y, x, dense, kern.act_block(qtype))
         # the file's layout through the other kernel: the same sums in another order
-        torch.testing.assert_close(y, G.ggml_linear(x, w, kernels=kern), rtol=1e-5, atol=1e-5)
+        other = G.ggml_linear(x, w, kernels=kern)
+        torch.testing.assert_close(y, other, rtol=1e-5, atol=1e-5 * other.abs().max().item())
     xb = torch.randn(5, K, generator=gen).bfloat16()
     y = G.ggml_linear_bf16(xb, x16, kernels=kern)
     torch.testing.assert_close(y, G.ggml_linear(xb, x16, kernels=kern).bfloat16(), atol=0, rtol=0)
@@ -184,18 +201,18 @@ def test_interleaved_product_matches_gguf_reference(qtype):
 
 
 def test_interleaving_is_refused_where_there_is_no_such_layout_or_kernel():
-    for qtype, rows in ((Q.Q4_K, 48), (Q.Q5_0, 48), (Q.Q4_0, 40)):
+    for qtype, rows in ((Q.Q5_K, 48), (Q.Q5_0, 48), (Q.Q4_0, 40)):
         with pytest.raises(KernelInputError, match="no interleaved layout"):
             G.interleave(G.random_weight(qtype, rows, K))
     x16 = G.interleave(G.random_weight(Q.Q4_0, 48, K))
     with pytest.raises(KernelInputError, match="expected uint8"):
         G.GGMLWeight(x16.data[:, :-18], Q.Q4_0, K, interleaved=True)
     with pytest.raises(KernelInputError, match="no interleaved layout"):
-        G.GGMLWeight(G.random_weight(Q.Q4_K, 16, K).data.reshape(1, -1), Q.Q4_K, K, True)
+        G.GGMLWeight(G.random_weight(Q.Q5_K, 16, K).data.reshape(1, -1), Q.Q5_K, K, True)
     for isa in ISAS:  # only the AVX-512 build runs it; the others refuse, never misread it
         kern = G.load_ggml_kernels(G.default_build_dir(), isa)
-        assert kern.interleaves(Q.Q4_0) == kern.interleaves(Q.Q8_0) == (isa == "avx512")
-        assert not kern.interleaves(Q.Q4_K)
+        assert kern.interleaves(Q.Q4_0) == kern.interleaves(Q.Q6_K) == (isa == "avx512")
+        assert not kern.interleaves(Q.Q5_K)
         if isa != "avx512":
             with pytest.raises(KernelInputError, match="refused"):
                 G.ggml_linear(torch.randn(2, K), x16, kernels=kern)
