@@ -21,7 +21,13 @@ from agentrt.engine.loader.quantization import convert, weight_format
 from agentrt.engine.loader.weights import ParamSpec, Shard, WeightLoader, parameter_specs
 from agentrt.engine.model.arch import ModelArchConfig
 from agentrt.engine.model.ggml_linear import GGMLEmbedding, GGMLLinear
-from agentrt.kernels.ggml_linear import ROWS_INTERLEAVED, GGMLWeight, default_kernels, interleave
+from agentrt.kernels.ggml_linear import (
+    ROWS_INTERLEAVED,
+    GGMLWeight,
+    default_kernels,
+    interleave,
+    interleaved_row_bytes,
+)
 
 
 def get_loader(path: str | os.PathLike[str]) -> WeightLoader:
@@ -66,15 +72,12 @@ def load_weights(
             ]
         else:
             parts = [convert(p, None, dtype, n) for p, n in zip(parts, spec.parts, strict=True)]
+        interleaved = spec.name != "embed_tokens.weight" and device.type == "cpu"
         if len(parts) > 1 and _one_block_type(parts):
             # One kernel call instead of one per part: the rows of a fused qkv / gate_up
             # stacked into one weight (a copy; the map's pages of the parts are released).
-            fused = GGMLWeight(
-                torch.cat([p.data for p in parts]), parts[0].qtype, parts[0].in_features
-            )
-            loader.release(parts)
-            parts = [fused]
-        if spec.name != "embed_tokens.weight" and device.type == "cpu":
+            parts = [_fused(parts, loader, interleaved)]
+        elif interleaved:
             parts = _kernel_layout(parts, loader)
         _install(model, spec, parts, dtype, device)
     if model.lm_head is None and model.logits_proj is None:
@@ -89,6 +92,28 @@ def load_weights(
         raise ModelLoadError(f"checkpoint has tensors the model does not use: {unused[:5]}")
     left = [n for n, p in model.named_parameters() if p.is_meta]
     assert not left, f"parameters not loaded: {left[:5]}"
+
+
+def _fused(parts: list[GGMLWeight], loader: WeightLoader, interleaved: bool) -> GGMLWeight:
+    """Parts of one block type stacked by rows into one weight: interleaved into one buffer
+    part by part when the kernels take the type so (`interleaved` allowing), else
+    concatenated; the map's pages of the parts released."""
+    kernels, first = default_kernels(), parts[0]
+    if interleaved and kernels.interleaves(first.qtype):
+        if all(p.out_features % ROWS_INTERLEAVED == 0 for p in parts):
+            width = interleaved_row_bytes(first.qtype, first.in_features)
+            rows = sum(p.out_features for p in parts)
+            out = torch.empty(rows // ROWS_INTERLEAVED, width, dtype=torch.uint8)
+            start = 0
+            for p in parts:
+                stop = start + p.out_features // ROWS_INTERLEAVED
+                kernels.interleave(p, out[start:stop])
+                loader.release([p])
+                start = stop
+            return GGMLWeight(out, first.qtype, first.in_features, interleaved=True)
+    fused = GGMLWeight(torch.cat([p.data for p in parts]), first.qtype, first.in_features)
+    loader.release(parts)
+    return _kernel_layout([fused], loader)[0] if interleaved else fused
 
 
 def _kernel_layout(parts: list, loader: WeightLoader) -> list:
