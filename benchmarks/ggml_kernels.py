@@ -9,9 +9,11 @@ its output projection 49152 x 576 Q8_0), run against torch's `_weight_int4pack_m
 (Q4_1, the file's blocks) and `_weight_int8pack_mm` (Q8_0 requantized per channel), each
 with bf16 rows in and out as the engine calls them; and TinyLlama-1.1B's projections
 (hidden 2048, FFN 5632: K-quants need K % 256 == 0) for every type. Each line: type, shape,
-T, us/call (best of the repeats), weight GB/s (the weight's bytes / time), the torch kernel's
-us/call and the ratio (torch / ours, > 1 is faster), and the max error relative to the
-largest output of gguf's fp32 reference. Timings on a shared machine are noisy: the two
+T, us/call (best of the repeats) in the layout the engine holds (rows interleaved by 16 where
+this build runs the type so), weight GB/s (the weight's bytes / time), the torch kernel's
+us/call and the ratio (torch / ours, > 1 is faster), the file layout's us/call and ratio
+(file / interleaved) where interleaved, and the max error relative to the largest output of
+gguf's fp32 reference. Timings on a shared machine are noisy: the two
 sides of a ratio run interleaved in one process. The last line is one JSON object.
 """
 
@@ -96,8 +98,11 @@ def run(types: list[str], rows_list: list[int], repeats: int, projs: set[str]) -
         for proj, (n, k) in shapes.items():
             if projs and proj not in projs:
                 continue
-            weight = realistic_weight(qtype, n, k)
-            dense = G.dequantize_ref(weight)
+            file_weight = realistic_weight(qtype, n, k)
+            dense = G.dequantize_ref(file_weight)
+            # The layout the engine holds: interleaved by 16 rows where this build runs it so.
+            interleaves = G.default_kernels().interleaves(qtype) and n % G.ROWS_INTERLEAVED == 0
+            weight = G.interleave(file_weight) if interleaves else file_weight
             baseline = torch_baseline(qtype, weight, dense) if model == "smol" else None
             for rows in rows_list:
                 x = torch.randn(rows, k).bfloat16()
@@ -105,6 +110,11 @@ def run(types: list[str], rows_list: list[int], repeats: int, projs: set[str]) -
                 err = (G.ggml_linear(x, weight) - ref).abs().max() / ref.abs().max()
                 ours = timed(lambda: G.ggml_linear_bf16(x, weight), repeats)  # noqa: B023
                 theirs = timed(lambda: baseline(x), repeats) if baseline else None  # noqa: B023
+                file_layout = (
+                    timed(lambda: G.ggml_linear_bf16(x, file_weight), repeats)  # noqa: B023
+                    if interleaves
+                    else None
+                )
                 row = {
                     "type": type_name,
                     "model": model,
@@ -115,6 +125,8 @@ def run(types: list[str], rows_list: list[int], repeats: int, projs: set[str]) -
                     "gb_s": round(weight.nbytes / ours / 1e9, 2),
                     "torch_us": None if theirs is None else round(theirs * 1e6, 1),
                     "ratio": None if theirs is None else round(theirs / ours, 2),
+                    "interleaved": interleaves,
+                    "file_layout_us": None if file_layout is None else round(file_layout * 1e6, 1),
                     "max_rel_err": float(f"{err.item():.2e}"),
                 }
                 results.append(row)
@@ -123,6 +135,10 @@ def run(types: list[str], rows_list: list[int], repeats: int, projs: set[str]) -
                     if theirs is None
                     else f"  torch {row['torch_us']:8.1f} us  x{row['ratio']:.2f}"
                 )
+                if file_layout is not None:
+                    torch_part += (
+                        f"  file layout {row['file_layout_us']:8.1f} us  x{file_layout / ours:.2f}"
+                    )
                 print(
                     f"{type_name:5} {model:9} {proj:8} {n:6}x{k:<5} T={rows:<3} "
                     f"{row['us']:8.1f} us {row['gb_s']:6.2f} GB/s{torch_part}  err {err:.1e}",
