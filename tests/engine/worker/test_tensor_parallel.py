@@ -201,8 +201,12 @@ def test_tp3_embedded_matches_tp1(smollm2_llm: LLM) -> None:
     llm = LLM(None, dtype="float32", kv_cache_memory_gb=0.25, tensor_parallel_size=3)
     try:
         assert llm.engine.runner.kv_caches[0].shape[3] == 1  # one KV head per rank
-        assert token_ids(llm, prompts, GREEDY) == expected
-        structured = llm.generate(["Ada Lovelace is 36."], STRUCTURED)[0].outputs[0]
+        # One batch (three ranks on two cores step slowly: the steps of the longest only).
+        *plain, structured = llm.generate(
+            [*prompts, "Ada Lovelace is 36."], [GREEDY, GREEDY, STRUCTURED]
+        )
+        assert [o.outputs[0].token_ids for o in plain] == expected
+        structured = structured.outputs[0]
         assert structured.token_ids == expected_json.token_ids
         assert structured.text == expected_json.text
     finally:
