@@ -273,7 +273,11 @@ class EngineArgs:
             path=path,
             hf_config=hf_config,
             arch=arch,
-            dtype=resolve_dtype(self.dtype, self.device),
+            dtype=resolve_dtype(
+                self.dtype,
+                self.device,
+                None if is_gguf(path) else hf_config.get("torch_dtype", hf_config.get("dtype")),
+            ),
             device=self.device,
             max_model_len=min(
                 self.max_model_len or arch.max_position_embeddings, arch.max_position_embeddings

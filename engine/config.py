@@ -59,14 +59,18 @@ def check_option_names(names, known: set[str], what: str, where: str) -> None:
             raise ConfigError(f"{name!r} is not {what}.{hint} {where}")
 
 
-def resolve_dtype(dtype: str | torch.dtype, device: str) -> torch.dtype:
-    """`"auto"` picks fp32 on the CPU (exact, deterministic) and bf16 on CUDA: by the device
-    the model runs on, not by whether this machine has a GPU."""
+def resolve_dtype(dtype: str | torch.dtype, device: str, stored: str | None = None) -> torch.dtype:
+    """`"auto"` picks bf16 on CUDA; on the CPU, a checkpoint stored in bf16 (`stored`, its
+    config's torch_dtype) stays bf16 and anything else runs in fp32 (a GGUF's activations;
+    fp16, whose CPU matmuls torch runs 4x slower than fp32's: docs/engine.md). By the
+    device the model runs on, not by whether this machine has a GPU."""
     if isinstance(dtype, torch.dtype):
         _check(dtype in DTYPES.values(), "dtype", dtype, "float32, bfloat16 or float16")
         return dtype
     if dtype == "auto":
-        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+        if device.startswith("cuda") or stored == "bfloat16":
+            return torch.bfloat16
+        return torch.float32
     _check(dtype in DTYPES, "dtype", dtype, f"'auto' or one of {sorted(DTYPES)}")
     return DTYPES[dtype]
 

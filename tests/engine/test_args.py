@@ -7,15 +7,19 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import shutil
 
 import anyio
 import pytest
+import safetensors.torch
+import torch
 
 from agentrt.cli import build_parser
 from agentrt.engine.args import EngineArgs
 from agentrt.engine.client.async_engine import AsyncEngine
 from agentrt.engine.client.llm import LLM
 from agentrt.engine.errors import ConfigError
+from agentrt.engine.sampling_params import SamplingParams
 from agentrt.runtime import Runtime
 from agentrt.server.state import ServerConfig
 
@@ -200,6 +204,30 @@ def test_auto_dtype_follows_the_configured_device():
     """fp32 for a CPU model even on a machine with a GPU; bf16 for a CUDA one."""
     assert str(EngineArgs(device="cpu").create_engine_config().model.dtype) == "torch.float32"
     assert str(EngineArgs(device="cuda:0").create_engine_config().model.dtype) == "torch.bfloat16"
+
+
+@pytest.mark.parametrize(("stored", "auto"), [("bfloat16", "bfloat16"), ("float16", "float32")])
+def test_auto_dtype_on_the_cpu_keeps_a_bf16_checkpoint_in_bf16(
+    tmp_path, tiny_checkpoint, stored, auto
+):
+    """A bf16 HF checkpoint runs in bf16 on the CPU (half the bytes of fp32, and faster:
+    docs/engine.md); an fp16 one in fp32 (torch's fp16 CPU matmuls are the slow ones)."""
+    path = tmp_path / stored
+    shutil.copytree(tiny_checkpoint("llama"), path)
+    weights = safetensors.torch.load_file(path / "model.safetensors")
+    want = getattr(torch, stored)
+    safetensors.torch.save_file(
+        {k: v.to(want) for k, v in weights.items()}, path / "model.safetensors", {"format": "pt"}
+    )
+    config = json.loads((path / "config.json").read_text())
+    config["torch_dtype"] = config["dtype"] = stored
+    (path / "config.json").write_text(json.dumps(config))
+    assert EngineArgs(model=str(path)).create_engine_config().model.dtype == getattr(torch, auto)
+    llm = LLM(str(path), kv_cache_memory_gb=0.01)
+    params = {p.dtype for p in llm.engine.runner.model.parameters()}
+    assert params == {getattr(torch, auto)}  # held once, in the dtype it runs in
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    assert len(llm.generate(["Once upon a time"], greedy)[0].outputs[0].token_ids) == 6
 
 
 def test_a_config_file_gives_runtime_its_options(tmp_path, tiny_checkpoint):
