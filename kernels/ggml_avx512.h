@@ -342,34 +342,44 @@ static void x16_group(int qtype, const uint8_t *group, int64_t num_blocks, const
     }
 }
 
-// ---- Q4_K interleaved by 16 rows -------------------------------------------------------------
+// ---- Q4_K and Q5_K interleaved by 16 rows -----------------------------------------------------
 //
 // A block of 16 rows (X16K_BLOCK bytes, `ggml_interleave`): d[16], dmin[16] (fp16); the 6-bit
 // scales unpacked, [8 sub-blocks][16 rows] bytes; the mins by pairs of sub-blocks, [4][16
 // rows][2] bytes (one int16 pair a lane once widened, for vpdpwssd against the activation's
 // pair of sub-block sums); the quants by 4-byte column, [32][16 rows][4]. Columns 8j .. 8j + 7
 // hold sub-block 2j in their low nibbles and 2j + 1 in their high ones (Q4_K's own order).
+// Q5_K (X16K5_BLOCK) adds its qh by 4-byte column, [8][16 rows][4]: bit s of qh[l] is the
+// fifth bit of sub-block s's element l.
 // Activations in blocks of 256 (act8k): y = d da sum_s sc_s P_s - dmin da sum_s m_s S_s, with
 // P_s the integer dot of sub-block s and S_s the sum of its activations.
 
-static inline __attribute__((always_inline)) void x16k_rows(const uint8_t *group,
+static inline __attribute__((always_inline)) void x16k_rows(const int q5, const uint8_t *group,
                                                             int64_t num_blocks, const uint8_t *act,
                                                             int64_t k, const int TT, float *sums) {
     const int64_t stride = act8k_bytes(k), bsum_at = (k + k / 256 * 4 + 63) / 64 * 64;
-    const __m512i low = _mm512_set1_epi8(0x0f);
+    const int64_t block = q5 ? X16K5_BLOCK : X16K_BLOCK;
+    const __m512i low = _mm512_set1_epi8(0x0f), bit4 = _mm512_set1_epi8(0x10);
     __m512 acc[X16_TT];
     for (int tt = 0; tt < TT; tt++) acc[tt] = _mm512_setzero_ps();
     for (int64_t b = 0; b < num_blocks; b++) {
-        const uint8_t *p = group + b * X16K_BLOCK;
+        const uint8_t *p = group + b * block;
         __m512i isum[X16_TT];
         for (int tt = 0; tt < TT; tt++) isum[tt] = _mm512_setzero_si512();
         for (int j = 0; j < 4; j++) { // sub-blocks 2j (low nibbles) and 2j + 1 (high)
             const uint8_t *qs = p + 320 + 512 * j;
+            const __m512i bit_lo = _mm512_set1_epi8((char)(1 << (2 * j)));
+            const __m512i bit_hi = _mm512_set1_epi8((char)(2 << (2 * j)));
             __m512i lo[8], hi[8];
             for (int c = 0; c < 8; c++) {
                 const __m512i v = _mm512_loadu_si512(qs + 64 * c);
                 lo[c] = _mm512_and_si512(v, low);
                 hi[c] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+                if (q5) { // Q5_K's fifth bits: bits 2j and 2j + 1 of qh's column c -> 16
+                    const __m512i h = _mm512_loadu_si512(p + 2368 + 64 * c);
+                    lo[c] = _mm512_mask_add_epi8(lo[c], _mm512_test_epi8_mask(h, bit_lo), lo[c], bit4);
+                    hi[c] = _mm512_mask_add_epi8(hi[c], _mm512_test_epi8_mask(h, bit_hi), hi[c], bit4);
+                }
             }
             const __m512i sc0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p + 64 + 32 * j)));
             const __m512i sc1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p + 80 + 32 * j)));
@@ -408,18 +418,22 @@ static inline __attribute__((always_inline)) void x16k_rows(const uint8_t *group
     for (int tt = 0; tt < TT; tt++) _mm512_storeu_ps(sums + 16 * tt, acc[tt]);
 }
 
-static void x16k_group(const uint8_t *group, int64_t num_blocks, const uint8_t *act, int64_t k,
-                       int64_t rows, float *sums) {
-    const int64_t stride = act8k_bytes(k);
-    int64_t t = 0;
-    for (; t + X16_TT <= rows; t += X16_TT)
-        x16k_rows(group, num_blocks, act + t * stride, k, X16_TT, sums + 16 * t);
-    switch (rows - t) {
-    case 3: x16k_rows(group, num_blocks, act + t * stride, k, 3, sums + 16 * t); break;
-    case 2: x16k_rows(group, num_blocks, act + t * stride, k, 2, sums + 16 * t); break;
-    case 1: x16k_rows(group, num_blocks, act + t * stride, k, 1, sums + 16 * t); break;
+#define X16K_GROUP(name, q5)                                                                       \
+    static void name(const uint8_t *group, int64_t num_blocks, const uint8_t *act, int64_t k,    \
+                     int64_t rows, float *sums) {                                                \
+        const int64_t stride = act8k_bytes(k);                                                   \
+        int64_t t = 0;                                                                           \
+        for (; t + X16_TT <= rows; t += X16_TT)                                                  \
+            x16k_rows(q5, group, num_blocks, act + t * stride, k, X16_TT, sums + 16 * t);       \
+        switch (rows - t) {                                                                      \
+        case 3: x16k_rows(q5, group, num_blocks, act + t * stride, k, 3, sums + 16 * t); break; \
+        case 2: x16k_rows(q5, group, num_blocks, act + t * stride, k, 2, sums + 16 * t); break; \
+        case 1: x16k_rows(q5, group, num_blocks, act + t * stride, k, 1, sums + 16 * t); break; \
+        }                                                                                        \
     }
-}
+X16K_GROUP(x16k_group, 0)
+X16K_GROUP(x16k5_group, 1)
+#undef X16K_GROUP
 
 // ---- Q6_K interleaved by 16 rows -------------------------------------------------------------
 //

@@ -10,8 +10,8 @@ step. The C library is built on first use for the best instruction set of this C
 (AVX-512 VNNI, AVX2, or portable C); `AGENTRT_GGML_ISA=scalar|avx2|avx512` forces one
 (read once, on first use); every function also takes `kernels=load_ggml_kernels(build_dir,
 isa)` to run another build (ggml_library.py).
-On AVX-512, Q4_0, Q4_1, Q8_0, Q4_K (~3x) and Q6_K (~1.8x) run faster with the rows of a
-weight interleaved by 16
+On AVX-512, Q4_0, Q4_1, Q8_0, Q4_K (~3x), Q5_K (~2x) and Q6_K (~1.7x) run faster with
+the rows of a weight interleaved by 16
 (`interleave`, done once at load; `GGMLWeight.interleaved`): each vector lane sums one row,
 so the scales of 16 rows are one vector and no lanes are summed at the end.
 Every step size takes the same kernel, so a row's result does not depend on the step it is
@@ -67,7 +67,7 @@ __all__ = [  # the library's names are re-exported for callers and tests
     "selected_isa",
 ]
 # The types `interleave` lays out by ROWS_INTERLEAVED rows (the AVX-512 build runs them so).
-INTERLEAVED_TYPES = frozenset({_Q.Q4_0, _Q.Q4_1, _Q.Q8_0, _Q.Q4_K, _Q.Q6_K})
+INTERLEAVED_TYPES = frozenset({_Q.Q4_0, _Q.Q4_1, _Q.Q8_0, _Q.Q4_K, _Q.Q5_K, _Q.Q6_K})
 ROWS_INTERLEAVED = 16
 DENSE_DTYPES = {_Q.F32: torch.float32, _Q.F16: torch.float16, _Q.BF16: torch.bfloat16}
 SUPPORTED_TYPES = frozenset(QUANTIZED_TYPES | DENSE_DTYPES.keys())
@@ -223,8 +223,8 @@ class GGMLWeight:
 def interleaved_row_bytes(qtype: int, in_features: int) -> int:
     """Bytes of one group of 16 interleaved rows of K = `in_features` (`interleave`)."""
     elems, size = block_shape(qtype)
-    if qtype == _Q.Q4_K:  # 16 rows' d, dmin, 8 scales and 8 mins unpacked, 128 quant bytes
-        return in_features // elems * (64 + 128 + 128 + 16 * 128)
+    if qtype in (_Q.Q4_K, _Q.Q5_K):  # 16 rows' d, dmin, 8 scales, 8 mins, 128 quant bytes
+        return in_features // elems * (64 + 128 + 128 + 16 * 128 + (512 if qtype == _Q.Q5_K else 0))
     return in_features // elems * ROWS_INTERLEAVED * size
 
 

@@ -146,10 +146,12 @@ def check_layout_at_one_place(x16: G.GGMLWeight, w: G.GGMLWeight, qtype: int) ->
         assert torch.equal(place[2336 + 64 + 20 : 2336 + 64 + 24], blk[128 + 4 : 128 + 8])
         return
     assert torch.equal(place[10:12], blk[:2])  # d
-    if qtype == Q.Q4_K:  # dmin; sub-block 2's 6-bit scale and min, unpacked; then columns
+    if qtype in (Q.Q4_K, Q.Q5_K):  # dmin; sub-block 2's 6-bit scale and min; then columns
         assert torch.equal(place[42:44], blk[2:4])
         assert place[64 + 32 + 5] == blk[4 + 2] & 63 and place[192 + 32 + 10] == blk[8 + 2] & 63
-        columns, quants = 320, blk[16:]
+        columns, quants = 320, blk[16:] if qtype == Q.Q4_K else blk[48:]
+        if qtype == Q.Q5_K:  # qh's column 1
+            assert torch.equal(place[2368 + 64 + 20 : 2368 + 64 + 24], blk[16 + 4 : 16 + 8])
     else:
         head = 4 if qtype == Q.Q4_1 else 2
         columns, quants = 16 * head, blk[head:]
@@ -162,7 +164,8 @@ def test_interleaved_layout_is_the_documented_one_and_gives_back_its_rows(qtype)
     w = G.random_weight(qtype, 48, K, seed=qtype)
     x16 = G.interleave(w)
     assert x16.interleaved and x16.out_features == 48
-    assert x16.nbytes == (w.nbytes if qtype != Q.Q4_K else w.nbytes * 2368 // 2304)
+    grown = {Q.Q4_K: (2368, 16 * 144), Q.Q5_K: (2880, 16 * 176)}  # unpacked 6-bit scales
+    assert x16.nbytes == w.nbytes * grown.get(qtype, (1, 1))[0] // grown.get(qtype, (1, 1))[1]
     check_layout_at_one_place(x16, w, qtype)
     assert torch.equal(G.deinterleave(x16).data, w.data)
     assert torch.equal(x16.dequantize(), w.dequantize())
@@ -201,18 +204,18 @@ def test_interleaved_product_matches_gguf_reference(qtype):
 
 
 def test_interleaving_is_refused_where_there_is_no_such_layout_or_kernel():
-    for qtype, rows in ((Q.Q5_K, 48), (Q.Q5_0, 48), (Q.Q4_0, 40)):
+    for qtype, rows in ((Q.Q3_K, 48), (Q.Q5_0, 48), (Q.Q4_0, 40)):
         with pytest.raises(KernelInputError, match="no interleaved layout"):
             G.interleave(G.random_weight(qtype, rows, K))
     x16 = G.interleave(G.random_weight(Q.Q4_0, 48, K))
     with pytest.raises(KernelInputError, match="expected uint8"):
         G.GGMLWeight(x16.data[:, :-18], Q.Q4_0, K, interleaved=True)
     with pytest.raises(KernelInputError, match="no interleaved layout"):
-        G.GGMLWeight(G.random_weight(Q.Q5_K, 16, K).data.reshape(1, -1), Q.Q5_K, K, True)
+        G.GGMLWeight(G.random_weight(Q.Q3_K, 16, K).data.reshape(1, -1), Q.Q3_K, K, True)
     for isa in ISAS:  # only the AVX-512 build runs it; the others refuse, never misread it
         kern = G.load_ggml_kernels(G.default_build_dir(), isa)
         assert kern.interleaves(Q.Q4_0) == kern.interleaves(Q.Q6_K) == (isa == "avx512")
-        assert not kern.interleaves(Q.Q5_K)
+        assert not kern.interleaves(Q.Q3_K)
         if isa != "avx512":
             with pytest.raises(KernelInputError, match="refused"):
                 G.ggml_linear(torch.randn(2, K), x16, kernels=kern)
