@@ -1,4 +1,5 @@
-"""Offline throughput: agentrt vs HF transformers `generate`, bf16 on both sides, one run.
+"""Offline throughput: agentrt vs HF transformers `generate`, bf16 on both sides, one run
+(`--dtype auto`: agentrt in its default, the GGUF's own blocks, against the same bf16 HF).
 
 Workloads (chat-formatted prompts on the embedded SmolLM2-135M-Instruct, EOS ignored):
   fixed  64 prompts x 128 output tokens; HF runs them as one padded batch of 64.
@@ -95,11 +96,16 @@ def main() -> None:
     parser.add_argument("--only", choices=("fixed", "mixed"), help="run one workload")
     parser.add_argument("--device", default="cpu", help="'cpu' or 'cuda[:N]' (both sides)")
     parser.add_argument("--json", metavar="PATH", help="also write the result object here")
+    parser.add_argument(
+        "--dtype",
+        default="bfloat16",
+        help="agentrt's dtype: bfloat16 (dense, as HF), or auto (the GGUF's own blocks on the CPU)",
+    )
     args = parser.parse_args()
     scale = 4 if args.quick else 1
 
     llm = LLM(
-        None, dtype="bfloat16", device=args.device, max_num_seqs=256, max_num_batched_tokens=2048
+        None, dtype=args.dtype, device=args.device, max_num_seqs=256, max_num_batched_tokens=2048
     )
     tokenizer = llm.tokenizer
     hf = None
@@ -129,6 +135,8 @@ def main() -> None:
     llm.generate("warm up", SamplingParams(max_tokens=8))
     result: dict[str, str | float | None] = {
         "device": args.device,
+        "dtype": args.dtype,
+        "quantization": llm.engine.model_config.quantization,
         "attention_backend": llm.runner.attention.name,
         "threads": torch.get_num_threads(),
     }
