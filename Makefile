@@ -4,7 +4,8 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install --quiet --disable-pip-version-check
 STAMP := $(VENV)/.agentrt-setup
 PYTEST_ARGS ?=
-# Test workers (pytest-xdist): a file's tests stay on one worker, so module fixtures load once.
+# Test workers (pytest-xdist): a file's tests stay on one worker, so module fixtures load once;
+# files with a slow test go first (tests/conftest.py orders them, xdist keeps that order).
 TEST_WORKERS ?= 2
 
 .PHONY: setup demo test lint bench clean
@@ -24,7 +25,7 @@ demo: setup
 	$(PY) examples/demo.py
 
 test: setup
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check .

@@ -28,6 +28,7 @@ EXPECTED = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("index", range(len(README_BLOCKS)))
 def test_readme_python_blocks_run(smollm2_dir, index):
     out = _run([sys.executable, "-c", README_BLOCKS[index]]).stdout
@@ -35,6 +36,7 @@ def test_readme_python_blocks_run(smollm2_dir, index):
         assert fragment in out
 
 
+@pytest.mark.slow
 def test_demo(smollm2_dir):
     """`make demo`: chat, the extraction pipeline and the agent (examples/extraction.py and
     examples/agent.py) on one Runtime."""

@@ -148,6 +148,7 @@ async def test_failing_tool_goes_back_as_a_tool_message(rt):
     assert len(steps) == 2
 
 
+@pytest.mark.slow
 async def test_parallel_calls_run_concurrently(rt):
     import anyio
 

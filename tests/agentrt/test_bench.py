@@ -91,6 +91,7 @@ def check_consistent(result: dict, wall_s: float, output_tokens: int | None = No
         assert 0.0 <= result["valid_fraction"] <= 1.0
 
 
+@pytest.mark.slow
 def test_throughput_counts_and_rates_add_up(results) -> None:
     bench, wall_s = results["throughput"]
     result = bench.to_dict()

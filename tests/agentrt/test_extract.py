@@ -69,6 +69,7 @@ async def test_item_failures_are_returned_not_raised(rt):
     assert await rt.extract_many([], Contact, instructions="x") == []
 
 
+@pytest.mark.slow
 def test_extract_command(tmp_path: Path, smollm2_dir):
     source = tmp_path / "in.jsonl"
     source.write_text(

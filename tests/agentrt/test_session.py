@@ -213,6 +213,7 @@ async def test_cancelled_generate_frees_its_blocks(rt):
     assert after.num_waiting == 0
 
 
+@pytest.mark.slow
 async def test_64_concurrent_generates_are_all_valid(rt):
     results: list[Person | None] = [None] * 64
 

@@ -28,6 +28,7 @@ def base(tiny_checkpoint) -> EngineArgs:
 DATASET = DatasetConfig(name="extraction", num_prompts=8, output_len=48)
 
 
+@pytest.mark.slow
 def test_a_configuration_over_the_bound_is_never_chosen(base):
     """One request at a time (max_num_seqs=1) makes the last of 8 simultaneous requests wait
     for the other 7: its TTFT is ~7 requests long (measured ~1.1 s here), against ~15 ms for
@@ -89,6 +90,7 @@ def test_a_winner_needs_the_minimum_gain_over_the_baseline():
     assert choose([], baseline, 0.05) is None
 
 
+@pytest.mark.slow
 def test_the_written_file_round_trips_into_serve_and_runtime(base, tmp_path):
     path = tmp_path / "tuned.json"
     code = main(

@@ -25,6 +25,7 @@ def bench():
     del sys.modules[spec.name]
 
 
+@pytest.mark.slow
 def test_synthetic_file_reads_back(bench, tmp_path):
     import gguf
 

@@ -42,16 +42,19 @@ def _token_ids(outputs) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outputs]
 
 
+@pytest.mark.slow
 def test_embedded_model_batched_equals_hf(smollm2_llm, hf_reference):
     assert _token_ids(smollm2_llm.generate(PROMPTS, GREEDY)) == hf_reference
 
 
+@pytest.mark.slow
 def test_embedded_model_one_at_a_time_equals_hf(smollm2_llm, hf_reference):
     # one request per step: plain text, a chat turn, emoji and CJK (the batch test has all)
     for i in (0, 5, 7):
         assert _token_ids(smollm2_llm.generate(PROMPTS[i], GREEDY)) == [hf_reference[i]]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "engine_args",
     [

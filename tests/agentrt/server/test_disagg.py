@@ -67,6 +67,7 @@ def chat(client: openai.OpenAI, model: str, question: str, **options) -> str:
     return reply.choices[0].message.content
 
 
+@pytest.mark.slow
 def test_prefill_there_decode_here_equals_one_instance(disagg, client, model_name):
     producer, consumer, proxy = disagg
     via_proxy = openai.OpenAI(base_url=proxy.url + "/v1", api_key="none", max_retries=0)

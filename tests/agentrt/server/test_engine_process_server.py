@@ -23,6 +23,7 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
+@pytest.mark.slow
 async def test_a_killed_core_makes_health_503_and_the_server_exit_1(tiny_checkpoint):
     model = str(tiny_checkpoint("llama"))
     args = EngineArgs(model=model, dtype="float32", kv_cache_memory_gb=0.05, engine_process=True)

@@ -7,10 +7,12 @@ import json
 
 import httpx
 import openai
+import pytest
 
 from tests.agentrt.server.helpers import ServerProcess, metrics
 
 
+@pytest.mark.slow
 def test_serve_with_speculative_config(tiny_checkpoint):
     model = str(tiny_checkpoint("llama"))
     base = ("--model", model, "--dtype", "float32", "--kv-cache-memory-gb", "0.05")

@@ -63,6 +63,7 @@ def run(smollm2_llm, monkeypatch):
     return run
 
 
+@pytest.mark.slow
 def test_jump_forward_keeps_outputs_valid_in_fewer_steps(run, smollm2_llm):
     plain, plain_steps = run(_params(), jump_forward=False)
     jumped, jumped_steps = run(_params(), jump_forward=True)

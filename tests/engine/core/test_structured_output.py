@@ -55,6 +55,7 @@ def _params(fmt, temperature: float, seed: int = 0, max_tokens: int = 200) -> Sa
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_pydantic_model_outputs_validate(smollm2_llm, temperature):
     params = [_params(Person, temperature, seed=s) for s in range(4)]
@@ -104,6 +105,7 @@ def _maskbench_schemas(count: int) -> list[dict]:
     return schemas
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not MASKBENCH.is_dir(), reason="shared MaskBench data not present")
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_maskbench_schemas_finish_and_validate(smollm2_llm, temperature):
