@@ -38,8 +38,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     """On an xdist worker (`make test`: --dist loadfile --no-loadscope-reorder), files that
     hold a `slow` test are handed out first, then the rest by number of tests (xdist's own
     order): a long file started last keeps one worker busy alone at the end. Simulated on
-    the suite's JUnit times, the two workers' finishing gap: median 12 -> 6 s, p90 25 ->
-    14 s. Within a file the order stays as collected."""
+    the suite's JUnit times (+-25% noise a file), the two workers' finishing gap: median
+    12.0 -> 0.9 s, p90 24.8 -> 2.5 s. Within a file the order stays as collected."""
     if not os.environ.get("PYTEST_XDIST_WORKER"):
         return
     by_file: dict[Path, list[pytest.Item]] = {}
