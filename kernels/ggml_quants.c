@@ -595,11 +595,13 @@ static inline int q8k_type(int qtype) {
 // The activation block this build quantizes to for the type: 256 or 32.
 int ggml_act_block(int qtype) { return q8k_type(qtype) ? 256 : 32; }
 
-// The types `interleave` (ggml_linear.py) lays out by 16 rows, on the AVX-512 build only.
+// The types this build runs interleaved by 16 rows (ggml_linear.py's `interleave`): on
+// AVX-512 Q4_0, Q4_1, Q8_0 and the K-quants but Q2_K / Q3_K; on AVX2 Q4_0, Q4_1 and Q4_K.
 static inline int x16_type(int qtype) {
-    return AGENTRT_ISA == 2 &&
-           (qtype == T_Q4_0 || qtype == T_Q4_1 || qtype == T_Q8_0 || qtype == T_Q4_K ||
-            qtype == T_Q5_K || qtype == T_Q6_K);
+    if (AGENTRT_ISA == 2)
+        return qtype == T_Q4_0 || qtype == T_Q4_1 || qtype == T_Q8_0 || qtype == T_Q4_K ||
+               qtype == T_Q5_K || qtype == T_Q6_K;
+    return AGENTRT_ISA == 1 && (qtype == T_Q4_0 || qtype == T_Q4_1 || qtype == T_Q4_K);
 }
 
 static inline void store_out(void *out, int out_bf16, int64_t at, float v) {
@@ -674,14 +676,16 @@ int ggml_linear(const void *x, int x_bf16, int64_t rows, int64_t k, const uint8_
             for (int64_t nn = 0; nn < units; nn++) {
                 if (!acc || !sums) continue;
                 const uint8_t *row = w + nn * w_stride;
-#if AGENTRT_ISA == 2
+#if AGENTRT_ISA >= 1
                 if (interleaved) {
                     if (qtype == T_Q4_K)
                         x16k_group(row, row_blocks, at, k, tr, sums);
+#if AGENTRT_ISA == 2
                     else if (qtype == T_Q5_K)
                         x16k5_group(row, row_blocks, at, k, tr, sums);
                     else if (qtype == T_Q6_K)
                         x16q6_group(row, row_blocks, at, k, tr, sums);
+#endif
                     else
                         x16_group(qtype, row, row_blocks, at, kp, tr, sums);
                     for (int64_t t = 0; t < tr; t++)

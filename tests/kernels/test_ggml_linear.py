@@ -179,12 +179,17 @@ def test_interleaved_layout_is_the_documented_one_and_gives_back_its_rows(qtype)
     assert torch.equal(pickle.loads(pickle.dumps(x16)).data, x16.data)
 
 
-@pytest.mark.skipif("avx512" not in ISAS, reason="the interleaved kernel is AVX-512's")
 @pytest.mark.parametrize("qtype", INTERLEAVED, ids=lambda t: Q(t).name)
-def test_interleaved_product_matches_gguf_reference(qtype):
-    kern = G.load_ggml_kernels(G.default_build_dir(), "avx512")
+def test_interleaved_product_matches_gguf_reference(kern, qtype):
+    """Each build that runs the type interleaved (AVX-512: all of them; AVX2: Q4_0, Q4_1,
+    Q4_K); the others refuse the layout rather than misread it."""
     w = G.random_weight(qtype, 48, K, seed=qtype)
     dense, x16 = G.dequantize_ref(w), G.interleave(w, kern)
+    if not kern.interleaves(qtype):
+        assert (kern.isa, qtype) not in {("avx512", t) for t in INTERLEAVED}
+        with pytest.raises(KernelInputError, match="refused"):
+            G.ggml_linear(torch.randn(2, K), x16, kernels=kern)
+        return
     gen = torch.Generator().manual_seed(qtype)
     for rows in (1, 3, 16, 64):
         x = torch.randn(rows, K, generator=gen)
@@ -212,13 +217,11 @@ def test_interleaving_is_refused_where_there_is_no_such_layout_or_kernel():
         G.GGMLWeight(x16.data[:, :-18], Q.Q4_0, K, interleaved=True)
     with pytest.raises(KernelInputError, match="no interleaved layout"):
         G.GGMLWeight(G.random_weight(Q.Q3_K, 16, K).data.reshape(1, -1), Q.Q3_K, K, True)
-    for isa in ISAS:  # only the AVX-512 build runs it; the others refuse, never misread it
+    for isa in ISAS:  # which build runs which type interleaved
         kern = G.load_ggml_kernels(G.default_build_dir(), isa)
-        assert kern.interleaves(Q.Q4_0) == kern.interleaves(Q.Q6_K) == (isa == "avx512")
+        assert kern.interleaves(Q.Q4_0) == kern.interleaves(Q.Q4_K) == (isa != "scalar")
+        assert kern.interleaves(Q.Q6_K) == kern.interleaves(Q.Q8_0) == (isa == "avx512")
         assert not kern.interleaves(Q.Q3_K)
-        if isa != "avx512":
-            with pytest.raises(KernelInputError, match="refused"):
-                G.ggml_linear(torch.randn(2, K), x16, kernels=kern)
 
 
 def test_select_rows(weights):
