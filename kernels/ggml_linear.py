@@ -66,7 +66,8 @@ __all__ = [  # the library's names are re-exported for callers and tests
     "load_ggml_kernels",
     "selected_isa",
 ]
-# The types `interleave` lays out by ROWS_INTERLEAVED rows (the AVX-512 build runs them so).
+# The types `interleave` lays out by ROWS_INTERLEAVED rows (GGMLKernels.interleaves: which
+# build runs which of them so).
 INTERLEAVED_TYPES = frozenset({_Q.Q4_0, _Q.Q4_1, _Q.Q8_0, _Q.Q4_K, _Q.Q5_K, _Q.Q6_K})
 ROWS_INTERLEAVED = 16
 DENSE_DTYPES = {_Q.F32: torch.float32, _Q.F16: torch.float16, _Q.BF16: torch.bfloat16}
@@ -123,7 +124,7 @@ class GGMLWeight:
     data: torch.Tensor
     qtype: int
     in_features: int
-    # True: `data` is (N / 16, 16 * row_bytes), the rows interleaved by `interleave`.
+    # True: `data` is (N / 16, interleaved_row_bytes), the rows interleaved by `interleave`.
     interleaved: bool = False
     # What the C kernel takes of it, read once: (data address, row stride, qtype, N, K).
     _c_args: tuple[int, int, int, int, int] = field(init=False, repr=False, compare=False)
@@ -220,24 +221,28 @@ class GGMLWeight:
         return self.data.view(DENSE_DTYPES[self.qtype])  # (N, K)
 
 
+# Bytes of a block of 16 interleaved rows where it is not 16 blocks (ggml_quants.c's
+# group_block_bytes): Q4_K's and Q5_K's 6-bit scales and mins are held unpacked.
+_GROUP_BLOCK_BYTES = {_Q.Q4_K: 64 + 128 + 128 + 16 * 128, _Q.Q5_K: 64 + 128 + 128 + 16 * 160}
+
+
 def interleaved_row_bytes(qtype: int, in_features: int) -> int:
     """Bytes of one group of 16 interleaved rows of K = `in_features` (`interleave`)."""
     elems, size = block_shape(qtype)
-    if qtype in (_Q.Q4_K, _Q.Q5_K):  # 16 rows' d, dmin, 8 scales, 8 mins, 128 quant bytes
-        return in_features // elems * (64 + 128 + 128 + 16 * 128 + (512 if qtype == _Q.Q5_K else 0))
-    return in_features // elems * ROWS_INTERLEAVED * size
+    return in_features // elems * _GROUP_BLOCK_BYTES.get(_Q(qtype), ROWS_INTERLEAVED * size)
 
 
 def interleave(weight: GGMLWeight, kernels: GGMLKernels | None = None) -> GGMLWeight:
-    """The weight with its rows interleaved by 16, for the AVX-512 kernels (ggml_avx512.h): a
-    copy, (N / 16, interleaved_row_bytes), made by the C library (`kernels`, default
-    `default_kernels()`). Each group of 16 rows goes block by block; a block of the group is
-    its 16 rows' fp16 d (32 bytes), then their m (Q4_1) or dmin (Q4_K), then (Q4_K) the 8
-    sub-block scales [8][16] and mins [4][16][2] unpacked from their 6-bit fields, then the
-    block's quants by 4-byte column: column c is the 16 rows' quant bytes 4c .. 4c + 3 (64
-    bytes, row r at 4r): 4 columns for Q4_0 / Q4_1 (a byte holds two elements, c's and
-    c + 16's), 8 for Q8_0 (its int8 quants stored as u = q + 128), 32 for Q4_K. N must be a
-    multiple of 16. `deinterleave` and `select_rows` give the file's rows back."""
+    """The weight with its rows interleaved by 16 for the SIMD kernels that take it so
+    (`GGMLKernels.interleaves`): a copy, (N / 16, interleaved_row_bytes), made by the C
+    library (`kernels`, default `default_kernels()`). Each group of 16 rows goes block by
+    block; a block of the group holds the 16 rows' scale fields side by side (fp16 d; m of
+    Q4_1; dmin and the 8 sub-block scales and mins of Q4_K / Q5_K unpacked from their 6-bit
+    fields; Q6_K's 16 int8 scales), then the block's quants by 4-byte column: column c is
+    the 16 rows' quant bytes 4c .. 4c + 3 (64 bytes, row r at 4r), so one 64-byte register
+    holds 4 bytes of each row. Q8_0's int8 quants are stored as u = q + 128; Q5_K's qh and
+    Q6_K's ql and qh are columns the same way. ggml_avx512.h spells out each layout. N must
+    be a multiple of 16; `deinterleave` and `select_rows` give the file's rows back."""
     qtype, g = weight.qtype, ROWS_INTERLEAVED
     if weight.interleaved:
         return weight
