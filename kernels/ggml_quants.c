@@ -595,13 +595,13 @@ static inline int q8k_type(int qtype) {
 // The activation block this build quantizes to for the type: 256 or 32.
 int ggml_act_block(int qtype) { return q8k_type(qtype) ? 256 : 32; }
 
-// The types this build runs interleaved by 16 rows (ggml_linear.py's `interleave`): on
-// AVX-512 Q4_0, Q4_1, Q8_0 and the K-quants but Q2_K / Q3_K; on AVX2 Q4_0, Q4_1 and Q4_K.
+// The types this build runs interleaved by 16 rows (ggml_linear.py's `interleave`): Q4_0,
+// Q4_1, Q4_K and Q5_K on AVX-512 and AVX2; Q8_0 and Q6_K on AVX-512 (ggml_avx2.h says why
+// not there).
 static inline int x16_type(int qtype) {
-    if (AGENTRT_ISA == 2)
-        return qtype == T_Q4_0 || qtype == T_Q4_1 || qtype == T_Q8_0 || qtype == T_Q4_K ||
-               qtype == T_Q5_K || qtype == T_Q6_K;
-    return AGENTRT_ISA == 1 && (qtype == T_Q4_0 || qtype == T_Q4_1 || qtype == T_Q4_K);
+    return AGENTRT_ISA >= 1 &&
+           (qtype == T_Q4_0 || qtype == T_Q4_1 || qtype == T_Q4_K || qtype == T_Q5_K ||
+            (AGENTRT_ISA == 2 && (qtype == T_Q8_0 || qtype == T_Q6_K)));
 }
 
 static inline void store_out(void *out, int out_bf16, int64_t at, float v) {
@@ -680,9 +680,9 @@ int ggml_linear(const void *x, int x_bf16, int64_t rows, int64_t k, const uint8_
                 if (interleaved) {
                     if (qtype == T_Q4_K)
                         x16k_group(row, row_blocks, at, k, tr, sums);
-#if AGENTRT_ISA == 2
                     else if (qtype == T_Q5_K)
                         x16k5_group(row, row_blocks, at, k, tr, sums);
+#if AGENTRT_ISA == 2
                     else if (qtype == T_Q6_K)
                         x16q6_group(row, row_blocks, at, k, tr, sums);
 #endif

@@ -182,7 +182,7 @@ def test_interleaved_layout_is_the_documented_one_and_gives_back_its_rows(qtype)
 @pytest.mark.parametrize("qtype", INTERLEAVED, ids=lambda t: Q(t).name)
 def test_interleaved_product_matches_gguf_reference(kern, qtype):
     """Each build that runs the type interleaved (AVX-512: all of them; AVX2: Q4_0, Q4_1,
-    Q4_K); the others refuse the layout rather than misread it."""
+    Q4_K, Q5_K); the others refuse the layout rather than misread it."""
     w = G.random_weight(qtype, 48, K, seed=qtype)
     dense, x16 = G.dequantize_ref(w), G.interleave(w, kern)
     if not kern.interleaves(qtype):
@@ -219,7 +219,7 @@ def test_interleaving_is_refused_where_there_is_no_such_layout_or_kernel():
         G.GGMLWeight(G.random_weight(Q.Q3_K, 16, K).data.reshape(1, -1), Q.Q3_K, K, True)
     for isa in ISAS:  # which build runs which type interleaved
         kern = G.load_ggml_kernels(G.default_build_dir(), isa)
-        assert kern.interleaves(Q.Q4_0) == kern.interleaves(Q.Q4_K) == (isa != "scalar")
+        assert kern.interleaves(Q.Q4_0) == kern.interleaves(Q.Q5_K) == (isa != "scalar")
         assert kern.interleaves(Q.Q6_K) == kern.interleaves(Q.Q8_0) == (isa == "avx512")
         assert not kern.interleaves(Q.Q3_K)
 
