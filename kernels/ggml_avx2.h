@@ -317,14 +317,14 @@ static void legacy_row(int qtype, const BlockType *bt, const uint8_t *row, int64
     }
 }
 
-// ---- Q4_0, Q4_1, Q4_K and Q5_K interleaved by 16 rows (ggml_avx512.h has the layouts) -----
+// ---- Q4_0 and Q4_1 interleaved by 16 rows (ggml_avx512.h has the layout) -------------------
 //
 // Each half of a group (8 rows, a 32-bit lane each) on its own, 8 columns of u at a time (the
 // 16 registers allow no more): pmaddubsw of u (< 16) and the activation's 4 bytes broadcast
 // gives each row 2 int16 sums, 8 columns of them are added in int16 (at most 8 * 2 * 15 *
-// 128 < 2^15), then pmaddwd by ones gives each row its int32 dot (Q5_K: 4 columns a sum).
-// Q8_0 (u up to 255 would saturate pmaddubsw) and Q6_K (measured no faster: its 6-bit
-// quants take more decoding a column than 8 rows amortize) stay in the file's layout here.
+// 128 < 2^15), then pmaddwd by ones gives each row its int32 dot. Q8_0 (u up to 255 would
+// saturate pmaddubsw) and the K-quants stay in the file's layout here: an interleaved Q4_K,
+// Q5_K and Q6_K were measured slower than it when streaming weights from memory.
 
 #define X16_TT 2 // activation rows a pass over a group's blocks
 
@@ -379,96 +379,5 @@ static void x16_group(int qtype, const uint8_t *group, int64_t num_blocks, const
         x16_rows(qtype, group, num_blocks, act + t * stride, kp, X16_TT, sums + 16 * t);
     if (t < rows) x16_rows(qtype, group, num_blocks, act + t * stride, kp, 1, sums + 16 * t);
 }
-
-// As x16_dot8 for u < 32 (Q5_K): int16 sums of 4 columns at a time (4 * 2 * 31 * 128 < 2^15).
-static inline __m256i x16_dot8_q5(const __m256i *u, const int32_t *q) {
-    const __m256i ones = _mm256_set1_epi16(1);
-    __m256i total = _mm256_setzero_si256();
-    for (int c0 = 0; c0 < 8; c0 += 4) {
-        __m256i s = _mm256_maddubs_epi16(u[c0], _mm256_set1_epi32(q[c0]));
-        for (int c = c0 + 1; c < c0 + 4; c++)
-            s = _mm256_add_epi16(s, _mm256_maddubs_epi16(u[c], _mm256_set1_epi32(q[c])));
-        total = _mm256_add_epi32(total, _mm256_madd_epi16(s, ones));
-    }
-    return total;
-}
-
-static inline __attribute__((always_inline)) void x16k_rows(const int q5, const uint8_t *group,
-                                                            int64_t num_blocks, const uint8_t *act,
-                                                            int64_t k, const int TT, float *sums) {
-    const int64_t stride = act8k_bytes(k), bsum_at = (k + k / 256 * 4 + 63) / 64 * 64;
-    const int64_t block = q5 ? X16K5_BLOCK : X16K_BLOCK;
-    const __m256i low = _mm256_set1_epi8(0x0f), bit4 = _mm256_set1_epi8(0x10);
-    for (int half = 0; half < 2; half++) {
-        __m256 acc[X16_TT];
-        for (int tt = 0; tt < TT; tt++) acc[tt] = _mm256_setzero_ps();
-        for (int64_t b = 0; b < num_blocks; b++) {
-            const uint8_t *p = group + b * block;
-            __m256i isum[X16_TT];
-            for (int tt = 0; tt < TT; tt++) isum[tt] = _mm256_setzero_si256();
-            for (int s = 0; s < 8; s++) { // sub-block s: columns 8(s/2) .., nibble s & 1
-                const uint8_t *qs = p + 320 + 512 * (s / 2) + 32 * half;
-                __m256i u[8];
-                const __m256i bit = _mm256_set1_epi8((char)(1 << s)); // Q5_K: qh's bit s
-                for (int c = 0; c < 8; c++) {
-                    const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 64 * c));
-                    u[c] = _mm256_and_si256(s & 1 ? _mm256_srli_epi16(v, 4) : v, low);
-                    if (q5) {
-                        const __m256i h = _mm256_loadu_si256(
-                            (const __m256i *)(p + 2368 + 64 * c + 32 * half));
-                        const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(h, bit), bit);
-                        u[c] = _mm256_or_si256(u[c], _mm256_and_si256(set, bit4));
-                    }
-                }
-                const __m256i sc = _mm256_cvtepu8_epi32(
-                    _mm_loadl_epi64((const __m128i *)(p + 64 + 16 * s + 8 * half)));
-                for (int tt = 0; tt < TT; tt++) {
-                    const int32_t *q = (const int32_t *)(act + tt * stride + 256 * b + 32 * s);
-                    const __m256i dot = q5 ? x16_dot8_q5(u, q) : x16_dot8(u, q);
-                    isum[tt] = _mm256_add_epi32(isum[tt], _mm256_mullo_epi32(dot, sc));
-                }
-            }
-            __m256i m[4];
-            for (int h = 0; h < 4; h++)
-                m[h] = _mm256_cvtepu8_epi16(
-                    _mm_loadu_si128((const __m128i *)(p + 192 + 32 * h + 16 * half)));
-            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 16 * half)));
-            const __m256 dmin =
-                _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 32 + 16 * half)));
-            for (int tt = 0; tt < TT; tt++) {
-                const uint8_t *a = act + tt * stride;
-                const __m256i bs = _mm256_loadu_si256((const __m256i *)(a + bsum_at + 32 * b));
-                const __m256i pairs = _mm256_packs_epi32(_mm256_madd_epi16(bs, _mm256_set1_epi16(1)),
-                                                         _mm256_setzero_si256());
-                // pairs: lane 0 (S0 S1)(S2 S3) . ., lane 1 (S4 S5)(S6 S7) . .
-                __m256i msum = _mm256_madd_epi16(m[0], _mm256_set1_epi32(_mm256_extract_epi32(pairs, 0)));
-                msum = _mm256_add_epi32(msum, _mm256_madd_epi16(m[1], _mm256_set1_epi32(_mm256_extract_epi32(pairs, 1))));
-                msum = _mm256_add_epi32(msum, _mm256_madd_epi16(m[2], _mm256_set1_epi32(_mm256_extract_epi32(pairs, 4))));
-                msum = _mm256_add_epi32(msum, _mm256_madd_epi16(m[3], _mm256_set1_epi32(_mm256_extract_epi32(pairs, 5))));
-                const __m256 da = _mm256_set1_ps(((const float *)(a + k))[b]);
-                acc[tt] = _mm256_fmadd_ps(d, _mm256_mul_ps(_mm256_cvtepi32_ps(isum[tt]), da), acc[tt]);
-                acc[tt] = _mm256_fnmadd_ps(dmin, _mm256_mul_ps(_mm256_cvtepi32_ps(msum), da), acc[tt]);
-            }
-        }
-        for (int tt = 0; tt < TT; tt++) _mm256_storeu_ps(sums + 16 * tt + 8 * half, acc[tt]);
-    }
-}
-
-#define X16_GROUP(name, call)                                                                      \
-    static void name(const uint8_t *group, int64_t num_blocks, const uint8_t *act, int64_t k,    \
-                     int64_t rows, float *sums) {                                                \
-        const int64_t stride = act8k_bytes(k);                                                   \
-        int64_t t = 0;                                                                           \
-        for (; t + X16_TT <= rows; t += X16_TT)                                                  \
-            call(group, num_blocks, act + t * stride, k, X16_TT, sums + 16 * t);                 \
-        if (t < rows) call(group, num_blocks, act + t * stride, k, 1, sums + 16 * t);            \
-    }
-#define X16K_CALL(...) x16k_rows(0, __VA_ARGS__)
-#define X16K5_CALL(...) x16k_rows(1, __VA_ARGS__)
-X16_GROUP(x16k_group, X16K_CALL)
-X16_GROUP(x16k5_group, X16K5_CALL)
-#undef X16K_CALL
-#undef X16K5_CALL
-#undef X16_GROUP
 
 #endif

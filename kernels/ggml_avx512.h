@@ -342,44 +342,34 @@ static void x16_group(int qtype, const uint8_t *group, int64_t num_blocks, const
     }
 }
 
-// ---- Q4_K and Q5_K interleaved by 16 rows -----------------------------------------------------
+// ---- Q4_K interleaved by 16 rows -------------------------------------------------------------
 //
 // A block of 16 rows (X16K_BLOCK bytes, `ggml_interleave`): d[16], dmin[16] (fp16); the 6-bit
 // scales unpacked, [8 sub-blocks][16 rows] bytes; the mins by pairs of sub-blocks, [4][16
 // rows][2] bytes (one int16 pair a lane once widened, for vpdpwssd against the activation's
 // pair of sub-block sums); the quants by 4-byte column, [32][16 rows][4]. Columns 8j .. 8j + 7
 // hold sub-block 2j in their low nibbles and 2j + 1 in their high ones (Q4_K's own order).
-// Q5_K (X16K5_BLOCK) adds its qh by 4-byte column, [8][16 rows][4]: bit s of qh[l] is the
-// fifth bit of sub-block s's element l.
 // Activations in blocks of 256 (act8k): y = d da sum_s sc_s P_s - dmin da sum_s m_s S_s, with
 // P_s the integer dot of sub-block s and S_s the sum of its activations.
 
-static inline __attribute__((always_inline)) void x16k_rows(const int q5, const uint8_t *group,
+static inline __attribute__((always_inline)) void x16k_rows(const uint8_t *group,
                                                             int64_t num_blocks, const uint8_t *act,
                                                             int64_t k, const int TT, float *sums) {
     const int64_t stride = act8k_bytes(k), bsum_at = (k + k / 256 * 4 + 63) / 64 * 64;
-    const int64_t block = q5 ? X16K5_BLOCK : X16K_BLOCK;
-    const __m512i low = _mm512_set1_epi8(0x0f), bit4 = _mm512_set1_epi8(0x10);
+    const __m512i low = _mm512_set1_epi8(0x0f);
     __m512 acc[X16_TT];
     for (int tt = 0; tt < TT; tt++) acc[tt] = _mm512_setzero_ps();
     for (int64_t b = 0; b < num_blocks; b++) {
-        const uint8_t *p = group + b * block;
+        const uint8_t *p = group + b * X16K_BLOCK;
         __m512i isum[X16_TT];
         for (int tt = 0; tt < TT; tt++) isum[tt] = _mm512_setzero_si512();
         for (int j = 0; j < 4; j++) { // sub-blocks 2j (low nibbles) and 2j + 1 (high)
             const uint8_t *qs = p + 320 + 512 * j;
-            const __m512i bit_lo = _mm512_set1_epi8((char)(1 << (2 * j)));
-            const __m512i bit_hi = _mm512_set1_epi8((char)(2 << (2 * j)));
             __m512i lo[8], hi[8];
             for (int c = 0; c < 8; c++) {
                 const __m512i v = _mm512_loadu_si512(qs + 64 * c);
                 lo[c] = _mm512_and_si512(v, low);
                 hi[c] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-                if (q5) { // Q5_K's fifth bits: bits 2j and 2j + 1 of qh's column c -> 16
-                    const __m512i h = _mm512_loadu_si512(p + 2368 + 64 * c);
-                    lo[c] = _mm512_mask_add_epi8(lo[c], _mm512_test_epi8_mask(h, bit_lo), lo[c], bit4);
-                    hi[c] = _mm512_mask_add_epi8(hi[c], _mm512_test_epi8_mask(h, bit_hi), hi[c], bit4);
-                }
             }
             const __m512i sc0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p + 64 + 32 * j)));
             const __m512i sc1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p + 80 + 32 * j)));
@@ -418,95 +408,16 @@ static inline __attribute__((always_inline)) void x16k_rows(const int q5, const 
     for (int tt = 0; tt < TT; tt++) _mm512_storeu_ps(sums + 16 * tt, acc[tt]);
 }
 
-#define X16K_GROUP(name, q5)                                                                       \
-    static void name(const uint8_t *group, int64_t num_blocks, const uint8_t *act, int64_t k,    \
-                     int64_t rows, float *sums) {                                                \
-        const int64_t stride = act8k_bytes(k);                                                   \
-        int64_t t = 0;                                                                           \
-        for (; t + X16_TT <= rows; t += X16_TT)                                                  \
-            x16k_rows(q5, group, num_blocks, act + t * stride, k, X16_TT, sums + 16 * t);       \
-        switch (rows - t) {                                                                      \
-        case 3: x16k_rows(q5, group, num_blocks, act + t * stride, k, 3, sums + 16 * t); break; \
-        case 2: x16k_rows(q5, group, num_blocks, act + t * stride, k, 2, sums + 16 * t); break; \
-        case 1: x16k_rows(q5, group, num_blocks, act + t * stride, k, 1, sums + 16 * t); break; \
-        }                                                                                        \
-    }
-X16K_GROUP(x16k_group, 0)
-X16K_GROUP(x16k5_group, 1)
-#undef X16K_GROUP
-
-// ---- Q6_K interleaved by 16 rows -------------------------------------------------------------
-//
-// A block of 16 rows (16 x 210 bytes, `ggml_interleave`): d[16] (fp16); the int8 scales,
-// [16 groups of 16 elements][16 rows]; ql by 4-byte column [32][16 rows][4]; qh likewise
-// [16][16][4]. Q6_K's element 128n + 32k + l (l < 32) takes ql[64n + 32(k & 1) + l]'s low
-// (k < 2) or high nibble and bits 2k, 2k + 1 of qh[32n + l], as u = q + 32: one column of
-// each of ql's two halves and one of qh give 4 columns of u, one in each of 4 groups.
-
-static inline __attribute__((always_inline)) void x16q6_rows(const uint8_t *group,
-                                                             int64_t num_blocks, const uint8_t *act,
-                                                             int64_t k, const int TT, float *sums) {
-    const int64_t stride = act8k_bytes(k), bsum_at = (k + k / 256 * 4 + 63) / 64 * 64;
-    const __m512i m4 = _mm512_set1_epi8(0x0f), m2 = _mm512_set1_epi8(0x03);
-    const __m512i m2h = _mm512_set1_epi8(0x0c), m30 = _mm512_set1_epi8(0x30);
-    __m512 acc[X16_TT];
-    for (int tt = 0; tt < TT; tt++) acc[tt] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < num_blocks; b++) {
-        const uint8_t *p = group + b * 16 * 210;
-        __m512i isum[X16_TT];
-        for (int tt = 0; tt < TT; tt++) isum[tt] = _mm512_setzero_si512();
-        for (int n = 0; n < 2; n++)
-            for (int h = 0; h < 2; h++) { // l = 16h .. 16h + 15: groups 8n + h + 0, 2, 4, 6
-                __m512i u[4][4];
-                for (int i = 0; i < 4; i++) {
-                    const int l4 = 4 * h + i; // the column of l = 4 * l4
-                    const __m512i lo0 = _mm512_loadu_si512(p + 288 + 64 * (16 * n + l4));
-                    const __m512i lo1 = _mm512_loadu_si512(p + 288 + 64 * (16 * n + 8 + l4));
-                    const __m512i hb = _mm512_loadu_si512(p + 2336 + 64 * (8 * n + l4));
-                    u[0][i] = _mm512_or_si512(_mm512_and_si512(lo0, m4),
-                                              _mm512_slli_epi16(_mm512_and_si512(hb, m2), 4));
-                    u[1][i] = _mm512_or_si512(_mm512_and_si512(lo1, m4),
-                                              _mm512_slli_epi16(_mm512_and_si512(hb, m2h), 2));
-                    u[2][i] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(lo0, 4), m4),
-                                              _mm512_and_si512(hb, m30));
-                    u[3][i] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(lo1, 4), m4),
-                                              _mm512_and_si512(_mm512_srli_epi16(hb, 2), m30));
-                }
-                __m512i sc[4];
-                for (int kk = 0; kk < 4; kk++)
-                    sc[kk] = _mm512_cvtepi8_epi32(
-                        _mm_loadu_si128((const __m128i *)(p + 32 + 16 * (8 * n + h + 2 * kk))));
-                for (int tt = 0; tt < TT; tt++) {
-                    const uint8_t *a = act + tt * stride;
-                    const int32_t *q = (const int32_t *)(a + 256 * b + 128 * n + 16 * h);
-                    const int16_t *bs = (const int16_t *)(a + bsum_at) + 16 * b + 8 * n + h;
-                    for (int kk = 0; kk < 4; kk++) { // group 8n + h + 2kk: elements 32kk + ...
-                        __m512i s = _mm512_set1_epi32(-32 * (int32_t)bs[2 * kk]);
-                        for (int i = 0; i < 4; i++)
-                            s = _mm512_dpbusd_epi32(s, u[kk][i], _mm512_set1_epi32(q[8 * kk + i]));
-                        isum[tt] = _mm512_add_epi32(isum[tt], _mm512_mullo_epi32(s, sc[kk]));
-                    }
-                }
-            }
-        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
-        for (int tt = 0; tt < TT; tt++) {
-            const __m512 da = _mm512_set1_ps(((const float *)(act + tt * stride + k))[b]);
-            acc[tt] = _mm512_fmadd_ps(d, _mm512_mul_ps(_mm512_cvtepi32_ps(isum[tt]), da), acc[tt]);
-        }
-    }
-    for (int tt = 0; tt < TT; tt++) _mm512_storeu_ps(sums + 16 * tt, acc[tt]);
-}
-
-static void x16q6_group(const uint8_t *group, int64_t num_blocks, const uint8_t *act, int64_t k,
-                        int64_t rows, float *sums) {
+static void x16k_group(const uint8_t *group, int64_t num_blocks, const uint8_t *act, int64_t k,
+                       int64_t rows, float *sums) {
     const int64_t stride = act8k_bytes(k);
     int64_t t = 0;
     for (; t + X16_TT <= rows; t += X16_TT)
-        x16q6_rows(group, num_blocks, act + t * stride, k, X16_TT, sums + 16 * t);
+        x16k_rows(group, num_blocks, act + t * stride, k, X16_TT, sums + 16 * t);
     switch (rows - t) {
-    case 3: x16q6_rows(group, num_blocks, act + t * stride, k, 3, sums + 16 * t); break;
-    case 2: x16q6_rows(group, num_blocks, act + t * stride, k, 2, sums + 16 * t); break;
-    case 1: x16q6_rows(group, num_blocks, act + t * stride, k, 1, sums + 16 * t); break;
+    case 3: x16k_rows(group, num_blocks, act + t * stride, k, 3, sums + 16 * t); break;
+    case 2: x16k_rows(group, num_blocks, act + t * stride, k, 2, sums + 16 * t); break;
+    case 1: x16k_rows(group, num_blocks, act + t * stride, k, 1, sums + 16 * t); break;
     }
 }
 

@@ -10,8 +10,8 @@ step. The C library is built on first use for the best instruction set of this C
 (AVX-512 VNNI, AVX2, or portable C); `AGENTRT_GGML_ISA=scalar|avx2|avx512` forces one
 (read once, on first use); every function also takes `kernels=load_ggml_kernels(build_dir,
 isa)` to run another build (ggml_library.py).
-On AVX-512, Q4_0, Q4_1, Q8_0, Q4_K (~3x), Q5_K (~2x) and Q6_K (~1.7x) run faster with
-the rows of a weight interleaved by 16 (on AVX2 Q4_0, Q4_1 and Q4_K, ~2x)
+On AVX-512, Q4_0, Q4_1, Q8_0 and Q4_K run faster with the rows of a weight interleaved by
+16 (on AVX2 Q4_0 and Q4_1; 1.3-1.8x streaming from memory, ~3x in cache)
 (`interleave`, done once at load; `GGMLWeight.interleaved`): each vector lane sums one row,
 so the scales of 16 rows are one vector and no lanes are summed at the end.
 Every step size takes the same kernel, so a row's result does not depend on the step it is
@@ -68,7 +68,7 @@ __all__ = [  # the library's names are re-exported for callers and tests
 ]
 # The types `interleave` lays out by ROWS_INTERLEAVED rows (GGMLKernels.interleaves: which
 # build runs which of them so).
-INTERLEAVED_TYPES = frozenset({_Q.Q4_0, _Q.Q4_1, _Q.Q8_0, _Q.Q4_K, _Q.Q5_K, _Q.Q6_K})
+INTERLEAVED_TYPES = frozenset({_Q.Q4_0, _Q.Q4_1, _Q.Q8_0, _Q.Q4_K})
 ROWS_INTERLEAVED = 16
 DENSE_DTYPES = {_Q.F32: torch.float32, _Q.F16: torch.float16, _Q.BF16: torch.bfloat16}
 SUPPORTED_TYPES = frozenset(QUANTIZED_TYPES | DENSE_DTYPES.keys())
@@ -222,8 +222,8 @@ class GGMLWeight:
 
 
 # Bytes of a block of 16 interleaved rows where it is not 16 blocks (ggml_quants.c's
-# group_block_bytes): Q4_K's and Q5_K's 6-bit scales and mins are held unpacked.
-_GROUP_BLOCK_BYTES = {_Q.Q4_K: 64 + 128 + 128 + 16 * 128, _Q.Q5_K: 64 + 128 + 128 + 16 * 160}
+# group_block_bytes): Q4_K's 6-bit scales and mins are held unpacked.
+_GROUP_BLOCK_BYTES = {_Q.Q4_K: 64 + 128 + 128 + 16 * 128}
 
 
 def interleaved_row_bytes(qtype: int, in_features: int) -> int:
@@ -237,12 +237,11 @@ def interleave(weight: GGMLWeight, kernels: GGMLKernels | None = None) -> GGMLWe
     (`GGMLKernels.interleaves`): a copy, (N / 16, interleaved_row_bytes), made by the C
     library (`kernels`, default `default_kernels()`). Each group of 16 rows goes block by
     block; a block of the group holds the 16 rows' scale fields side by side (fp16 d; m of
-    Q4_1; dmin and the 8 sub-block scales and mins of Q4_K / Q5_K unpacked from their 6-bit
-    fields; Q6_K's 16 int8 scales), then the block's quants by 4-byte column: column c is
-    the 16 rows' quant bytes 4c .. 4c + 3 (64 bytes, row r at 4r), so one 64-byte register
-    holds 4 bytes of each row. Q8_0's int8 quants are stored as u = q + 128; Q5_K's qh and
-    Q6_K's ql and qh are columns the same way. ggml_avx512.h spells out each layout. N must
-    be a multiple of 16; `deinterleave` and `select_rows` give the file's rows back."""
+    Q4_1; dmin and the 8 sub-block scales and mins of Q4_K unpacked from their 6-bit
+    fields), then the block's quants by 4-byte column: column c is the 16 rows' quant bytes
+    4c .. 4c + 3 (64 bytes, row r at 4r), so one 64-byte register holds 4 bytes of each row.
+    Q8_0's int8 quants are stored as u = q + 128. ggml_avx512.h spells out each layout. N
+    must be a multiple of 16; `deinterleave` and `select_rows` give the file's rows back."""
     qtype, g = weight.qtype, ROWS_INTERLEAVED
     if weight.interleaved:
         return weight

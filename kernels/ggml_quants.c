@@ -24,8 +24,8 @@
 // of T rows reads each weight byte from memory once. On AVX-512 the legacy types (blocks of
 // 32 with one fp16 scale each) skip the chunk: pairs of blocks are decoded into registers and
 // dotted with 8 activation rows at a time (ggml_avx512.h; on AVX2 one block and 4 rows,
-// ggml_avx2.h); on AVX-512, Q4_0, Q4_1, Q8_0, Q4_K, Q5_K and Q6_K weights interleaved by 16
-// rows at load (`ggml_interleave`) take kernels whose vector lanes are those rows (ggml_avx512.h). On AVX-512 and AVX2, Q4_K, Q5_K
+// ggml_avx2.h); Q4_0 and Q4_1 (and on AVX-512 Q8_0 and Q4_K) weights interleaved by 16 rows
+// at load (`ggml_interleave`) take kernels whose vector lanes are those rows (x16_type). On AVX-512 and AVX2, Q4_K, Q5_K
 // and Q6_K take their activations in blocks of 256 instead (ggml's Q8_K), which lets a
 // block's group scales be applied in integers (ggml_avx512.h, ggml_avx2.h,
 // `ggml_act_block`). OpenMP threads split the output rows. Every step size runs here; a long
@@ -60,7 +60,6 @@ enum {
 #define PARALLEL_WORK (1 << 16) // fewer weight elements than this run on one thread
 #define ACT_TILE_BYTES (1 << 18)  // quantized activation rows a pass over the weight rows
 #define X16K_BLOCK (64 + 128 + 128 + 2048) // a Q4_K block of 16 interleaved rows
-#define X16K5_BLOCK (X16K_BLOCK + 512)      // Q5_K's: its qh besides
 
 static inline float fp16_to_f32(const uint8_t *p) {
     const uint32_t h = (uint32_t)p[0] | ((uint32_t)p[1] << 8);
@@ -595,13 +594,13 @@ static inline int q8k_type(int qtype) {
 // The activation block this build quantizes to for the type: 256 or 32.
 int ggml_act_block(int qtype) { return q8k_type(qtype) ? 256 : 32; }
 
-// The types this build runs interleaved by 16 rows (ggml_linear.py's `interleave`): Q4_0,
-// Q4_1, Q4_K and Q5_K on AVX-512 and AVX2; Q8_0 and Q6_K on AVX-512 (ggml_avx2.h says why
-// not there).
+// The types this build runs interleaved by 16 rows (ggml_linear.py's `interleave`): Q4_0 and
+// Q4_1 on AVX-512 and AVX2, Q8_0 and Q4_K on AVX-512 (ggml_avx2.h says why not there). Each
+// was measured faster than the file's layout when streaming weights from memory; Q5_K and
+// Q6_K interleaved were slower (more decoding a column), so they are not.
 static inline int x16_type(int qtype) {
-    return AGENTRT_ISA >= 1 &&
-           (qtype == T_Q4_0 || qtype == T_Q4_1 || qtype == T_Q4_K || qtype == T_Q5_K ||
-            (AGENTRT_ISA == 2 && (qtype == T_Q8_0 || qtype == T_Q6_K)));
+    return AGENTRT_ISA >= 1 && (qtype == T_Q4_0 || qtype == T_Q4_1 ||
+                                (AGENTRT_ISA == 2 && (qtype == T_Q8_0 || qtype == T_Q4_K)));
 }
 
 static inline void store_out(void *out, int out_bf16, int64_t at, float v) {
@@ -678,15 +677,11 @@ int ggml_linear(const void *x, int x_bf16, int64_t rows, int64_t k, const uint8_
                 const uint8_t *row = w + nn * w_stride;
 #if AGENTRT_ISA >= 1
                 if (interleaved) {
+#if AGENTRT_ISA == 2
                     if (qtype == T_Q4_K)
                         x16k_group(row, row_blocks, at, k, tr, sums);
-                    else if (qtype == T_Q5_K)
-                        x16k5_group(row, row_blocks, at, k, tr, sums);
-#if AGENTRT_ISA == 2
-                    else if (qtype == T_Q6_K)
-                        x16q6_group(row, row_blocks, at, k, tr, sums);
-#endif
                     else
+#endif
                         x16_group(qtype, row, row_blocks, at, kp, tr, sums);
                     for (int64_t t = 0; t < tr; t++)
                         for (int r = 0; r < 16; r++)
@@ -755,46 +750,27 @@ static int interleaved_block(int qtype, int *head) {
     case T_Q4_1: *head = 4; return 20;
     case T_Q8_0: *head = 2; return 34;
     case T_Q4_K: *head = 4; return 144;
-    case T_Q5_K: *head = 4; return 176;
-    case T_Q6_K: *head = 0; return 210;
     default: return 0;
     }
-}
-
-// Q6_K's block <-> its lane r of the 16 rows' block: d, the 16 scales, ql's and qh's columns.
-static void q6k_block(uint8_t *blk, uint8_t *o, int r, int to_group) {
-#define Q6K_MOVE(group_at, block_at, n)                                                            \
-    (to_group ? memcpy(o + (group_at), blk + (block_at), n) : memcpy(blk + (block_at), o + (group_at), n))
-    Q6K_MOVE(2 * r, 208, 2);
-    for (int g = 0; g < 16; g++) Q6K_MOVE(32 + 16 * g + r, 192 + g, 1);
-    for (int c = 0; c < 32; c++) Q6K_MOVE(288 + 64 * c + 4 * r, 4 * c, 4);
-    for (int c = 0; c < 16; c++) Q6K_MOVE(2336 + 64 * c + 4 * r, 128 + 4 * c, 4);
-#undef Q6K_MOVE
 }
 
 static void interleave_block(int qtype, const uint8_t *blk, uint8_t *o, int r) {
     int head;
     const int size = interleaved_block(qtype, &head);
-    if (qtype == T_Q6_K) {
-        q6k_block((uint8_t *)blk, o, r, 1);
-        return;
-    }
     for (int f = 0; f < head; f += 2) memcpy(o + 16 * f + 2 * r, blk + f, 2);
     const uint8_t *q = blk + head;
     uint8_t *cols = o + 16 * head;
-    if (qtype == T_Q4_K || qtype == T_Q5_K) {
+    if (qtype == T_Q4_K) {
         for (int j = 0; j < 8; j++) {
             int sc, m;
             k4_scale_min(blk + 4, j, &sc, &m);
             o[64 + 16 * j + r] = (uint8_t)sc;
             o[192 + 32 * (j / 2) + 2 * r + (j & 1)] = (uint8_t)m;
         }
-        if (qtype == T_Q5_K)
-            for (int c = 0; c < 8; c++) memcpy(o + 2368 + 64 * c + 4 * r, blk + 16 + 4 * c, 4);
-        q = blk + (qtype == T_Q5_K ? 48 : 16);
+        q = blk + 16;
         cols = o + 320;
     }
-    const int n_cols = (qtype == T_Q4_K || qtype == T_Q5_K ? 128 : size - head) / 4;
+    const int n_cols = (qtype == T_Q4_K ? 128 : size - head) / 4;
     for (int c = 0; c < n_cols; c++) {
         uint8_t *dst = cols + 64 * c + 4 * r;
         memcpy(dst, q + 4 * c, 4);
@@ -806,14 +782,10 @@ static void interleave_block(int qtype, const uint8_t *blk, uint8_t *o, int r) {
 static void deinterleave_block(int qtype, const uint8_t *o, int r, uint8_t *blk) {
     int head;
     const int size = interleaved_block(qtype, &head);
-    if (qtype == T_Q6_K) {
-        q6k_block(blk, (uint8_t *)o, r, 0);
-        return;
-    }
     for (int f = 0; f < head; f += 2) memcpy(blk + f, o + 16 * f + 2 * r, 2);
     uint8_t *q = blk + head;
     const uint8_t *cols = o + 16 * head;
-    if (qtype == T_Q4_K || qtype == T_Q5_K) { // the 6-bit fields packed back (k4_scale_min's inverse)
+    if (qtype == T_Q4_K) { // the 6-bit fields packed back (the inverse of k4_scale_min)
         uint8_t sc[8], m[8];
         for (int j = 0; j < 8; j++) {
             sc[j] = o[64 + 16 * j + r];
@@ -824,12 +796,10 @@ static void deinterleave_block(int qtype, const uint8_t *o, int r, uint8_t *blk)
             blk[8 + j] = (uint8_t)(m[j] | ((m[j + 4] >> 4) << 6));
             blk[12 + j] = (uint8_t)((sc[j + 4] & 15) | ((m[j + 4] & 15) << 4));
         }
-        if (qtype == T_Q5_K)
-            for (int c = 0; c < 8; c++) memcpy(blk + 16 + 4 * c, o + 2368 + 64 * c + 4 * r, 4);
-        q = blk + (qtype == T_Q5_K ? 48 : 16);
+        q = blk + 16;
         cols = o + 320;
     }
-    const int n_cols = (qtype == T_Q4_K || qtype == T_Q5_K ? 128 : size - head) / 4;
+    const int n_cols = (qtype == T_Q4_K ? 128 : size - head) / 4;
     for (int c = 0; c < n_cols; c++) {
         memcpy(q + 4 * c, cols + 64 * c + 4 * r, 4);
         if (qtype == T_Q8_0)
@@ -840,8 +810,7 @@ static void deinterleave_block(int qtype, const uint8_t *o, int r, uint8_t *blk)
 // Bytes of one interleaved block of 16 rows.
 static inline int64_t group_block_bytes(int qtype) {
     int head;
-    if (qtype == T_Q4_K || qtype == T_Q5_K) return qtype == T_Q4_K ? X16K_BLOCK : X16K5_BLOCK;
-    return 16 * interleaved_block(qtype, &head);
+    return qtype == T_Q4_K ? X16K_BLOCK : 16 * interleaved_block(qtype, &head);
 }
 
 // n rows of w (`w_stride` bytes apart) -> out, interleaved by 16. Returns 0; -1 for a type
@@ -849,7 +818,7 @@ static inline int64_t group_block_bytes(int qtype) {
 int ggml_interleave(const uint8_t *w, int64_t w_stride, int qtype, int64_t n, int64_t k,
                     uint8_t *out, int num_threads) {
     int head;
-    const int size = interleaved_block(qtype, &head), elems = qtype == T_Q4_0 || qtype == T_Q4_1 || qtype == T_Q8_0 ? 32 : 256;
+    const int size = interleaved_block(qtype, &head), elems = qtype == T_Q4_K ? 256 : 32;
     if (!size || k % elems || n % 16) return -1;
     const int64_t num_blocks = k / elems, block = group_block_bytes(qtype);
 #pragma omp parallel for schedule(static) num_threads(num_threads)
@@ -866,7 +835,7 @@ int ggml_interleave(const uint8_t *w, int64_t w_stride, int qtype, int64_t n, in
 int ggml_deinterleave_rows(const uint8_t *w, int64_t w_stride, int qtype, const int64_t *index,
                            int64_t count, int64_t k, uint8_t *out, int64_t out_stride) {
     int head;
-    const int size = interleaved_block(qtype, &head), elems = qtype == T_Q4_0 || qtype == T_Q4_1 || qtype == T_Q8_0 ? 32 : 256;
+    const int size = interleaved_block(qtype, &head), elems = qtype == T_Q4_K ? 256 : 32;
     if (!size || k % elems) return -1;
     const int64_t num_blocks = k / elems, block = group_block_bytes(qtype);
     for (int64_t i = 0; i < count; i++) {

@@ -118,8 +118,8 @@ def _fused(parts: list[GGMLWeight], loader: WeightLoader, interleaved: bool) -> 
 
 def _kernel_layout(parts: list, loader: WeightLoader) -> list:
     """Each block part the CPU kernels run faster with its rows interleaved by 16
-    (kernels/ggml_linear.py `interleave`: Q4_0, Q4_1, Q8_0, Q4_K, Q5_K and Q6_K on AVX-512;
-    Q4_0, Q4_1 and Q4_K on AVX2), interleaved: a copy, the map's pages of the part released,
+    (kernels/ggml_linear.py `interleave`: Q4_0, Q4_1, Q8_0 and Q4_K on AVX-512; Q4_0 and
+    Q4_1 on AVX2), interleaved: a copy, the map's pages of the part released,
     so one layout is held (a tied embedding's lookups gather their rows from it)."""
     kernels = default_kernels()
     out = []

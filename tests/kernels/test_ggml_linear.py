@@ -140,18 +140,11 @@ def check_layout_at_one_place(x16: G.GGMLWeight, w: G.GGMLWeight, qtype: int) ->
     size = G.block_shape(qtype)[1]
     at = G.interleaved_row_bytes(qtype, K) // (K // G.block_shape(qtype)[0])  # block 1
     blk, place = w.data[5, size : 2 * size], x16.data[0, at:]  # the file's; the group's
-    if qtype == Q.Q6_K:  # d; scale 3; ql's and qh's column 1
-        assert torch.equal(place[10:12], blk[208:210]) and place[32 + 48 + 5] == blk[192 + 3]
-        assert torch.equal(place[288 + 64 + 20 : 288 + 64 + 24], blk[4:8])
-        assert torch.equal(place[2336 + 64 + 20 : 2336 + 64 + 24], blk[128 + 4 : 128 + 8])
-        return
     assert torch.equal(place[10:12], blk[:2])  # d
-    if qtype in (Q.Q4_K, Q.Q5_K):  # dmin; sub-block 2's 6-bit scale and min; then columns
+    if qtype == Q.Q4_K:  # dmin; sub-block 2's 6-bit scale and min, unpacked; then columns
         assert torch.equal(place[42:44], blk[2:4])
         assert place[64 + 32 + 5] == blk[4 + 2] & 63 and place[192 + 32 + 10] == blk[8 + 2] & 63
-        columns, quants = 320, blk[16:] if qtype == Q.Q4_K else blk[48:]
-        if qtype == Q.Q5_K:  # qh's column 1
-            assert torch.equal(place[2368 + 64 + 20 : 2368 + 64 + 24], blk[16 + 4 : 16 + 8])
+        columns, quants = 320, blk[16:]
     else:
         head = 4 if qtype == Q.Q4_1 else 2
         columns, quants = 16 * head, blk[head:]
@@ -164,8 +157,8 @@ def test_interleaved_layout_is_the_documented_one_and_gives_back_its_rows(qtype)
     w = G.random_weight(qtype, 48, K, seed=qtype)
     x16 = G.interleave(w)
     assert x16.interleaved and x16.out_features == 48
-    grown = {Q.Q4_K: (2368, 16 * 144), Q.Q5_K: (2880, 16 * 176)}  # unpacked 6-bit scales
-    assert x16.nbytes == w.nbytes * grown.get(qtype, (1, 1))[0] // grown.get(qtype, (1, 1))[1]
+    grown = (2368, 16 * 144) if qtype == Q.Q4_K else (1, 1)  # Q4_K: its scales unpacked
+    assert x16.nbytes * grown[1] == w.nbytes * grown[0]
     check_layout_at_one_place(x16, w, qtype)
     assert torch.equal(G.deinterleave(x16).data, w.data)
     assert torch.equal(x16.dequantize(), w.dequantize())
@@ -181,8 +174,8 @@ def test_interleaved_layout_is_the_documented_one_and_gives_back_its_rows(qtype)
 
 @pytest.mark.parametrize("qtype", INTERLEAVED, ids=lambda t: Q(t).name)
 def test_interleaved_product_matches_gguf_reference(kern, qtype):
-    """Each build that runs the type interleaved (AVX-512: all of them; AVX2: Q4_0, Q4_1,
-    Q4_K, Q5_K); the others refuse the layout rather than misread it."""
+    """Each build that runs the type interleaved (AVX-512: all four; AVX2: Q4_0, Q4_1); the
+    others refuse the layout rather than misread it."""
     w = G.random_weight(qtype, 48, K, seed=qtype)
     dense, x16 = G.dequantize_ref(w), G.interleave(w, kern)
     if not kern.interleaves(qtype):
@@ -209,19 +202,19 @@ def test_interleaved_product_matches_gguf_reference(kern, qtype):
 
 
 def test_interleaving_is_refused_where_there_is_no_such_layout_or_kernel():
-    for qtype, rows in ((Q.Q3_K, 48), (Q.Q5_0, 48), (Q.Q4_0, 40)):
+    for qtype, rows in ((Q.Q6_K, 48), (Q.Q5_0, 48), (Q.Q4_0, 40)):
         with pytest.raises(KernelInputError, match="no interleaved layout"):
             G.interleave(G.random_weight(qtype, rows, K))
     x16 = G.interleave(G.random_weight(Q.Q4_0, 48, K))
     with pytest.raises(KernelInputError, match="expected uint8"):
         G.GGMLWeight(x16.data[:, :-18], Q.Q4_0, K, interleaved=True)
     with pytest.raises(KernelInputError, match="no interleaved layout"):
-        G.GGMLWeight(G.random_weight(Q.Q3_K, 16, K).data.reshape(1, -1), Q.Q3_K, K, True)
+        G.GGMLWeight(G.random_weight(Q.Q6_K, 16, K).data.reshape(1, -1), Q.Q6_K, K, True)
     for isa in ISAS:  # which build runs which type interleaved
         kern = G.load_ggml_kernels(G.default_build_dir(), isa)
-        assert kern.interleaves(Q.Q4_0) == kern.interleaves(Q.Q5_K) == (isa != "scalar")
-        assert kern.interleaves(Q.Q6_K) == kern.interleaves(Q.Q8_0) == (isa == "avx512")
-        assert not kern.interleaves(Q.Q3_K)
+        assert kern.interleaves(Q.Q4_0) == kern.interleaves(Q.Q4_1) == (isa != "scalar")
+        assert kern.interleaves(Q.Q4_K) == kern.interleaves(Q.Q8_0) == (isa == "avx512")
+        assert not kern.interleaves(Q.Q6_K) and not kern.interleaves(Q.Q5_K)
 
 
 def test_select_rows(weights):
