@@ -35,9 +35,10 @@ def _params(args):
 def _generate(args) -> int:
     from agentrt.engine.client.llm import LLM
 
+    params = _params(args)  # a bad sampling flag fails before the model loads
     llm = LLM(**_engine_options(args))
     start = time.perf_counter()
-    (output,) = llm.generate(args.prompt, _params(args))
+    (output,) = llm.generate(args.prompt, params)
     elapsed = time.perf_counter() - start
     completion = output.outputs[0]
     print(completion.text)
@@ -53,6 +54,7 @@ def _generate(args) -> int:
 def _chat(args) -> int:
     from agentrt.engine.client.llm import LLM
 
+    params = _params(args)  # a bad sampling flag fails before the model loads
     llm = LLM(**_engine_options(args))
     messages = [{"role": "system", "content": args.system}] if args.system else []
     print("agentrt chat — empty line or Ctrl-D to quit.", file=sys.stderr)
@@ -64,7 +66,7 @@ def _chat(args) -> int:
         if not line:
             break
         messages.append({"role": "user", "content": line})
-        (output,) = llm.chat(messages, _params(args))
+        (output,) = llm.chat(messages, params)
         answer = output.outputs[0].text
         print(f"assistant> {answer}")
         messages.append({"role": "assistant", "content": answer})

@@ -317,6 +317,13 @@ class EngineArgs:
                 f"kv_port={self.kv_port} with data_parallel_size={self.data_parallel_size}: "
                 "each replica serves its own blocks, on a port of its own; leave kv_port=0."
             )
+        if self.kv_connector == "p2p" and self.tensor_parallel_size > 1:  # before any rank starts
+            raise ConfigError(
+                "kv_connector='p2p' runs with tensor_parallel_size=1 only: a consumer pulls "
+                "whole blocks from one producer socket, and under tensor parallelism each "
+                "rank holds its own KV heads; use data_parallel_size for more engines, or "
+                "kv_connector='storage' (each rank stores its own heads)."
+            )
         return dict(
             cache=CacheConfig(
                 block_size=self.block_size,

@@ -167,14 +167,7 @@ class LLMEngine:
         """The KV connector the config names: its scheduler side (returned) and its worker
         side on every rank, which moves that rank's KV heads."""
         if config is None:
-            return None
-        if tp_size > 1 and config.connector == "p2p":
-            raise ConfigError(
-                "kv_connector='p2p' runs with tensor_parallel_size=1 only: a consumer pulls "
-                "whole blocks from one producer socket, and under tensor parallelism each "
-                "rank holds its own KV heads; use data_parallel_size for more engines, or "
-                "kv_connector='storage' (each rank stores its own heads)."
-            )
+            return None  # (p2p under tensor parallelism was refused by EngineArgs)
         layout = KVLayout(
             engine_id=engine_id(
                 path,

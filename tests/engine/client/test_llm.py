@@ -146,9 +146,21 @@ def test_cli_generate(smollm2_dir):
     assert "tokens/s" in result.stderr
 
 
-def test_cli_reports_bad_input(smollm2_dir):
+def test_cli_reports_bad_input(smollm2_dir, tmp_path):
+    # A model that is not there: the sampling flag is refused before any model is looked for.
+    missing = str(tmp_path / "no-such-model.gguf")
     result = subprocess.run(
-        [sys.executable, "-m", "agentrt", "generate", "hi", "--temperature", "-1"],
+        [
+            sys.executable,
+            "-m",
+            "agentrt",
+            "generate",
+            "hi",
+            "--temperature",
+            "-1",
+            "--model",
+            missing,
+        ],
         capture_output=True,
         text=True,
         timeout=300,
