@@ -155,9 +155,8 @@ def main() -> None:
             result[f"{name}_hf_tok_s"] = round(theirs, 1)
             result[f"{name}_ratio"] = round(ours / theirs, 2)
     single = single_decode(llm, 128 // scale)
-    print(
-        f"single request decode: agentrt {single:.1f} tok/s ({llm.engine.model_config.quantization}, {args.dtype})"
-    )
+    fmt = f"{llm.engine.model_config.quantization}, {args.dtype}"
+    print(f"single request decode: agentrt {single:.1f} tok/s ({fmt})")
     result["single_decode_tok_s"] = round(single, 1)
     print(json.dumps(result))
     if args.json:
