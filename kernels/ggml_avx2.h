@@ -241,14 +241,9 @@ static inline __attribute__((always_inline)) void kquant_rows(
 
 static void kquant_row(int qtype, const uint8_t *row, int64_t num_blocks, int bytes,
                        const uint8_t *act, int64_t k, int64_t rows, float *sums) {
-    int64_t t = 0;
-    for (; t + TT_MAX <= rows; t += TT_MAX)
-        kquant_rows(qtype, row, num_blocks, bytes, act, k, t, TT_MAX, sums + t);
-    switch (rows - t) {
-    case 3: kquant_rows(qtype, row, num_blocks, bytes, act, k, t, 3, sums + t); break;
-    case 2: kquant_rows(qtype, row, num_blocks, bytes, act, k, t, 2, sums + t); break;
-    case 1: kquant_rows(qtype, row, num_blocks, bytes, act, k, t, 1, sums + t); break;
-    }
+#define PASS(t, n) kquant_rows(qtype, row, num_blocks, bytes, act, k, t, n, sums + (t))
+    IN_PASSES(TT_MAX, rows, PASS);
+#undef PASS
 }
 
 // ---- The legacy types on AVX2, fused ---------------------------------------------------------
@@ -307,14 +302,9 @@ static inline __attribute__((always_inline)) void legacy_rows(
 
 static void legacy_row(int qtype, const BlockType *bt, const uint8_t *row, int64_t num_blocks,
                        uint8_t *act, int64_t kp, int64_t rows, float *sums) {
-    int64_t t = 0;
-    for (; t + TT_MAX <= rows; t += TT_MAX)
-        legacy_rows(qtype, bt, row, num_blocks, act, kp, t, TT_MAX, sums + t);
-    switch (rows - t) {
-    case 3: legacy_rows(qtype, bt, row, num_blocks, act, kp, t, 3, sums + t); break;
-    case 2: legacy_rows(qtype, bt, row, num_blocks, act, kp, t, 2, sums + t); break;
-    case 1: legacy_rows(qtype, bt, row, num_blocks, act, kp, t, 1, sums + t); break;
-    }
+#define PASS(t, n) legacy_rows(qtype, bt, row, num_blocks, act, kp, t, n, sums + (t))
+    IN_PASSES(TT_MAX, rows, PASS);
+#undef PASS
 }
 
 // ---- Q4_0 and Q4_1 interleaved by 16 rows (ggml_avx512.h has the layout) -------------------
@@ -374,10 +364,9 @@ static inline __attribute__((always_inline)) void x16_rows(int qtype, const uint
 static void x16_group(int qtype, const uint8_t *group, int64_t num_blocks, const uint8_t *act,
                       int64_t kp, int64_t rows, float *sums) {
     const int64_t stride = act_row_bytes(kp);
-    int64_t t = 0;
-    for (; t + X16_TT <= rows; t += X16_TT)
-        x16_rows(qtype, group, num_blocks, act + t * stride, kp, X16_TT, sums + 16 * t);
-    if (t < rows) x16_rows(qtype, group, num_blocks, act + t * stride, kp, 1, sums + 16 * t);
+#define PASS(t, n) x16_rows(qtype, group, num_blocks, act + (t) * stride, kp, n, sums + 16 * (t))
+    IN_PASSES(X16_TT, rows, PASS);
+#undef PASS
 }
 
 #endif

@@ -253,21 +253,9 @@ static inline __attribute__((always_inline)) void legacy_rows(
 
 static void legacy_row(int qtype, const BlockType *bt, const uint8_t *row, int64_t num_blocks,
                        uint8_t *act, int64_t kp, int64_t rows, float *sums) {
-    int64_t t = 0;
-    for (; t + TT_MAX <= rows; t += TT_MAX)
-        legacy_rows(qtype, bt, row, num_blocks, act, kp, t, TT_MAX, sums + t);
-    switch (rows - t) {
-#define LEGACY_TAIL(n)                                                                             \
-    case n: legacy_rows(qtype, bt, row, num_blocks, act, kp, t, n, sums + t); break;
-        LEGACY_TAIL(7)
-        LEGACY_TAIL(6)
-        LEGACY_TAIL(5)
-        LEGACY_TAIL(4)
-        LEGACY_TAIL(3)
-        LEGACY_TAIL(2)
-        LEGACY_TAIL(1)
-#undef LEGACY_TAIL
-    }
+#define PASS(t, n) legacy_rows(qtype, bt, row, num_blocks, act, kp, t, n, sums + (t))
+    IN_PASSES(TT_MAX, rows, PASS);
+#undef PASS
 }
 
 
@@ -332,14 +320,9 @@ static inline __attribute__((always_inline)) void x16_rows(int qtype, const uint
 static void x16_group(int qtype, const uint8_t *group, int64_t num_blocks, const uint8_t *act,
                       int64_t kp, int64_t rows, float *sums) {
     const int64_t stride = act_row_bytes(kp);
-    int64_t t = 0;
-    for (; t + X16_TT <= rows; t += X16_TT)
-        x16_rows(qtype, group, num_blocks, act + t * stride, kp, X16_TT, sums + 16 * t);
-    switch (rows - t) {
-    case 3: x16_rows(qtype, group, num_blocks, act + t * stride, kp, 3, sums + 16 * t); break;
-    case 2: x16_rows(qtype, group, num_blocks, act + t * stride, kp, 2, sums + 16 * t); break;
-    case 1: x16_rows(qtype, group, num_blocks, act + t * stride, kp, 1, sums + 16 * t); break;
-    }
+#define PASS(t, n) x16_rows(qtype, group, num_blocks, act + (t) * stride, kp, n, sums + 16 * (t))
+    IN_PASSES(X16_TT, rows, PASS);
+#undef PASS
 }
 
 // ---- Q4_K interleaved by 16 rows -------------------------------------------------------------
@@ -411,14 +394,9 @@ static inline __attribute__((always_inline)) void x16k_rows(const uint8_t *group
 static void x16k_group(const uint8_t *group, int64_t num_blocks, const uint8_t *act, int64_t k,
                        int64_t rows, float *sums) {
     const int64_t stride = act8k_bytes(k);
-    int64_t t = 0;
-    for (; t + X16_TT <= rows; t += X16_TT)
-        x16k_rows(group, num_blocks, act + t * stride, k, X16_TT, sums + 16 * t);
-    switch (rows - t) {
-    case 3: x16k_rows(group, num_blocks, act + t * stride, k, 3, sums + 16 * t); break;
-    case 2: x16k_rows(group, num_blocks, act + t * stride, k, 2, sums + 16 * t); break;
-    case 1: x16k_rows(group, num_blocks, act + t * stride, k, 1, sums + 16 * t); break;
-    }
+#define PASS(t, n) x16k_rows(group, num_blocks, act + (t) * stride, k, n, sums + 16 * (t))
+    IN_PASSES(X16_TT, rows, PASS);
+#undef PASS
 }
 
 // ---- Q4_K, Q5_K and Q6_K with activations in blocks of 256 (ggml's Q8_K) ------------------
@@ -564,21 +542,9 @@ static inline __attribute__((always_inline)) void kquant_rows(
 
 static void kquant_row(int qtype, const uint8_t *row, int64_t num_blocks, int bytes,
                        const uint8_t *act, int64_t k, int64_t rows, float *sums) {
-    int64_t t = 0;
-    for (; t + TT_MAX <= rows; t += TT_MAX)
-        kquant_rows(qtype, row, num_blocks, bytes, act, k, t, TT_MAX, sums + t);
-    switch (rows - t) {
-#define KQUANT_TAIL(n)                                                                             \
-    case n: kquant_rows(qtype, row, num_blocks, bytes, act, k, t, n, sums + t); break;
-        KQUANT_TAIL(7)
-        KQUANT_TAIL(6)
-        KQUANT_TAIL(5)
-        KQUANT_TAIL(4)
-        KQUANT_TAIL(3)
-        KQUANT_TAIL(2)
-        KQUANT_TAIL(1)
-#undef KQUANT_TAIL
-    }
+#define PASS(t, n) kquant_rows(qtype, row, num_blocks, bytes, act, k, t, n, sums + (t))
+    IN_PASSES(TT_MAX, rows, PASS);
+#undef PASS
 }
 
 #endif

@@ -424,6 +424,24 @@ static inline int64_t act8k_bytes(int64_t kp) {
     return (kp + kp / 256 * 4 + 63) / 64 * 64 + (kp / 16 * 2 + 63) / 64 * 64;
 }
 
+// Rows [0, rows) in passes of `max` rows (a constant), the remainder as one last pass:
+// PASS(t, n) runs rows t .. t + n with n a constant, so each pass is its own always-inline
+// body with its sums in registers. The kernels of the SIMD headers all run so.
+#define IN_PASSES(max, rows, PASS)                                                                 \
+    do {                                                                                           \
+        int64_t t_ = 0;                                                                            \
+        for (; t_ + (max) <= (rows); t_ += (max)) PASS(t_, max);                                   \
+        switch ((rows) - t_) {                                                                     \
+        case 7: if (7 < (max)) PASS(t_, 7); break;                                                 \
+        case 6: if (6 < (max)) PASS(t_, 6); break;                                                 \
+        case 5: if (5 < (max)) PASS(t_, 5); break;                                                 \
+        case 4: if (4 < (max)) PASS(t_, 4); break;                                                 \
+        case 3: if (3 < (max)) PASS(t_, 3); break;                                                 \
+        case 2: if (2 < (max)) PASS(t_, 2); break;                                                 \
+        case 1: PASS(t_, 1); break;                                                                \
+        }                                                                                          \
+    } while (0)
+
 #if AGENTRT_ISA == 2
 #include "ggml_avx512.h"
 #elif AGENTRT_ISA == 1
@@ -745,6 +763,7 @@ int ggml_interleaves(int qtype) { return x16_type(qtype); }
 // 12 bytes of 6-bit fields (scales [8][16], mins by pairs [4][16][2]), then the columns.
 
 static int interleaved_block(int qtype, int *head) {
+    *head = 0;
     switch (qtype) {
     case T_Q4_0: *head = 2; return 18;
     case T_Q4_1: *head = 4; return 20;
