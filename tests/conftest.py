@@ -66,6 +66,16 @@ def smollm2_llm(smollm2_dir: Path) -> LLM:
 
 
 @pytest.fixture(scope="session")
+def smollm2_default_llm(smollm2_dir: Path) -> LLM:
+    """The embedded model as users run it (`LLM(None)`: the GGUF's own Q4_1 blocks, float32
+    activations), with a small KV pool: a decode step several times cheaper than
+    `smollm2_llm`'s dense fp32. For tests whose asserts do not need fp32 exactness (SDK
+    behaviour, structured validity); equivalence with HF or between two fp32 paths stays on
+    `smollm2_llm`. Tests must leave it idle."""
+    return LLM(None, kv_cache_memory_gb=0.25)
+
+
+@pytest.fixture(scope="session")
 def tiny_checkpoint(
     tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path
 ) -> Callable[[str], Path]:

@@ -88,8 +88,6 @@ def test_extract_command(tmp_path: Path, smollm2_dir):
         "--output",
         str(output),
         "--quiet",
-        "--dtype",
-        "float32",
     ]
     result = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-2000:]

@@ -1,7 +1,7 @@
 """agentrt.ray on a real local Ray cluster (2 CPUs): two Extractor actors, each with its own
-engine, give the single-process results (greedy, fp32); an actor killed mid-job has its
-batch retried and the output still holds every id once; `agentrt extract --ray` writes the
-same results as a local run."""
+engine, give the single-process results (greedy, on the default engine as `rt`); an actor
+killed mid-job has its batch retried and the output still holds every id once; `agentrt
+extract --ray` writes the same results as a local run."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from agentrt.ray import BATCHES_PER_ACTOR, Extractor, run_on_ray
 from tests.agentrt.test_extract import DOCS, INSTRUCTIONS, Contact
 
 pytestmark = [pytest.mark.slow, pytest.mark.anyio]
-ENGINE = {"dtype": "float32", "kv_cache_memory_gb": 0.25}
+ENGINE = {"kv_cache_memory_gb": 0.25}
 MAX_TOKENS = 48
 KILLED_ROW = 5
 

@@ -26,7 +26,8 @@ def anyio_backend() -> str:
 
 @pytest.fixture(scope="module")
 async def rt(smollm2_dir):
-    async with agentrt.Runtime(dtype="float32", kv_cache_memory_gb=0.25, engine_process=True) as rt:
+    # The engine as users run it (the GGUF's Q4_1 blocks), like the in-process `rt`.
+    async with agentrt.Runtime(kv_cache_memory_gb=0.25, engine_process=True) as rt:
         assert rt.engine.engine is None  # the model lives in the core process
         yield rt
 

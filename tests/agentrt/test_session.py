@@ -227,8 +227,8 @@ async def test_64_concurrent_generates_are_all_valid(rt):
 
 
 @pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
-async def test_runs_under_asyncio_and_trio(smollm2_llm, anyio_backend):
-    async with agentrt.Runtime(engine=smollm2_llm.engine) as rt:
+async def test_runs_under_asyncio_and_trio(smollm2_default_llm, anyio_backend):
+    async with agentrt.Runtime(engine=smollm2_default_llm.engine) as rt:
         person = await rt.session(system=SYSTEM).generate("Ann is 30. As JSON.", schema=Person)
         assert isinstance(person, Person)
         deltas = [d async for d in rt.session().stream("Hi!", max_tokens=6)]
@@ -274,8 +274,7 @@ async def test_a_reply_closed_early_by_the_budget_says_so(rt, caplog):
     assert isinstance(value, Story) and value.story
     assert session.last.finish_reason == "stop" and session.last.num_steered_tokens > 0
     assert "steered to close it" in caplog.text
-    # A reply that ends by itself, far from its budget (32 tokens of 512; "a short story"
-    # looped for 158), is not steered.
+    # A reply that ends by itself, far from its budget (~157 tokens of 512), is not steered.
     await session.generate("Is water wet? Answer in JSON, the story being one word.", Story)
     assert session.last.finish_reason == "stop" and session.last.num_steered_tokens == 0
 
