@@ -80,11 +80,7 @@ class CpuAttention:
         last positions of its seq_lens[i] (int32) tokens, read through block_tables[i]
         (int32, contiguous (num_requests, max_blocks)). Writes those rows of `out` (like
         query: (num_tokens, num_heads, head_dim), contiguous) and returns it."""
-        metadata = (query_start_loc, seq_lens, block_tables)
-        key = (*(_layout(t) for t in (query, kv_cache, out)), *(version(t) for t in metadata))
-        if not self._checked.passed(metadata, key):
-            self._check(query, kv_cache, query_start_loc, seq_lens, block_tables, out)
-            self._checked.remember(metadata, key)
+        self.check(query, kv_cache, query_start_loc, seq_lens, block_tables, out)
         num_requests = seq_lens.shape[0]
         if num_requests == 0:
             return out
@@ -111,6 +107,20 @@ class CpuAttention:
         if status != 0:  # the checks above exclude the shapes it rejects
             raise KernelInputError(f"the CPU attention kernel rejected its input ({status}).")
         return out
+
+    def check(self, query, kv_cache, query_start_loc, seq_lens, block_tables, out) -> None:
+        """Raise KernelInputError unless the kernel can run on these tensors (once for a
+        step's metadata and tensors laid out alike: see `_checked`)."""
+        metadata = (query_start_loc, seq_lens, block_tables)
+        key = (*(_layout(t) for t in (query, kv_cache, out)), *(version(t) for t in metadata))
+        if not self._checked.passed(metadata, key):
+            self._check(query, kv_cache, query_start_loc, seq_lens, block_tables, out)
+            self._checked.remember(metadata, key)
+
+    @property
+    def address(self) -> int:
+        """The C function's address (cpu_ops.c's decoder_forward calls it)."""
+        return ctypes.cast(self._attend, ctypes.c_void_p).value
 
     @staticmethod
     def _check(query, kv_cache, query_start_loc, seq_lens, block_tables, out) -> None:

@@ -112,3 +112,113 @@ void silu_mul(const uint16_t *gate_up, uint16_t *out, int64_t rows, int64_t size
         }
     }
 }
+
+// ---- A whole decoder in one call ----------------------------------------------------------
+//
+// decoder_forward runs every layer of a step as LlamaForCausalLM's forward_fused does, layer
+// after layer, with the same operations in the same order (so the same bits): add_rms_norm,
+// the qkv projection, rope_qkv, attention, the output projection of its bf16 rounding,
+// add_rms_norm, gate_up, silu_mul, down. The products and attention are the other libraries'
+// (ggml_quants.c's ggml_linear_packed, cpu_attention.c's paged_attention), called through
+// pointers. From Python the same layer is ~10 calls of ~10 us each: a quarter of a decoded
+// token's time on a small model (cpu_decoder.py has the figures).
+
+#define MAX_PARTS 4
+
+typedef int (*linear_fn)(const int64_t *args);
+typedef int (*attention_fn)(const void *query, const void *kv_cache, void *out, int dtype,
+                            const int32_t *query_start_loc, const int32_t *seq_lens,
+                            const int32_t *block_tables, int64_t table_stride,
+                            int64_t num_requests, int64_t heads, int64_t kv_heads, int64_t dim,
+                            int64_t block, float scale, int num_threads);
+
+// One block-format weight of a projection: its rows are the projection's outputs from the
+// previous parts' total on (a fused qkv whose v is another type than q and k).
+typedef struct {
+    const void *weight;
+    int64_t stride, qtype, rows, interleaved;
+} Part;
+
+typedef struct {
+    int64_t in_features, out_features, num_parts;
+    Part parts[MAX_PARTS];
+} Projection;
+
+typedef struct {
+    const float *input_norm, *post_norm; // (hidden,) fp32
+    float *kv_cache;                     // (NB, 2, BS, kv_heads, head_dim) fp32
+    Projection qkv, o, gate_up, down;
+} Layer;
+
+// The step's shapes, metadata and buffers. `residual` (T, hidden) fp32 holds the embeddings
+// and is updated in place; `out` (T, hidden) bf16 receives the last layer's down projection
+// (unsummed, as forward_fused returns it). On failure, `failed_layer` and `failed_op` (1 a
+// projection, 2 attention) say where, and the callee's status is returned.
+typedef struct {
+    int64_t tokens, hidden, intermediate, heads, kv_heads, head_dim, block_size;
+    float eps, scale;
+    int64_t num_threads;
+    const int64_t *positions, *key_rows;
+    const float *cos_sin;
+    const int32_t *query_start_loc, *seq_lens, *block_tables;
+    int64_t table_stride, num_requests;
+    float *residual, *query, *attn;
+    uint16_t *out, *normed, *qkv, *attn_bf16, *gate_up, *act;
+    linear_fn linear;
+    attention_fn attention;
+    int64_t failed_layer, failed_op;
+} Step;
+
+// out (T, p->out_features) bf16 = x (T, p->in_features) bf16 @ W.T, part by part.
+static int project(const Step *s, const Projection *p, const uint16_t *x, uint16_t *out) {
+    int64_t col = 0;
+    for (int64_t i = 0; i < p->num_parts; i++) {
+        const Part *w = &p->parts[i];
+        const int64_t args[13] = {(int64_t)(intptr_t)x, 1, s->tokens, p->in_features,
+                                  (int64_t)(intptr_t)w->weight, w->stride, w->qtype, w->rows,
+                                  (int64_t)(intptr_t)(out + col), p->out_features, 1,
+                                  s->num_threads, w->interleaved};
+        const int rc = s->linear(args);
+        if (rc) return rc;
+        col += w->rows;
+    }
+    return 0;
+}
+
+static void to_bf16(const float *x, uint16_t *out, int64_t rows, int64_t width,
+                    int num_threads) {
+#pragma omp parallel for num_threads(num_threads) if (rows >= PARALLEL_ROWS)
+    for (int64_t t = 0; t < rows; t++)
+        for (int64_t i = 0; i < width; i++) out[t * width + i] = f32_to_bf16(x[t * width + i]);
+}
+
+static int failed(Step *s, int64_t layer, int64_t op, int rc) {
+    s->failed_layer = layer;
+    s->failed_op = op;
+    return rc;
+}
+
+int decoder_forward(Step *s, const Layer *layers, int64_t num_layers) {
+    const int64_t rows = s->tokens, dim = s->hidden;
+    const int nt = (int)s->num_threads;
+    int rc;
+    for (int64_t l = 0; l < num_layers; l++) {
+        const Layer *layer = &layers[l];
+        add_rms_norm(l ? s->out : NULL, s->residual, layer->input_norm, s->normed, rows, dim,
+                     s->eps, nt);
+        if ((rc = project(s, &layer->qkv, s->normed, s->qkv))) return failed(s, l, 1, rc);
+        rope_qkv(s->qkv, s->query, layer->kv_cache, s->key_rows, s->positions, s->cos_sin, rows,
+                 s->heads, s->kv_heads, s->head_dim, s->block_size, nt);
+        rc = s->attention(s->query, layer->kv_cache, s->attn, 0, s->query_start_loc,
+                          s->seq_lens, s->block_tables, s->table_stride, s->num_requests,
+                          s->heads, s->kv_heads, s->head_dim, s->block_size, s->scale, nt);
+        if (rc) return failed(s, l, 2, rc);
+        to_bf16(s->attn, s->attn_bf16, rows, s->heads * s->head_dim, nt);
+        if ((rc = project(s, &layer->o, s->attn_bf16, s->out))) return failed(s, l, 1, rc);
+        add_rms_norm(s->out, s->residual, layer->post_norm, s->normed, rows, dim, s->eps, nt);
+        if ((rc = project(s, &layer->gate_up, s->normed, s->gate_up))) return failed(s, l, 1, rc);
+        silu_mul(s->gate_up, s->act, rows, s->intermediate, nt);
+        if ((rc = project(s, &layer->down, s->act, s->out))) return failed(s, l, 1, rc);
+    }
+    return 0;
+}

@@ -51,6 +51,10 @@ class CpuOps:
         lib.silu_mul.argtypes = [ptr, ptr, i64, i64, cint]
         for fn in (lib.add_rms_norm, lib.rope_qkv, lib.silu_mul):
             fn.restype = None
+        # A whole decoder in one call: cpu_decoder.py's CpuDecoder builds its arguments.
+        lib.decoder_forward.argtypes = [ptr, ptr, i64]
+        lib.decoder_forward.restype = cint
+        self.decoder_forward = lib.decoder_forward
         self._lib = lib
         # The positions and key rows last checked, with their bounds and version counters:
         # every layer of a step passes the same ones.
@@ -95,10 +99,39 @@ class CpuOps:
         key_rows[t] (the cache viewed as (NB * 2 * BS, KVH, D) rows) and that row plus BS.
         positions (T,) int64 index the rows of cos_sin (P, D) fp32 (each angle's cos, then
         its sin)."""
-        num_blocks, _, block_size, kv_heads, dim = kv_cache.shape
+        _, _, block_size, kv_heads, dim = kv_cache.shape
         tokens = qkv.shape[0]
         if not _ok(qkv, _BF16, (tokens, (num_heads + 2 * kv_heads) * dim)):
             raise _bad("qkv", qkv, f"bfloat16 (T, {(num_heads + 2 * kv_heads) * dim})")
+        self.check_rope(kv_cache, key_rows, positions, cos_sin, tokens)
+        query = torch.empty((tokens, num_heads, dim), dtype=_F32)
+        self._lib.rope_qkv(
+            qkv.data_ptr(),
+            query.data_ptr(),
+            kv_cache.data_ptr(),
+            key_rows.data_ptr(),
+            positions.data_ptr(),
+            cos_sin.data_ptr(),
+            tokens,
+            num_heads,
+            kv_heads,
+            dim,
+            block_size,
+            torch.get_num_threads(),
+        )
+        return query
+
+    def check_rope(
+        self,
+        kv_cache: torch.Tensor,
+        key_rows: torch.Tensor,
+        positions: torch.Tensor,
+        cos_sin: torch.Tensor,
+        tokens: int,
+    ) -> None:
+        """Raise KernelInputError unless rope_qkv can read `positions` of `cos_sin` and write
+        `key_rows` of `kv_cache` (the ranges once for a step's tensors: see `_checked`)."""
+        num_blocks, _, block_size, _, dim = kv_cache.shape
         if not _ok(kv_cache, _F32, kv_cache.shape):
             raise _bad("kv_cache", kv_cache, "float32 (NB, 2, BS, KVH, D)")
         if not _ok(cos_sin, _F32, (cos_sin.shape[0], dim)):
@@ -120,22 +153,6 @@ class CpuOps:
                     "positions or key_rows out of range of cos_sin / kv_cache.", arg="key_rows"
                 )
             self._checked.remember((positions, key_rows), key)
-        query = torch.empty((tokens, num_heads, dim), dtype=_F32)
-        self._lib.rope_qkv(
-            qkv.data_ptr(),
-            query.data_ptr(),
-            kv_cache.data_ptr(),
-            key_rows.data_ptr(),
-            positions.data_ptr(),
-            cos_sin.data_ptr(),
-            tokens,
-            num_heads,
-            kv_heads,
-            dim,
-            block_size,
-            torch.get_num_threads(),
-        )
-        return query
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """gate_up (T, 2 I) bf16 (gate, then up) -> silu(gate) * up (T, I) bf16."""

@@ -125,6 +125,11 @@ class GGMLKernels:
             raise KernelBuildError(f"{path} was built for {built}, not {isa}.")
         self._lib = lib
 
+    @property
+    def linear_address(self) -> int:
+        """The address of ggml_linear_packed (cpu_ops.c's decoder_forward calls it)."""
+        return ctypes.cast(self._linear_packed, ctypes.c_void_p).value
+
     def act_block(self, qtype: int) -> int:
         """The block (32 or 256 elements) this build quantizes activations to for the type:
         each block's x is rounded to int8 with one scale d = max|x| / 127."""

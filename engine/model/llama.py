@@ -17,8 +17,11 @@ from torch import nn
 
 import agentrt.kernels as kernels
 from agentrt.engine.model.arch import ModelArchConfig
+from agentrt.engine.model.ggml_linear import GGMLLinear
 from agentrt.engine.model.rope import RotaryEmbedding, Rotate
 from agentrt.engine.worker.attention import AttentionMetadata
+from agentrt.kernels.cpu_decoder import CpuDecoder, LayerWeights, block_format
+from agentrt.kernels.ggml_library import default_kernels
 
 if TYPE_CHECKING:
     from agentrt.engine.worker.distributed import TensorParallelGroup
@@ -122,6 +125,9 @@ class DecoderLayer(nn.Module):
             self.tp.all_reduce(hidden)
         return hidden, residual
 
+    def projections(self) -> tuple[nn.Module, nn.Module, nn.Module, nn.Module]:
+        return self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj
+
     def forward_fused(
         self,
         hidden: torch.Tensor | None,  # (T, hidden) bf16: the previous layer's down_proj output
@@ -192,8 +198,11 @@ class LlamaForCausalLM(nn.Module):
         # embedding's own blocks when tied); else the lm_head or tied embedding weight.
         self.logits_proj: nn.Module | None = None
         # The fused CPU glue, which the layers then run through (`forward_fused`): set by the
-        # model runner for quantized fp32 models on the CPU attention backend.
+        # model runner for quantized fp32 models on the CPU attention backend...
         self.cpu_ops: kernels.CpuOps | None = None
+        # ... and with it, when every projection is in block formats, all layers in one C
+        # call over the runner's KV caches (`build_cpu_decoder`).
+        self.cpu_decoder: CpuDecoder | None = None
 
     @torch.inference_mode()
     def forward(
@@ -206,6 +215,20 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)  # (T, hidden)
         if self.cpu_ops is not None:
+            decoder = self.cpu_decoder
+            if decoder is not None and kv_caches is decoder.kv_caches:
+                residual = hidden
+                hidden = decoder.forward(
+                    residual,
+                    positions,
+                    meta.key_rows,
+                    self.rotary.cos_sin_cache,
+                    meta.query_start_loc,
+                    meta.seq_lens,
+                    meta.block_tables,
+                    self.layers[0].scale,
+                )
+                return hidden.float() + residual
             step = FusedStep(self.cpu_ops, attention, meta, positions, self.rotary.cos_sin_cache)
             residual, hidden = hidden, None
             for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
@@ -216,6 +239,31 @@ class LlamaForCausalLM(nn.Module):
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden, residual = layer(hidden, residual, rotate, kv_cache, meta, attention)
         return hidden + residual  # the final norm runs on the sampled rows only
+
+    def quantized_layers(self) -> bool:
+        """Whether every layer projection is a GGMLLinear (the fused CPU glue needs that)."""
+        return all(isinstance(p, GGMLLinear) for layer in self.layers for p in layer.projections())
+
+    def build_cpu_decoder(self, attention, kv_caches: list[torch.Tensor]) -> CpuDecoder | None:
+        """`forward_fused`'s layers as one C call (kernels/cpu_decoder.py) over `kv_caches`,
+        for the 'cpu' attention backend `attention`; None when a projection has a dense part
+        (forward_fused then runs it through torch)."""
+        layers = []
+        for layer in self.layers:
+            projections = layer.projections()
+            if not all(block_format(w) for p in projections for w in p.weights):
+                return None
+            norms = (layer.input_layernorm.weight.data, layer.post_attention_layernorm.weight.data)
+            layers.append(LayerWeights(*norms, *(p.weights for p in projections)))
+        return CpuDecoder(
+            self.cpu_ops,
+            attention.kernel,
+            default_kernels(),
+            layers,
+            kv_caches,
+            self.cfg.num_heads,
+            self.cfg.rms_norm_eps,
+        )
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -125,10 +125,12 @@ class ModelRunner:
             device=device,
         )
         self.model = model.eval()
-        if quantization != "none" and fused_cpu_glue(arch, dtype, self.attention.name, tp):
+        if model.quantized_layers() and fused_cpu_glue(arch, dtype, self.attention.name, tp):
             self.model.cpu_ops = kernels.load_cpu_ops(envs.cache_dir() / "kernels")
         shape = (num_blocks, 2, block_size, arch.num_kv_heads, arch.head_dim)
         self.kv_caches = [allocate_zeros(shape, dtype, device) for _ in range(arch.num_layers)]
+        if self.model.cpu_ops is not None:
+            self.model.cpu_decoder = self.model.build_cpu_decoder(self.attention, self.kv_caches)
         self.connector: KVConnectorWorker | None = None
 
     def start_kv_connector(self, config: KVTransferConfig, layout: KVLayout) -> KVConnectorWorker:

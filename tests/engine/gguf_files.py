@@ -114,7 +114,7 @@ def write_tiny_gguf(
         vector(p + "ffn_norm.weight", hidden, 1.0)
         add(p + "attn_q.weight", q_rows, hidden, projection_type)
         add(p + "attn_k.weight", kv_rows, hidden, projection_type)
-        add(p + "attn_v.weight", kv_rows, hidden, v_type or projection_type)
+        add(p + "attn_v.weight", kv_rows, hidden, projection_type if v_type is None else v_type)
         add(p + "attn_output.weight", hidden, q_rows, projection_type)
         add(p + "ffn_gate.weight", intermediate, hidden, projection_type)
         add(p + "ffn_up.weight", intermediate, hidden, projection_type)

@@ -1,0 +1,205 @@
+"""A quantized decoder's layers in one C call on the CPU (cpu_ops.c's decoder_forward).
+
+LlamaForCausalLM's `forward_fused` runs a layer as ~10 calls from Python: two norms, RoPE,
+attention, four products, SiLU, a cast. Each costs ~5-15 us of Python and ctypes around
+microseconds of work for one decoded token, which on the embedded model was 2.5 of a
+forward's 6.5 ms (one thread, CPU time). `CpuDecoder` lays every layer's weights, norms
+and KV cache out once as C structs; a step then fills one struct of its shapes, metadata
+and buffers, checks them once, and makes one call, which runs the same operations in the
+same order (the same bits as the layer-by-layer path; tests/kernels/test_cpu_decoder.py).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import NamedTuple
+
+import torch
+
+from .cpu_attention import CpuAttention
+from .cpu_ops import CpuOps
+from .errors import KernelInputError
+from .ggml_library import GGMLKernels
+from .ggml_linear import DENSE_DTYPES, GGMLWeight, type_name
+
+MAX_PARTS = 4  # cpu_ops.c's: the block types one fused projection may mix
+_I64, _PTR, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+
+
+class _Part(ctypes.Structure):
+    _fields_ = [("weight", _PTR), *((name, _I64) for name in ("stride", "qtype", "rows"))]
+    _fields_ += [("interleaved", _I64)]
+
+
+class _Projection(ctypes.Structure):
+    _fields_ = [("in_features", _I64), ("out_features", _I64), ("num_parts", _I64)]
+    _fields_ += [("parts", _Part * MAX_PARTS)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("input_norm", _PTR), ("post_norm", _PTR), ("kv_cache", _PTR)]
+    _fields_ += [(name, _Projection) for name in ("qkv", "o", "gate_up", "down")]
+
+
+_SHAPES = ("tokens", "hidden", "intermediate", "heads", "kv_heads", "head_dim", "block_size")
+_BUFFERS = ("residual", "query", "attn", "out", "normed", "qkv", "attn_bf16", "gate_up", "act")
+
+
+class _Step(ctypes.Structure):
+    _fields_ = [(name, _I64) for name in _SHAPES]
+    _fields_ += [("eps", _F32), ("scale", _F32), ("num_threads", _I64)]
+    _fields_ += [(name, _PTR) for name in ("positions", "key_rows", "cos_sin")]
+    _fields_ += [(name, _PTR) for name in ("query_start_loc", "seq_lens", "block_tables")]
+    _fields_ += [("table_stride", _I64), ("num_requests", _I64)]
+    _fields_ += [(name, _PTR) for name in _BUFFERS]
+    _fields_ += [("linear", _PTR), ("attention", _PTR)]
+    _fields_ += [("failed_layer", _I64), ("failed_op", _I64)]
+
+
+class LayerWeights(NamedTuple):
+    """One decoder layer as the C loop reads it: RMSNorm weights (hidden,) fp32 and each
+    projection's block-format parts, stacked by output rows."""
+
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    qkv: list[GGMLWeight]
+    o: list[GGMLWeight]
+    gate_up: list[GGMLWeight]
+    down: list[GGMLWeight]
+
+
+def block_format(weight: object) -> bool:
+    """Whether the C loop runs this part of a projection (a dense one it does not)."""
+    return isinstance(weight, GGMLWeight) and weight.qtype not in DENSE_DTYPES
+
+
+def _projection(name: str, parts: list[GGMLWeight], k: int, n: int) -> _Projection:
+    if not 1 <= len(parts) <= MAX_PARTS:
+        raise KernelInputError(f"{name}: {len(parts)} parts; at most {MAX_PARTS}.", arg=name)
+    for part in parts:
+        if not block_format(part) or part.in_features != k:
+            raise KernelInputError(
+                f"{name}: a {type_name(part.qtype)} part of {part.in_features} inputs; the "
+                f"decoder takes block-format parts of {k}.",
+                arg=name,
+            )
+    if (total := sum(p.out_features for p in parts)) != n:
+        raise KernelInputError(f"{name}: its parts give {total} outputs; expected {n}.", arg=name)
+    proj = _Projection(k, n, len(parts))
+    for slot, part in zip(proj.parts, parts, strict=False):
+        ptr, stride, qtype, rows, _ = part._c_args
+        slot.weight, slot.stride, slot.qtype, slot.rows = ptr, stride, qtype, rows
+        slot.interleaved = part.interleaved
+    return proj
+
+
+class CpuDecoder:
+    """Every layer of a model, laid out for decoder_forward. The tensors it points at are
+    held here, so they live as long as it does; `kv_caches` are the runner's (they are
+    written by every step)."""
+
+    def __init__(
+        self,
+        ops: CpuOps,
+        attention: CpuAttention,
+        linear: GGMLKernels,
+        layers: list[LayerWeights],
+        kv_caches: list[torch.Tensor],
+        num_heads: int,
+        eps: float,
+    ) -> None:
+        if len(layers) != len(kv_caches) or not layers:
+            raise KernelInputError("one KV cache per layer, and at least one layer.")
+        shape = kv_caches[0].shape
+        _, _, self.block_size, self.kv_heads, self.head_dim = shape
+        self.hidden, self.heads = layers[0].input_norm.shape[0], num_heads
+        self.intermediate = layers[0].down[0].in_features
+        q_size, kv_size = num_heads * self.head_dim, self.kv_heads * self.head_dim
+        hidden, inter = self.hidden, self.intermediate
+        self._layers = (_Layer * len(layers))()
+        for slot, layer, cache in zip(self._layers, layers, kv_caches, strict=True):
+            if cache.shape != shape or cache.dtype != torch.float32 or not cache.is_contiguous():
+                raise KernelInputError("the KV caches must be alike, fp32 and contiguous.")
+            for norm in (layer.input_norm, layer.post_norm):
+                if norm.dtype != torch.float32 or norm.shape != (hidden,):
+                    raise KernelInputError(f"norm weights must be fp32 ({hidden},).")
+            slot.input_norm = layer.input_norm.data_ptr()
+            slot.post_norm = layer.post_norm.data_ptr()
+            slot.kv_cache = cache.data_ptr()
+            slot.qkv = _projection("qkv", layer.qkv, hidden, q_size + 2 * kv_size)
+            slot.o = _projection("o", layer.o, q_size, hidden)
+            slot.gate_up = _projection("gate_up", layer.gate_up, hidden, 2 * inter)
+            slot.down = _projection("down", layer.down, inter, hidden)
+        self._layer_weights = layers
+        self.kv_caches = kv_caches
+        self._ops, self._attention = ops, attention
+        self._step = _Step(
+            hidden=hidden,
+            intermediate=inter,
+            heads=num_heads,
+            kv_heads=self.kv_heads,
+            head_dim=self.head_dim,
+            block_size=self.block_size,
+            eps=eps,
+            linear=linear.linear_address,
+            attention=attention.address,
+        )
+
+    def forward(
+        self,
+        residual: torch.Tensor,
+        positions: torch.Tensor,
+        key_rows: torch.Tensor,
+        cos_sin: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        seq_lens: torch.Tensor,
+        block_tables: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        """residual (T, hidden) fp32: the embeddings, updated in place to what the last
+        layer's down projection is added to; returns that projection (T, hidden) bf16. The
+        metadata are attention's and rope_qkv's (cpu_attention.py, cpu_ops.py)."""
+        tokens = residual.shape[0]
+        if (
+            residual.dtype != torch.float32
+            or residual.shape != (tokens, self.hidden)
+            or not residual.is_contiguous()
+        ):
+            raise KernelInputError(
+                f"residual must be fp32 (T, {self.hidden}), contiguous.", arg="residual"
+            )
+        heads, dim = self.heads, self.head_dim
+        f32, bf16 = torch.float32, torch.bfloat16
+        buffers = {
+            "residual": residual,
+            "query": torch.empty((tokens, heads, dim), dtype=f32),
+            "attn": torch.empty((tokens, heads, dim), dtype=f32),
+            "out": torch.empty((tokens, self.hidden), dtype=bf16),
+            "normed": torch.empty((tokens, self.hidden), dtype=bf16),
+            "qkv": torch.empty((tokens, (heads + 2 * self.kv_heads) * dim), dtype=bf16),
+            "attn_bf16": torch.empty((tokens, heads * dim), dtype=bf16),
+            "gate_up": torch.empty((tokens, 2 * self.intermediate), dtype=bf16),
+            "act": torch.empty((tokens, self.intermediate), dtype=bf16),
+        }
+        cache = self.kv_caches[0]
+        self._ops.check_rope(cache, key_rows, positions, cos_sin, tokens)
+        query, attn = buffers["query"], buffers["attn"]
+        self._attention.check(query, cache, query_start_loc, seq_lens, block_tables, attn)
+        step = self._step
+        step.tokens, step.scale, step.num_threads = tokens, scale, torch.get_num_threads()
+        step.positions, step.key_rows = positions.data_ptr(), key_rows.data_ptr()
+        step.cos_sin = cos_sin.data_ptr()
+        step.query_start_loc = query_start_loc.data_ptr()
+        step.seq_lens, step.block_tables = seq_lens.data_ptr(), block_tables.data_ptr()
+        step.table_stride, step.num_requests = block_tables.shape[1], seq_lens.shape[0]
+        for name, tensor in buffers.items():
+            setattr(step, name, tensor.data_ptr())
+        rc = self._ops.decoder_forward(
+            ctypes.addressof(step), ctypes.addressof(self._layers), len(self._layers)
+        )
+        if rc:
+            where = "a projection" if step.failed_op == 1 else "attention"
+            if rc == -2:
+                raise MemoryError(f"layer {step.failed_layer}: {where} ran out of memory.")
+            raise KernelInputError(f"layer {step.failed_layer}: {where} refused its input ({rc}).")
+        return buffers["out"]

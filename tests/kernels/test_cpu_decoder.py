@@ -1,0 +1,133 @@
+"""All of a quantized model's layers in one C call (kernels/cpu_decoder.py) against the same
+layers run one fused call at a time from Python (llama.py's forward_fused): the same bits
+for every step, prefills, chunks and decodes mixed, on one and two threads; its checks
+before the call; and the fallback when a projection is dense."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from agentrt.engine.loader.gguf_loader import GGUFLoader
+from agentrt.engine.model.arch import ModelArchConfig
+from agentrt.engine.model.checkpoint import load_hf_config
+from agentrt.engine.records import ScheduledChunk, SchedulerOutput
+from agentrt.engine.worker.model_runner import ModelRunner
+from agentrt.kernels import KernelInputError
+from tests.engine.gguf_files import Q, write_tiny_gguf
+
+PROMPTS = [list(range(5, 45)), list(range(100, 109)), list(range(300, 320))]
+
+
+def runner(path: Path, quantization: str = "gguf") -> ModelRunner:
+    return ModelRunner(
+        ModelArchConfig.from_hf_dict(load_hf_config(path)),
+        GGUFLoader(path),
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+        block_size=16,
+        num_blocks=12,
+        max_model_len=128,
+        quantization=quantization,
+    )
+
+
+def steps() -> list[SchedulerOutput]:
+    """Two prefills (the first in two chunks); then the first's second chunk beside a decode
+    of the second and the third's whole prompt; then three decodes."""
+    a, b, c = PROMPTS
+    blocks = {"a": [0, 1, 2], "b": [3], "c": [4, 5]}
+
+    def chunk(req, tokens, start, sample=True):
+        return ScheduledChunk(req, tokens, start, blocks[req], sample=sample)
+
+    plan = [
+        [chunk("a", a[:24], 0, sample=False), chunk("b", b, 0)],
+        [chunk("a", a[24:], 24), chunk("b", [7], 9), chunk("c", c, 0)],
+        [chunk("a", [8], 40), chunk("b", [9], 10), chunk("c", [10], 20)],
+    ]
+    return [SchedulerOutput(chunks, sum(len(c.token_ids) for c in chunks)) for chunks in plan]
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("decoder-gguf")
+    kinds = {
+        "Q4_0": {"projection_type": Q.Q4_0},  # interleaved on AVX2 and AVX-512 builds
+        "Q4_K+Q6_K": {"projection_type": Q.Q4_K, "v_type": Q.Q6_K},  # qkv of two types
+        "Q5_0": {"projection_type": Q.Q5_0},  # the file's layout
+    }
+    return {name: write_tiny_gguf(root / f"{name}.gguf", **kw) for name, kw in kinds.items()}
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_K+Q6_K", "Q5_0"])
+def test_one_call_equals_the_layer_by_layer_path_bit_for_bit(files, kind, threads):
+    one_call, by_layer = runner(files[kind]), runner(files[kind])
+    assert one_call.model.cpu_decoder is not None
+    by_layer.model.cpu_decoder = None
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for step in steps():
+            got, want = one_call.execute(step), by_layer.execute(step)
+            assert torch.equal(got, want)
+        for got, want in zip(one_call.kv_caches, by_layer.kv_caches, strict=True):
+            assert torch.equal(got, want)  # every layer wrote the same K/V
+        assert any(cache.abs().sum() > 0 for cache in one_call.kv_caches)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_bad_step_input_is_refused_before_anything_is_written(files):
+    r = runner(files["Q4_0"])
+    decoder = r.model.cpu_decoder
+    hidden = decoder.hidden
+    residual = torch.randn(1, hidden)
+    positions = torch.tensor([3])
+    cos_sin = r.model.rotary.cos_sin_cache
+    start, lens = torch.tensor([0, 1], dtype=torch.int32), torch.tensor([4], dtype=torch.int32)
+    table, rows = torch.tensor([[0]], dtype=torch.int32), torch.tensor([3])
+
+    def call(residual=residual, key_rows=rows, table=table):
+        return decoder.forward(residual, positions, key_rows, cos_sin, start, lens, table, 0.1)
+
+    with pytest.raises(KernelInputError, match="residual"):
+        call(residual=residual.double())
+    with pytest.raises(KernelInputError, match="residual"):
+        call(residual=torch.randn(hidden, 2).T)  # not contiguous
+    num_rows = r.kv_caches[0].shape[0] * 2 * 16
+    with pytest.raises(KernelInputError, match="out of range"):
+        call(key_rows=torch.tensor([num_rows]))  # would write past the cache
+    with pytest.raises(KernelInputError, match="block_tables"):
+        call(table=torch.tensor([[12]], dtype=torch.int32))  # a block the cache lacks
+    assert all(not cache.any() for cache in r.kv_caches)
+    out = call()  # the same step, well formed, runs
+    assert out.shape == (1, hidden) and out.dtype == torch.bfloat16 and out.isfinite().all()
+    assert any(cache.any() for cache in r.kv_caches)
+
+
+def test_a_dense_part_keeps_the_layer_by_layer_path(tmp_path):
+    """An F32 attn_v beside Q4_0 q and k: the fused qkv holds an fp32 matrix part, which the
+    one-call loop does not take, so the layers run forward_fused (that part through torch),
+    as close to the dequantized fp32 model as the all-block file is."""
+    path = write_tiny_gguf(tmp_path / "mixed.gguf", projection_type=Q.Q4_0, v_type=Q.F32)
+    r = runner(path)
+    assert r.model.cpu_ops is not None and r.model.cpu_decoder is None
+    assert any(isinstance(w, torch.Tensor) for w in r.model.layers[0].qkv_proj.weights)
+    dense = runner(path, "none")
+    for step in steps():
+        got, want = r.execute(step), dense.execute(step)
+        assert (got - want).abs().max() < 0.06 * want.abs().max()
+
+
+def test_a_file_of_dense_projections_runs_without_the_fused_glue(tmp_path):
+    """An F32 file: nn.Linear layers, which the fused glue cannot run (it did try, and failed
+    on the first step), so they run the model's torch path, as the file dequantized does."""
+    path = write_tiny_gguf(tmp_path / "f32.gguf", projection_type=Q.F32, vocab_type=Q.F32)
+    r, dense = runner(path), runner(path, "none")
+    assert r.model.cpu_ops is None and r.model.cpu_decoder is None
+    for step in steps():
+        assert torch.equal(r.execute(step), dense.execute(step))
