@@ -476,26 +476,29 @@ static inline void kblock_q45k(int qtype, const uint8_t *b, KBlock *kb) {
 
 static inline void kblock_q6k(const uint8_t *b, KBlock *kb) {
     const __m512i sc = _mm512_castsi256_si512(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(b + 192))));
-    for (int k = 0; k < 4; k++) { // lanes 8j..8j + 7: group 4k + j
-        const short g = (short)(4 * k);
-        kb->scale[k] = _mm512_permutexvar_epi16(
-            _mm512_set_epi16(g + 3, g + 3, g + 3, g + 3, g + 3, g + 3, g + 3, g + 3, g + 2, g + 2,
-                             g + 2, g + 2, g + 2, g + 2, g + 2, g + 2, g + 1, g + 1, g + 1, g + 1,
-                             g + 1, g + 1, g + 1, g + 1, g, g, g, g, g, g, g, g),
-            sc);
-    }
+    // One permute puts groups m, 4 + m, 8 + m, 12 + m in 128-bit lane m; then one in-lane
+    // shuffle per k repeats group 4k + m over lane m (the lanes of u[k]'s group 4k + m).
+    const __m512i by_lane = _mm512_permutexvar_epi16(
+        _mm512_set_epi16(0, 0, 0, 0, 15, 11, 7, 3, 0, 0, 0, 0, 14, 10, 6, 2, 0, 0, 0, 0, 13, 9, 5,
+                         1, 0, 0, 0, 0, 12, 8, 4, 0),
+        sc);
+    for (int k = 0; k < 4; k++)
+        kb->scale[k] = _mm512_shuffle_epi8(by_lane, _mm512_set1_epi16((short)((2 * k + 1) << 8 | 2 * k)));
     kb->mins = _mm256_slli_epi16(_mm512_castsi512_si256(sc), 5); // OFFSET 32 times the scale
     kb->d = kb->dmin = fp16_fast(b + 208);
-    const __m512i low4 = _mm512_set1_epi8(0x0f), low2 = _mm512_set1_epi8(0x03);
+    const __m512i low4 = _mm512_set1_epi8(0x0f), bits45 = _mm512_set1_epi8(0x30);
     for (int h = 0; h < 2; h++) {
         const __m512i ql = _mm512_loadu_si512(b + 64 * h);
         const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h)));
         for (int odd = 0; odd < 2; odd++) {
-            const __m512i lo = _mm512_and_si512(odd ? _mm512_srli_epi16(ql, 4) : ql, low4);
-            const __m512i shift = _mm512_set_epi64(4 * odd + 2, 4 * odd + 2, 4 * odd + 2, 4 * odd + 2,
-                                                   4 * odd, 4 * odd, 4 * odd, 4 * odd);
-            const __m512i hi = _mm512_and_si512(_mm512_srlv_epi64(qh, shift), low2);
-            kb->u[2 * h + odd] = _mm512_or_si512(lo, _mm512_slli_epi64(hi, 4));
+            // Each byte's 2 bits of qh (bits 4 odd, then 4 odd + 2 in the upper half) rotated
+            // to bits 4-5 within its qword: no other byte's bits land there.
+            const __m512i turn = _mm512_set_epi64(60 * odd + 2, 60 * odd + 2, 60 * odd + 2,
+                                                  60 * odd + 2, 4 - 4 * odd, 4 - 4 * odd,
+                                                  4 - 4 * odd, 4 - 4 * odd);
+            const __m512i hi = _mm512_and_si512(_mm512_rolv_epi64(qh, turn), bits45);
+            // (lo & 0x0f) | hi in one ternary op: hi has bits 4-5 only
+            kb->u[2 * h + odd] = _mm512_ternarylogic_epi32(odd ? _mm512_srli_epi16(ql, 4) : ql, low4, hi, 0xEA);
         }
     }
 }
@@ -521,14 +524,17 @@ static inline __attribute__((always_inline)) void kquant_rows(
             const int8_t *q = (const int8_t *)a + 256 * i;
             const float da = ((const float *)(a + d_at))[i];
             __m512i isum = _mm512_setzero_si512();
-            for (int j = 0; j < 4; j++)
-                isum = _mm512_add_epi32(
-                    isum, _mm512_madd_epi16(_mm512_maddubs_epi16(kb.u[j], _mm512_loadu_si512(q + 64 * j)),
-                                            kb.scale[j]));
+            for (int j = 0; j < 4; j++) // pairs of u a (int16), times their scale, summed (VNNI)
+                isum = _mm512_dpwssd_epi32(
+                    isum, _mm512_maddubs_epi16(kb.u[j], _mm512_loadu_si512(q + 64 * j)), kb.scale[j]);
             const __m256i bs = _mm256_loadu_si256((const __m256i *)((const int16_t *)(a + bsum_at) + 16 * i));
             const __m256i msum = _mm256_madd_epi16(bs, kb.mins);
+            if (qtype == T_Q6_K) { // d = dmin: the offset's sum comes off in integers
+                isum = _mm512_sub_epi32(isum, _mm512_zextsi256_si512(msum));
+            } else {
+                macc[tt] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(msum), _mm256_set1_ps(kb.dmin * da), macc[tt]);
+            }
             acc[tt] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_set1_ps(kb.d * da), acc[tt]);
-            macc[tt] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(msum), _mm256_set1_ps(kb.dmin * da), macc[tt]);
         }
     }
     for (int tt = 0; tt < TT; tt++) {
