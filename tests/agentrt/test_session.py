@@ -197,10 +197,15 @@ async def test_post_validation_failure_and_explicit_retries(rt):
     assert [m["role"] for m in session.history] == ["user", "assistant"]
 
 
+# A reply far longer than the 10 s the tests give a cancelled one to free its blocks (400
+# tokens took 6 s on the default engine; 2,000 take over a minute).
+ENDLESS = {"max_tokens": 2000, "ignore_eos": True}
+
+
 async def test_cancelled_generate_frees_its_blocks(rt):
     baseline = await rt.stats()
     async with anyio.create_task_group() as tg:
-        tg.start_soon(lambda: rt.generate("Write a very long story.", max_tokens=400))
+        tg.start_soon(lambda: rt.generate("Write a very long story.", **ENDLESS))
         with anyio.fail_after(30):
             while (await rt.stats()).num_running == 0:
                 await anyio.sleep(0.01)
@@ -254,7 +259,7 @@ async def test_engine_fault_raises_engine_dead_error(tiny_checkpoint):
 async def test_leaving_a_stream_early_aborts_the_request(rt):
     baseline = await rt.stats()
     session = rt.session()
-    async for _ in session.stream("Write a very long story.", max_tokens=400):
+    async for _ in session.stream("Write a very long story.", **ENDLESS):
         break  # the generator is finalized when dropped; that closes the engine stream
     with anyio.fail_after(10):
         while (await rt.stats()).num_running:
