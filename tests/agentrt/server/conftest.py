@@ -1,8 +1,9 @@
 """Real `agentrt serve` processes on localhost, driven by the official `openai` client.
 
-`server` is the embedded SmolLM2 (fp32, small KV cache) with an API key, shared by the whole
-session; `tiny_server(...)` starts a server on a tiny random checkpoint (fast to load and to
-run) with whatever options a test needs: queue limits, drain, fuzzing.
+`server` is the embedded SmolLM2 as `agentrt serve` runs it by default (the GGUF's own Q4_1
+blocks), with a small KV cache and an API key, shared by the whole session; `tiny_server(...)`
+starts a server on a tiny random checkpoint (fast to load and to run) with whatever options
+a test needs: queue limits, drain, fuzzing.
 """
 
 from __future__ import annotations
@@ -19,8 +20,6 @@ from tests.agentrt.server.helpers import API_KEY, ServerProcess
 @pytest.fixture(scope="session")
 def server(smollm2_dir) -> Iterator[ServerProcess]:
     with ServerProcess(
-        "--dtype",
-        "float32",
         "--kv-cache-memory-gb",
         "0.25",
         "--api-key",

@@ -1,8 +1,9 @@
 """Disaggregated prefill/decode end to end: a producer (`agentrt serve --kv-connector p2p
 --kv-role producer`), a consumer (`--kv-role consumer`) and `agentrt proxy` in front, all real
-processes on localhost, driven by the official `openai` client. Greedy fp32 answers must
-equal one instance's (the session's `server`), the consumer must have loaded the prefill
-instead of computing it, and a dead producer must only cost the consumer its own prefill."""
+processes on localhost, driven by the official `openai` client. Greedy answers must equal
+one instance's (the session's `server`, the same default engine), the consumer must have
+loaded the prefill instead of computing it, and a dead producer must only cost the consumer
+its own prefill."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import pytest
 from tests.agentrt.server.helpers import ServerProcess, metrics
 
 INSTANCE = (
-    *("--dtype", "float32", "--kv-cache-memory-gb", "0.1", "--kv-connector", "p2p"),
+    *("--kv-cache-memory-gb", "0.1", "--kv-connector", "p2p"),
     *("--kv-secret", "the-instances-shared-secret"),
 )
 SYSTEM = "You are a careful assistant who answers in one sentence."

@@ -62,7 +62,7 @@ def test_requests_speak_openai():
     assert regex["extra_body"] == {"structured_outputs": {"regex": "[a-z]+"}}
 
 
-async def test_tool_calls_come_back_as_the_local_payload(rt, smollm2_llm):
+async def test_tool_calls_come_back_as_the_local_payload(rt, smollm2_default_llm):
     tools = [
         {
             "type": "function",
@@ -77,8 +77,8 @@ async def test_tool_calls_come_back_as_the_local_payload(rt, smollm2_llm):
         }
     ]
     # One call (parallel off) whose only argument is at most 20 characters: it ends well
-    # inside the budget, so the reply must finish and parse, and greedy fp32 decoding makes
-    # it the same call the local backend on the same model produces.
+    # inside the budget, so the reply must finish and parse, and greedy decoding makes
+    # it the same call the local backend on the same engine produces.
     fmt = tools_format(tools, "required", parallel_tool_calls=False)
     messages = [{"role": "user", "content": "Weather in Paris?"}]
     sampling = {"max_tokens": 120, "temperature": 0.0}
@@ -91,7 +91,7 @@ async def test_tool_calls_come_back_as_the_local_payload(rt, smollm2_llm):
     assert isinstance(calls[0].arguments["city"], str)
     assert 0 < len(calls[0].arguments["city"]) <= 20
     assert completion.usage.completion_tokens > 0
-    async with agentrt.Runtime(engine=smollm2_llm.engine) as local:
+    async with agentrt.Runtime(engine=smollm2_default_llm.engine) as local:
         items = [i async for i in local.backend.stream(messages, fmt, sampling)]
     local_calls = fmt.parse(items[-1].text)
     assert [(c.name, c.arguments) for c in local_calls] == [(c.name, c.arguments) for c in calls]

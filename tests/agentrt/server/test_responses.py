@@ -1,4 +1,4 @@
-"""`POST /v1/responses` on a real `agentrt serve` (the embedded SmolLM2, fp32, greedy), driven
+"""`POST /v1/responses` on a real `agentrt serve` (the embedded SmolLM2, greedy), driven
 by the official `openai` client: plain and streamed responses (events in the order the
 client's stream parser expects), `responses.parse` to a typed object, function tools,
 `previous_response_id` on the prefix cache, GET / DELETE, and OpenAI-shaped errors. Bodies
@@ -349,7 +349,8 @@ def test_reasoning_items_sent_back_are_accepted(client: openai.OpenAI):
 
 
 def test_a_disconnect_mid_stream_aborts_the_request(http: httpx.Client):
-    baseline = wait_idle(http)["agentrt:kv_cache_usage_perc"]
+    before = wait_idle(http)
+    baseline = before["agentrt:kv_cache_usage_perc"]
     body = {"model": MODEL, "input": "Count to a thousand.", "stream": True}
     with http.stream("POST", "/v1/responses", json={**body, "max_output_tokens": 400}) as r:
         assert r.status_code == 200
@@ -358,9 +359,12 @@ def test_a_disconnect_mid_stream_aborts_the_request(http: httpx.Client):
             pass
         assert metrics(http)["agentrt:num_requests_running"] == 1
     started = time.monotonic()
-    after = wait_idle(http, timeout_s=10)  # 400 tokens would take far longer
+    after = wait_idle(http, timeout_s=10)
     assert time.monotonic() - started < 10
     assert after["agentrt:kv_cache_usage_perc"] == baseline
+    # Aborted, not finished: the reply (~100 tokens when left alone) ended by the disconnect.
+    aborted = f'agentrt:request_success_total{{finished_reason="abort",model_name="{MODEL}"}}'
+    assert after.get(aborted, 0) == before.get(aborted, 0) + 1
 
 
 def test_chat_takes_tools_with_a_response_format_too(client: openai.OpenAI):

@@ -49,8 +49,8 @@ DEAD_END = {
 
 
 @pytest.fixture
-async def local(smollm2_llm):
-    async with AsyncEngine(engine=smollm2_llm.engine) as engine:
+async def local(smollm2_default_llm):
+    async with AsyncEngine(engine=smollm2_default_llm.engine) as engine:
         yield LocalBackend(engine)
 
 
