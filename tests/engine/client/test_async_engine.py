@@ -1,6 +1,6 @@
-"""AsyncEngine on the embedded model: streams equal the synchronous engine's outputs, under
-asyncio and trio; cancellation frees blocks; a fault fails every pending request; the
-waiting queue is bounded."""
+"""AsyncEngine on the embedded model (the default engine: the GGUF's own Q4_1 blocks): streams
+equal the synchronous engine's outputs, under asyncio and trio; cancellation frees blocks; a
+fault fails every pending request; the waiting queue is bounded."""
 
 from __future__ import annotations
 
@@ -35,9 +35,9 @@ async def _baseline_usage(engine: AsyncEngine) -> float:
     return stats.kv_cache_usage
 
 
-async def test_streams_match_the_sync_engine(smollm2_llm: LLM):
-    expected = [o.outputs[0].text for o in smollm2_llm.generate(PROMPTS, GREEDY)]
-    async with AsyncEngine(engine=smollm2_llm.engine) as engine:
+async def test_streams_match_the_sync_engine(smollm2_default_llm: LLM):
+    expected = [o.outputs[0].text for o in smollm2_default_llm.generate(PROMPTS, GREEDY)]
+    async with AsyncEngine(engine=smollm2_default_llm.engine) as engine:
         texts, finals = await stream_all(engine, PROMPTS, GREEDY)
         assert texts == expected
         assert [f.outputs[0].text for f in finals] == expected
@@ -45,10 +45,10 @@ async def test_streams_match_the_sync_engine(smollm2_llm: LLM):
         await engine.call(lambda e: e.kv_manager.check_invariants())
 
 
-async def test_chat_messages_and_bad_input_raise_in_the_caller(smollm2_llm: LLM):
+async def test_chat_messages_and_bad_input_raise_in_the_caller(smollm2_default_llm: LLM):
     messages = [{"role": "user", "content": "Say hi."}]
-    expected = smollm2_llm.chat(messages, GREEDY)[0].outputs[0].text
-    async with AsyncEngine(engine=smollm2_llm.engine) as engine:
+    expected = smollm2_default_llm.chat(messages, GREEDY)[0].outputs[0].text
+    async with AsyncEngine(engine=smollm2_default_llm.engine) as engine:
         out = await engine.generate(messages=messages, params=GREEDY)
         assert out.outputs[0].text == expected
         with pytest.raises(InvalidRequestError) as info:
@@ -61,9 +61,9 @@ async def test_chat_messages_and_bad_input_raise_in_the_caller(smollm2_llm: LLM)
         assert out.outputs[0].text == expected
 
 
-async def test_cancelling_the_caller_aborts_and_frees_blocks(smollm2_llm: LLM):
-    long = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
-    async with AsyncEngine(engine=smollm2_llm.engine) as engine:
+async def test_cancelling_the_caller_aborts_and_frees_blocks(smollm2_default_llm: LLM):
+    long = SamplingParams(temperature=0.0, max_tokens=2000, ignore_eos=True)
+    async with AsyncEngine(engine=smollm2_default_llm.engine) as engine:
         baseline = await _baseline_usage(engine)
         got_tokens = anyio.Event()
 
@@ -87,9 +87,9 @@ async def test_cancelling_the_caller_aborts_and_frees_blocks(smollm2_llm: LLM):
         await engine.call(lambda e: e.kv_manager.check_invariants())
 
 
-async def test_closing_a_stream_early_aborts_it(smollm2_llm: LLM):
-    long = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
-    async with AsyncEngine(engine=smollm2_llm.engine) as engine:
+async def test_closing_a_stream_early_aborts_it(smollm2_default_llm: LLM):
+    long = SamplingParams(temperature=0.0, max_tokens=2000, ignore_eos=True)
+    async with AsyncEngine(engine=smollm2_default_llm.engine) as engine:
         baseline = await _baseline_usage(engine)
         async with engine.add_request("Count to a thousand:", long) as stream:
             async for delta in stream:
@@ -101,10 +101,10 @@ async def test_closing_a_stream_early_aborts_it(smollm2_llm: LLM):
         assert await _baseline_usage(engine) == baseline
 
 
-async def test_waiting_queue_is_bounded(smollm2_llm: LLM):
+async def test_waiting_queue_is_bounded(smollm2_default_llm: LLM):
     params = SamplingParams(temperature=0.0, max_tokens=4)
-    async with AsyncEngine(engine=smollm2_llm.engine, max_waiting_requests=0) as engine:
-        limit = smollm2_llm.engine.scheduler_config.max_num_seqs
+    async with AsyncEngine(engine=smollm2_default_llm.engine, max_waiting_requests=0) as engine:
+        limit = smollm2_default_llm.engine.scheduler_config.max_num_seqs
         streams = [engine.add_request(f"Item {i}:", params) for i in range(limit)]
         with pytest.raises(EngineOverloadedError, match="retry later"):
             engine.add_request("one too many", params)
@@ -150,10 +150,10 @@ async def test_shutdown_fails_open_streams_instead_of_hanging(tiny_checkpoint):
     assert llm.engine.kv_manager.pool.num_free_blocks == llm.engine.kv_manager.num_blocks
 
 
-async def test_a_request_that_fails_inside_the_engine_fails_alone(smollm2_llm: LLM):
+async def test_a_request_that_fails_inside_the_engine_fails_alone(smollm2_default_llm: LLM):
     from agentrt.engine.errors import EngineError
 
-    async with AsyncEngine(engine=smollm2_llm.engine) as engine:
+    async with AsyncEngine(engine=smollm2_default_llm.engine) as engine:
         original = engine.engine.engine_core.add_request
 
         def refuse_one(request):
