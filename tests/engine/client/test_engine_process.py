@@ -30,7 +30,9 @@ pytestmark = pytest.mark.anyio
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "1, 2, 3,"]
-LONG = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+# Aborted at its first token: far longer than the 10 s `_wait_idle` allows (400 tokens of
+# the default engine would end inside it).
+LONG = SamplingParams(temperature=0.0, max_tokens=2000, ignore_eos=True)
 
 
 class City(BaseModel):
@@ -45,10 +47,9 @@ def anyio_backend() -> str:
 
 @pytest.fixture(scope="module")
 async def process_engine(smollm2_dir):
-    """The embedded model (fp32, as `smollm2_llm`) in one engine process for the module."""
-    async with AsyncEngine(
-        None, dtype="float32", kv_cache_memory_gb=0.25, engine_process=True
-    ) as engine:
+    """The embedded model (the default engine, as `smollm2_default_llm`) in one engine process
+    for the module."""
+    async with AsyncEngine(None, kv_cache_memory_gb=0.25, engine_process=True) as engine:
         yield engine
 
 
@@ -59,9 +60,9 @@ async def _wait_idle(engine: AsyncEngine) -> None:
 
 
 @pytest.mark.slow
-async def test_greedy_streams_match_the_in_process_engine(smollm2_llm: LLM, process_engine):
+async def test_greedy_streams_match_the_in_process_engine(smollm2_default_llm: LLM, process_engine):
     assert process_engine.engine is None  # nothing of the model in this process
-    expected = [o.outputs[0].text for o in smollm2_llm.generate(PROMPTS, GREEDY)]
+    expected = [o.outputs[0].text for o in smollm2_default_llm.generate(PROMPTS, GREEDY)]
     texts, finals = await stream_all(process_engine, PROMPTS, GREEDY)
     assert texts == expected
     assert [f.outputs[0].text for f in finals] == expected
@@ -69,7 +70,9 @@ async def test_greedy_streams_match_the_in_process_engine(smollm2_llm: LLM, proc
 
 
 @pytest.mark.slow
-async def test_constrained_output_stop_strings_and_logprobs_match(smollm2_llm: LLM, process_engine):
+async def test_constrained_output_stop_strings_and_logprobs_match(
+    smollm2_default_llm: LLM, process_engine
+):
     constrained = SamplingParams(
         temperature=0.0, max_tokens=60, structured_outputs=StructuredOutputsParams(json=City)
     )
@@ -81,7 +84,7 @@ async def test_constrained_output_stop_strings_and_logprobs_match(smollm2_llm: L
         ("The capital of France is", with_logprobs),
     ]
     for prompt, params in cases:
-        expected = smollm2_llm.generate([prompt], params)[0].outputs[0]
+        expected = smollm2_default_llm.generate([prompt], params)[0].outputs[0]
         got = (await process_engine.generate(prompt, params)).outputs[0]
         assert got.text == expected.text
         assert got.token_ids == expected.token_ids
