@@ -1,4 +1,5 @@
-"""Structured outputs end to end on the embedded model: Pydantic models and MaskBench schemas,
+"""Structured outputs end to end on the embedded model as users run it (the GGUF's own Q4_1
+blocks: validity does not need fp32's exact weights): Pydantic models and MaskBench schemas,
 greedy and sampled; every output finishes, parses and validates (generation bounds and
 steering near the token budget's end keep a looping model from being cut), and one that
 cannot fit its max_tokens is reported, never passed off as valid. Bad specs fail alone."""
@@ -58,9 +59,9 @@ def _params(fmt, temperature: float, seed: int = 0, max_tokens: int = 200) -> Sa
 
 @pytest.mark.slow
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_pydantic_model_outputs_validate(smollm2_llm, temperature):
+def test_pydantic_model_outputs_validate(smollm2_default_llm, temperature):
     params = [_params(Person, temperature, seed=s) for s in range(4)]
-    outs = smollm2_llm.chat([PROMPT] * 4, params)
+    outs = smollm2_default_llm.chat([PROMPT] * 4, params)
     for out in outs:
         completion = out.outputs[0]
         assert completion.finish_reason == "stop", completion.text
@@ -69,7 +70,7 @@ def test_pydantic_model_outputs_validate(smollm2_llm, temperature):
         assert completion.structured_errors == []
 
 
-def test_list_of_models_literal_choice_and_regex(smollm2_llm):
+def test_list_of_models_literal_choice_and_regex(smollm2_default_llm):
     from typing import Literal
 
     fmts = [
@@ -82,7 +83,7 @@ def test_list_of_models_literal_choice_and_regex(smollm2_llm):
     params = [
         SamplingParams(temperature=1.0, seed=3, max_tokens=150, structured_outputs=f) for f in fmts
     ]
-    outs = smollm2_llm.chat([PROMPT] * len(fmts), params)
+    outs = smollm2_default_llm.chat([PROMPT] * len(fmts), params)
     texts = [o.outputs[0].text for o in outs]
     assert all(o.outputs[0].finish_reason == "stop" for o in outs), texts
     assert isinstance(json.loads(texts[0]), list)
@@ -144,31 +145,31 @@ def test_maskbench_schemas_finish_and_validate(maskbench_llm, temperature):
     maskbench_llm.kv_manager.check_invariants()
 
 
-def test_output_that_cannot_fit_max_tokens_is_reported(smollm2_llm):
+def test_output_that_cannot_fit_max_tokens_is_reported(smollm2_default_llm):
     # Person needs far more than 5 tokens: the output is cut, and says it is not valid.
-    out = smollm2_llm.chat([PROMPT], [_params(Person, 0.0, max_tokens=5)])[0]
+    out = smollm2_default_llm.chat([PROMPT], [_params(Person, 0.0, max_tokens=5)])[0]
     completion = out.outputs[0]
     assert completion.finish_reason == "length"
     assert completion.structured_errors and "not valid JSON" in completion.structured_errors[0]
 
 
-def test_bad_structured_outputs_are_rejected_up_front(smollm2_llm):
+def test_bad_structured_outputs_are_rejected_up_front(smollm2_default_llm):
     with pytest.raises(InvalidRequestError, match="exactly one"):
         StructuredOutputsParams(json={"type": "object"}, regex="a+")
     with pytest.raises(InvalidRequestError) as info:
-        smollm2_llm.generate(
+        smollm2_default_llm.generate(
             "x", SamplingParams(structured_outputs=StructuredOutputsParams(regex="(unclosed"))
         )
     assert info.value.field == "structured_outputs"
-    assert not smollm2_llm.engine_core.has_unfinished_requests()
+    assert not smollm2_default_llm.engine_core.has_unfinished_requests()
 
 
-def test_grammar_that_fails_to_compile_fails_alone(smollm2_llm):
+def test_grammar_that_fails_to_compile_fails_alone(smollm2_default_llm):
     bad = StructuredOutputsParams(
         json={"type": "object", "properties": {"x": {"$ref": "#/$defs/missing"}}}
     )
     good = SamplingParams(temperature=0.0, max_tokens=8)
-    outs = smollm2_llm.generate(
+    outs = smollm2_default_llm.generate(
         ["Hello", "Hi"], [SamplingParams(max_tokens=8, structured_outputs=bad), good]
     )
     assert outs[0].outputs[0].finish_reason == "error" and outs[0].error
@@ -176,11 +177,11 @@ def test_grammar_that_fails_to_compile_fails_alone(smollm2_llm):
     assert "missing" in outs[0].error  # the compiler's own message, no prefix added
     assert outs[1].outputs[0].finish_reason in ("stop", "length")
     assert outs[1].error_code is None
-    assert not smollm2_llm.engine_core.has_unfinished_requests()
-    smollm2_llm.kv_manager.check_invariants()
+    assert not smollm2_default_llm.engine_core.has_unfinished_requests()
+    smollm2_default_llm.kv_manager.check_invariants()
 
 
-def test_grammar_dead_end_fails_the_request_with_the_reason(smollm2_llm):
+def test_grammar_dead_end_fails_the_request_with_the_reason(smollm2_default_llm):
     # The token grammar can only spell [1, 1]; uniqueItems is checked after generation, so
     # the stop token is never allowed: the request must fail, not emit an arbitrary token.
     schema = {
@@ -191,7 +192,9 @@ def test_grammar_dead_end_fails_the_request_with_the_reason(smollm2_llm):
         "uniqueItems": True,
     }
     good = SamplingParams(temperature=0.0, max_tokens=8)
-    outs = smollm2_llm.generate(["A list:", "Hi"], [_params(schema, 0.0, max_tokens=20), good])
+    outs = smollm2_default_llm.generate(
+        ["A list:", "Hi"], [_params(schema, 0.0, max_tokens=20), good]
+    )
     completion = outs[0].outputs[0]
     assert completion.finish_reason == "error"
     assert completion.text == "[1, 1]"
@@ -199,16 +202,16 @@ def test_grammar_dead_end_fails_the_request_with_the_reason(smollm2_llm):
     assert "cannot be completed" in outs[0].error
     assert outs[0].error_code is ErrorCode.STRUCTURED_OUTPUT_FAILED
     assert outs[1].outputs[0].finish_reason in ("stop", "length")
-    smollm2_llm.kv_manager.check_invariants()
+    smollm2_default_llm.kv_manager.check_invariants()
 
 
-def test_steered_finish_is_reported(smollm2_llm):
+def test_steered_finish_is_reported(smollm2_default_llm):
     # A long story does not fit in 40 tokens: the last tokens are steered to close the JSON,
     # and the output says so instead of passing the cut-short text off as a natural end.
     schema = {"type": "object", "properties": {"story": {"type": "string"}}, "required": ["story"]}
     story = [{"role": "user", "content": "Write a very long story about the sea, as JSON."}]
     free = [{"role": "user", "content": "Is water wet? Answer as JSON with a short story."}]
-    steered, natural = smollm2_llm.chat(
+    steered, natural = smollm2_default_llm.chat(
         [story, free], [_params(schema, 0.0, max_tokens=40), _params(schema, 0.0, max_tokens=200)]
     )
     completion = steered.outputs[0]
@@ -219,15 +222,17 @@ def test_steered_finish_is_reported(smollm2_llm):
     assert natural.outputs[0].num_steered_tokens == 0
 
 
-def test_bitmask_filled_while_the_model_runs_gives_the_same_outputs(smollm2_llm, monkeypatch):
+def test_bitmask_filled_while_the_model_runs_gives_the_same_outputs(
+    smollm2_default_llm, monkeypatch
+):
     """The GPU path fills the bitmask on a worker thread during the forward pass; forced on
     here, greedy outputs are token for token those of the sequential path."""
     from concurrent.futures import ThreadPoolExecutor
 
-    core = smollm2_llm.engine.engine_core
+    core = smollm2_default_llm.engine.engine_core
     params = [_params(Person, 0.0, max_tokens=60), _params(Address, 0.0, max_tokens=60)]
     prompts = [PROMPT, [{"role": "user", "content": "Give an address as JSON."}]]
-    sequential = [o.outputs[0].token_ids for o in smollm2_llm.chat(prompts, params)]
+    sequential = [o.outputs[0].token_ids for o in smollm2_default_llm.chat(prompts, params)]
 
     threads = set()
     fill = core.structured.bitmask
@@ -238,6 +243,6 @@ def test_bitmask_filled_while_the_model_runs_gives_the_same_outputs(smollm2_llm,
 
     monkeypatch.setattr(core.structured, "bitmask", recording_fill)
     monkeypatch.setattr(core, "_grammar_thread", ThreadPoolExecutor(1, "agentrt-bitmask"))
-    overlapped = [o.outputs[0].token_ids for o in smollm2_llm.chat(prompts, params)]
+    overlapped = [o.outputs[0].token_ids for o in smollm2_default_llm.chat(prompts, params)]
     assert overlapped == sequential
     assert threads and all(name.startswith("agentrt-bitmask") for name in threads)
