@@ -168,12 +168,13 @@ async def test_parallel_calls_run_concurrently(rt):
         rt, tools=[slow_echo], max_steps=2, parallel_tool_calls=True, max_tokens=96
     )
     agent.tool_choice = "required"
-    result = await agent.run("Echo the words 'red' and 'blue', both at once.")
+    result = await agent.run("Make two tool calls: slow_echo('red') and slow_echo('blue').")
     step = result.steps[0]  # the calls; step 2 (the last) answers in text
-    assert all(
-        r.output == c.arguments["word"] for r, c in zip(step.results, step.calls, strict=True)
-    )
-    assert peak == len(step.calls) and json.loads(step.text)
+    # Greedy on the embedded model, this prompt gets both calls in one reply (the earlier
+    # "both at once" got one, so a sequential run passed too): both ran at the same time.
+    assert [c.arguments for c in step.calls] == [{"word": "red"}, {"word": "blue"}]
+    assert [r.output for r in step.results] == ["red", "blue"]
+    assert peak == 2 and json.loads(step.text)
 
 
 def test_bad_agent_configuration():
