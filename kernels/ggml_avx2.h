@@ -361,12 +361,4 @@ static inline __attribute__((always_inline)) void x16_rows(int qtype, const uint
     }
 }
 
-static void x16_group(int qtype, const uint8_t *group, int64_t num_blocks, const uint8_t *act,
-                      int64_t kp, int64_t rows, float *sums) {
-    const int64_t stride = act_row_bytes(kp);
-#define PASS(t, n) x16_rows(qtype, group, num_blocks, act + (t) * stride, kp, n, sums + 16 * (t))
-    IN_PASSES(X16_TT, rows, PASS);
-#undef PASS
-}
-
 #endif

@@ -316,15 +316,6 @@ static inline __attribute__((always_inline)) void x16_rows(int qtype, const uint
     for (int tt = 0; tt < TT; tt++) _mm512_storeu_ps(sums + 16 * tt, acc[tt]);
 }
 
-// The 16 rows of `group` for `rows` activation rows from `act` -> sums (rows x 16).
-static void x16_group(int qtype, const uint8_t *group, int64_t num_blocks, const uint8_t *act,
-                      int64_t kp, int64_t rows, float *sums) {
-    const int64_t stride = act_row_bytes(kp);
-#define PASS(t, n) x16_rows(qtype, group, num_blocks, act + (t) * stride, kp, n, sums + 16 * (t))
-    IN_PASSES(X16_TT, rows, PASS);
-#undef PASS
-}
-
 // ---- Q4_K interleaved by 16 rows -------------------------------------------------------------
 //
 // A block of 16 rows (X16K_BLOCK bytes, `ggml_interleave`): d[16], dmin[16] (fp16); the 6-bit

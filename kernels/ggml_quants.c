@@ -448,6 +448,18 @@ static inline int64_t act8k_bytes(int64_t kp) {
 #include "ggml_avx2.h"
 #endif
 
+#if AGENTRT_ISA >= 1
+// The 16 interleaved rows of `group` for `rows` activation rows from `act` -> sums (rows x
+// 16), in passes of the ISA header's X16_TT rows through its x16_rows.
+static void x16_group(int qtype, const uint8_t *group, int64_t num_blocks, const uint8_t *act,
+                      int64_t kp, int64_t rows, float *sums) {
+    const int64_t stride = act_row_bytes(kp);
+#define PASS(t, n) x16_rows(qtype, group, num_blocks, act + (t) * stride, kp, n, sums + 16 * (t))
+    IN_PASSES(X16_TT, rows, PASS);
+#undef PASS
+}
+#endif
+
 // `num_blocks` blocks from `blocks` (one K-quant block, or up to 8 legacy ones) -> c.
 static inline void decode_chunk(int qtype, const BlockType *bt, const uint8_t *blocks,
                                 int num_blocks, Chunk *c) {
