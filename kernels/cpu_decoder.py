@@ -105,8 +105,10 @@ class CpuDecoder:
         linear: GGMLKernels,
         layers: list[LayerWeights],
         kv_caches: list[torch.Tensor],
+        cos_sin: torch.Tensor,
         num_heads: int,
         eps: float,
+        scale: float,
     ) -> None:
         if len(layers) != len(kv_caches) or not layers:
             raise KernelInputError("one KV cache per layer, and at least one layer.")
@@ -131,7 +133,7 @@ class CpuDecoder:
             slot.gate_up = _projection("gate_up", layer.gate_up, hidden, 2 * inter)
             slot.down = _projection("down", layer.down, inter, hidden)
         self._layer_weights = layers
-        self.kv_caches = kv_caches
+        self.kv_caches, self.cos_sin = kv_caches, cos_sin
         self._ops, self._attention = ops, attention
         self._step = _Step(
             hidden=hidden,
@@ -141,6 +143,8 @@ class CpuDecoder:
             head_dim=self.head_dim,
             block_size=self.block_size,
             eps=eps,
+            scale=scale,
+            cos_sin=cos_sin.data_ptr(),
             linear=linear.linear_address,
             attention=attention.address,
         )
@@ -150,11 +154,9 @@ class CpuDecoder:
         residual: torch.Tensor,
         positions: torch.Tensor,
         key_rows: torch.Tensor,
-        cos_sin: torch.Tensor,
         query_start_loc: torch.Tensor,
         seq_lens: torch.Tensor,
         block_tables: torch.Tensor,
-        scale: float,
     ) -> torch.Tensor:
         """residual (T, hidden) fp32: the embeddings, updated in place to what the last
         layer's down projection is added to; returns that projection (T, hidden) bf16. The
@@ -182,13 +184,12 @@ class CpuDecoder:
             "act": torch.empty((tokens, self.intermediate), dtype=bf16),
         }
         cache = self.kv_caches[0]
-        self._ops.check_rope(cache, key_rows, positions, cos_sin, tokens)
+        self._ops.check_rope(cache, key_rows, positions, self.cos_sin, tokens)
         query, attn = buffers["query"], buffers["attn"]
         self._attention.check(query, cache, query_start_loc, seq_lens, block_tables, attn)
         step = self._step
-        step.tokens, step.scale, step.num_threads = tokens, scale, torch.get_num_threads()
+        step.tokens, step.num_threads = tokens, torch.get_num_threads()
         step.positions, step.key_rows = positions.data_ptr(), key_rows.data_ptr()
-        step.cos_sin = cos_sin.data_ptr()
         step.query_start_loc = query_start_loc.data_ptr()
         step.seq_lens, step.block_tables = seq_lens.data_ptr(), block_tables.data_ptr()
         step.table_stride, step.num_requests = block_tables.shape[1], seq_lens.shape[0]

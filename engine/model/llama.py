@@ -222,11 +222,9 @@ class LlamaForCausalLM(nn.Module):
                     residual,
                     positions,
                     meta.key_rows,
-                    self.rotary.cos_sin_cache,
                     meta.query_start_loc,
                     meta.seq_lens,
                     meta.block_tables,
-                    self.layers[0].scale,
                 )
                 return hidden.float() + residual
             step = FusedStep(self.cpu_ops, attention, meta, positions, self.rotary.cos_sin_cache)
@@ -261,8 +259,10 @@ class LlamaForCausalLM(nn.Module):
             default_kernels(),
             layers,
             kv_caches,
+            self.rotary.cos_sin_cache,
             self.cfg.num_heads,
             self.cfg.rms_norm_eps,
+            self.layers[0].scale,
         )
 
     @torch.inference_mode()

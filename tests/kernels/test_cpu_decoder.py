@@ -87,12 +87,11 @@ def test_bad_step_input_is_refused_before_anything_is_written(files):
     hidden = decoder.hidden
     residual = torch.randn(1, hidden)
     positions = torch.tensor([3])
-    cos_sin = r.model.rotary.cos_sin_cache
     start, lens = torch.tensor([0, 1], dtype=torch.int32), torch.tensor([4], dtype=torch.int32)
     table, rows = torch.tensor([[0]], dtype=torch.int32), torch.tensor([3])
 
     def call(residual=residual, key_rows=rows, table=table):
-        return decoder.forward(residual, positions, key_rows, cos_sin, start, lens, table, 0.1)
+        return decoder.forward(residual, positions, key_rows, start, lens, table)
 
     with pytest.raises(KernelInputError, match="residual"):
         call(residual=residual.double())
