@@ -37,14 +37,14 @@ def quantized_llm(request) -> LLM:
     return LLM(None, dtype=dtype, quantization=quantization, kv_cache_memory_gb=0.1)
 
 
-def test_gguf_mode_holds_the_files_own_blocks(smollm2_dir):
+def test_gguf_mode_holds_the_files_own_blocks(smollm2_dir, smollm2_default_llm):
     """The embedded model's projections are its Q4_1 blocks and its tied embedding its Q8_0
     blocks, one copy shared by the lookup and the output projection; o_proj and down_proj
     are views of the file's memory map (nothing copied), or on AVX-512 copies interleaved
     by 16 rows (the map's pages released); q/k/v and gate/up, one block type each, are
     stacked into one weight (q/k rows un-permuted). Dequantized they are bit for bit the
     weights dtype="float32" runs."""
-    llm = LLM(None, kv_cache_memory_gb=0.05)
+    llm = smollm2_default_llm  # read only
     model = llm.engine.runner.model
     assert llm.engine.model_config.quantization == "gguf" and model.cpu_ops is not None
     embed = model.embed_tokens

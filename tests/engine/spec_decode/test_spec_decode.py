@@ -85,8 +85,8 @@ def spec_llm(model, method: str, **options) -> LLM:
 
 
 @pytest.fixture(scope="module")
-def baseline() -> list[list[int]]:
-    return run(LLM(None, kv_cache_memory_gb=0.25), workload())
+def baseline(smollm2_default_llm) -> list[list[int]]:
+    return run(smollm2_default_llm, workload())
 
 
 @pytest.fixture(scope="module")
@@ -158,11 +158,6 @@ def tiny_items(n: int = 6, max_tokens: int = 48) -> list[tuple[list[int], Sampli
     return [(p, greedy(max_tokens, ignore_eos=True)) for p in prompts]
 
 
-def run_ids(llm: LLM, items) -> list[list[int]]:
-    outputs = llm.generate([p for p, _ in items], [s for _, s in items])
-    return [o.outputs[0].token_ids for o in outputs]
-
-
 @pytest.fixture(scope="module")
 def tiny(tiny_checkpoint):
     return str(tiny_checkpoint("llama"))
@@ -170,7 +165,7 @@ def tiny(tiny_checkpoint):
 
 @pytest.fixture(scope="module")
 def tiny_baseline(tiny) -> list[list[int]]:
-    return run_ids(LLM(tiny, dtype="float32"), tiny_items())
+    return run(LLM(tiny, dtype="float32"), tiny_items())
 
 
 SCHEDULER_CASES = {
@@ -194,9 +189,9 @@ def test_tiny_model_same_tokens(tiny, tiny_baseline, method, case):
     items, expected = tiny_items(), tiny_baseline
     if case == "preemption":
         items, expected = items[:3], expected[:3]
-    assert run_ids(llm, items) == expected
+    assert run(llm, items) == expected
     if method == "suffix":
-        assert run_ids(llm, items) == expected
+        assert run(llm, items) == expected
     stats = llm.engine.stats()
     assert stats.spec_decode.num_drafts > 0
     if method != "ngram":
@@ -210,7 +205,7 @@ def test_tiny_draft_model_of_another_architecture(tiny, tiny_checkpoint, tiny_ba
     """A different tiny model (qwen3, same vocabulary) drafts: few drafts hold, the output
     is still exactly the target's."""
     llm = spec_llm(tiny, "draft_model", spec={"model": str(tiny_checkpoint("qwen3"))})
-    assert run_ids(llm, tiny_items()) == tiny_baseline
+    assert run(llm, tiny_items()) == tiny_baseline
     assert llm.engine.stats().spec_decode.num_draft_tokens > 0
     llm.engine.kv_manager.check_invariants()
 
