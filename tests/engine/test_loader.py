@@ -51,15 +51,15 @@ def tiny_file(gguf_dir: Path, arch: str, qtype: int, **kwargs) -> Path:
     return path
 
 
-def runner(path: Path, quantization: str) -> ModelRunner:
+def runner(path: Path, quantization: str, num_blocks: int = 4, max_len: int = 64) -> ModelRunner:
     return ModelRunner(
         ModelArchConfig.from_hf_dict(load_hf_config(path)),
         GGUFLoader(path),
         dtype=torch.float32,
         device=CPU,
         block_size=16,
-        num_blocks=4,
-        max_model_len=64,
+        num_blocks=num_blocks,
+        max_model_len=max_len,
         quantization=quantization,
     )
 

@@ -10,28 +10,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from agentrt.engine.loader.gguf_loader import GGUFLoader
-from agentrt.engine.model.arch import ModelArchConfig
-from agentrt.engine.model.checkpoint import load_hf_config
 from agentrt.engine.records import ScheduledChunk, SchedulerOutput
 from agentrt.engine.worker.model_runner import ModelRunner
 from agentrt.kernels import KernelInputError
 from tests.engine.gguf_files import Q, write_tiny_gguf
+from tests.engine.test_loader import runner as loader_runner
 
 PROMPTS = [list(range(5, 45)), list(range(100, 109)), list(range(300, 320))]
 
 
 def runner(path: Path, quantization: str = "gguf") -> ModelRunner:
-    return ModelRunner(
-        ModelArchConfig.from_hf_dict(load_hf_config(path)),
-        GGUFLoader(path),
-        dtype=torch.float32,
-        device=torch.device("cpu"),
-        block_size=16,
-        num_blocks=12,
-        max_model_len=128,
-        quantization=quantization,
-    )
+    return loader_runner(path, quantization, num_blocks=12, max_len=128)
 
 
 def steps() -> list[SchedulerOutput]:
