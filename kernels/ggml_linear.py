@@ -25,6 +25,7 @@ dequantize, then an fp32 product), which the tests hold the kernels to.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import gguf
@@ -353,9 +354,14 @@ def _product(
 
 
 def ggml_embedding(
-    ids: torch.Tensor, weight: GGMLWeight, kernels: GGMLKernels | None = None
+    ids: torch.Tensor,
+    weight: GGMLWeight,
+    kernels: GGMLKernels | None = None,
+    read_rows: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """ids int64 (T,) -> (T, K) fp32: those rows of a (vocab, K) weight, dequantized."""
+    """ids int64 (T,) -> (T, K) fp32: those rows of a (vocab, K) weight, dequantized.
+    `read_rows(ids)`, if given, supplies the rows' blocks ((T, row bytes) uint8, the file's
+    layout) instead of `weight.select_rows`."""
     if ids.dtype != torch.int64 or ids.dim() != 1 or ids.is_cuda:
         raise KernelInputError(
             f"ids is {ids.dtype} {tuple(ids.shape)} on {ids.device}; expected int64 (T,) on the "
@@ -367,7 +373,9 @@ def ggml_embedding(
             f"ids must lie in [0, {weight.out_features}); got {int(ids.min())}..{int(ids.max())}.",
             arg="ids",
         )
-    return weight.select_rows(ids).dequantize(kernels=kernels)
+    if read_rows is None:
+        return weight.select_rows(ids).dequantize(kernels=kernels)
+    return GGMLWeight(read_rows(ids), weight.qtype, weight.in_features).dequantize(kernels=kernels)
 
 
 # Byte offsets of each quantized type's fp16 scale fields (d, dmin) within its block.

@@ -80,11 +80,14 @@ def load_weights(
         elif interleaved:
             parts = _kernel_layout(parts, loader)
         _install(model, spec, parts, dtype, device)
+    embedding = model.embed_tokens
     if model.lm_head is None and model.logits_proj is None:
-        if isinstance(model.embed_tokens, GGMLEmbedding):  # tied: the same blocks project
+        if isinstance(embedding, GGMLEmbedding):  # tied: the same blocks project
             if device.type == "cpu":  # lookups gather their rows from the interleaved blocks
-                model.embed_tokens.weight = _kernel_layout([model.embed_tokens.weight], loader)[0]
-            model.logits_proj = GGMLLinear([model.embed_tokens.weight])
+                embedding.weight = _kernel_layout([embedding.weight], loader)[0]
+            model.logits_proj = GGMLLinear([embedding.weight])
+    elif isinstance(embedding, GGMLEmbedding):  # lookups only: rows read from the file
+        embedding.read_rows = loader.row_reader(embedding.weight)
     unused = sorted(n for n in available - used if "rotary_emb" not in n)
     if model.lm_head is None and "lm_head.weight" in unused:
         unused.remove("lm_head.weight")  # tied checkpoints may still store it

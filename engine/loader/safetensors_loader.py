@@ -49,6 +49,9 @@ class SafetensorsLoader:
     def release(self, parts: list) -> None:
         pass  # every read is already a copy
 
+    def row_reader(self, part) -> None:
+        return None  # its parts are copies or dense
+
     def read(self, name: str, split: Split, shard: Shard) -> torch.Tensor:
         handle = self._files.get(name)
         if handle is None:
@@ -78,6 +81,9 @@ class StateDictLoader:
 
     def release(self, parts: list) -> None:
         pass  # the state dict is the caller's
+
+    def row_reader(self, part) -> None:
+        return None  # its parts are copies or dense
 
     def read(self, name: str, split: Split, shard: Shard) -> torch.Tensor:
         if name not in self.state:

@@ -17,6 +17,7 @@ own block format.
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -85,6 +86,12 @@ class WeightLoader(Protocol):
     def release(self, parts: list[Part]) -> None:
         """Parts read from this loader were copied: drop what holds their source bytes in
         memory, if anything (the GGUF map's pages; nothing for the others)."""
+        ...
+
+    def row_reader(self, part: Part) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """For a block-format embedding read from this loader and used for lookups only: a
+        function of row ids (int64) that reads those rows of `part` from the file, (T, row
+        bytes) uint8, without mapping them; None where the part is not read from a file."""
         ...
 
 

@@ -11,6 +11,8 @@ same `GGMLWeight` through `GGMLLinear`, so the vocabulary is held once.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -71,12 +73,15 @@ class GGMLLinear(nn.Module):
 
 
 class GGMLEmbedding(nn.Module):
-    """Rows of a block-format embedding (vocab, hidden), dequantized to `dtype` on lookup."""
+    """Rows of a block-format embedding (vocab, hidden), dequantized to `dtype` on lookup.
+    `read_rows` (the loader's `row_reader`, for a lookup-only embedding in a file) reads
+    the rows from the file instead of gathering them from `weight`'s memory."""
 
     def __init__(self, part: GGMLWeight, dtype: torch.dtype) -> None:
         super().__init__()
         self.weight = part
         self.dtype = dtype
+        self.read_rows: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return ggml_embedding(ids, self.weight).to(self.dtype)  # (T, hidden)
+        return ggml_embedding(ids, self.weight, read_rows=self.read_rows).to(self.dtype)

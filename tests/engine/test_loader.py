@@ -224,6 +224,39 @@ def test_engine_refuses_before_allocating_a_pool_that_cannot_fit(gguf_dir):
 
 # --- memory and disk ------------------------------------------------------------------------
 
+
+def mapped_rss(path: Path) -> int:
+    """Bytes of this process's RSS in mappings of `path` (/proc/self/smaps)."""
+    total, inside = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        if line[:1] in "0123456789abcdef" and "-" in line.split()[0]:
+            inside = line.endswith(str(path))
+        elif inside and line.startswith("Rss:"):
+            total += int(line.split()[1]) * 1024
+    return total
+
+
+def test_lookup_only_embedding_reads_its_rows_from_the_file(gguf_dir):
+    """An untied embedding's lookups read its rows from the file (pread), not through the
+    map: the same rows, and none of the map's pages in RSS. Gathered through the map, the
+    same lookups put the embedding's pages there (whole page-cache folios a row)."""
+    path = tiny_file(gguf_dir, "llama", Q.Q8_0, tied=False, hidden=2048, heads=16, kv_heads=4)
+    r = runner(path, "gguf")
+    embedding = r.model.embed_tokens
+    assert isinstance(embedding, GGMLEmbedding) and embedding.read_rows is not None
+    size = embedding.weight.nbytes  # 1024 rows of 2,176 bytes
+    ids = torch.cat([torch.arange(1024), torch.tensor([7, 7, 1023, 0])])
+    before = mapped_rss(path.resolve())
+    rows = embedding(ids)
+    prompt_logits(r)  # a whole step too
+    assert mapped_rss(path.resolve()) - before < size // 8
+    through_map = embedding.weight.select_rows(ids).dequantize()
+    assert torch.equal(rows, through_map)
+    assert mapped_rss(path.resolve()) - before > size // 2  # what the reads kept out
+    with pytest.raises(IndexError):
+        embedding.read_rows(torch.tensor([1024]))
+
+
 MEMORY_SCRIPT = textwrap.dedent(
     """
     import json, os, resource, sys
