@@ -1,6 +1,7 @@
 """benchmarks/gguf.py without llama.cpp: its synthetic GGUF writer makes a llama file that
-gguf-py reads back as written (shapes, types, weights, the embedded tokenizer, the metadata), and bad options are refused before anything
-runs (exit status 2, the option named)."""
+gguf-py reads back as written (shapes, types, weights, the embedded tokenizer, the metadata),
+its decode ratio is the median of its alternating rounds, and bad options are refused before
+anything runs (exit status 2, the option named)."""
 
 from __future__ import annotations
 
@@ -63,10 +64,36 @@ def test_synthetic_file_reads_back(bench, tmp_path):
     assert reader.fields["llama.attention.head_count_kv"].contents() == 2
 
 
+def test_decode_ratio_is_the_median_of_the_rounds(bench):
+    def side(decode: float) -> dict:
+        return {
+            "written_bytes": 0,
+            "load_s": 1.0,
+            "peak_rss_mib": 100.0,
+            "decode_tok_s": decode,
+            "prefill_tok_s": 1.0,
+            "batch_tok_s": 1.0,
+            "top_ids": [],
+        }
+
+    result = {
+        "size_bytes": 1000,
+        "agentrt": side(30.0),
+        "llama_cpp": side(40.0),
+        # Round ratios 0.75, 1.2, 1.1 (the first is the main run's).
+        "decode_rounds": {"agentrt": [30.0, 48.0, 44.0], "llama_cpp": [40.0, 40.0, 40.0]},
+    }
+    ratios = bench.compare(result)["vs_llama_cpp"]
+    assert ratios["decode"] == pytest.approx(1.1)
+    assert ratios["decode_first_round"] == pytest.approx(0.75)
+    assert result["targets_met"]["decode"] is True
+
+
 @pytest.mark.parametrize(
     ("options", "named"),
     [
         (["--threads", "0"], "--threads"),
+        (["--decode-rounds", "0"], "--decode-rounds"),
         (["--kv-cache-memory-gb", "0"], "--kv-cache-memory-gb"),
         (["--types", "--no-embedded", "--no-llama-cpp"], "nothing to run"),
         (["--types", "Q5_K"], "--types"),
