@@ -526,7 +526,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--kv-cache-memory-gb", type=float, default=0.25, help="agentrt's")
     parser.add_argument("--seed", type=int, default=0, help="of the synthetic weights")
     parser.add_argument(
-        "--decode-rounds", type=int, default=3, help="decode runs per engine, alternated"
+        "--decode-rounds", type=int, default=5, help="decode runs per engine, alternated"
     )
     parser.add_argument("--worker", choices=WORKERS, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
