@@ -3,6 +3,7 @@ flat varlen batch, runs the model, and returns logits for the sampled positions 
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import itertools
@@ -11,7 +12,7 @@ import math
 import mmap
 import os
 import platform
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -75,21 +76,36 @@ def allocate_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.dev
     return torch.frombuffer(memory, dtype=dtype).view(shape)  # the tensor keeps it mapped
 
 
-# glibc's mallopt(M_MMAP_THRESHOLD): blocks from this size on get their own mapping, given
-# back to the OS when freed.
-_M_MMAP_THRESHOLD, _MMAP_THRESHOLD = -3, 256 << 10
+# glibc's mallopt parameters: blocks from M_MMAP_THRESHOLD bytes on get a mapping of their
+# own (given back when freed); the heap's free top is given back past M_TRIM_THRESHOLD.
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+_LOAD_MMAP_THRESHOLD = 256 << 10
+# What glibc's own adaptive thresholds reach once a block of 32 MiB has been freed.
+_RUN_MMAP_THRESHOLD, _RUN_TRIM_THRESHOLD = 32 << 20, 64 << 20
 
 
-def map_large_allocations() -> None:
-    """Fix glibc malloc's mmap threshold (process-wide) at 256 KiB. By default it grows to
-    the size of each mapped block freed (up to 32 MiB), and blocks under it come from the
-    heap, whose freed pages stay in RSS: a load's weight buffers and temporaries then left
-    the heap at 237-322 MiB over four identical loads of the 1.1B Q8_0 file (RSS 1,406-1,492
-    MiB); fixed, 132 MiB every time (RSS 1,398-1,402). A user's own MALLOC_MMAP_THRESHOLD_
-    is left as it is; elsewhere than glibc this does nothing."""
-    if "MALLOC_MMAP_THRESHOLD_" in os.environ or platform.libc_ver()[0] != "glibc":
+@contextlib.contextmanager
+def large_allocations_mapped() -> Iterator[None]:
+    """While loading, blocks of 256 KiB and up get mappings of their own (glibc, process-wide;
+    elsewhere, or with the user's own MALLOC_MMAP_THRESHOLD_ / MALLOC_TRIM_THRESHOLD_, this
+    does nothing). By default glibc's threshold grows to the size of each mapped block freed,
+    so a load's weight buffers and temporaries of 0.1-32 MiB came from the heap, whose freed
+    pages stay in RSS: over four identical loads of the 1.1B Q8_0 file the heap held
+    237-322 MiB (RSS after load 1,406-1,492 MiB); mapped, 132-144 MiB (1,398-1,412). After
+    the load the thresholds are set where glibc's own would be by then (32 MiB, trim 64
+    MiB): a step's buffers come from the heap again (mapped, each a fresh set of zeroed
+    pages, they made a 512-token prefill 14-35% slower)."""
+    own = {"MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_"} & set(os.environ)
+    if own or platform.libc_ver()[0] != "glibc":
+        yield
         return
-    ctypes.CDLL(None).mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD)
+    mallopt = ctypes.CDLL(None).mallopt
+    mallopt(_M_MMAP_THRESHOLD, _LOAD_MMAP_THRESHOLD)
+    try:
+        yield
+    finally:
+        mallopt(_M_MMAP_THRESHOLD, _RUN_MMAP_THRESHOLD)
+        mallopt(_M_TRIM_THRESHOLD, _RUN_TRIM_THRESHOLD)
 
 
 class ModelRunner:
@@ -114,8 +130,6 @@ class ModelRunner:
         the full model `arch` (model/parallel.py), its KV heads only, and rank 0 sends each
         step's input to the workers (`worker.py`), which run the same forward."""
         self.tp = tp
-        if device.type == "cpu":
-            map_large_allocations()
         shard = Shard(0, 1) if tp is None else Shard(tp.rank, tp.size)
         full_arch, arch = arch, shard_arch(arch, shard.size)
         self.arch = arch  # this rank's share under tensor parallelism
@@ -126,33 +140,37 @@ class ModelRunner:
         # The 'triton' backend is the CUDA path: the model's RMSNorm and RoPE then run the
         # kernels package's fused kernels too (their references on the CPU, as tested there).
         kernel_ops = self.attention.name == "triton"
-        with torch.device("meta"):
-            model = LlamaForCausalLM(arch, max_positions=1, kernel_ops=kernel_ops, tp=tp)
-        loader = StateDictLoader(weights) if isinstance(weights, dict) else weights
-        load_weights(
-            model,
-            loader,
-            full_arch,
-            shard=shard,
-            dtype=dtype,
-            device=device,
-            quantization=quantization,
-        )
-        model.rotary = RotaryEmbedding(
-            arch.head_dim,
-            max_model_len,
-            arch.rope_theta,
-            arch.rope_scaling,
-            kernel_ops=kernel_ops,
-            device=device,
-        )
-        self.model = model.eval()
-        if model.quantized_layers() and fused_cpu_glue(arch, dtype, self.attention.name, tp):
-            self.model.cpu_ops = kernels.load_cpu_ops(envs.cache_dir() / "kernels")
-        shape = (num_blocks, 2, block_size, arch.num_kv_heads, arch.head_dim)
-        self.kv_caches = [allocate_zeros(shape, dtype, device) for _ in range(arch.num_layers)]
-        if self.model.cpu_ops is not None:
-            self.model.cpu_decoder = self.model.build_cpu_decoder(self.attention, self.kv_caches)
+        # The weights, the model and the KV cache (their memory: large_allocations_mapped).
+        with large_allocations_mapped() if device.type == "cpu" else contextlib.nullcontext():
+            with torch.device("meta"):
+                model = LlamaForCausalLM(arch, max_positions=1, kernel_ops=kernel_ops, tp=tp)
+            loader = StateDictLoader(weights) if isinstance(weights, dict) else weights
+            load_weights(
+                model,
+                loader,
+                full_arch,
+                shard=shard,
+                dtype=dtype,
+                device=device,
+                quantization=quantization,
+            )
+            model.rotary = RotaryEmbedding(
+                arch.head_dim,
+                max_model_len,
+                arch.rope_theta,
+                arch.rope_scaling,
+                kernel_ops=kernel_ops,
+                device=device,
+            )
+            self.model = model.eval()
+            if model.quantized_layers() and fused_cpu_glue(arch, dtype, self.attention.name, tp):
+                self.model.cpu_ops = kernels.load_cpu_ops(envs.cache_dir() / "kernels")
+            shape = (num_blocks, 2, block_size, arch.num_kv_heads, arch.head_dim)
+            self.kv_caches = [allocate_zeros(shape, dtype, device) for _ in range(arch.num_layers)]
+            if self.model.cpu_ops is not None:
+                self.model.cpu_decoder = self.model.build_cpu_decoder(
+                    self.attention, self.kv_caches
+                )
         self.connector: KVConnectorWorker | None = None
 
     def start_kv_connector(self, config: KVTransferConfig, layout: KVLayout) -> KVConnectorWorker:

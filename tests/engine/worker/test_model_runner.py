@@ -7,6 +7,11 @@ chunk order."""
 
 from __future__ import annotations
 
+import os
+import platform
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -208,3 +213,57 @@ def test_execute_returns_one_row_per_sampled_chunk_in_chunk_order(tiny_llama, ba
     torch.testing.assert_close(mixed[0], expected_dec[0], **TOL)
     torch.testing.assert_close(mixed[1], expected_new[0], **TOL)
     assert not torch.allclose(mixed[0], mixed[1])  # different requests, different rows
+
+
+ALLOCATIONS_SCRIPT = """
+import ctypes
+import torch
+from agentrt.engine.worker.model_runner import large_allocations_mapped
+
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+        "fordblks", "keepcost")]
+
+libc = ctypes.CDLL(None)
+libc.mallinfo2.restype = MallInfo2
+
+def mapped(nbytes):
+    before = libc.mallinfo2().hblkhd
+    block = torch.empty(nbytes, dtype=torch.uint8)
+    grown = libc.mallinfo2().hblkhd - before
+    del block
+    return grown >= nbytes
+
+big = torch.empty(16 << 20, dtype=torch.uint8)
+del big  # glibc's threshold now follows it up
+# Sizes that no freed block holds (malloc reuses one before it decides anything).
+result = [mapped(1 << 20)]
+with large_allocations_mapped():
+    result.append(mapped(3 << 20))
+result += [mapped(5 << 20), mapped(40 << 20)]
+print(result)
+"""
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's malloc only")
+@pytest.mark.parametrize(
+    ("env", "expected"),
+    [
+        # By default a freed 16 MiB block lifts the threshold: 1 MiB comes from the heap.
+        # Loading, 3 MiB is mapped; after, the thresholds are glibc's ceiling (32 MiB).
+        ({}, "[False, True, False, True]"),
+        # The user's own threshold (128 KiB) is left alone: mapped before, during and after.
+        ({"MALLOC_MMAP_THRESHOLD_": "131072"}, "[True, True, True, True]"),
+    ],
+)
+def test_a_load_maps_its_large_allocations(env, expected):
+    done = subprocess.run(
+        [sys.executable, "-c", ALLOCATIONS_SCRIPT],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")} | env,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == expected
