@@ -152,9 +152,8 @@ class _FileRows:
         return out
 
     def __del__(self) -> None:
-        fd, self._fd = getattr(self, "_fd", None), None
-        if fd is not None:
-            os.close(fd)
+        if hasattr(self, "_fd"):  # not when os.open failed
+            os.close(self._fd)
 
 
 def _dense_view(data: np.ndarray, qtype: int, shape: tuple[int, ...]) -> torch.Tensor:
