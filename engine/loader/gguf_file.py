@@ -294,9 +294,7 @@ def _write_metadata(gguf_path: Path, out_dir: Path) -> None:
         )
     except (ValueError, KeyError, OSError) as exc:
         raise ModelLoadError(f"transformers could not read {gguf_path}: {exc}") from exc
-    config_dict = _config_dict(
-        hf_config_fields(gguf.reader), tied="lm_head.weight" not in gguf.tensors
-    )
+    config_dict = _config_dict(hf_config_fields(gguf.reader))
     (out_dir / "config.json").write_text(json.dumps(config_dict, indent=2, sort_keys=True) + "\n")
     GenerationConfig(
         bos_token_id=config_dict.get("bos_token_id"),
@@ -348,7 +346,7 @@ def hf_config_fields(reader: GGUFContainer) -> dict[str, Any]:
     return config
 
 
-def _config_dict(fields: dict[str, Any], *, tied: bool) -> dict[str, Any]:
+def _config_dict(fields: dict[str, Any]) -> dict[str, Any]:
     """transformers' GGUF config fields (`hf_config_fields`) made a standalone `config.json`,
     which transformers 4.x and 5.x read as their own (filling the class defaults)."""
     model_type = fields.get("model_type")
@@ -359,7 +357,6 @@ def _config_dict(fields: dict[str, Any], *, tied: bool) -> dict[str, Any]:
         )
     config = {k: v for k, v in fields.items() if not k.startswith("_")}
     config["architectures"] = [MODEL_TYPE_TO_ARCHITECTURE[model_type]]
-    config["tie_word_embeddings"] = tied
     config["torch_dtype"] = config["dtype"] = "float32"
     # transformers 5 keeps rope settings in `rope_parameters`; 4.x reads `rope_theta`.
     if "rope_theta" in config:
