@@ -18,7 +18,13 @@ from typing import Any
 from .backend import BackendGrammar, GrammarBackend, TokenizerData, digit_tables
 from .budget import finish_tables
 from .cache import DiskCache, GrammarCache
-from .errors import GrammarCompileError, GrammarCompileTimeout, GrammarError, GrammarSpecError
+from .errors import (
+    GrammarCompileError,
+    GrammarCompileTimeout,
+    GrammarError,
+    GrammarSpecError,
+    SchemaLimitError,
+)
 from .limits import GenerationBounds, RunLimits, SchemaLimits
 from .matcher import Grammar
 from .pipeline import Runner, build, compile_spec, report_of, run_inline, with_runner
@@ -37,6 +43,8 @@ from .workers import CompileWorkers, settle
 
 BACKENDS = ("llguidance", "xgrammar", "outlines")
 _JSON_KINDS = ("json_schema", "tools")
+# A spec nested past what a backend's recursive parser can read (a regex of 400 groups).
+_TOO_DEEP = "the grammar is nested too deeply for a backend to compile; flatten it"
 
 
 class GrammarCompiler:
@@ -121,6 +129,8 @@ class GrammarCompiler:
             grammar = self._compile_now(spec, key, runner)
         except GrammarError:
             raise
+        except RecursionError:
+            raise SchemaLimitError(_TOO_DEEP) from None
         except Exception as exc:  # a backend bug fails this spec, with its cause attached
             raise GrammarCompileError(f"internal: {exc!r}", reason="backend") from exc
         self.cache.put(key, grammar, grammar.memory_bytes)  # a retry may reuse it
@@ -155,6 +165,8 @@ class GrammarCompiler:
                 grammar = self._compile_now(spec, key, stage)
             except GrammarCompileError as exc:
                 settle(future, exc=exc)
+            except RecursionError:
+                settle(future, exc=SchemaLimitError(_TOO_DEEP))
             except Exception as exc:  # a backend bug must fail the request, not the engine
                 settle(future, exc=GrammarCompileError(f"internal: {exc!r}", reason="backend"))
             else:

@@ -50,18 +50,21 @@ class GrammarSpec:
     @classmethod
     def from_json_schema(cls, schema: dict[str, Any] | bool | str) -> GrammarSpec:
         """From a JSON-schema dict (or its JSON text, or `true`)."""
-        if isinstance(schema, str):
-            try:
-                schema = json.loads(schema)
-            except json.JSONDecodeError as exc:
-                raise GrammarSpecError(f"JSON schema text is not valid JSON: {exc}") from None
-        if schema is True:
-            schema = {}
-        if not isinstance(schema, dict):
-            raise GrammarSpecError(
-                f"a JSON schema must be an object (dict), got {type(schema).__name__}"
-            )
-        return cls("json_schema", _dumps(canonical_schema(schema)))
+        try:
+            if isinstance(schema, str):
+                try:
+                    schema = json.loads(schema)
+                except json.JSONDecodeError as exc:
+                    raise GrammarSpecError(f"JSON schema text is not valid JSON: {exc}") from None
+            if schema is True:
+                schema = {}
+            if not isinstance(schema, dict):
+                raise GrammarSpecError(
+                    f"a JSON schema must be an object (dict), got {type(schema).__name__}"
+                )
+            return cls("json_schema", _dumps(canonical_schema(schema)))
+        except RecursionError:
+            raise GrammarSpecError(_TOO_DEEP.format(what="JSON schema")) from None
 
     @classmethod
     def from_type(cls, tp: Any) -> GrammarSpec:
@@ -86,7 +89,9 @@ class GrammarSpec:
         try:
             re.compile(pattern)
         except re.error as exc:
-            raise GrammarSpecError(f"invalid regex {pattern!r}: {exc}") from None
+            raise GrammarSpecError(f"invalid regex {pattern[:200]!r}: {exc}") from None
+        except (RecursionError, OverflowError):
+            raise GrammarSpecError(_TOO_DEEP.format(what="regex")) from None
         return cls("regex", pattern)
 
     @classmethod
@@ -161,6 +166,9 @@ class GrammarSpec:
         for k, v in self.options:
             h.update(f"\0{k}={v}".encode())
         return h.hexdigest()
+
+
+_TOO_DEEP = "the {what} is nested too deeply to be read (Python's recursion limit); flatten it"
 
 
 def _dumps(value: Any) -> str:

@@ -6,6 +6,12 @@ When the grammar's report has post-checked keywords (or the backend is approxima
 token is allowed only if the text so far passes `validate_final`: the model can never end
 on an output the token grammar let through but the schema rejects.
 
+The gate runs the check at every step where the grammar could end, on the engine thread, so
+its cost is bounded per request: each check has its own deadline (validate.py), and once a
+request's checks have taken `MAX_GATE_SECONDS` in all, or one could not finish within its
+bounds, the gate follows the grammar alone for the rest of the request (the final check
+still runs once, and reports what it could not check).
+
 It knows nothing of steering. `GrammarMatcher` owns a state and a `BudgetSteer`; the
 steering's completion search accepts and rolls back tokens on the state alone, so nothing
 the search does can reach the steering (budget.py imports this module, never matcher.py).
@@ -13,11 +19,16 @@ the search does can reach the steering (budget.py imports this module, never mat
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from .backend import BackendMatcher, TokenizerData
 from .errors import MatcherStateError
 from .validate import FinalValidator
+
+# Engine-thread time one request's EOS gate may spend in final checks, all steps together.
+MAX_GATE_SECONDS = 0.5
 
 
 class GrammarState:
@@ -41,6 +52,8 @@ class GrammarState:
         self._token_ids: list[int] = []
         self._digit_runs: list[int] = []
         self._gate_cache: tuple[int, bool] | None = None  # (num_tokens, text passes)
+        self._gate_seconds = 0.0  # spent in the gate's final checks so far
+        self._gate_bounded = False  # a check hit a bound, or the gate spent its time
 
     @property
     def num_tokens(self) -> int:
@@ -131,6 +144,17 @@ class GrammarState:
     def _final_ok(self) -> bool:
         n = len(self._token_ids)
         if self._gate_cache is None or self._gate_cache[0] != n:
-            ok = self._m.is_accepting() and not self.validate_final()
+            ok = self._m.is_accepting() and self._gate_check()
             self._gate_cache = (n, ok)
         return self._gate_cache[1]
+
+    def _gate_check(self) -> bool:
+        """The final check's verdict for the gate, within the request's gate time."""
+        if self._gate_bounded:
+            return True  # the grammar alone decides; the final check reports the rest
+        start = time.monotonic()
+        verdict = self._validator.check(self.text(), complete=self._complete())
+        self._gate_seconds += time.monotonic() - start
+        if not verdict.checked or self._gate_seconds > MAX_GATE_SECONDS:
+            self._gate_bounded = True
+        return not verdict.checked or not verdict.errors

@@ -12,6 +12,13 @@ exponential in the text on patterns like `(a+)+b`. So, on a matcher's own output
 accepted the text token by token, and reached its end) is not matched again; every other
 match runs on the `regex` package with a time budget per check (`MAX_REGEX_SECONDS` in
 all), and a match that does not finish in it is reported as not checked.
+
+A client's schema must not stall it either: jsonschema's cost can double per nesting level
+(an `anyOf` of two `$ref`s to the same array schema evaluates each level twice). So a JSON
+check runs on an instance of at most `MAX_INSTANCE_DEPTH` levels and `MAX_INSTANCE_NODES`
+values, every keyword checks the call's deadline (`MAX_CHECK_SECONDS`) before it runs, and
+`uniqueItems` (pairwise on unhashable items) checks at most `MAX_UNIQUE_ITEMS` items. What
+exceeds a bound is reported as not checked (`FinalCheck.checked` is False), never run on.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import regex
@@ -30,8 +38,25 @@ from .tools import tool_calls_schema
 _MAX_ERRORS = 8
 # What one `errors()` call may spend matching client regexes, all matches together.
 MAX_REGEX_SECONDS = 0.05
+# What one `errors()` call may spend evaluating a JSON schema, regex matches included.
+MAX_CHECK_SECONDS = 0.1
+# The largest JSON instance checked: nesting levels, and values in all.
+MAX_INSTANCE_DEPTH = 64
+MAX_INSTANCE_NODES = 20_000
+# The longest array `uniqueItems` compares (pairwise when items are objects or arrays).
+MAX_UNIQUE_ITEMS = 2_000
 # Keywords a grammar can prove (`proven`): the regex of a regex spec, JSON schemas' pattern.
 PROVABLE = frozenset({"regex", "pattern"})
+
+
+@dataclass(frozen=True, slots=True)
+class FinalCheck:
+    """A final check's verdict. `errors`: problems found (empty = valid); `checked`: False
+    when a bound stopped the check (a deadline, an instance too deep or too large), so the
+    output is neither proven valid nor invalid (`errors` then says why)."""
+
+    errors: list[str]
+    checked: bool = True
 
 
 class FinalValidator:
@@ -62,37 +87,55 @@ class FinalValidator:
         """Problems with `text` (empty = valid). `complete`: given when `text` is a matcher's
         own output, whether its grammar reached an accepting end; then what it `proven` is
         not matched again."""
+        return self.check(text, complete=complete).errors
+
+    def check(self, text: str, *, complete: bool | None = None) -> FinalCheck:
+        """`errors`, and whether the check ran to its end (see `FinalCheck`)."""
         self._budget.deadline = time.monotonic() + MAX_REGEX_SECONDS
         if self._schema_validator is not None:
             if self.kind == "tools" and not text.lstrip().startswith(("{", "[")):
-                return [] if self._text_allowed else ["expected a tool call, got text"]
+                return FinalCheck([] if self._text_allowed else ["expected a tool call, got text"])
             try:
                 value = json.loads(text)
             except json.JSONDecodeError as exc:
-                return [f"output is not valid JSON: {exc}"]
+                return FinalCheck([f"output is not valid JSON: {exc}"])
+            except RecursionError:
+                return FinalCheck([_too_large("nested too deeply to parse")], checked=False)
+            too_large = _instance_too_large(value)
+            if too_large:
+                return FinalCheck([_too_large(too_large)], checked=False)
             # A string in parsed JSON was closed through the grammar, which matched its
             # pattern on the way: proven whether or not the whole output is complete.
             skip = complete is not None and "pattern" in self.proven
-            return _schema_errors(self._validator(skip_pattern=skip), value)
+            validator = self._validator(skip_pattern=skip)  # built on first use, not timed
+            self._budget.check_deadline = time.monotonic() + MAX_CHECK_SECONDS
+            return _schema_errors(validator, value)
         if self._regex is not None:
             if complete is not None and "regex" in self.proven:
                 if complete:
-                    return []
-                return [f"output does not match the regex {self._regex.pattern!r}: it ended early"]
+                    return FinalCheck([])
+                pattern = self._regex.pattern
+                return FinalCheck([f"output does not match the regex {pattern!r}: it ended early"])
             match = self._bounded(self._regex.fullmatch, text)
             if match is _TIMED_OUT:
-                return [_not_checked(self._regex.pattern)]
+                return FinalCheck([_not_checked(self._regex.pattern)], checked=False)
             if match is None:
-                return [f"output does not match the regex {self._regex.pattern!r}"]
+                return FinalCheck([f"output does not match the regex {self._regex.pattern!r}"])
         if self._choices and text not in self._choices:
-            return [f"output {text[:80]!r} is not one of the {len(self._choices)} choices"]
-        return []
+            n = len(self._choices)
+            return FinalCheck([f"output {text[:80]!r} is not one of the {n} choices"])
+        return FinalCheck([])
 
     def _validator(self, *, skip_pattern: bool) -> Any:
         if self._schema_validator is _LAZY:
             schema = self._json_schema()
-            self._schema_validator = _json_validator(schema, self._pattern, self._pattern_props)
-            self._proven_validator = _json_validator(schema, None, self._pattern_props)
+            keywords = {"patternProperties": self._pattern_props}
+            self._schema_validator = _json_validator(
+                schema, {**keywords, "pattern": self._pattern}, self._on_time
+            )
+            self._proven_validator = _json_validator(
+                schema, {**keywords, "pattern": _proven}, self._on_time
+            )
         return self._proven_validator if skip_pattern else self._schema_validator
 
     def _bounded(self, method: Any, text: str) -> Any:
@@ -104,6 +147,14 @@ class FinalValidator:
             return method(text, timeout=left)
         except TimeoutError:
             return _TIMED_OUT
+
+    def _on_time(self) -> None:
+        """Raise _NotChecked once this call's schema deadline has passed."""
+        if time.monotonic() > self._budget.check_deadline:
+            raise _NotChecked(
+                f"the output could not be checked against the schema within "
+                f"{MAX_CHECK_SECONDS:g} s (a schema whose cost grows with nesting); simplify it"
+            )
 
     def _search(self, pattern: str, text: str) -> Any:
         try:
@@ -159,26 +210,74 @@ def _not_checked(pattern: str) -> str:
     )
 
 
-def _json_validator(schema: Any, pattern: Any, pattern_properties: Any) -> Any:
+class _NotChecked(Exception):
+    """A bound stopped the check; the message says which."""
+
+
+def _json_validator(schema: Any, keywords: dict[str, Any], on_time: Any) -> Any:
+    """jsonschema's validator for `schema` with `keywords` replaced, each keyword checking
+    the deadline (`on_time()` raises _NotChecked) before it runs."""
     import jsonschema
 
     # No check_schema here: it costs milliseconds per compile, and the backends already
     # refused malformed schemas.
     cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
-    keywords = {"patternProperties": pattern_properties}
-    if pattern is not None:
-        keywords["pattern"] = pattern
-    else:
-        keywords["pattern"] = _proven  # the grammar matched it
-    bounded = jsonschema.validators.extend(cls, keywords)
+    functions = {**cls.VALIDATORS, **keywords}
+    if "uniqueItems" in functions:
+        functions["uniqueItems"] = _bounded_unique(functions["uniqueItems"])
+    timed = {name: _timed(fn, on_time) for name, fn in functions.items()}
+    bounded = jsonschema.validators.extend(cls, timed)
     return bounded(schema, format_checker=format_checker(cls.FORMAT_CHECKER))
+
+
+def _timed(function: Any, on_time: Any) -> Any:
+    def keyword(validator: Any, value: Any, instance: Any, schema: Any) -> Any:
+        on_time()
+        return function(validator, value, instance, schema)
+
+    return keyword
+
+
+def _bounded_unique(function: Any) -> Any:
+    def unique_items(validator: Any, value: Any, instance: Any, schema: Any) -> Any:
+        if value and validator.is_type(instance, "array") and len(instance) > MAX_UNIQUE_ITEMS:
+            raise _NotChecked(
+                f"uniqueItems could not be checked on {len(instance)} items "
+                f"(at most {MAX_UNIQUE_ITEMS} are compared)"
+            )
+        return function(validator, value, instance, schema)
+
+    return unique_items
+
+
+def _instance_too_large(value: Any) -> str | None:
+    """Why a parsed JSON value is beyond the bounds of a check, or None. Iterative: the
+    value may be nested deeper than Python's recursion limit allows to walk recursively."""
+    stack = [(value, 1)]
+    num_nodes = 0
+    while stack:
+        node, depth = stack.pop()
+        num_nodes += 1
+        if num_nodes > MAX_INSTANCE_NODES:
+            return f"it has more than {MAX_INSTANCE_NODES} values"
+        if depth > MAX_INSTANCE_DEPTH:
+            return f"it is nested deeper than {MAX_INSTANCE_DEPTH} levels"
+        if isinstance(node, dict):
+            stack.extend((child, depth + 1) for child in node.values())
+        elif isinstance(node, list):
+            stack.extend((child, depth + 1) for child in node)
+    return None
+
+
+def _too_large(why: str) -> str:
+    return f"the output could not be checked against the schema: {why}"
 
 
 def _proven(validator: Any, pattern: str, instance: Any, schema: Any) -> Any:
     return iter(())
 
 
-def _schema_errors(validator: Any, value: Any) -> list[str]:
+def _schema_errors(validator: Any, value: Any) -> FinalCheck:
     from referencing.exceptions import Unresolvable
 
     out: list[str] = []
@@ -188,6 +287,8 @@ def _schema_errors(validator: Any, value: Any) -> list[str]:
             out.append(f"{where}: {err.message[:200]}")
             if len(out) >= _MAX_ERRORS:
                 break
+    except _NotChecked as exc:
+        return FinalCheck([str(exc)], checked=False)
     except (Unresolvable, RecursionError, ValueError) as exc:
         out.append(f"schema could not be evaluated: {str(exc)[:200]}")
-    return out
+    return FinalCheck(out)

@@ -244,3 +244,15 @@ def test_llguidance_refusals_are_relaxed_not_rerouted(auto_compiler, synth_tok) 
     assert g.backend == "llguidance" and "type" in g.report.post_checked
     assert drive(g.matcher(), synth_tok, '{"c": {"c": {}}}') == (True, True)
     assert drive(g.matcher(), synth_tok, '{"c": null}') == (True, False)  # EOS gate: type
+
+
+def test_a_regex_too_deep_for_a_backend_is_a_limit_error(auto_compiler) -> None:
+    # 400 nested groups pass Python's `re` but not a backend's recursive reader: that used to
+    # fail as "internal: RecursionError" (reason "backend", a server 500).
+    from agentrt.grammar.errors import SchemaLimitError
+
+    spec = GrammarSpec.from_regex("(a|" * 400 + "b" + ")" * 400)
+    with pytest.raises(SchemaLimitError, match="nested too deeply"):
+        auto_compiler.compile(spec)
+    with pytest.raises(SchemaLimitError, match="nested too deeply"):
+        auto_compiler.compile_async(spec).result(timeout=30)

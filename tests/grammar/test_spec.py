@@ -73,3 +73,15 @@ def test_bad_inputs_raise_spec_errors() -> None:
         GrammarSpec.from_json_schema("{nope")
     with pytest.raises(GrammarSpecError, match="unknown grammar kind"):
         GrammarSpec("yaml", "")
+
+
+def test_specs_nested_past_the_recursion_limit_are_refused_as_spec_errors() -> None:
+    # A deeply nested regex or schema text used to escape as a RecursionError (a 500).
+    import pytest
+
+    from agentrt.grammar.errors import GrammarSpecError
+
+    with pytest.raises(GrammarSpecError, match="nested too deeply"):
+        GrammarSpec.from_regex("(" * 5000 + "a" + ")" * 5000)
+    with pytest.raises(GrammarSpecError, match="nested too deeply"):
+        GrammarSpec.from_json_schema('{"items":' * 5000 + "{}" + "}" * 5000)

@@ -34,3 +34,28 @@ def test_the_eos_verdict_is_not_reused_for_other_text_of_the_same_length(
     matcher.rollback(2)
     assert accept_all(matcher, synth_tok.encode("2]", add_special_tokens=False)) == 2
     assert matcher.num_tokens == 6 and matcher.can_terminate() and 0 in allowed_now(matcher)
+
+
+def test_the_eos_gate_spends_bounded_time_on_a_schema_whose_check_explodes(
+    auto_compiler, synth_tok
+) -> None:
+    # Each level of this array is checked twice by jsonschema (anyOf of two refs to itself):
+    # the gate used to check every step where the grammar could end, at 2^depth cost each.
+    import time
+
+    from agentrt.grammar.state import MAX_GATE_SECONDS
+
+    from .test_validate import SELF_ANY_OF
+
+    grammar = auto_compiler.compile(GrammarSpec.from_json_schema(SELF_ANY_OF))
+    matcher = grammar.matcher()
+    depth = 24
+    start = time.monotonic()
+    opened = accept_all(matcher, synth_tok.encode("[" * depth, add_special_tokens=False))
+    closing = synth_tok.encode("]", add_special_tokens=False)
+    for _ in range(opened):
+        assert accept_all(matcher, closing) == len(closing)
+        matcher.can_terminate()
+        allowed_now(matcher)
+    assert time.monotonic() - start < MAX_GATE_SECONDS + 2.0
+    assert matcher.can_terminate()  # closed: the grammar decides once the check is bounded

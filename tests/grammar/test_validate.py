@@ -104,3 +104,45 @@ def test_patterns_are_proven_only_where_their_verdict_cannot_reject_more(auto_co
     assert grammar.validator.proven == frozenset()
     assert grammar.validator.errors('"xyz"', complete=True) == []
     assert grammar.validator.errors('"abc"', complete=True)
+
+
+# An array whose items are `anyOf` two references to itself: jsonschema evaluates each
+# nesting level twice, so a check's cost doubles per level (2^20 evaluations at depth 20).
+SELF_ANY_OF = {
+    "$defs": {
+        "a": {
+            "type": "array",
+            "items": {"anyOf": [{"$ref": "#/$defs/a", "maxItems": 0}, {"$ref": "#/$defs/a"}]},
+        }
+    },
+    "$ref": "#/$defs/a",
+}
+
+
+def test_a_schema_whose_cost_doubles_per_level_is_checked_within_a_deadline() -> None:
+    validator = FinalValidator(GrammarSpec.from_json_schema(SELF_ANY_OF))
+    assert validator.check("[[]]").errors == []  # shallow: checked in full
+    start = time.monotonic()
+    verdict = validator.check("[" * 20 + "]" * 20)
+    assert time.monotonic() - start < 1.0  # the unbounded check took 25 s here
+    assert not verdict.checked and "could not be checked" in verdict.errors[0]
+
+
+def test_instances_beyond_the_depth_and_size_bounds_are_not_walked() -> None:
+    validator = FinalValidator(GrammarSpec.from_json_schema({"type": "array"}))
+    start = time.monotonic()
+    deep = validator.check("[" * 100 + "]" * 100)
+    deeper = validator.check("[" * 100_000 + "]" * 100_000)  # past Python's recursion limit
+    wide = validator.check(json.dumps(list(range(50_000))))
+    assert time.monotonic() - start < 2.0
+    for verdict in (deep, deeper, wide):
+        assert not verdict.checked and "could not be checked" in verdict.errors[0]
+    assert validator.check(json.dumps(list(range(100)))).checked
+
+
+def test_unique_items_compares_a_bounded_number_of_items() -> None:
+    schema = {"type": "array", "uniqueItems": True}
+    validator = FinalValidator(GrammarSpec.from_json_schema(schema))
+    assert validator.check("[[1], [1]]").errors  # duplicates found
+    verdict = validator.check(json.dumps([[i] for i in range(5_000)]))
+    assert not verdict.checked and "uniqueItems" in verdict.errors[0]
