@@ -12,6 +12,11 @@ from agentrt.grammar import GrammarSpec
 MAX_LOGPROBS = 20
 
 
+# Caps on `stop`: each stop string is matched against every step's new text, and held-back
+# text is at most the longest stop string.
+MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 4096
+
 # Temperatures below this are treated as greedy (vLLM's `_SAMPLING_EPS`): dividing by them
 # would overflow, and the distribution is a point mass anyway.
 GREEDY_TEMPERATURE_EPS = 1e-5
@@ -132,6 +137,15 @@ class SamplingParams:
             raise bad("logprobs", self.logprobs, f"an integer in [0, {MAX_LOGPROBS}]")
         if any(not s for s in self.stop):
             raise bad("stop", self.stop, "non-empty strings")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise bad("stop", f"<{len(self.stop)} strings>", f"at most {MAX_STOP_STRINGS}")
+        longest = max((len(s) for s in self.stop), default=0)
+        if longest > MAX_STOP_CHARS:
+            raise bad(
+                "stop",
+                f"<a string of {longest} chars>",
+                f"strings of at most {MAX_STOP_CHARS} chars",
+            )
         if any(t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", self.stop_token_ids, "non-negative token ids")
         if self.logit_bias is not None:

@@ -26,6 +26,8 @@ OK = SamplingParams(temperature=0.0, max_tokens=4)
         ({"logprobs": 21}, "logprobs", "[0, 20]"),
         ({"min_tokens": 5, "max_tokens": 2}, "min_tokens", "<= max_tokens"),
         ({"stop": [""]}, "stop", "non-empty"),
+        ({"stop": ["x" * 4097]}, "stop", "at most 4096 chars"),
+        ({"stop": [str(i) for i in range(65)]}, "stop", "at most 64"),
         ({"presence_penalty": 3.0}, "presence_penalty", "[-2, 2]"),
         ({"repetition_penalty": 0.0}, "repetition_penalty", "> 0"),
         ({"logit_bias": {5: 500.0}}, "logit_bias", "[-100, 100]"),
