@@ -15,13 +15,28 @@ us/call and the ratio (torch / ours, > 1 is faster), the file layout's us/call a
 (file / interleaved) where interleaved, and the max error relative to the largest output of
 gguf's fp32 reference. Timings on a shared machine are noisy: the two
 sides of a ratio run interleaved in one process. The last line is one JSON object.
+
+    python benchmarks/ggml_kernels.py --real --baseline HEAD~1 [--isa avx2] [--threads 1]
+
+`--real` runs the types and shapes of real Q4_K_M files instead (Qwen2.5-0.5B: Q5_0 896x896,
+4864x896, 896x4864 and its tied 151936x896 Q8_0 output; Qwen2.5-1.5B: Q6_K 151936x1536
+output and 1536x8960 ffn_down), one activation row (a decode step) and 16, the weights
+streamed from memory as in a decode step (copies of each weight, ~`--stream-mib` MiB in all,
+each called once a pass), against the same source at another git revision (`--baseline`):
+the two builds' passes alternate, each in the layout its build holds the type in (rows
+interleaved where it does), and the figures are medians over `--repeats` passes: GB/s of
+weight read by wall time, and with one thread also by the thread's CPU time (less moved by
+the other processes of a shared machine). The CPU model is printed with the figures.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -33,6 +48,8 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from agentrt.kernels import ggml_linear as G  # noqa: E402
+from agentrt.kernels.cpu_build import build_library  # noqa: E402
+from agentrt.kernels.ggml_library import _EXTRA_FLAGS, SOURCE  # noqa: E402
 from agentrt.kernels.quantized_linear import (  # noqa: E402
     Int4Weight,
     pack_int4,
@@ -147,21 +164,175 @@ def run(types: list[str], rows_list: list[int], repeats: int, projs: set[str]) -
     return results
 
 
+# (name, type, N, K): the types and shapes of real Q4_K_M files (issue 39).
+REAL = (
+    ("qwen0.5b o", "Q5_0", 896, 896),
+    ("qwen0.5b gate_up", "Q5_0", 9728, 896),
+    ("qwen0.5b down", "Q5_0", 896, 4864),
+    ("qwen0.5b output", "Q8_0", 151936, 896),
+    ("qwen1.5b down", "Q6_K", 1536, 8960),
+    ("qwen1.5b output", "Q6_K", 151936, 1536),
+)
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            line = next((line for line in f if line.startswith("model name")), "")
+    except OSError:
+        line = ""
+    return line.split(":", 1)[-1].strip() or "unknown CPU"
+
+
+def baseline_kernels(rev: str, isa: str) -> G.GGMLKernels:
+    """The library built from kernels/ggml_quants.c and its headers at git revision `rev`."""
+    root = SOURCE.parent
+    top = subprocess.run(
+        ["git", "-C", str(root), "rev-parse", "--show-toplevel"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    folder = Path(tempfile.mkdtemp(prefix="ggml-baseline-"))
+    for path in [SOURCE, *sorted(root.glob("*.h"))]:
+        rel = path.resolve().relative_to(top)
+        text = subprocess.run(
+            ["git", "-C", top, "show", f"{rev}:{rel}"], capture_output=True, check=False
+        )
+        if text.returncode == 0:
+            (folder / path.name).write_bytes(text.stdout)
+    flags = G.ISAS[isa][1] + _EXTRA_FLAGS
+    return G.GGMLKernels(build_library(folder / SOURCE.name, folder / "build", flags), isa)
+
+
+def held(weight: G.GGMLWeight, kernels: G.GGMLKernels) -> G.GGMLWeight:
+    """The weight in the layout `kernels`' build holds its type in."""
+    if kernels.interleaves(weight.qtype) and weight.out_features % G.ROWS_INTERLEAVED == 0:
+        return G.interleave(weight, kernels)
+    return weight
+
+
+def compare(cases, builds, rows_list, repeats, stream_mib, threads) -> list[dict]:
+    """Each case (REAL's) on each build (name -> kernels), passes alternating; medians."""
+    results = []
+    for name, type_name, n, k in cases:
+        qtype = int(Q[type_name])
+        weight = realistic_weight(qtype, n, k)
+        dense = G.dequantize_ref(weight)
+        copies = max(1, -(-stream_mib * 2**20 // weight.nbytes)) if stream_mib else 1
+        held_by = {b: [held(weight, kern)] for b, kern in builds.items()}
+        for b, kern in builds.items():  # fresh bytes per copy: each call reads from memory
+            held_by[b] += [
+                held(realistic_weight(qtype, n, k, seed=1 + c), kern) for c in range(copies - 1)
+            ]
+        for rows in rows_list:
+            x = torch.randn(rows, k).bfloat16()
+            ref = x.float() @ dense.T
+            errs = {
+                b: float(
+                    (G.ggml_linear(x, held_by[b][0], kernels=kern) - ref).abs().max()
+                    / ref.abs().max()
+                )
+                for b, kern in builds.items()
+            }
+            outs = {b: torch.empty(rows, n, dtype=torch.bfloat16) for b in builds}
+            wall = {b: [] for b in builds}
+            cpu = {b: [] for b in builds}
+            for _ in range(repeats + 1):  # the first pass of each warms up, not counted
+                for b, kern in builds.items():
+                    t0, c0 = time.perf_counter(), time.thread_time()
+                    for w in held_by[b]:
+                        G.ggml_linear_bf16(x, w, outs[b], kern)
+                    wall[b].append(time.perf_counter() - t0)
+                    cpu[b].append(time.thread_time() - c0)
+            total = weight.nbytes * copies
+            row = {"case": name, "type": type_name, "shape": [n, k], "rows": rows, "copies": copies}
+            parts = []
+            for b in builds:
+                t, c = statistics.median(wall[b][1:]), statistics.median(cpu[b][1:])
+                row[b] = {
+                    "us_per_call": round(t / copies * 1e6, 1),
+                    "gb_s": round(total / t / 1e9, 2),
+                    "cpu_gb_s": round(total / c / 1e9, 2) if threads == 1 and c > 0 else None,
+                    "max_rel_err": float(f"{errs[b]:.2e}"),
+                }
+                cpu_part = f" (cpu {row[b]['cpu_gb_s']:6.2f})" if row[b]["cpu_gb_s"] else ""
+                parts.append(
+                    f"{b} {row[b]['us_per_call']:9.1f} us {row[b]['gb_s']:6.2f} GB/s"
+                    f"{cpu_part} err {errs[b]:.1e}"
+                )
+            if len(builds) == 2:
+                old, new = (row[b]["us_per_call"] for b in builds)
+                row["speedup"] = round(old / new, 2)
+                parts.append(f"x{row['speedup']:.2f}")
+            results.append(row)
+            print(
+                f"{type_name:5} {name:17} {n:6}x{k:<5} T={rows:<3} " + "  ".join(parts), flush=True
+            )
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--types", default=",".join(ALL_TYPES))
-    parser.add_argument("--rows", default="1,16,64")
+    parser.add_argument("--rows", default=None, help="default 1,16,64 (--real: 1,16)")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--repeats", type=int, default=None, help="default 30 (--real: 9)")
     parser.add_argument("--projs", default="", help="only these projections, e.g. qkv,lm_head")
+    parser.add_argument("--real", action="store_true", help="real Q4_K_M types and shapes")
+    parser.add_argument("--baseline", default=None, help="--real: a git revision to compare")
+    parser.add_argument("--isa", default=None, help="--real: scalar | avx2 | avx512")
+    parser.add_argument("--stream-mib", type=int, default=256, help="--real: 0 = in cache")
+    parser.add_argument("--cases", default="", help="--real: only cases containing these")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.real:
+        isa = args.isa or G.selected_isa()
+        rows_list = [int(r) for r in (args.rows or "1,16").split(",")]
+        builds = {"new": G.load_ggml_kernels(G.default_build_dir(), isa)}
+        if args.baseline:
+            builds = {"old": baseline_kernels(args.baseline, isa), **builds}
+        keys = [c.strip() for c in args.cases.split(",") if c.strip()]
+        cases = [r for r in REAL if not keys or any(key in f"{r[0]} {r[1]}" for key in keys)]
+        print(
+            f"{cpu_model()}; isa {isa}, {args.threads} threads, baseline {args.baseline}, "
+            f"torch {torch.__version__}",
+            flush=True,
+        )
+        results = compare(
+            cases, builds, rows_list, args.repeats or 9, args.stream_mib, args.threads
+        )
+        print(
+            json.dumps(
+                {
+                    "cpu": cpu_model(),
+                    "isa": isa,
+                    "threads": args.threads,
+                    "baseline": args.baseline,
+                    "results": results,
+                }
+            )
+        )
+        return
+    args.rows = args.rows or "1,16,64"
+    args.repeats = args.repeats or 30
     types = [t.strip().upper() for t in args.types.split(",") if t.strip()]
     rows_list = [int(r) for r in args.rows.split(",")]
-    print(f"isa {G.selected_isa()}, {args.threads} threads, torch {torch.__version__}")
+    print(
+        f"{cpu_model()}; isa {G.selected_isa()}, {args.threads} threads, torch {torch.__version__}"
+    )
     projs = {p.strip() for p in args.projs.split(",") if p.strip()}
     results = run(types, rows_list, args.repeats, projs)
-    print(json.dumps({"isa": G.selected_isa(), "threads": args.threads, "results": results}))
+    print(
+        json.dumps(
+            {
+                "cpu": cpu_model(),
+                "isa": G.selected_isa(),
+                "threads": args.threads,
+                "results": results,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -307,32 +307,44 @@ static void legacy_row(int qtype, const BlockType *bt, const uint8_t *row, int64
 #undef PASS
 }
 
-// ---- Q4_0 and Q4_1 interleaved by 16 rows (ggml_avx512.h has the layout) -------------------
+// ---- Q4_0, Q4_1, Q5_0 and Q5_1 interleaved by 16 rows (ggml_avx512.h has the layout) -------
 //
 // Each half of a group (8 rows, a 32-bit lane each) on its own, 8 columns of u at a time (the
-// 16 registers allow no more): pmaddubsw of u (< 16) and the activation's 4 bytes broadcast
-// gives each row 2 int16 sums, 8 columns of them are added in int16 (at most 8 * 2 * 15 *
-// 128 < 2^15), then pmaddwd by ones gives each row its int32 dot. Q8_0 (u up to 255 would
-// saturate pmaddubsw) and the K-quants stay in the file's layout here: an interleaved Q4_K,
-// Q5_K and Q6_K were measured slower than it when streaming weights from memory.
+// 16 registers allow no more): pmaddubsw of u and the activation's 4 bytes broadcast gives
+// each row 2 int16 sums; columns are added in int16 (Q4: 8 of them, at most 8 * 2 * 15 * 128
+// < 2^15; Q5: 4, 4 * 2 * 31 * 128 < 2^15), then pmaddwd by ones gives each row its int32 dot.
+// A Q5 fifth bit comes from its mask's 32 bits of the half, spread to bytes (bytes_from_bits).
+// Q8_0 (u up to 255 would saturate pmaddubsw) and the K-quants stay in the file's layout
+// here: an interleaved Q4_K, Q5_K and Q6_K were measured slower than it when streaming
+// weights from memory.
 
 #define X16_TT 2 // activation rows a pass over a group's blocks
 
-// The dot of 8 columns of u with the activation's dwords q[0 .. 8), per row (int32 lanes).
-static inline __m256i x16_dot8(const __m256i *u, const int32_t *q) {
-    __m256i s = _mm256_maddubs_epi16(u[0], _mm256_set1_epi32(q[0]));
-    for (int c = 1; c < 8; c++) s = _mm256_add_epi16(s, _mm256_maddubs_epi16(u[c], _mm256_set1_epi32(q[c])));
-    return _mm256_madd_epi16(s, _mm256_set1_epi16(1));
+// The dot of 8 columns of u with the activation's dwords q[0 .. 8), per row (int32 lanes);
+// `q5`: int16 sums of 4 columns at a time.
+static inline __m256i x16_dot8(const __m256i *u, const int32_t *q, int q5) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256i s = _mm256_maddubs_epi16(u[0], _mm256_set1_epi32(q[0])), r = _mm256_setzero_si256();
+    for (int c = 1; c < 8; c++) {
+        if (q5 && c == 4) {
+            r = _mm256_madd_epi16(s, ones);
+            s = _mm256_maddubs_epi16(u[c], _mm256_set1_epi32(q[c]));
+            continue;
+        }
+        s = _mm256_add_epi16(s, _mm256_maddubs_epi16(u[c], _mm256_set1_epi32(q[c])));
+    }
+    return _mm256_add_epi32(r, _mm256_madd_epi16(s, ones));
 }
 
 static inline __attribute__((always_inline)) void x16_rows(int qtype, const uint8_t *group,
                                                            int64_t num_blocks, const uint8_t *act,
                                                            int64_t kp, const int TT, float *sums) {
-    const int has_min = qtype == T_Q4_1;
-    const int64_t block = 16 * (has_min ? 20 : 18);
+    const int has_min = qtype == T_Q4_1 || qtype == T_Q5_1;
+    const int q5 = qtype == T_Q5_0 || qtype == T_Q5_1;
+    const int64_t block = 16 * (18 + 2 * has_min + 4 * q5);
     const int64_t stride = act_row_bytes(kp), d32_at = kp + kp / 2;
     const int64_t s32_at = kp + 4 * (kp / 8 + kp / 32);
-    const __m256i low = _mm256_set1_epi8(0x0f);
+    const __m256i low = _mm256_set1_epi8(0x0f), sixteen = _mm256_set1_epi8(16);
     for (int half = 0; half < 2; half++) {
         __m256 acc[X16_TT];
         for (int tt = 0; tt < TT; tt++) acc[tt] = _mm256_setzero_ps();
@@ -341,17 +353,22 @@ static inline __attribute__((always_inline)) void x16_rows(int qtype, const uint
             const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 16 * half)));
             const __m256 bias =
                 has_min ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 32 + 16 * half)))
-                        : _mm256_mul_ps(d, _mm256_set1_ps(-8.0f));
-            const uint8_t *qs = p + (has_min ? 64 : 32) + 32 * half;
+                        : _mm256_mul_ps(d, _mm256_set1_ps(q5 ? -16.0f : -8.0f));
+            const uint8_t *masks = p + (has_min ? 64 : 32);
+            const uint8_t *qs = masks + (q5 ? 64 : 0) + 32 * half;
             __m256i u[8];
             for (int c = 0; c < 4; c++) {
                 const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 64 * c));
                 u[c] = _mm256_and_si256(v, low);
                 u[c + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
             }
+            if (q5)
+                for (int c = 0; c < 8; c++)
+                    u[c] = _mm256_or_si256(
+                        u[c], _mm256_and_si256(bytes_from_bits(masks + 8 * c + 4 * half), sixteen));
             for (int tt = 0; tt < TT; tt++) {
                 const uint8_t *a = act + tt * stride;
-                const __m256 dot = _mm256_cvtepi32_ps(x16_dot8(u, (const int32_t *)(a + 32 * b)));
+                const __m256 dot = _mm256_cvtepi32_ps(x16_dot8(u, (const int32_t *)(a + 32 * b), q5));
                 const float da = ((const float *)(a + d32_at))[b], sa = ((const float *)(a + s32_at))[b];
                 acc[tt] = _mm256_fmadd_ps(d, _mm256_mul_ps(dot, _mm256_set1_ps(da)), acc[tt]);
                 acc[tt] = _mm256_fmadd_ps(bias, _mm256_set1_ps(sa), acc[tt]);

@@ -259,28 +259,32 @@ static void legacy_row(int qtype, const BlockType *bt, const uint8_t *row, int64
 }
 
 
-// ---- Q4_0, Q4_1 and Q8_0 interleaved by 16 rows ---------------------------------------------
+// ---- The legacy types interleaved by 16 rows -------------------------------------------------
 //
 // ggml_linear.py's `interleave` lays 16 weight rows out block by block (its docstring has the
-// layout): the 16 rows' d (fp16), their m (Q4_1), then the block's quants by 4-element
-// column, each column one 64-byte register whose lane r is row r's 4 values (Q4_0 / Q4_1: a
-// byte holds column c's element in its low nibble and column c + 4's in its high one; Q8_0:
-// u = q + 128). One vpdpbusd per column against the activation's 4 bytes of that column,
-// broadcast, sums each row's products in its own lane: the 16 rows' scales are one vector, no
-// sum across lanes is left at the end, and the decoded block serves X16_TT activation rows.
+// layout): the 16 rows' d (fp16), their m (Q4_1, Q5_1), Q5_0's and Q5_1's fifth bits as 8
+// masks of 64 bits, then the block's quants by 4-element column, each column one 64-byte
+// register whose lane r is row r's 4 values (Q4_0 / Q4_1 / Q5_0 / Q5_1: a byte holds column
+// c's element in its low nibble and column c + 4's in its high one; Q8_0: u = q + 128). Mask
+// c's bit 4r + i is the fifth bit of row r's element 4c + i: one masked byte add puts it in
+// (no decoding of qh). One vpdpbusd per column against the activation's 4 bytes of that
+// column, broadcast, sums each row's products in its own lane: the 16 rows' scales are one
+// vector, no sum across lanes is left at the end, and the decoded block serves X16_TT
+// activation rows.
 
 #define X16_TT 4 // activation rows a pass over a group's blocks
 
 static inline __attribute__((always_inline)) void x16_rows(int qtype, const uint8_t *group,
                                                            int64_t num_blocks, const uint8_t *act,
                                                            int64_t kp, const int TT, float *sums) {
-    const int q8 = qtype == T_Q8_0, has_min = qtype == T_Q4_1;
-    const int64_t block = 16 * (q8 ? 34 : has_min ? 20 : 18);
-    const __m512 offset = _mm512_set1_ps(q8 ? -128.0f : -8.0f);
+    const int q8 = qtype == T_Q8_0, has_min = qtype == T_Q4_1 || qtype == T_Q5_1;
+    const int q5 = qtype == T_Q5_0 || qtype == T_Q5_1;
+    const int64_t block = 16 * (q8 ? 34 : 18 + 2 * has_min + 4 * q5);
+    const __m512 offset = _mm512_set1_ps(q8 ? -128.0f : q5 ? -16.0f : -8.0f);
     // Row tt's q, d32 and s32 at fixed offsets from its base (see act_row).
     const int64_t stride = act_row_bytes(kp), d32_at = kp + kp / 2;
     const int64_t s32_at = kp + 4 * (kp / 8 + kp / 32);
-    const __m512i low = _mm512_set1_epi8(0x0f);
+    const __m512i low = _mm512_set1_epi8(0x0f), sixteen = _mm512_set1_epi8(16);
     __m512 acc[X16_TT];
     for (int tt = 0; tt < TT; tt++) acc[tt] = _mm512_setzero_ps();
     for (int64_t b = 0; b < num_blocks; b++) {
@@ -288,7 +292,7 @@ static inline __attribute__((always_inline)) void x16_rows(int qtype, const uint
         const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
         const __m512 bias = has_min ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 32)))
                                     : _mm512_mul_ps(d, offset);
-        const uint8_t *qs = p + (has_min ? 64 : 32);
+        const uint8_t *masks = p + (has_min ? 64 : 32), *qs = masks + (q5 ? 64 : 0);
         __m512i u[8];
         if (q8) {
             for (int c = 0; c < 8; c++) u[c] = _mm512_loadu_si512(qs + 64 * c);
@@ -298,6 +302,12 @@ static inline __attribute__((always_inline)) void x16_rows(int qtype, const uint
                 u[c] = _mm512_and_si512(v, low);
                 u[c + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
             }
+            if (q5)
+                for (int c = 0; c < 8; c++) {
+                    uint64_t m;
+                    memcpy(&m, masks + 8 * c, 8);
+                    u[c] = _mm512_mask_add_epi8(u[c], _cvtu64_mask64(m), u[c], sixteen);
+                }
         }
         for (int tt = 0; tt < TT; tt++) {
             const uint8_t *a = act + tt * stride;

@@ -24,7 +24,7 @@
 // of T rows reads each weight byte from memory once. On AVX-512 the legacy types (blocks of
 // 32 with one fp16 scale each) skip the chunk: pairs of blocks are decoded into registers and
 // dotted with 8 activation rows at a time (ggml_avx512.h; on AVX2 one block and 4 rows,
-// ggml_avx2.h); Q4_0 and Q4_1 (and on AVX-512 Q8_0 and Q4_K) weights interleaved by 16 rows
+// ggml_avx2.h); Q4_0, Q4_1, Q5_0, Q5_1 (and on AVX-512 Q8_0, Q4_K) weights interleaved by 16 rows
 // at load (`ggml_interleave`) take kernels whose vector lanes are those rows (x16_type). On AVX-512 and AVX2, Q4_K, Q5_K
 // and Q6_K take their activations in blocks of 256 instead (ggml's Q8_K), which lets a
 // block's group scales be applied in integers (ggml_avx512.h, ggml_avx2.h,
@@ -451,11 +451,30 @@ static inline int64_t act8k_bytes(int64_t kp) {
 #if AGENTRT_ISA >= 1
 // The 16 interleaved rows of `group` for `rows` activation rows from `act` -> sums (rows x
 // 16), in passes of the ISA header's X16_TT rows through its x16_rows.
+// Each type is its own inlined body (the type a constant in it).
 static void x16_group(int qtype, const uint8_t *group, int64_t num_blocks, const uint8_t *act,
                       int64_t kp, int64_t rows, float *sums) {
     const int64_t stride = act_row_bytes(kp);
-#define PASS(t, n) x16_rows(qtype, group, num_blocks, act + (t) * stride, kp, n, sums + 16 * (t))
-    IN_PASSES(X16_TT, rows, PASS);
+#define PASS(t, n) x16_rows(QT, group, num_blocks, act + (t) * stride, kp, n, sums + 16 * (t))
+    switch (qtype) {
+#define QT T_Q4_0
+    case QT: IN_PASSES(X16_TT, rows, PASS); break;
+#undef QT
+#define QT T_Q4_1
+    case QT: IN_PASSES(X16_TT, rows, PASS); break;
+#undef QT
+#define QT T_Q5_0
+    case QT: IN_PASSES(X16_TT, rows, PASS); break;
+#undef QT
+#define QT T_Q5_1
+    case QT: IN_PASSES(X16_TT, rows, PASS); break;
+#undef QT
+#if AGENTRT_ISA == 2
+#define QT T_Q8_0
+    case QT: IN_PASSES(X16_TT, rows, PASS); break;
+#undef QT
+#endif
+    }
 #undef PASS
 }
 #endif
@@ -624,13 +643,14 @@ static inline int q8k_type(int qtype) {
 // The activation block this build quantizes to for the type: 256 or 32.
 int ggml_act_block(int qtype) { return q8k_type(qtype) ? 256 : 32; }
 
-// The types this build runs interleaved by 16 rows (ggml_linear.py's `interleave`): Q4_0 and
-// Q4_1 on AVX-512 and AVX2, Q8_0 and Q4_K on AVX-512 (ggml_avx2.h says why not there). Each
-// was measured faster than the file's layout when streaming weights from memory; Q5_K and
-// Q6_K interleaved were slower (more decoding a column), so they are not.
+// The types this build runs interleaved by 16 rows (ggml_linear.py's `interleave`): Q4_0,
+// Q4_1, Q5_0 and Q5_1 on AVX-512 and AVX2, Q8_0 and Q4_K on AVX-512 (ggml_avx2.h says why not
+// there). Each was measured faster than the file's layout when streaming weights from memory;
+// Q5_K and Q6_K interleaved were slower (more decoding a column), so they are not.
 static inline int x16_type(int qtype) {
-    return AGENTRT_ISA >= 1 && (qtype == T_Q4_0 || qtype == T_Q4_1 ||
-                                (AGENTRT_ISA == 2 && (qtype == T_Q8_0 || qtype == T_Q4_K)));
+    return AGENTRT_ISA >= 1 &&
+           (qtype == T_Q4_0 || qtype == T_Q4_1 || qtype == T_Q5_0 || qtype == T_Q5_1 ||
+            (AGENTRT_ISA == 2 && (qtype == T_Q8_0 || qtype == T_Q4_K)));
 }
 
 static inline void store_out(void *out, int out_bf16, int64_t at, float v) {
@@ -770,20 +790,26 @@ int ggml_interleaves(int qtype) { return x16_type(qtype); }
 // ---- The layout interleaved by 16 rows (ggml_linear.py's `interleave` describes it) --------
 //
 // One block of a row <-> its place among the 16 rows' block (`o`, the group's block b;
-// lane r). Legacy types: the fp16 fields side by side, then the quants by 4-byte column
-// (Q8_0's as u = q + 128). Q4_K: d, dmin, then the 8 scales and the 8 mins unpacked from their
-// 12 bytes of 6-bit fields (scales [8][16], mins by pairs [4][16][2]), then the columns.
+// lane r). Legacy types: the fp16 fields side by side; Q5_0's and Q5_1's 32 fifth bits as 8
+// masks of 64 bits (mask c, bits 4r .. 4r + 3: the row's bits 4c .. 4c + 3); then the quants by
+// 4-byte column (Q8_0's as u = q + 128). Q4_K: d, dmin, then the 8 scales and the 8 mins
+// unpacked from their 12 bytes of 6-bit fields (scales [8][16], mins by pairs [4][16][2]),
+// then the columns.
 
 static int interleaved_block(int qtype, int *head) {
     *head = 0;
     switch (qtype) {
     case T_Q4_0: *head = 2; return 18;
     case T_Q4_1: *head = 4; return 20;
+    case T_Q5_0: *head = 2; return 22;
+    case T_Q5_1: *head = 4; return 24;
     case T_Q8_0: *head = 2; return 34;
     case T_Q4_K: *head = 4; return 144;
     default: return 0;
     }
 }
+
+static inline int has_qh(int qtype) { return qtype == T_Q5_0 || qtype == T_Q5_1; }
 
 static void interleave_block(int qtype, const uint8_t *blk, uint8_t *o, int r) {
     int head;
@@ -791,6 +817,19 @@ static void interleave_block(int qtype, const uint8_t *blk, uint8_t *o, int r) {
     for (int f = 0; f < head; f += 2) memcpy(o + 16 * f + 2 * r, blk + f, 2);
     const uint8_t *q = blk + head;
     uint8_t *cols = o + 16 * head;
+    int n_cols = (size - head) / 4;
+    if (has_qh(qtype)) { // row r's nibble of each mask: byte r / 2, bits 4 (r % 2) ..
+        uint32_t qh;
+        memcpy(&qh, q, 4);
+        const int shift = 4 * (r % 2);
+        for (int c = 0; c < 8; c++) {
+            uint8_t *m = cols + 8 * c + r / 2;
+            *m = (uint8_t)((*m & ~(15 << shift)) | (((qh >> (4 * c)) & 15) << shift));
+        }
+        q += 4;
+        cols += 64;
+        n_cols -= 1;
+    }
     if (qtype == T_Q4_K) {
         for (int j = 0; j < 8; j++) {
             int sc, m;
@@ -800,8 +839,8 @@ static void interleave_block(int qtype, const uint8_t *blk, uint8_t *o, int r) {
         }
         q = blk + 16;
         cols = o + 320;
+        n_cols = 32;
     }
-    const int n_cols = (qtype == T_Q4_K ? 128 : size - head) / 4;
     for (int c = 0; c < n_cols; c++) {
         uint8_t *dst = cols + 64 * c + 4 * r;
         memcpy(dst, q + 4 * c, 4);
@@ -816,6 +855,16 @@ static void deinterleave_block(int qtype, const uint8_t *o, int r, uint8_t *blk)
     for (int f = 0; f < head; f += 2) memcpy(blk + f, o + 16 * f + 2 * r, 2);
     uint8_t *q = blk + head;
     const uint8_t *cols = o + 16 * head;
+    int n_cols = (size - head) / 4;
+    if (has_qh(qtype)) {
+        uint32_t qh = 0;
+        for (int c = 0; c < 8; c++)
+            qh |= (uint32_t)((cols[8 * c + r / 2] >> (4 * (r % 2))) & 15) << (4 * c);
+        memcpy(q, &qh, 4);
+        q += 4;
+        cols += 64;
+        n_cols -= 1;
+    }
     if (qtype == T_Q4_K) { // the 6-bit fields packed back (the inverse of k4_scale_min)
         uint8_t sc[8], m[8];
         for (int j = 0; j < 8; j++) {
@@ -829,8 +878,8 @@ static void deinterleave_block(int qtype, const uint8_t *o, int r, uint8_t *blk)
         }
         q = blk + 16;
         cols = o + 320;
+        n_cols = 32;
     }
-    const int n_cols = (qtype == T_Q4_K ? 128 : size - head) / 4;
     for (int c = 0; c < n_cols; c++) {
         memcpy(q + 4 * c, cols + 64 * c + 4 * r, 4);
         if (qtype == T_Q8_0)

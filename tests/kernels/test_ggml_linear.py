@@ -130,7 +130,7 @@ def test_out_as_a_column_slice_of_a_wider_tensor(kern, weights):
         assert out[:, 2 * N :].isnan().all()  # nothing written past the slices
 
 
-# --- Q4_0, Q4_1 and Q8_0 interleaved by 16 rows (the AVX-512 build's layout) ----------------
+# --- Rows interleaved by 16 (AVX-512: Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q4_K; AVX2: the first four) ---
 
 INTERLEAVED = sorted(G.INTERLEAVED_TYPES)
 
@@ -146,8 +146,13 @@ def check_layout_at_one_place(x16: G.GGMLWeight, w: G.GGMLWeight, qtype: int) ->
         assert place[64 + 32 + 5] == blk[4 + 2] & 63 and place[192 + 32 + 10] == blk[8 + 2] & 63
         columns, quants = 320, blk[16:]
     else:
-        head = 4 if qtype == Q.Q4_1 else 2
+        head = 4 if qtype in (Q.Q4_1, Q.Q5_1) else 2
         columns, quants = 16 * head, blk[head:]
+        if qtype in (Q.Q5_0, Q.Q5_1):  # mask c's bits 20 .. 23 (row 5): qh's bits 4c .. 4c + 3
+            qh = int.from_bytes(bytes(quants[:4].tolist()), "little")
+            for c in range(8):
+                assert (place[columns + 8 * c + 2] >> 4) == (qh >> (4 * c)) & 15
+            columns, quants = columns + 64, quants[4:]
     column = place[columns + 64 + 20 : columns + 64 + 24]  # column 1, lane 5
     assert torch.equal(column, quants[4:8] ^ 0x80 if qtype == Q.Q8_0 else quants[4:8])
 
@@ -174,8 +179,8 @@ def test_interleaved_layout_is_the_documented_one_and_gives_back_its_rows(qtype)
 
 @pytest.mark.parametrize("qtype", INTERLEAVED, ids=lambda t: Q(t).name)
 def test_interleaved_product_matches_gguf_reference(kern, qtype):
-    """Each build that runs the type interleaved (AVX-512: all four; AVX2: Q4_0, Q4_1); the
-    others refuse the layout rather than misread it."""
+    """Each build that runs the type interleaved (AVX-512: all six; AVX2: Q4_0, Q4_1, Q5_0,
+    Q5_1); the others refuse the layout rather than misread it."""
     w = G.random_weight(qtype, 48, K, seed=qtype)
     dense, x16 = G.dequantize_ref(w), G.interleave(w, kern)
     if not kern.interleaves(qtype):
@@ -202,7 +207,7 @@ def test_interleaved_product_matches_gguf_reference(kern, qtype):
 
 
 def test_interleaving_is_refused_where_there_is_no_such_layout_or_kernel():
-    for qtype, rows in ((Q.Q6_K, 48), (Q.Q5_0, 48), (Q.Q4_0, 40)):
+    for qtype, rows in ((Q.Q6_K, 48), (Q.Q5_K, 48), (Q.Q4_0, 40)):
         with pytest.raises(KernelInputError, match="no interleaved layout"):
             G.interleave(G.random_weight(qtype, rows, K))
     x16 = G.interleave(G.random_weight(Q.Q4_0, 48, K))
@@ -212,7 +217,8 @@ def test_interleaving_is_refused_where_there_is_no_such_layout_or_kernel():
         G.GGMLWeight(G.random_weight(Q.Q6_K, 16, K).data.reshape(1, -1), Q.Q6_K, K, True)
     for isa in ISAS:  # which build runs which type interleaved
         kern = G.load_ggml_kernels(G.default_build_dir(), isa)
-        assert kern.interleaves(Q.Q4_0) == kern.interleaves(Q.Q4_1) == (isa != "scalar")
+        for qtype in (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1):
+            assert kern.interleaves(qtype) == (isa != "scalar")
         assert kern.interleaves(Q.Q4_K) == kern.interleaves(Q.Q8_0) == (isa == "avx512")
         assert not kern.interleaves(Q.Q6_K) and not kern.interleaves(Q.Q5_K)
 
