@@ -1,7 +1,8 @@
-"""benchmarks/gguf.py without llama.cpp: its synthetic GGUF writer makes a llama file that
-gguf-py reads back as written (shapes, types, weights, the embedded tokenizer, the metadata),
-its decode ratio is the median of its alternating rounds, and bad options are refused before
-anything runs (exit status 2, the option named)."""
+"""benchmarks/gguf.py without llama.cpp: the random HF checkpoints it feeds llama.cpp's
+converter load in transformers as written (config, tying, weights, tokenizer), its decode
+ratio is the median of its alternating rounds, its start-up and RSS targets are judged as the
+issue states them, and bad options are refused before anything runs (exit status 2, the
+option named)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ import pathlib
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 
 SCRIPT = pathlib.Path(__file__).parents[2] / "benchmarks" / "gguf.py"
@@ -26,67 +26,84 @@ def bench():
     del sys.modules[spec.name]
 
 
-@pytest.mark.slow
-def test_synthetic_file_reads_back(bench, tmp_path):
-    import gguf
+@pytest.fixture(scope="module")
+def models():
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        import gguf_models
 
-    from agentrt.engine.model.checkpoint import gguf_source
+        yield gguf_models
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+        sys.modules.pop("gguf_models", None)
 
-    shape = bench.Shape(64, 2, 128, 4, 2, 10000.0, 256)
-    path = tmp_path / "tiny.gguf"
-    bench.write_synthetic(path, shape, gguf_source(None), seed=0)
 
-    reader = gguf.GGUFReader(path)
-    source = gguf.GGUFReader(gguf_source(None))
-    vocab = len(source.fields["tokenizer.ggml.tokens"].data)
-    expected = bench.synthetic_tensors(shape, vocab)
-    assert [t.name for t in reader.tensors] == [name for name, _ in expected]
-    for tensor, (_, dims) in zip(reader.tensors, expected, strict=True):
-        assert tuple(tensor.data.shape) == dims
-        kind = gguf.GGMLQuantizationType.F32 if len(dims) == 1 else gguf.GGMLQuantizationType.F16
-        assert tensor.tensor_type == kind
-    weights = {t.name: np.asarray(t.data, np.float32) for t in reader.tensors}
-    assert np.all(weights["blk.0.attn_norm.weight"] == 1)
-    assert abs(weights["blk.1.ffn_down.weight"].std() - bench.WEIGHT_STD) < 0.002
-    tokens = reader.fields["tokenizer.ggml.tokens"]
-    assert tokens.contents() == source.fields["tokenizer.ggml.tokens"].contents()
-    assert reader.fields["tokenizer.chat_template"].contents().startswith("{%")
-    fields = {
-        key: reader.fields[f"llama.{key}"].contents()
-        for key in ("embedding_length", "block_count", "feed_forward_length", "vocab_size")
+@pytest.mark.parametrize("tokenizer", ["qwen2.5", "smollm2"])
+def test_checkpoint_loads_in_transformers_as_written(models, tmp_path, tokenizer):
+    """The random checkpoint the converter reads: transformers loads it with the shape's
+    config, tied as configured, weights of the stated spread, norms 1, and its tokenizer."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    real = models.SHAPES["qwen2.5-0.5b" if tokenizer == "qwen2.5" else "llama-3.2-1b"]
+    config = real.config | dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2)
+    config |= dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    shape = models.ModelShape("tiny", tokenizer, config)
+    models.write_checkpoint(tmp_path, shape, seed=0)
+
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    assert type(model).__name__ == config["architectures"][0]
+    assert model.config.vocab_size == config["vocab_size"]
+    assert model.config.num_hidden_layers == 2
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    layer = model.model.layers[1]
+    assert abs(layer.mlp.down_proj.weight.std().item() - models.WEIGHT_STD) < 0.002
+    assert torch.all(layer.input_layernorm.weight == 1)
+    if tokenizer == "qwen2.5":
+        assert layer.self_attn.q_proj.bias is not None
+        ids = AutoTokenizer.from_pretrained(tmp_path).encode("<|im_start|>user")
+        assert ids[0] == 151644  # Qwen's own special token
+    else:
+        assert model.config.rope_scaling["rope_type"] == "llama3"
+        assert AutoTokenizer.from_pretrained(tmp_path).vocab_size == 49152
+
+
+def test_start_targets(bench):
+    result = {"size_bytes": 1000, "agentrt": _side(30.0), "start": None}
+    result["start"] = {"agentrt": [2.0, 2.4, 3.1], "llama_cpp": [1.0, 1.1, 1.3], "agentrt_first": 6}
+    met = bench.compare(result)["targets_met"]
+    assert result["start"]["agentrt_median_s"] == 2.4
+    assert result["start"]["ratio"] == pytest.approx(2.4 / 1.1)
+    assert met["start_s"] is True  # <= 2.5 s
+    assert met["start"] is False  # 2.18x > 2x
+    assert met["first_start_s"] is False  # 6 s > 5 s
+
+
+def _side(decode: float) -> dict:
+    return {
+        "written_bytes": 0,
+        "load_s": 1.0,
+        "peak_rss_mib": 100.0,
+        "decode_tok_s": decode,
+        "prefill_tok_s": 1.0,
+        "batch_tok_s": 1.0,
+        "top_ids": [],
     }
-    assert fields == {
-        "embedding_length": 64,
-        "block_count": 2,
-        "feed_forward_length": 128,
-        "vocab_size": vocab,
-    }
-    assert reader.fields["llama.attention.head_count_kv"].contents() == 2
 
 
 def test_decode_ratio_is_the_median_of_the_rounds(bench):
-    def side(decode: float) -> dict:
-        return {
-            "written_bytes": 0,
-            "load_s": 1.0,
-            "peak_rss_mib": 100.0,
-            "decode_tok_s": decode,
-            "prefill_tok_s": 1.0,
-            "batch_tok_s": 1.0,
-            "top_ids": [],
-        }
-
     result = {
         "size_bytes": 1000,
-        "agentrt": side(30.0),
-        "llama_cpp": side(40.0),
+        "agentrt": _side(30.0),
+        "llama_cpp": _side(40.0),
         # Round ratios 0.75, 1.2, 1.1 (the first is the main run's).
         "decode_rounds": {"agentrt": [30.0, 48.0, 44.0], "llama_cpp": [40.0, 40.0, 40.0]},
     }
     ratios = bench.compare(result)["vs_llama_cpp"]
     assert ratios["decode"] == pytest.approx(1.1)
     assert ratios["decode_first_round"] == pytest.approx(0.75)
-    assert result["targets_met"]["decode"] is True
+    assert result["targets_met"]["decode"] is False  # 1.1x < 1.15x
+    assert "peak_rss" not in result["targets_met"]  # a file under 400 MiB
 
 
 @pytest.mark.parametrize(
@@ -96,6 +113,10 @@ def test_decode_ratio_is_the_median_of_the_rounds(bench):
         (["--decode-rounds", "0"], "--decode-rounds"),
         (["--kv-cache-memory-gb", "0"], "--kv-cache-memory-gb"),
         (["--types", "--no-embedded", "--no-llama-cpp"], "nothing to run"),
+        (["--models", "--no-embedded", "--no-llama-cpp"], "nothing to run"),
+        (["--models", "qwen9-7b"], "--models"),
+        (["--start-rounds", "-1"], "--start-rounds"),
+        (["--llama-cpp-dir", "/nonexistent", "--no-llama-cpp"], "convert_hf_to_gguf.py"),
         (["--types", "Q5_K"], "--types"),
         (["--llama-python", sys.executable + "-missing"], "--llama-python"),
         (["--llama-python", sys.executable], "cannot import llama_cpp"),

@@ -1,0 +1,191 @@
+"""The model files benchmarks/gguf.py measures, made the way users' files are made.
+
+A real "Q4_K_M" is a mix that depends on the model's shape (issue 39): Qwen2.5-0.5B's hidden
+size 896 is not a multiple of 256, so llama.cpp's quantizer falls back to Q5_0 for most of it
+and its tied 151,936-row output is Q8_0; Qwen2.5-1.5B is Q4_K + Q6_K with a Q6_K output. So
+each file here goes through the same two tools a published GGUF went through:
+
+    random HF checkpoint (config.json of the model's shape, F16 safetensors, its tokenizer)
+      -> llama.cpp's convert_hf_to_gguf.py (F16 GGUF: tensor names, metadata, tokenizer,
+         rope_freqs for llama3 scaling, exactly as the converter writes them)
+      -> llama.cpp's quantizer (llama_model_quantize: the type mix of each quant kind)
+
+Weights are normal(0, WEIGHT_STD), norms 1, seeded; the tokenizers are real: Qwen2.5's
+(tests/data/qwen2.5-instruct) for the Qwen shapes, the embedded SmolLM2's for the llama ones
+(the converter pads its 49,152 tokens to the shape's vocabulary). The configs are the
+published ones' fields that decide the file (sizes, heads, vocabulary, tying, rope).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+WEIGHT_STD = 0.02
+QWEN_TOKENIZER = Path(__file__).resolve().parents[1] / "tests" / "data" / "qwen2.5-instruct"
+# Bump when the checkpoint writer changes: it is in the cached files' names.
+VERSION = 2
+
+
+@dataclass(frozen=True, slots=True)
+class ModelShape:
+    name: str
+    tokenizer: str  # "qwen2.5" or "smollm2"
+    config: dict  # config.json fields
+
+
+def _qwen2(hidden, layers, ffn, heads, kv_heads, tied) -> dict:
+    return dict(
+        architectures=["Qwen2ForCausalLM"],
+        model_type="qwen2",
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        intermediate_size=ffn,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        vocab_size=151936,
+        tie_word_embeddings=tied,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=32768,
+        bos_token_id=151643,
+        eos_token_id=151645,
+    )
+
+
+SHAPES = {
+    s.name: s
+    for s in (
+        ModelShape("qwen2.5-0.5b", "qwen2.5", _qwen2(896, 24, 4864, 14, 2, tied=True)),
+        # Published tied (its Q4_K_M is 1,066 MiB; untied, the Q6_K output would add 191).
+        ModelShape("qwen2.5-1.5b", "qwen2.5", _qwen2(1536, 28, 8960, 12, 2, tied=True)),
+        ModelShape(
+            "llama-3.2-1b",
+            "smollm2",
+            dict(
+                architectures=["LlamaForCausalLM"],
+                model_type="llama",
+                hidden_size=2048,
+                num_hidden_layers=16,
+                intermediate_size=8192,
+                num_attention_heads=32,
+                num_key_value_heads=8,
+                head_dim=64,
+                vocab_size=128256,
+                tie_word_embeddings=True,
+                rope_theta=500000.0,
+                rope_scaling=dict(
+                    rope_type="llama3",
+                    factor=32.0,
+                    low_freq_factor=1.0,
+                    high_freq_factor=4.0,
+                    original_max_position_embeddings=8192,
+                ),
+                rms_norm_eps=1e-5,
+                max_position_embeddings=131072,
+                bos_token_id=1,
+                eos_token_id=2,
+            ),
+        ),
+        ModelShape(
+            "qwen3-0.6b",
+            "qwen2.5",  # Qwen3 keeps Qwen2.5's byte-level BPE and 151,936-row vocabulary
+            dict(
+                architectures=["Qwen3ForCausalLM"],
+                model_type="qwen3",
+                hidden_size=1024,
+                num_hidden_layers=28,
+                intermediate_size=3072,
+                num_attention_heads=16,
+                num_key_value_heads=8,
+                head_dim=128,
+                vocab_size=151936,
+                tie_word_embeddings=True,
+                rope_theta=1000000.0,
+                rms_norm_eps=1e-6,
+                max_position_embeddings=40960,
+                bos_token_id=151643,
+                eos_token_id=151645,
+            ),
+        ),
+        # The shape the benchmark measured before the real mixes (issue 26's runs).
+        ModelShape(
+            "tinyllama-1.1b",
+            "smollm2",
+            dict(
+                architectures=["LlamaForCausalLM"],
+                model_type="llama",
+                hidden_size=2048,
+                num_hidden_layers=22,
+                intermediate_size=5632,
+                num_attention_heads=32,
+                num_key_value_heads=4,
+                vocab_size=49152,
+                tie_word_embeddings=False,
+                rope_theta=10000.0,
+                rms_norm_eps=1e-5,
+                max_position_embeddings=2048,
+                bos_token_id=1,
+                eos_token_id=2,
+            ),
+        ),
+    )
+}
+
+
+def save_tokenizer(name: str, folder: Path) -> None:
+    """The tokenizer files of `name` into `folder` (tokenizer.json, its config, template)."""
+    if name == "qwen2.5":
+        for path in QWEN_TOKENIZER.iterdir():
+            shutil.copy(path, folder / path.name)
+        return
+    from transformers import AutoTokenizer
+
+    from agentrt.engine.model.checkpoint import gguf_source
+
+    source = gguf_source(None)
+    tokenizer = AutoTokenizer.from_pretrained(str(source.parent), gguf_file=source.name)
+    tokenizer.save_pretrained(folder)
+
+
+def write_checkpoint(folder: Path, shape: ModelShape, seed: int) -> None:
+    """A random HF checkpoint of `shape`: config.json, model.safetensors (F16; 2-D weights
+    and biases normal(0, WEIGHT_STD), norms 1) and the tokenizer. The tensor names and shapes
+    are transformers' own for the architecture (its model built on the meta device)."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    folder.mkdir(parents=True, exist_ok=True)
+    fields = dict(shape.config)
+    config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for name, param in model.state_dict().items():
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        if name.endswith("norm.weight"):
+            tensors[name] = torch.ones(param.shape, dtype=torch.float16)
+        else:
+            weights = torch.randn(param.shape, generator=generator) * WEIGHT_STD
+            tensors[name] = weights.to(torch.float16)
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    (folder / "config.json").write_text(json.dumps(shape.config | {"torch_dtype": "float16"}))
+    save_tokenizer(shape.tokenizer, folder)
+
+
+def convert(llama_python: str, llama_cpp_dir: Path, checkpoint: Path, target: Path) -> None:
+    """llama.cpp's own converter: `checkpoint` -> an F16 GGUF at `target`. It runs in
+    `llama_python`, which needs the converter's requirements (torch, transformers,
+    safetensors, sentencepiece, numpy); its gguf-py is the one beside it."""
+    script = llama_cpp_dir / "convert_hf_to_gguf.py"
+    command = [llama_python, str(script), str(checkpoint), "--outfile", str(target)]
+    done = subprocess.run(command + ["--outtype", "f16"], capture_output=True, text=True)
+    if done.returncode != 0:
+        tail = "\n".join(done.stderr.strip().splitlines()[-15:])
+        raise RuntimeError(f"{script} exited {done.returncode} on {checkpoint}:\n{tail}")
