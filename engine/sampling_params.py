@@ -16,6 +16,7 @@ MAX_LOGPROBS = 20
 # text is at most the longest stop string.
 MAX_STOP_STRINGS = 64
 MAX_STOP_CHARS = 4096
+MAX_CACHE_SALT_CHARS = 256
 
 # Temperatures below this are treated as greedy (vLLM's `_SAMPLING_EPS`): dividing by them
 # would overflow, and the distribution is a point mass anyway.
@@ -87,6 +88,9 @@ class SamplingParams:
     # producer to keep this prefill for another instance; a consumer is given what the
     # producer's output returned (`RequestOutput.kv_transfer_params`) to fetch it.
     kv_transfer_params: dict[str, Any] | None = None
+    # vLLM's `cache_salt`: prefix-cache hits only between requests with the same salt
+    # (engine/core/block_hash.py); None shares the cache with every unsalted request.
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         # Accept lists / single strings from users, store tuples so the record stays hashable.
@@ -154,6 +158,14 @@ class SamplingParams:
                     raise bad("logit_bias", token_id, "non-negative token ids")
                 if not -100.0 <= bias <= 100.0:
                     raise bad("logit_bias", bias, "biases in [-100, 100]")
+        if self.cache_salt is not None and not (
+            isinstance(self.cache_salt, str) and 0 < len(self.cache_salt) <= MAX_CACHE_SALT_CHARS
+        ):
+            raise bad(
+                "cache_salt",
+                self.cache_salt,
+                f"a non-empty string of <= {MAX_CACHE_SALT_CHARS} chars",
+            )
         if self.kv_transfer_params is not None and not isinstance(self.kv_transfer_params, dict):
             raise bad("kv_transfer_params", self.kv_transfer_params, "a JSON object or None")
 

@@ -7,6 +7,7 @@ import time
 
 import torch
 
+from agentrt.engine.core.block_hash import SaltedTokenIds
 from agentrt.engine.records import EngineCoreRequest, SpecDecodeStats
 from agentrt.engine.sampling_params import SamplingParams
 
@@ -90,7 +91,8 @@ class Request:
         self.req_id = req_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
-        self.all_token_ids = list(prompt_token_ids)
+        # Carries the cache salt into every block hash of the request (core/block_hash.py).
+        self.all_token_ids = SaltedTokenIds(prompt_token_ids, sampling_params.cache_salt)
         self.sampling_params = sampling_params
         self.max_tokens = max_tokens
         self.eos_token_ids = eos_token_ids
