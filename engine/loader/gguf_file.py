@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 from agentrt.engine.envs import cache_dir
 from agentrt.engine.errors import ModelLoadError
 from agentrt.engine.loader.gguf_reader import GGUFContainer
+from agentrt.engine.model import registry
 
 if TYPE_CHECKING:
     import numpy as np
@@ -56,35 +57,13 @@ METADATA_VERSION = 4
 REQUIRED_FILES = ("config.json", "tokenizer_config.json", "tokenizer.json.gz")
 TOKENIZER_FILE = "tokenizer.json.gz"
 
-# GGUF `general.architecture` -> HF class. (llama.cpp stores Mistral models as `llama`.)
-GGUF_ARCHITECTURES = {
-    "llama": "LlamaForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-}
-MODEL_TYPE_TO_ARCHITECTURE = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-}
+# The families (model/registry.py) and their GGUF names, re-exported for this module's users.
+GGUF_ARCHITECTURES = registry.GGUF_ARCHITECTURES
+MODEL_TYPE_TO_ARCHITECTURE = registry.MODEL_TYPE_TO_ARCHITECTURE
 GLOBAL_NAMES = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
     "output": "lm_head",
-}
-BLOCK_NAMES = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
 }
 # Tensors llama.cpp adds that have no HF parameter (llama3 rope factors live in config).
 _SKIPPED_TENSORS = {"rope_freqs.weight"}
@@ -118,23 +97,30 @@ def is_gguf(path: str | os.PathLike[str]) -> bool:
     return Path(path).suffix.lower() == ".gguf"
 
 
-def gguf_to_hf_name(gguf_name: str) -> str | None:
-    """HF parameter name for a llama-family GGUF tensor name; None for tensors HF drops.
+def gguf_to_hf_name(gguf_name: str, family: registry.ModelFamily | None = None) -> str | None:
+    """HF parameter name of a GGUF tensor of `family` (default: llama's names with q/k
+    norms); None for tensors HF drops.
 
     Raises `ModelLoadError` for tensors this loader does not know (never drops silently).
     """
+    block_names = (
+        {**registry.LLAMA_BLOCK_NAMES, **registry.QK_NORM_NAMES}
+        if family is None
+        else family.gguf_tensor_names
+    )
     if gguf_name in _SKIPPED_TENSORS:
         return None
     base, _, suffix = gguf_name.rpartition(".")
     if base in GLOBAL_NAMES and suffix in ("weight", "bias"):
         return f"{GLOBAL_NAMES[base]}.{suffix}"
     match = _BLOCK_RE.match(gguf_name)
-    if match and match.group(2) in BLOCK_NAMES:
+    if match and match.group(2) in block_names:
         layer, part, suffix = match.groups()
-        return f"model.layers.{layer}.{BLOCK_NAMES[part]}.{suffix}"
+        return f"model.layers.{layer}.{block_names[part]}.{suffix}"
+    what = "" if family is None else f" {family.name}"
     raise ModelLoadError(
-        f"GGUF tensor {gguf_name!r} has no known HF Llama/Qwen parameter; this file is not a "
-        f"supported llama-family model (supported: {', '.join(GGUF_ARCHITECTURES)})."
+        f"GGUF tensor {gguf_name!r} has no known HF{what} parameter; this file is not a "
+        f"supported model (supported GGUF architectures: {', '.join(GGUF_ARCHITECTURES)})."
     )
 
 
@@ -159,25 +145,21 @@ class GGUFFile:
         self.reader = GGUFContainer(path)  # raises ModelLoadError for an unreadable file
         self.path = path
         self.architecture = str(self.field("general.architecture"))
-        if self.architecture not in GGUF_ARCHITECTURES:
-            raise ModelLoadError(
-                f"GGUF architecture {self.architecture!r} in {path} is not supported; "
-                f"supported llama-family GGUF architectures: {', '.join(GGUF_ARCHITECTURES)}."
-            )
+        self.family = registry.family_for_gguf(self.architecture, source=path)
         self.num_heads = int(self.field(f"{self.architecture}.attention.head_count"))
         self.num_kv_heads = int(
             self.field(f"{self.architecture}.attention.head_count_kv", self.num_heads)
         )
         self.tensors = {}
         for tensor in self.reader.tensors:
-            hf_name = gguf_to_hf_name(tensor.name)
+            hf_name = gguf_to_hf_name(tensor.name, self.family)
             if hf_name is not None:
                 self.tensors[hf_name] = tensor
 
     @property
     def permutes_qk(self) -> bool:
         """Whether Q/K rows are stored in llama.cpp's rope order (`reverse_rope_permute`)."""
-        return self.architecture == "llama"
+        return self.family.gguf_permutes_qk
 
     def field(self, key: str, default: Any = None) -> Any:
         """One scalar or string metadata value."""

@@ -62,6 +62,9 @@ class GGUFLoader:
         shape = tuple(int(n) for n in reversed(tensor.shape))
         if qtype in _DENSE_TYPES:
             dense = _dense_view(tensor.data, qtype, shape)
+            shift = self.file.family.gguf_norm_shift
+            if shift and name.endswith("norm.weight"):  # llama.cpp stored Gemma's 1 + w
+                dense = dense.float() - shift
             part = slice_dense(dense, shape, split, shard)
             return self._unpermute(name, part) if split is not Split.ROW else part
         if qtype not in QUANTIZED_TYPES:

@@ -96,7 +96,8 @@ class WeightLoader(Protocol):
 
 
 def parameter_specs(arch: ModelArchConfig) -> list[ParamSpec]:
-    """Every parameter of `LlamaForCausalLM(arch)` (the full model, before sharding)."""
+    """Every parameter of the model of `arch` (model/decoder.py, the full model, before
+    sharding), by the checkpoint's HF names."""
     specs = [
         ParamSpec("embed_tokens.weight", ("model.embed_tokens.weight",), Split.NONE),
         ParamSpec("norm.weight", ("model.norm.weight",), Split.NONE),
@@ -109,11 +110,7 @@ def parameter_specs(arch: ModelArchConfig) -> list[ParamSpec]:
         attn = tuple(f"{p}self_attn.{n}_proj" for n in "qkv")
         specs += [
             ParamSpec(f"{m}input_layernorm.weight", (f"{p}input_layernorm.weight",), Split.NONE),
-            ParamSpec(
-                f"{m}post_attention_layernorm.weight",
-                (f"{p}post_attention_layernorm.weight",),
-                Split.NONE,
-            ),
+            *_norm_specs(arch, p, m),
             ParamSpec(f"{m}qkv_proj.weight", tuple(f"{n}.weight" for n in attn), Split.COLUMN),
             ParamSpec(f"{m}o_proj.weight", (f"{p}self_attn.o_proj.weight",), Split.ROW),
             ParamSpec(
@@ -133,6 +130,24 @@ def parameter_specs(arch: ModelArchConfig) -> list[ParamSpec]:
                 ParamSpec(f"{m}k_norm.weight", (f"{p}self_attn.k_norm.weight",), Split.NONE),
             ]
     return specs
+
+
+def _norm_specs(arch: ModelArchConfig, p: str, m: str) -> list[ParamSpec]:
+    """A layer's norms after the input one (model/decoder.py's names), by the layout: HF's
+    Gemma names its pre-MLP norm `pre_feedforward_layernorm` and the norm of attention's
+    output `post_attention_layernorm`, which is Llama's pre-MLP norm."""
+    if arch.norm_layout == "sandwich":
+        names = {
+            "post_attention_layernorm": "pre_feedforward_layernorm",
+            "attn_output_norm": "post_attention_layernorm",
+            "mlp_output_norm": "post_feedforward_layernorm",
+        }
+    else:
+        names = {"post_attention_layernorm": "post_attention_layernorm"}
+    return [
+        ParamSpec(f"{m}{ours}.weight", (f"{p}{theirs}.weight",), Split.NONE)
+        for ours, theirs in names.items()
+    ]
 
 
 def slice_dense(tensor, shape: tuple[int, ...], split: Split, shard: Shard):

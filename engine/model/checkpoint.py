@@ -29,17 +29,13 @@ from agentrt.engine.loader.gguf_file import (
     is_gguf,
     load_gguf_tokenizer,
 )
+from agentrt.engine.model.registry import SUPPORTED_ARCHITECTURES as SUPPORTED_ARCHITECTURES
+from agentrt.engine.model.registry import family_for_hf
 
 if TYPE_CHECKING:
     import torch
     from transformers import PreTrainedTokenizerBase
 
-SUPPORTED_ARCHITECTURES = (
-    "LlamaForCausalLM",
-    "MistralForCausalLM",
-    "Qwen2ForCausalLM",
-    "Qwen3ForCausalLM",
-)
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 
 
@@ -121,15 +117,10 @@ def load_hf_config(path: str | os.PathLike[str]) -> dict[str, Any]:
 
 
 def check_architecture(config: dict[str, Any], *, source: object = "config") -> str:
-    """The supported HF architecture class named by `config`; raises `ModelLoadError`."""
-    archs = config.get("architectures") or []
-    for arch in archs:
-        if arch in SUPPORTED_ARCHITECTURES:
-            return arch
-    raise ModelLoadError(
-        f"{source}: architecture {archs or 'missing'} is not supported; agentrt runs "
-        f"{', '.join(SUPPORTED_ARCHITECTURES)} (the `architectures` field of config.json)."
-    )
+    """The supported HF architecture class named by `config` (model/registry.py); raises
+    `ModelLoadError` listing the supported ones."""
+    family = family_for_hf(config, source=source)
+    return next(a for a in config["architectures"] if a in family.hf_architectures)
 
 
 def safetensors_files(path: str | os.PathLike[str]) -> list[Path]:

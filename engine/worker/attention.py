@@ -71,6 +71,9 @@ class AttentionMetadata:
     prefill_rows: list[int] | None = None
     query_starts: list[int] | None = None  # (R + 1,) query_start_loc on the host
     prefill_masks: dict[int, torch.Tensor] = field(default_factory=dict)
+    # ... by sliding-window layers (windowed_attention), any backend: (row, window) -> its
+    # (first key position, additive mask), reused by every layer of that window...
+    window_masks: dict[tuple[int, int], tuple[int, torch.Tensor]] = field(default_factory=dict)
     # ... and by the triton backend.
     max_query_len: int | None = None
     # The attention output, allocated by the first layer of the step and reused by the
@@ -149,6 +152,61 @@ def write_kv(
     rows = kv_cache.view(-1, key.shape[1], key.shape[2])
     rows.index_copy_(0, meta.key_rows, key)
     rows.index_copy_(0, meta.key_rows + meta.block_size, value)
+
+
+def windowed_attention(
+    query: torch.Tensor,  # (T, H, D)
+    key: torch.Tensor,  # (T, KVH, D)
+    value: torch.Tensor,  # (T, KVH, D)
+    kv_cache: torch.Tensor,  # (NB, 2, BS, KVH, D)
+    meta: AttentionMetadata,
+    scale: float,
+    window: int,
+) -> torch.Tensor:
+    """Sliding-window attention of a step (any backend's cache layout): the query at
+    position p sees the keys at positions p - window < j <= p (transformers' sliding
+    window). Writes the step's K/V, then one SDPA call per request over the blocks that
+    hold its window only: blocks wholly before it are never read, so the KV manager may
+    free them (engine/core/kv_cache_manager.py). The pure-torch path: the C and Triton
+    kernels take no window yet."""
+    if meta.key_rows is None:  # the triton backend derives none
+        meta.key_rows = meta.key_cache_rows()
+    write_kv(kv_cache, key, value, meta)
+    out = torch.empty_like(query)
+    bs, kv_heads, head_dim = meta.block_size, kv_cache.shape[3], kv_cache.shape[4]
+    start = 0
+    for row, num_queries in enumerate(meta.query_lens):
+        seq_len = meta.context_lens[row] + num_queries
+        first, mask = _window_mask(meta, row, window, query.dtype)
+        first_block = first // bs
+        blocks = meta.block_tables[row, first_block : -(-seq_len // bs)].long()
+        lo, hi = first - first_block * bs, seq_len - first_block * bs
+        k = kv_cache[:, 0].index_select(0, blocks).view(-1, kv_heads, head_dim)[lo:hi]
+        v = kv_cache[:, 1].index_select(0, blocks).view(-1, kv_heads, head_dim)[lo:hi]
+        q = query[start : start + num_queries].transpose(0, 1)  # (H, Tq, D)
+        o = _sdpa(q, k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale)
+        out[start : start + num_queries] = o.transpose(0, 1)
+        start += num_queries
+    return out
+
+
+def _window_mask(
+    meta: AttentionMetadata, row: int, window: int, dtype: torch.dtype
+) -> tuple[int, torch.Tensor]:
+    """(first key position, additive mask (Tq, keys from it)) of request `row`'s queries
+    under a sliding window; built once per step and window."""
+    cached = meta.window_masks.get((row, window))
+    if cached is None:
+        context, seq_len = meta.context_lens[row], meta.context_lens[row] + meta.query_lens[row]
+        first = max(0, context - window + 1)  # the first key the chunk's first query sees
+        device = meta.seq_lens.device
+        keys = torch.arange(first, seq_len, device=device)
+        queries = torch.arange(context, seq_len, device=device)
+        hidden = (keys[None, :] > queries[:, None]) | (keys[None, :] <= queries[:, None] - window)
+        mask = torch.zeros(hidden.shape, dtype=dtype, device=device)
+        mask.masked_fill_(hidden, float("-inf"))
+        cached = meta.window_masks[(row, window)] = (first, mask)
+    return cached
 
 
 def _sdpa(q, k, v, **options) -> torch.Tensor:

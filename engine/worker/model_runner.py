@@ -25,9 +25,8 @@ from agentrt.engine.loader.load import load_weights
 from agentrt.engine.loader.safetensors_loader import StateDictLoader
 from agentrt.engine.loader.weights import Shard, WeightLoader
 from agentrt.engine.model.arch import ModelArchConfig
-from agentrt.engine.model.llama import LlamaForCausalLM
 from agentrt.engine.model.parallel import shard_arch
-from agentrt.engine.model.rope import RotaryEmbedding
+from agentrt.engine.model.registry import model_class
 from agentrt.engine.records import ModelInput, ScheduledChunk, SchedulerOutput
 from agentrt.engine.worker.attention import AttentionMetadata, get_attention_backend
 
@@ -143,7 +142,9 @@ class ModelRunner:
         # The weights, the model and the KV cache (their memory: large_allocations_mapped).
         with large_allocations_mapped() if device.type == "cpu" else contextlib.nullcontext():
             with torch.device("meta"):
-                model = LlamaForCausalLM(arch, max_positions=1, kernel_ops=kernel_ops, tp=tp)
+                model = model_class(arch.family)(
+                    arch, max_positions=1, kernel_ops=kernel_ops, tp=tp
+                )
             loader = StateDictLoader(weights) if isinstance(weights, dict) else weights
             load_weights(
                 model,
@@ -154,16 +155,9 @@ class ModelRunner:
                 device=device,
                 quantization=quantization,
             )
-            model.rotary = RotaryEmbedding(
-                arch.head_dim,
-                max_model_len,
-                arch.rope_theta,
-                arch.rope_scaling,
-                kernel_ops=kernel_ops,
-                device=device,
-            )
+            model.build_rotary(max_model_len, device)
             self.model = model.eval()
-            if model.quantized_layers() and fused_cpu_glue(arch, dtype, self.attention.name, tp):
+            if model.runs_fused_glue() and fused_cpu_glue(arch, dtype, self.attention.name, tp):
                 self.model.cpu_ops = kernels.load_cpu_ops(envs.cache_dir() / "kernels")
             shape = (num_blocks, 2, block_size, arch.num_kv_heads, arch.head_dim)
             self.kv_caches = [allocate_zeros(shape, dtype, device) for _ in range(arch.num_layers)]

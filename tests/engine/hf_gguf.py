@@ -1,0 +1,142 @@
+"""Tiny random HF transformers models of each family, written as llama.cpp-style GGUF files.
+
+`write_family_gguf(family, path)` builds the family's tiny HF model (fp32, random weights,
+norms perturbed around their init so a model that ignores one fails) and writes it with
+gguf-py's GGUFWriter under llama.cpp's tensor names, as convert_hf_to_gguf.py does: llama's
+Q/K rows permuted, Gemma's norms stored as 1 + w, projections and the embedding in Q8_0 (or
+F32), norms F32. Every name written is checked against gguf-py's own per-architecture table
+(`gguf.MODEL_TENSORS`), so the engine's name map is checked against llama.cpp's, not
+against itself. The tokenizer is gguf_files' tiny one (TINY_VOCAB tokens).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import torch
+
+from agentrt.engine.loader.gguf_file import GLOBAL_NAMES
+from agentrt.engine.model.registry import FAMILIES
+
+from .gguf_files import TINY_VOCAB, Q, _add_tokenizer, llama_cpp_permute
+
+_COMMON: dict[str, Any] = {
+    "vocab_size": TINY_VOCAB,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "max_position_embeddings": 512,
+    "rms_norm_eps": 1e-6,
+    "initializer_range": 0.2,  # peaked logits: greedy tokens are not near-ties
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 0,
+}
+
+
+def hf_config(family: str) -> Any:
+    """The tiny transformers config of `family`."""
+    import transformers
+
+    if family == "llama":
+        return transformers.LlamaConfig(
+            **_COMMON, num_hidden_layers=2, rope_theta=10000.0, tie_word_embeddings=True
+        )
+    if family == "gemma3":
+        # Six layers: five sliding-window ones, then a global one (the family's pattern); a
+        # window of 8 so prompts and decodes run past it.
+        return transformers.Gemma3TextConfig(
+            **_COMMON,
+            num_hidden_layers=6,
+            sliding_window=8,
+            query_pre_attn_scalar=16,  # = head_dim: what llama.cpp assumes for a GGUF
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+            },
+            tie_word_embeddings=True,
+        )
+    raise ValueError(f"no tiny config for {family!r}")
+
+
+def hf_model(family: str, seed: int = 0) -> torch.nn.Module:
+    """The family's tiny HF model, fp32, random weights (norms around their init)."""
+    from transformers import AutoModelForCausalLM
+
+    config = hf_config(family)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    param.add_(torch.randn_like(param), alpha=0.1)
+    return model.eval()
+
+
+def write_family_gguf(
+    family: str, path: Path, *, qtype: int = Q.Q8_0, seed: int = 0
+) -> tuple[Path, Any]:
+    """The family's tiny model as a GGUF file at `path`; returns (path, its HF config)."""
+    model = hf_model(family, seed)
+    config = model.config
+    entry = next(f for f in FAMILIES if f.name == family)
+    arch = entry.gguf_architectures[0]
+    allowed = {gguf.TENSOR_NAMES[t] for t in gguf.MODEL_TENSORS[_model_arch(arch)]}
+    writer = gguf.GGUFWriter(path, arch)
+    writer.add_name(f"tiny {family}")
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_key_length(config.head_dim)
+    writer.add_value_length(config.head_dim)
+    writer.add_rope_dimension_count(config.head_dim)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_vocab_size(config.vocab_size)
+    if family == "gemma3":
+        writer.add_rope_freq_base(config.rope_parameters["full_attention"]["rope_theta"])
+        writer.add_sliding_window(config.sliding_window)
+    else:
+        writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    _add_tokenizer(writer)
+    block_names = {hf: name for name, hf in entry.gguf_tensor_names.items()}
+    global_names = {hf: name for name, hf in GLOBAL_NAMES.items()}
+    for hf_name, tensor in model.state_dict().items():
+        if hf_name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        base, _, suffix = hf_name.rpartition(".")
+        if base.startswith("model.layers."):
+            layer, _, part = base.removeprefix("model.layers.").partition(".")
+            name = f"blk.{layer}.{block_names[part]}"
+            assert name.replace(f"blk.{layer}.", "blk.{bid}.") in allowed, name
+        else:
+            name, part = global_names[base], ""
+            assert name in allowed, name
+        values = tensor.float().numpy()
+        if entry.gguf_permutes_qk and part in ("self_attn.q_proj", "self_attn.k_proj"):
+            heads = config.num_attention_heads if "q_proj" in part else config.num_key_value_heads
+            values = llama_cpp_permute(values, heads)
+        if entry.gguf_norm_shift and hf_name.endswith("norm.weight"):
+            values = values + entry.gguf_norm_shift
+        if values.ndim == 2 and qtype != Q.F32:
+            blocks = gguf.quants.quantize(np.ascontiguousarray(values), qtype)
+            writer.add_tensor(f"{name}.{suffix}", blocks, raw_shape=blocks.shape, raw_dtype=qtype)
+        else:
+            writer.add_tensor(f"{name}.{suffix}", np.ascontiguousarray(values, np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path, config
+
+
+def _model_arch(name: str) -> gguf.MODEL_ARCH:
+    return next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == name)

@@ -1,0 +1,127 @@
+"""Model families (engine/model/registry.py): each family's tiny random model, written as a
+llama.cpp-style GGUF (tests/engine/hf_gguf.py), runs greedy token for token as HF
+transformers' fp32 model on the same (dequantized) weights; an unsupported architecture
+still fails at load naming the supported ones."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from agentrt.engine.client.llm import LLM
+from agentrt.engine.model.arch import ModelArchConfig
+from agentrt.engine.model.checkpoint import load_hf_config, load_state_dict
+from agentrt.engine.model.registry import FAMILIES, GGUF_ARCHITECTURES, family_for_hf
+from agentrt.engine.records import ScheduledChunk, SchedulerOutput
+from agentrt.engine.sampling_params import SamplingParams
+from tests.engine.conftest import hf_greedy_batch
+
+from .gguf_files import Q
+from .hf_gguf import write_family_gguf
+
+NUM_TOKENS = 12
+# Prompt lengths around Gemma's tiny window (8) and the block size (8): inside one window,
+# past it, and past it by several blocks (whose local KV then lies wholly outside it).
+PROMPT_LENGTHS = (5, 13, 30)
+
+
+def _prompts(seed: int = 0) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 1000, (n,), generator=generator).tolist() for n in PROMPT_LENGTHS]
+
+
+def _hf_reference(path, config) -> torch.nn.Module:
+    """transformers' model of `config` with the file's weights as agentrt reads them."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    keys = model.load_state_dict(load_state_dict(path), strict=False)
+    assert not keys.unexpected_keys
+    assert keys.missing_keys in ([], ["lm_head.weight"])
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def family_files(tmp_path_factory):
+    """family name -> (GGUF path, HF config), each written once."""
+    out = tmp_path_factory.mktemp("families")
+    return {
+        (family, qtype): write_family_gguf(family, out / f"{family}-{qtype}.gguf", qtype=qtype)
+        for family, qtype in (("llama", Q.Q8_0), ("gemma3", Q.Q8_0), ("gemma3", Q.F32))
+    }
+
+
+@pytest.mark.parametrize(
+    ("family", "qtype", "engine"),
+    [
+        ("llama", Q.Q8_0, {}),
+        ("gemma3", Q.Q8_0, {}),
+        ("gemma3", Q.F32, {"attention_backend": "torch"}),
+        ("gemma3", Q.F32, {"max_num_batched_tokens": 7}),  # chunks across the window
+    ],
+)
+def test_family_gguf_greedy_equals_hf(family_files, family, qtype, engine):
+    path, config = family_files[(family, qtype)]
+    arch = ModelArchConfig.from_hf_dict(load_hf_config(path))
+    assert arch.family == family
+    hf = _hf_reference(path, config)
+    prompts = _prompts()
+    expected = hf_greedy_batch(hf, prompts, NUM_TOKENS)
+    options = {"kv_cache_memory_gb": 0.02, "block_size": 8, "max_num_batched_tokens": 64}
+    llm = LLM(str(path), dtype="float32", **(options | engine))
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert got == expected
+    llm.kv_manager.check_invariants()
+
+
+def test_gemma3_reads_the_family_settings(family_files):
+    path, config = family_files[("gemma3", Q.F32)]
+    arch = ModelArchConfig.from_hf_dict(load_hf_config(path))
+    assert arch.layer_types == tuple(config.layer_types)
+    assert (arch.sliding_window, arch.local_rope_theta, arch.rope_theta) == (8, 1e4, 1e6)
+    assert arch.attention_scale == 16**-0.5 and arch.norm_offset == 1.0
+    assert arch.embedding_scale == 64**0.5 and arch.activation == "gelu_tanh"
+    # An HF config of the same model reads the same, but for what a GGUF drops.
+    hf_arch = ModelArchConfig.from_hf_dict(
+        {**config.to_dict(), "architectures": ["Gemma3ForCausalLM"]}
+    )
+    assert hf_arch.layer_types == arch.layer_types
+    assert hf_arch.attention_scale == arch.attention_scale
+
+
+def _teacher_forced(llm: LLM, text: list[int]) -> torch.Tensor:
+    """Logits (len(text) - 1, vocab) of one chunk of `text`, a row per position."""
+    blocks = list(range(-(-len(text) // llm.engine.cache_config.block_size)))
+    chunk = ScheduledChunk("text", text, 0, blocks, True, num_draft_tokens=len(text) - 1)
+    return llm.engine.runner.execute(SchedulerOutput([chunk], len(text)))[:-1].float()
+
+
+def test_gemma3_in_its_block_formats_stays_off_the_llama_fused_path(family_files):
+    """The one-call C decoder and the fused glue compute Llama's layer: Gemma's Q8_0 file in
+    its own blocks (the default for a GGUF: every projection a GGMLLinear, which the glue
+    would run) stays on the layer-by-layer path, and agrees with its fp32 model as the
+    Llama file does (int8 activations move near-ties only)."""
+    for family in ("llama", "gemma3"):
+        path = str(family_files[(family, Q.Q8_0)][0])
+        quantized, exact = LLM(path, kv_cache_memory_gb=0.02), LLM(path, dtype="float32")
+        model = quantized.engine.runner.model
+        assert quantized.engine.model_config.quantization == "gguf"
+        assert model.quantized_layers()
+        assert (model.cpu_ops is not None) == (family == "llama")
+        if family != "llama":
+            assert model.cpu_decoder is None
+        text = _prompts(1)[2]
+        got, want = _teacher_forced(quantized, text), _teacher_forced(exact, text)
+        assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.9
+        assert (got - want).abs().max() < 0.05 * want.abs().max()
+
+
+def test_registry_names_every_family_once():
+    hf_names = [a for f in FAMILIES for a in f.hf_architectures]
+    assert len(hf_names) == len(set(hf_names))
+    assert len(GGUF_ARCHITECTURES) == len(set(GGUF_ARCHITECTURES))
+    for family in FAMILIES:
+        module = family.load()
+        assert callable(module.arch_config) and isinstance(module.MODEL_CLASS, type)
+        assert family_for_hf({"architectures": list(family.hf_architectures)}) is family
