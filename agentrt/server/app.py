@@ -29,6 +29,7 @@ from agentrt.server.errors import (
 from agentrt.server.generation import ClientDisconnected
 from agentrt.server.metrics import CONTENT_TYPE
 from agentrt.server.middleware import GuardMiddleware
+from agentrt.server.offload import check_text_length, off_loop
 from agentrt.server.params import ChatConstraint
 from agentrt.server.protocol import (
     ChatCompletionRequest,
@@ -168,11 +169,10 @@ def _add_routes(app: FastAPI) -> None:
                 messages=body.messages,
                 add_generation_prompt=body.add_generation_prompt,
             )
-            tokens = chat_prompt(state, chat, ChatConstraint(None, None, None))
+            constraint = ChatConstraint(None, None, None)
+            tokens = await off_loop(state.prompt_limiter, chat_prompt, state, chat, constraint)
         else:
-            tokens = state.engine.tokenizer.encode(
-                body.prompt, add_special_tokens=body.add_special_tokens
-            )
+            tokens = await off_loop(state.prompt_limiter, _encode, state, body)
         return {"count": len(tokens), "max_model_len": state.max_model_len, "tokens": tokens}
 
     @app.post("/detokenize")
@@ -186,12 +186,18 @@ def _add_routes(app: FastAPI) -> None:
         return {"prompt": state.engine.tokenizer.decode(token_ids)}
 
 
+def _encode(state: ServerState, body: TokenizeRequest) -> list[int]:
+    check_text_length(body.prompt, state.max_model_len, state.max_token_chars)
+    return state.engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+
+
 def _model_card(state: ServerState) -> dict:
     return {
         "id": state.model_name,
         "object": "model",
         "created": state.created,
         "owned_by": "agentrt",
-        "root": state.engine.model_path,
+        # vLLM puts the model's path here; a client has no use for the server's file system.
+        "root": state.model_name,
         "max_model_len": state.max_model_len,
     }

@@ -24,6 +24,7 @@ from agentrt.reply_tokens import CALL, REASONING, ReplyMarkers, ReplySplitter, r
 from agentrt.server.calls_or_answer import CallsOrAnswerStreamer, tool_names
 from agentrt.server.errors import bad_request
 from agentrt.server.generation import Generation, respond
+from agentrt.server.offload import check_text_length, off_loop
 from agentrt.server.params import ChatConstraint, chat_constraint, choice_params
 from agentrt.server.protocol import ChatCompletionRequest, ChatMessage
 from agentrt.server.responses import chat_logprobs, kv_transfer, new_id, now, usage
@@ -44,7 +45,9 @@ async def create_chat_completion(
     state.check_model(request.model)
     tool_style = tool_call_style(state.engine.tokenizer)
     constraint = chat_constraint(request, tool_style)
-    prompt_ids, reasoning = chat_prompt_and_reasoning(state, request, constraint)
+    prompt_ids, reasoning = await off_loop(
+        state.prompt_limiter, chat_prompt_and_reasoning, state, request, constraint
+    )
     if request.top_logprobs is not None and not request.logprobs:
         raise bad_request("top_logprobs needs logprobs=true.", param="top_logprobs")
     top_n = request.top_logprobs or 0
@@ -58,13 +61,14 @@ async def create_chat_completion(
         max_tokens_field=max_field,
         logprobs=top_n if request.logprobs else None,
         structured=constrain(constraint.structured, reasoning),
+        cache_salt=state.cache_salt(request.cache_salt, request.user, raw.headers),
     )
     generation = Generation(
         state.engine,
         state.metrics,
         [prompt_ids] * len(params),
         params,
-        priority=request.priority or 0,
+        priority=state.priority(request.priority),
         param_names={"prompt": "messages", "max_tokens": max_field},
     )
     view = _ChatView(
@@ -121,6 +125,7 @@ def chat_prompt_and_reasoning(
             f"the chat template cannot render these messages: {exc}", param="messages"
         ) from None
     plan = plan_request(tokenizer, spec, text, mode, request.max_reasoning_tokens)
+    check_text_length(text, state.max_model_len, state.max_token_chars)
     return tokenizer.encode(text, add_special_tokens=False), plan
 
 

@@ -9,6 +9,10 @@ import os
 from agentrt.engine.args import EngineArgs
 from agentrt.server.response_store import MAX_AGE_S, MAX_BYTES, MAX_RESPONSES
 
+# --cache-isolation: whose requests may share prefix-cache hits (and see them in
+# cached_tokens): everyone's, those of one `user`, or those sent with one API key.
+CACHE_ISOLATION = ("none", "user", "key")
+
 
 def add_listen_args(parser: argparse.ArgumentParser, api_key_checked: str = "") -> None:
     """--host, --port and --api-key of an HTTP front (`agentrt serve`, `agentrt proxy`):
@@ -50,6 +54,19 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         default=MAX_BYTES,
         help="bytes the stored responses may hold, conversations included",
     )
+    parser.add_argument(
+        "--cache-isolation",
+        choices=CACHE_ISOLATION,
+        default="none",
+        help="whose requests share prefix-cache hits (and see them in cached_tokens): all "
+        "(none), those of one `user` field (user), or those of one API key (key); a request's "
+        "own cache_salt separates it further",
+    )
+    parser.add_argument(
+        "--allow-client-priority",
+        action="store_true",
+        help="honour a request's `priority` (else ignored: any client could jump the queue)",
+    )
     parser.add_argument("--log-level", default="info")
     EngineArgs.add_cli_args(parser.add_argument_group("engine"))
 
@@ -73,6 +90,8 @@ def run_serve(args: argparse.Namespace) -> int:
         max_stored_responses=args.max_stored_responses,
         stored_response_ttl_s=args.stored_response_ttl,
         max_stored_response_bytes=args.max_stored_response_bytes,
+        cache_isolation=args.cache_isolation,
+        allow_client_priority=args.allow_client_priority,
     )
     return anyio.run(
         lambda: serve(config, host=args.host, port=args.port, log_level=args.log_level.lower())

@@ -12,6 +12,7 @@ from agentrt.engine.client.outputs import RequestDelta, RequestOutput
 from agentrt.engine.errors import InvalidRequestError
 from agentrt.server.errors import bad_request, from_exception
 from agentrt.server.generation import Generation, respond
+from agentrt.server.offload import check_text_length, off_loop
 from agentrt.server.params import choice_params, vllm_structured
 from agentrt.server.protocol import CompletionRequest
 from agentrt.server.responses import completion_logprobs, kv_transfer, new_id, now, usage
@@ -38,7 +39,7 @@ async def create_completion(
             "echo with logprobs is not supported (prompt logprobs are not computed).",
             param="echo",
         )
-    texts, prompts = _prompts(state, request.prompt)
+    texts, prompts = await off_loop(state.prompt_limiter, _prompts, state, request.prompt)
     structured = vllm_structured(request.structured_outputs) if request.structured_outputs else None
     params = choice_params(
         request,
@@ -46,13 +47,14 @@ async def create_completion(
         max_tokens_field="max_tokens",
         logprobs=request.logprobs,
         structured=structured,
+        cache_salt=state.cache_salt(request.cache_salt, request.user, raw.headers),
     )
     generation = Generation(
         state.engine,
         state.metrics,
         [p for p in prompts for _ in range(n)],
         params * len(prompts),
-        priority=request.priority or 0,
+        priority=state.priority(request.priority),
         param_names=_PARAM_NAMES,
     )
     view = _CompletionView(state.model_name, n, texts if request.echo else None, request.logprobs)
@@ -61,7 +63,7 @@ async def create_completion(
 
 def _prompts(state: ServerState, prompt) -> tuple[list[str], list[list[int]]]:
     """(texts, token ids) of each prompt; the forms are a string, a list of strings, a list
-    of token ids, or a list of such lists."""
+    of token ids, or a list of such lists. Runs off the event loop (offload.py)."""
     if isinstance(prompt, str):
         items: list = [prompt]
     elif prompt and isinstance(prompt[0], int):
@@ -74,6 +76,8 @@ def _prompts(state: ServerState, prompt) -> tuple[list[str], list[list[int]]]:
     processor, tokenizer = state.engine.processor, state.engine.tokenizer
     for item in items:
         try:
+            if isinstance(item, str):
+                check_text_length(item, state.max_model_len, state.max_token_chars)
             ids = processor.tokenize(item)
         except InvalidRequestError as exc:
             raise from_exception(exc, _PARAM_NAMES) from None

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import re
+import secrets
 from collections.abc import Sequence
 from typing import Any
 
@@ -89,14 +90,25 @@ def from_exception(exc: BaseException, param_names: dict[str, str] | None = None
     if isinstance(exc, APIError):
         return exc
     code = code_of(exc)
-    if code is None:
-        logger.error("internal error while serving a request", exc_info=exc)
-        return coded_error(ErrorCode.INTERNAL, f"internal error: {exc!r}")
+    if code is None or code == ErrorCode.INTERNAL:
+        return _internal(exc)
     param = getattr(exc, "field", None)
     if param is not None and param_names:
         param = param_names.get(param, param)
     detail = "context_length_exceeded" if isinstance(exc, ContextLengthError) else None
     return coded_error(code, str(exc), param=param, detail=detail)
+
+
+def _internal(exc: BaseException) -> APIError:
+    """A 500 for a fault. Its text (a repr, a path, another request's data) goes to the
+    server's log only; the client gets an id to report."""
+    incident = secrets.token_hex(6)
+    logger.error("internal error %s while serving a request", incident, exc_info=exc)
+    return coded_error(
+        ErrorCode.INTERNAL,
+        f"internal error {incident}: the server logged its details; retry, or report the id "
+        "if it persists.",
+    )
 
 
 def failed_output(outputs: Sequence[RequestOutput]) -> APIError | None:
@@ -106,6 +118,8 @@ def failed_output(outputs: Sequence[RequestOutput]) -> APIError | None:
     for output in outputs:
         if output.outputs[0].finish_reason == "error":
             code = output.error_code or ErrorCode.INTERNAL
+            if code == ErrorCode.INTERNAL:
+                return _internal(RuntimeError(output.error or "the request failed in the engine"))
             return coded_error(code, output.error or "the request failed in the engine")
     return None
 

@@ -37,14 +37,17 @@ def choice_params(
     max_tokens_field: str,
     logprobs: int | None,
     structured: StructuredOutputsParams | None,
+    cache_salt: str | None = None,
 ) -> list[SamplingParams]:
     """One `SamplingParams` per choice (`n` engine requests). Choice i of a seeded request
     gets seed + i, so the choices differ and the response is reproducible. max_tokens=None
-    leaves the engine to allow all the room the prompt leaves."""
+    leaves the engine to allow all the room the prompt leaves. `cache_salt`: the salt the
+    server derived (ServerState.cache_salt), not the request's own field."""
     options: dict[str, Any] = {
         "max_tokens": max_tokens,
         "logprobs": logprobs,
         "structured_outputs": structured,
+        "cache_salt": cache_salt,
     }
     for name in (
         "temperature",

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
+from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag
 
 # torch generators take seeds in [-2**63, 2**64).
 MIN_SEED = -(2**63)
@@ -20,9 +20,36 @@ MAX_SEED = 2**64 - 1
 MAX_N = 16  # choices per request: each one is a separate engine request
 MAX_STOP = 16
 
+# The chat_template_kwargs a client may set: variables model templates read to switch modes
+# (Qwen3's enable_thinking, DeepSeek V3.1's thinking, gpt-oss' reasoning_effort). Anything
+# else is refused: `chat_template` would render the client's own Jinja on the server, and
+# keys such as `tokenize` or `messages` would change what the server itself passes.
+CHAT_TEMPLATE_KWARGS = frozenset({"enable_thinking", "thinking", "reasoning_effort"})
+MAX_TEMPLATE_KWARG_CHARS = 64
+
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
 Seed = Annotated[int, Field(ge=MIN_SEED, le=MAX_SEED)]
 TokenId = Annotated[int, Field(ge=0, lt=2**31)]
+
+
+def _allowed_template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
+    for key, value in (kwargs or {}).items():
+        if key not in CHAT_TEMPLATE_KWARGS:
+            allowed = ", ".join(sorted(CHAT_TEMPLATE_KWARGS))
+            raise ValueError(f"{key!r} is not a template variable clients may set ({allowed})")
+        if not isinstance(value, bool | int | float | str) or (
+            isinstance(value, str) and len(value) > MAX_TEMPLATE_KWARG_CHARS
+        ):
+            raise ValueError(
+                f"{key!r} must be a boolean, a number or a string of at most "
+                f"{MAX_TEMPLATE_KWARG_CHARS} chars"
+            )
+    return kwargs
+
+
+TemplateKwargs = Annotated[dict[str, Any] | None, AfterValidator(_allowed_template_kwargs)]
+# vLLM's `cache_salt`: prefix-cache hits only between requests that send the same salt.
+CacheSalt = Annotated[str, Field(min_length=1, max_length=256)]
 
 
 class _Closed(BaseModel):
@@ -69,7 +96,9 @@ class _SamplingFields(_Closed):
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
     structured_outputs: StructuredOutputsRequest | None = None
+    # Honoured only on a server started with --allow-client-priority (else a 400).
     priority: int | None = None
+    cache_salt: CacheSalt | None = None
     # Disaggregated prefill/decode (vLLM's extension; `agentrt proxy` sets it): see
     # SamplingParams.kv_transfer_params. Only `{"do_remote_decode": true}` on a p2p producer,
     # or what a producer signed, unchanged, on a p2p consumer; anything else is a 400 from the
@@ -165,7 +194,7 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool | None = None
     # Reasoning models (vLLM's names): template variables (`enable_thinking`), a cap on the
     # reasoning's tokens (then its end is forced), and whether to return it.
-    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template_kwargs: TemplateKwargs = None
     max_reasoning_tokens: Annotated[int, Field(ge=0)] | None = None
     include_reasoning: bool = True
     # OpenAI's: "none" / "minimal" turn thinking off, any other effort on (unless
@@ -347,6 +376,7 @@ class ResponsesRequest(_Closed):
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
     service_tier: str | None = None
+    cache_salt: CacheSalt | None = None
     reasoning: ReasoningConfig | None = None
     # agentrt's extension, as in chat: a cap on the reasoning's tokens (then its end is forced).
     max_reasoning_tokens: Annotated[int, Field(ge=0)] | None = None

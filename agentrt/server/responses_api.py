@@ -49,6 +49,7 @@ from agentrt.server.calls_or_answer import tool_names
 from agentrt.server.chat import chat_prompt_and_reasoning
 from agentrt.server.errors import APIError, bad_request, failed_output, from_exception
 from agentrt.server.generation import Generation
+from agentrt.server.offload import off_loop
 from agentrt.server.params import ChatConstraint, chat_constraint, choice_params
 from agentrt.server.protocol import ChatCompletionRequest, ResponsesRequest
 from agentrt.server.response_store import ResponseStore, StoredResponse
@@ -120,13 +121,16 @@ async def create_response(
     tool_style = tool_call_style(state.engine.tokenizer)
     try:
         constraint = chat_constraint(chat, tool_style)
-        prompt_ids, reasoning = chat_prompt_and_reasoning(state, chat, constraint)
+        prompt_ids, reasoning = await off_loop(
+            state.prompt_limiter, chat_prompt_and_reasoning, state, chat, constraint
+        )
         params = choice_params(
             chat,
             max_tokens=chat.max_completion_tokens,
             max_tokens_field="max_output_tokens",
             logprobs=chat.top_logprobs if chat.logprobs else None,
             structured=constrain(constraint.structured, reasoning),
+            cache_salt=state.cache_salt(request.cache_salt, request.user, raw.headers),
         )
     except Exception as exc:
         raise renamed(exc) from None

@@ -17,6 +17,7 @@ from agentrt.bench.tune_report import config_file, format_table
 from agentrt.cli import build_parser, main
 from agentrt.engine.args import EngineArgs
 from agentrt.runtime import Runtime
+from agentrt.server.state import ServerConfig
 from tests.agentrt.server.helpers import ServerProcess
 
 
@@ -125,7 +126,7 @@ def test_the_written_file_round_trips_into_serve_and_runtime(base, tmp_path):
     assert EngineArgs.from_cli_args(parsed) == expected
     with ServerProcess("--config", str(path)) as server:  # it serves with those options
         card = httpx.get(server.url + "/v1/models").json()["data"][0]
-        assert card["root"] == base.model
+        assert card["id"] == ServerConfig(engine_args=EngineArgs(model=base.model)).model_name
 
 
 def fake_measure(goodputs: dict[str, float]):
