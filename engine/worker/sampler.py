@@ -16,6 +16,15 @@ Order of operations on a step's logits `[B, V]` (one row per request, batch orde
 Per-row Python loops run only over seeded rows; everything else is batched. Penalties and
 biases touch only the (row, token) pairs they name, never a dense `[B, V]` mask.
 
+Only the top of a row is needed by a greedy row and by a row whose top-k truncates (k <=
+TOP_K_CANDIDATES): on the CPU those take the C kernels of kernels/cpu_sampling.py, one pass
+over the row (torch's argmax and topk cost 0.3-1 ms a row over a 150k vocabulary). A top-k
+row then computes its softmax, top-p, min-p and draw over its k candidates only
+(`sample_top_k_candidates`): every later stage depends on the kept tokens' probabilities
+relative to each other, not on the whole row's sum, and the draw walks the candidates in
+token-id order as the full row's inverse CDF does, so a row draws the token the full path
+draws for the same uniform (up to fp32 rounding at a boundary between two tokens).
+
 On a GPU the step must not wait for the device until its tokens are read back: which rows
 are random, which truncate and by how much is known on the host when the metadata is built
 (sampling_metadata.py), so the sampler never asks the device (`nonzero`, `.item()`, a branch
@@ -31,10 +40,15 @@ from dataclasses import dataclass
 import torch
 
 from agentrt.engine.worker.sampling_metadata import LimitedRows, SamplingMetadata, to_device
+from agentrt.kernels.cpu_sampling import default_cpu_sampling
 
 # top-p first looks for the nucleus among this many top tokens (a cheap `topk`); only rows
 # whose nucleus is wider fall back to a full sort.
 TOP_P_CANDIDATES = 256
+# Top-k rows with k up to this sample among their k candidates alone (on the CPU), and
+# the ties with their k-th value, up to this many candidates in all.
+TOP_K_CANDIDATES = 256
+TOP_K_TIES = 4 * TOP_K_CANDIDATES
 
 
 @dataclass(slots=True)
@@ -100,7 +114,7 @@ class Sampler:
         logits = self._prepare(logits, metadata)
         apply_blocked_and_bias(logits, metadata)
         apply_penalties(logits, metadata)
-        argmax = logits.argmax(dim=-1)  # [B]
+        argmax = greedy_tokens(logits)  # [B]
         if metadata.all_greedy:
             return None, argmax
         if metadata.all_random:
@@ -113,14 +127,23 @@ class Sampler:
     def sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
         """Greedy and random sampling of processed logits `[B, V]` -> `[B]` int64."""
         if metadata.all_greedy:
-            return logits.argmax(dim=-1)
+            return greedy_tokens(logits)
         if metadata.all_random:
             return sample_random(logits, metadata, None)
-        sampled = logits.argmax(dim=-1)  # [B]
+        sampled = greedy_tokens(logits)  # [B]
         random_rows = metadata.random_rows  # [R]
         # Only random rows do the truncation and draw work: [R, V] copy.
         sampled[random_rows] = sample_random(logits[random_rows], metadata, random_rows)
         return sampled
+
+
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """`logits.argmax(dim=-1)` `[B]` (ties -> the lowest id); one vectorized pass a row on
+    the CPU."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.shape[1]:
+        if logits.stride(1) == 1:
+            return default_cpu_sampling().argmax(logits)
+    return logits.argmax(dim=-1)
 
 
 def apply_blocked_and_bias(logits: torch.Tensor, metadata: SamplingMetadata) -> None:
@@ -169,11 +192,21 @@ def random_probs(
 def sample_random(
     logits: torch.Tensor, metadata: SamplingMetadata, rows: torch.Tensor | None
 ) -> torch.Tensor:
-    """Draw one token per random row from `random_probs` (same arguments)."""
-    probs = random_probs(logits, metadata, rows)
-    # One uniform per row; seeded rows draw theirs from their own generator (a CPU one: the
-    # draw is the same whatever device the logits are on, and is copied there).
-    uniform = torch.rand(probs.shape[0], 1, device=probs.device)  # [R, 1]
+    """Draw one token per random row from `random_probs` (same arguments); rows that
+    truncate to their top k take `sample_top_k_candidates`, the same draw."""
+    uniform = random_uniforms(logits, metadata, rows)  # [R, 1]
+    if (sampled := sample_top_k_candidates(logits, metadata, rows, uniform)) is not None:
+        return sampled
+    return draw_inverse_cdf(random_probs(logits, metadata, rows), uniform)
+
+
+def random_uniforms(
+    logits: torch.Tensor, metadata: SamplingMetadata, rows: torch.Tensor | None
+) -> torch.Tensor:
+    """One uniform per random row `[R, 1]`; seeded rows draw theirs from their own generator
+    (a CPU one: the draw is the same whatever device the logits are on, and is copied
+    there)."""
+    uniform = torch.rand(logits.shape[0], 1, device=logits.device)  # [R, 1]
     if metadata.generators:
         position = {r: j for j, r in enumerate(metadata.random_batch_rows)}
         seeded = [row if rows is None else position[row] for row in metadata.generators]  # [S]
@@ -183,9 +216,70 @@ def sample_random(
                 for g in metadata.generators.values()
             ]
         )  # [S], one copy to the device for all of them
-        index = to_device(torch.tensor(seeded, dtype=torch.int64), probs.device)
-        uniform[index, 0] = to_device(draws, probs.device)
-    return draw_inverse_cdf(probs, uniform)
+        index = to_device(torch.tensor(seeded, dtype=torch.int64), logits.device)
+        uniform[index, 0] = to_device(draws, logits.device)
+    return uniform
+
+
+def sample_top_k_candidates(
+    logits: torch.Tensor,
+    metadata: SamplingMetadata,
+    rows: torch.Tensor | None,
+    uniform: torch.Tensor,
+) -> torch.Tensor | None:
+    """`draw_inverse_cdf(random_probs(logits, ...), uniform)` `[R]` computed over each row's
+    top k candidates alone, or None where that does not apply: not on the CPU, a row whose
+    k does not truncate or exceeds TOP_K_CANDIDATES, a NaN, or a tie with a row's k-th
+    value beyond TOP_K_TIES candidates (every tied token is kept). Same arguments as
+    `random_probs`; does not modify `logits`.
+
+    The candidates come in the order of a stable descending sort (value, then id), which is
+    the order top-p's nucleus is taken in; the truncations zero probabilities as the full
+    path does, and the draw walks the kept candidates by ascending id, as the full row's
+    cumulative sum does (the truncated tokens add nothing to it)."""
+    known = metadata.top_k_rows
+    if (
+        logits.device.type != "cpu"
+        or logits.dtype != torch.float32
+        or logits.stride(1) != 1
+        or known is None
+        or known.index is not None
+        or not 1 <= known.max_top_k <= min(TOP_K_CANDIDATES, logits.shape[1])
+    ):
+        return None
+
+    def select(values: torch.Tensor | None) -> torch.Tensor | None:
+        return values if values is None or rows is None else values[rows]
+
+    top_k = select(metadata.top_k) - 1  # [R]: the k-th's position
+    width = known.max_top_k
+    while True:
+        values, ids, num_ge = default_cpu_sampling().top_k(logits, width)  # [R, K]
+        kth = values.gather(1, top_k.unsqueeze(1))  # [R, 1]
+        keep = values >= kth  # [R, K]: the row's k, and the ties with its k-th among the K
+        if bool((num_ge < 0).any()):  # a NaN
+            return None
+        # Tokens tied with a k-th value that did not fit (a -inf k-th: they draw nothing)
+        tied = torch.where(kth.squeeze(1) > -math.inf, num_ge, 0)
+        if int(tied.max()) <= width:
+            break
+        width = int(tied.max())
+        if width > TOP_K_TIES:
+            return None
+    scaled = values.div_(select(metadata.temperature).unsqueeze(1))  # [R, K]
+    probs = scaled.masked_fill_(~keep, -math.inf).softmax(dim=-1)  # [R, K], descending
+    if (top_p := select(metadata.top_p)) is not None:
+        target = top_p.unsqueeze(1) * probs.sum(dim=-1, keepdim=True)  # [R, 1]
+        # p == 1 rows are left whole, as apply_top_p leaves them
+        nucleus = _nucleus(probs, target) | (top_p >= 1.0).unsqueeze(1)  # [R, K]
+        probs.masked_fill_(~nucleus, 0.0)
+    if metadata.min_p is not None:
+        threshold = select(metadata.min_p).unsqueeze(1) * probs[:, :1]  # the top token's
+        probs.masked_fill_(probs < threshold, 0.0)
+    order = ids.argsort(dim=-1)  # [R, K]: the candidates by ascending id
+    by_id = ids.gather(1, order)
+    drawn = draw_inverse_cdf(probs.gather(1, order), uniform)  # [R] positions in by_id
+    return by_id.gather(1, drawn.unsqueeze(1)).squeeze(1)
 
 
 def draw_inverse_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
@@ -266,6 +360,11 @@ def apply_top_p(
     index, rows, p = limited  # rows: [P, V], p: [P]
     target = p.unsqueeze(1) * rows.sum(dim=-1, keepdim=True)  # [P, 1]: top_p of what is left
     values, token_ids = rows.topk(min(TOP_P_CANDIDATES, rows.shape[1]), dim=-1)  # [P, C]
+    # topk orders ties arbitrarily: the full sort's order (ties by ascending id) instead
+    by_id = token_ids.argsort(dim=-1)
+    values, token_ids = values.gather(1, by_id), token_ids.gather(1, by_id)
+    values, by_value = values.sort(dim=-1, descending=True, stable=True)
+    token_ids = token_ids.gather(1, by_value)
     keep = torch.zeros_like(rows, dtype=torch.bool).scatter_(
         1, token_ids, _nucleus(values, target)
     )  # [P, V]

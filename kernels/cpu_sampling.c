@@ -1,0 +1,165 @@
+// The top of a row of logits, for the sampler on the CPU (cpu_sampling.py builds and loads
+// this; engine/worker/sampler.py calls it). A 150k-token vocabulary makes torch's argmax and
+// topk cost 0.3-1 ms a row (they do not vectorize); these take one pass over the row.
+//
+// argmax_rows: the first index of each row's largest value, as torch.argmax (a NaN counts as
+// the largest: the first NaN's index).
+// top_k_rows: each row's k largest, ordered by value descending then index ascending (a
+// stable sort's order), and how many of the row's values are >= the k-th (ties with the k-th
+// beyond the k, which the caller keeps); -1 for a row holding a NaN (the caller's reference
+// path decides it).
+
+#include <stdint.h>
+#include <stdlib.h>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#define LANES 16 // values a step of the scans (one AVX-512 register)
+
+// The largest value of x[0 .. n) ignoring NaNs (-inf when none), and whether a NaN occurs.
+static float max_of(const float *x, int64_t n, int *has_nan) {
+    float best = -__builtin_inff();
+    int nan = 0;
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    __m512 m = _mm512_set1_ps(best);
+    __mmask16 unordered = 0;
+    for (; i + LANES <= n; i += LANES) {
+        const __m512 v = _mm512_loadu_ps(x + i);
+        m = _mm512_max_ps(v, m); // a NaN v keeps m
+        unordered |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    }
+    best = _mm512_reduce_max_ps(m);
+    nan = unordered != 0;
+#endif
+    for (; i < n; i++) {
+        best = x[i] > best ? x[i] : best;
+        nan |= x[i] != x[i];
+    }
+    *has_nan = nan;
+    return best;
+}
+
+// The first index of x[0 .. n) holding v (n when none); v is not a NaN.
+static int64_t find(const float *x, int64_t n, float v) {
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    for (; i + LANES <= n; i += LANES) {
+        const __mmask16 eq = _mm512_cmp_ps_mask(_mm512_loadu_ps(x + i), _mm512_set1_ps(v), _CMP_EQ_OQ);
+        if (eq) return i + __builtin_ctz(eq);
+    }
+#endif
+    for (; i < n; i++)
+        if (x[i] == v) return i;
+    return n;
+}
+
+// How many of x[0 .. n) are >= t; -1 when one is a NaN.
+static int64_t count_at_least(const float *x, int64_t n, float t) {
+    int64_t count = 0, i = 0;
+    int nan = 0;
+#if defined(__AVX512F__)
+    __mmask16 unordered = 0;
+    for (; i + LANES <= n; i += LANES) {
+        const __m512 v = _mm512_loadu_ps(x + i);
+        count += __builtin_popcount(_mm512_cmp_ps_mask(v, _mm512_set1_ps(t), _CMP_GE_OQ));
+        unordered |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    }
+    nan = unordered != 0;
+#endif
+    for (; i < n; i++) {
+        count += x[i] >= t;
+        nan |= x[i] != x[i];
+    }
+    return nan ? -1 : count;
+}
+
+// Whether any of x[0 .. LANES) is > t.
+static inline int any_above(const float *x, float t) {
+#if defined(__AVX512F__)
+    return _mm512_cmp_ps_mask(_mm512_loadu_ps(x), _mm512_set1_ps(t), _CMP_GT_OQ) != 0;
+#else
+    int any = 0;
+    for (int j = 0; j < LANES; j++) any |= x[j] > t;
+    return any;
+#endif
+}
+
+void argmax_rows(const float *x, int64_t rows, int64_t n, int64_t stride, int64_t *out) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *p = x + r * stride;
+        int nan;
+        const float best = max_of(p, n, &nan);
+        int64_t at = 0;
+        if (nan) {
+            while (p[at] == p[at]) at++;
+        } else {
+            at = find(p, n, best); // there, unless every value is -inf: then index 0
+            at = at == n ? 0 : at;
+        }
+        out[r] = at;
+    }
+}
+
+// A min-heap of (value, index) whose root is the worst kept: the smallest value, the larger
+// index among equal values.
+typedef struct {
+    float v;
+    int64_t i;
+} Entry;
+
+static inline int worse(Entry a, Entry b) { return a.v < b.v || (a.v == b.v && a.i > b.i); }
+
+static void sift_down(Entry *h, int64_t k, int64_t at) {
+    for (;;) {
+        int64_t c = 2 * at + 1;
+        if (c >= k) return;
+        if (c + 1 < k && worse(h[c + 1], h[c])) c++;
+        if (!worse(h[c], h[at])) return;
+        const Entry t = h[c];
+        h[c] = h[at];
+        h[at] = t;
+        at = c;
+    }
+}
+
+static int better_first(const void *a, const void *b) {
+    const Entry x = *(const Entry *)a, y = *(const Entry *)b;
+    return worse(y, x) ? -1 : worse(x, y) ? 1 : 0;
+}
+
+// Returns 0, or -2 when memory runs out. k <= n.
+int top_k_rows(const float *x, int64_t rows, int64_t n, int64_t stride, int64_t k, float *vals,
+               int64_t *ids, int64_t *num_ge) {
+    Entry *h = malloc((size_t)k * sizeof(Entry));
+    if (!h) return -2;
+    for (int64_t r = 0; r < rows; r++) {
+        const float *p = x + r * stride;
+        for (int64_t i = 0; i < k; i++) h[i] = (Entry){p[i], i};
+        for (int64_t i = k / 2 - 1; i >= 0; i--) sift_down(h, k, i);
+        int64_t i = k;
+        // Later indices only enter with a strictly larger value than the root's; a whole
+        // step of LANES is skipped when none of its values is.
+        for (; i < n; i++) {
+            if (i % LANES == 0 && i + LANES <= n && !any_above(p + i, h[0].v)) {
+                i += LANES - 1;
+                continue;
+            }
+            if (p[i] > h[0].v) {
+                h[0] = (Entry){p[i], i};
+                sift_down(h, k, 0);
+            }
+        }
+        const int64_t ge = count_at_least(p, n, h[0].v);
+        qsort(h, (size_t)k, sizeof(Entry), better_first);
+        for (int64_t j = 0; j < k; j++) {
+            vals[r * k + j] = h[j].v;
+            ids[r * k + j] = h[j].i;
+        }
+        num_ge[r] = ge;
+    }
+    free(h);
+    return 0;
+}
