@@ -50,9 +50,11 @@ _TOO_DEEP = "the grammar is nested too deeply for a backend to compile; flatten 
 class GrammarCompiler:
     """Compiles `GrammarSpec`s for one tokenizer.
 
-    hf_tokenizer: a fast HF tokenizer. vocab_size: logits width when padded (ids at or above
-    the tokenizer's vocabulary are always masked). backend: "auto" (llguidance, then
-    xgrammar), or one backend name to use only that one. timeout_s: default time budget.
+    hf_tokenizer: a fast HF tokenizer, or a tokenizer with `to_transformers()` that gives one
+    (the engine's GGUF tokenizer: xgrammar and llguidance read only transformers' own).
+    vocab_size: logits width when padded (ids at or above the tokenizer's vocabulary are
+    always masked). backend: "auto" (llguidance, then xgrammar), or one backend name to use
+    only that one. timeout_s: default time budget.
     bounds: caps for JSON schemas that leave strings, arrays or objects unbounded, so that
     generation always ends (`GenerationBounds`; reported as "bounded"). None (default)
     compiles each schema's exact language, as validators and MaskBench need; an inference
@@ -77,6 +79,9 @@ class GrammarCompiler:
             raise GrammarSpecError(f"backend must be 'auto' or one of {BACKENDS}, got {backend!r}")
         if timeout_s <= 0:
             raise GrammarSpecError(f"timeout_s must be > 0, got {timeout_s}")
+        to_transformers = getattr(hf_tokenizer, "to_transformers", None)
+        if to_transformers is not None:
+            hf_tokenizer = to_transformers()
         self.tok = _tokenizer_data(hf_tokenizer, vocab_size, stop_token_ids)
         self.order = ("llguidance", "xgrammar") if backend == "auto" else (backend,)
         self.timeout_s = timeout_s

@@ -30,7 +30,7 @@ from agentrt.engine.kv_transfer import (
 )
 from agentrt.engine.loader.fit import MemoryEstimate, available_memory, check_fit, weight_bytes
 from agentrt.engine.loader.load import get_loader
-from agentrt.engine.model.checkpoint import load_tokenizer
+from agentrt.engine.loader.tokenizer import load_tokenizer
 from agentrt.engine.model.parallel import shard_arch
 from agentrt.engine.records import EngineCoreRequest
 from agentrt.engine.spec_decode.draft_model import DraftModelProposer

@@ -57,7 +57,7 @@ from agentrt.engine.client.outputs import OutputProcessor
 from agentrt.engine.config import EngineConfig
 from agentrt.engine.core.scheduler import SchedulerStats
 from agentrt.engine.errors import ConfigError, EngineDeadError, EngineError, ModelLoadError
-from agentrt.engine.model.checkpoint import load_tokenizer
+from agentrt.engine.loader.tokenizer import load_tokenizer
 
 _SHUTDOWN_TIMEOUT_S = 10.0  # a core still running this long after ShutdownCore is killed
 

