@@ -113,6 +113,15 @@ class GGUFLoader:
             return None  # not a view of the map (a copy)
         return _FileRows(self.file.path, start, data.shape[0], data.shape[1])
 
+    def rope_factors(self) -> torch.Tensor | None:
+        """llama.cpp's `rope_freqs.weight` (head_dim / 2,) fp32, or None: the divisor of each
+        rope frequency that llama 3.x's scaling gives (convert_hf_to_gguf.py writes it in
+        place of the config's `rope_scaling`, which the GGUF's metadata then lacks)."""
+        tensor = next((t for t in self.file.reader.tensors if t.name == "rope_freqs.weight"), None)
+        if tensor is None:
+            return None
+        return torch.from_numpy(np.array(tensor.data, dtype=np.float32)).reshape(-1)
+
     def _tensor(self, name: str):
         tensor = self.file.tensors.get(name)
         if tensor is None:

@@ -52,6 +52,9 @@ class SafetensorsLoader:
     def row_reader(self, part) -> None:
         return None  # its parts are copies or dense
 
+    def rope_factors(self) -> None:
+        return None  # HF checkpoints state their rope scaling in config.json
+
     def read(self, name: str, split: Split, shard: Shard) -> torch.Tensor:
         handle = self._files.get(name)
         if handle is None:
@@ -84,6 +87,9 @@ class StateDictLoader:
 
     def row_reader(self, part) -> None:
         return None  # its parts are copies or dense
+
+    def rope_factors(self) -> None:
+        return None  # HF checkpoints state their rope scaling in config.json
 
     def read(self, name: str, split: Split, shard: Shard) -> torch.Tensor:
         if name not in self.state:

@@ -94,6 +94,11 @@ class WeightLoader(Protocol):
         bytes) uint8, without mapping them; None where the part is not read from a file."""
         ...
 
+    def rope_factors(self) -> torch.Tensor | None:
+        """The divisors of the rope frequencies (head_dim / 2,) fp32 that the checkpoint
+        stores as a tensor (a llama 3.x GGUF's `rope_freqs`), or None."""
+        ...
+
 
 def parameter_specs(arch: ModelArchConfig) -> list[ParamSpec]:
     """Every parameter of the model of `arch` (model/decoder.py, the full model, before

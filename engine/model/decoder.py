@@ -204,6 +204,9 @@ class DecoderForCausalLM(nn.Module):
         )
         self.rotary: RotaryEmbedding
         self.local_rotary: RotaryEmbedding | None
+        # Per-frequency divisors of the global rope stored with the weights (the loader sets
+        # them: a llama 3.x GGUF's rope_freqs), else None.
+        self.rope_factors: torch.Tensor | None = None
         self.build_rotary(max_positions)
         # The output projection when quantized (a GGMLLinear: the loader sets it, over the
         # embedding's own blocks when tied); else the lm_head or tied embedding weight.
@@ -224,6 +227,7 @@ class DecoderForCausalLM(nn.Module):
             cfg.rope_scaling,
             kernel_ops=self.kernel_ops,
             device=device,
+            factors=self.rope_factors,
         )
         self.local_rotary = None
         if cfg.has_sliding_layers and cfg.local_rope_theta is not None:

@@ -10,11 +10,22 @@ import agentrt.kernels as kernels
 from agentrt.engine.errors import ModelLoadError
 
 
-def inverse_frequencies(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
+def inverse_frequencies(
+    head_dim: int, theta: float, scaling: dict | None, factors: torch.Tensor | None = None
+) -> torch.Tensor:
     """(head_dim // 2,) float32 on the CPU (also under a meta-device context, where torch's
-    reference ops would import torch._dynamo), computed exactly as transformers does."""
+    reference ops would import torch._dynamo), computed exactly as transformers does.
+    `factors`: a divisor per frequency stored with the weights (llama.cpp's `rope_freqs`,
+    which a llama 3.x GGUF holds instead of its config's scaling), as llama.cpp applies it."""
     steps = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float()
     inv_freq = 1.0 / (theta ** (steps / head_dim))
+    if factors is not None:
+        if factors.shape != inv_freq.shape:
+            raise ModelLoadError(
+                f"rope_freqs has {factors.numel()} factors; head_dim {head_dim} needs "
+                f"{inv_freq.numel()}."
+            )
+        inv_freq = inv_freq / factors.to(device="cpu", dtype=torch.float32)
     rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
     if rope_type == "default":
         return inv_freq
@@ -56,8 +67,9 @@ class RotaryEmbedding:
         *,
         kernel_ops: bool = False,
         device: torch.device | None = None,
+        factors: torch.Tensor | None = None,
     ):
-        inv_freq = inverse_frequencies(head_dim, theta, scaling)
+        inv_freq = inverse_frequencies(head_dim, theta, scaling, factors)
         positions = torch.arange(max_positions, dtype=torch.float32, device="cpu")
         freqs = positions[:, None] * inv_freq[None, :]  # (P, D/2)
         self.cos_sin_cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(device)  # (P, D)

@@ -11,6 +11,7 @@ against itself. The tokenizer is gguf_files' tiny one (TINY_VOCAB tokens).
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,11 @@ _COMMON: dict[str, Any] = {
 }
 
 
+def family_of(name: str) -> str:
+    """The registry family of a tiny config's name ("llama3": llama with llama3 rope)."""
+    return {"llama3": "llama"}.get(name, name)
+
+
 def hf_config(family: str) -> Any:
     """The tiny transformers config of `family`."""
     import transformers
@@ -46,6 +52,22 @@ def hf_config(family: str) -> Any:
     if family == "llama":
         return transformers.LlamaConfig(
             **_COMMON, num_hidden_layers=2, rope_theta=10000.0, tie_word_embeddings=True
+        )
+    if family == "llama3":
+        # Wavelengths of head_dim 16 span 6 .. 2e4 positions; an original context of 64 puts
+        # some frequencies in each llama3 band (kept, interpolated, scaled by 1/8).
+        return transformers.LlamaConfig(
+            **_COMMON,
+            num_hidden_layers=2,
+            tie_word_embeddings=False,
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 500000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
         )
     if family == "gemma3":
         # Six layers: five sliding-window ones, then a global one (the family's pattern); a
@@ -85,7 +107,7 @@ def write_family_gguf(
     """The family's tiny model as a GGUF file at `path`; returns (path, its HF config)."""
     model = hf_model(family, seed)
     config = model.config
-    entry = next(f for f in FAMILIES if f.name == family)
+    entry = next(f for f in FAMILIES if f.name == family_of(family))
     arch = entry.gguf_architectures[0]
     allowed = {gguf.TENSOR_NAMES[t] for t in gguf.MODEL_TENSORS[_model_arch(arch)]}
     writer = gguf.GGUFWriter(path, arch)
@@ -107,6 +129,8 @@ def write_family_gguf(
     else:
         writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
     _add_tokenizer(writer)
+    if config.rope_parameters.get("rope_type") == "llama3":
+        writer.add_tensor("rope_freqs.weight", llama3_rope_factors(config))
     block_names = {hf: name for name, hf in entry.gguf_tensor_names.items()}
     global_names = {hf: name for name, hf in GLOBAL_NAMES.items()}
     for hf_name, tensor in model.state_dict().items():
@@ -136,6 +160,27 @@ def write_family_gguf(
     writer.write_tensors_to_file()
     writer.close()
     return path, config
+
+
+def llama3_rope_factors(config: Any) -> np.ndarray:
+    """convert_hf_to_gguf.py's `rope_freqs` of a llama 3.x config: the divisor of each rope
+    frequency under its scaling (the GGUF's metadata then states no scaling)."""
+    rope = config.rope_parameters
+    dim = config.head_dim
+    freqs = 1.0 / (rope["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    old_context = rope["original_max_position_embeddings"]
+    factors = []
+    for freq in freqs.tolist():
+        wavelen = 2 * math.pi / freq
+        if wavelen < old_context / high:
+            factors.append(1.0)
+        elif wavelen > old_context / low:
+            factors.append(factor)
+        else:
+            smooth = (old_context / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(factors, dtype=np.float32)
 
 
 def _model_arch(name: str) -> gguf.MODEL_ARCH:

@@ -17,7 +17,7 @@ from agentrt.engine.sampling_params import SamplingParams
 from tests.engine.conftest import hf_greedy_batch
 
 from .gguf_files import Q
-from .hf_gguf import write_family_gguf
+from .hf_gguf import family_of, write_family_gguf
 
 NUM_TOKENS = 12
 # Prompt lengths around Gemma's tiny window (8) and the block size (8): inside one window,
@@ -47,7 +47,12 @@ def family_files(tmp_path_factory):
     out = tmp_path_factory.mktemp("families")
     return {
         (family, qtype): write_family_gguf(family, out / f"{family}-{qtype}.gguf", qtype=qtype)
-        for family, qtype in (("llama", Q.Q8_0), ("gemma3", Q.Q8_0), ("gemma3", Q.F32))
+        for family, qtype in (
+            ("llama", Q.Q8_0),
+            ("llama3", Q.F32),
+            ("gemma3", Q.Q8_0),
+            ("gemma3", Q.F32),
+        )
     }
 
 
@@ -55,6 +60,7 @@ def family_files(tmp_path_factory):
     ("family", "qtype", "engine"),
     [
         ("llama", Q.Q8_0, {}),
+        ("llama3", Q.F32, {}),  # the GGUF's rope_freqs for the config's llama3 scaling
         ("gemma3", Q.Q8_0, {}),
         ("gemma3", Q.F32, {"attention_backend": "torch"}),
         ("gemma3", Q.F32, {"max_num_batched_tokens": 7}),  # chunks across the window
@@ -63,7 +69,7 @@ def family_files(tmp_path_factory):
 def test_family_gguf_greedy_equals_hf(family_files, family, qtype, engine):
     path, config = family_files[(family, qtype)]
     arch = ModelArchConfig.from_hf_dict(load_hf_config(path))
-    assert arch.family == family
+    assert arch.family == family_of(family)
     hf = _hf_reference(path, config)
     prompts = _prompts()
     expected = hf_greedy_batch(hf, prompts, NUM_TOKENS)
