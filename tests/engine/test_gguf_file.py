@@ -359,29 +359,77 @@ def test_written_config_is_transformers_own_gguf_config(arch, tiny_ggufs, privat
     )
 
 
-def test_first_metadata_read_imports_no_model_stack(tiny_ggufs, tmp_path) -> None:
-    """Writing a file's metadata (its first load) imports no transformers model or config
-    class: those pull in torch.distributed and sympy, ~60 MiB a first load would keep and a
-    later one, from the cache, never has."""
+# Top-level packages a GGUF load must not import: transformers (about a second of start-up
+# and 60+ MiB; its config and model classes also pull in sympy and torch.distributed).
+HEAVY_PACKAGES = ("transformers", "sympy", "accelerate")
+_HEAVY_CHECK = (
+    "heavy = sorted({m.split('.')[0] for m in sys.modules} & set(sys.argv[2].split(',')))\n"
+    "print(heavy)\n"
+)
+
+
+def test_gguf_metadata_and_tokenizer_import_no_transformers(tiny_ggufs, tmp_path) -> None:
+    """Writing a file's metadata (its first load) and reading it back (every later load)
+    import no transformers module at all: the config, the tokenizer and its chat template
+    come from our own parse of the file."""
     code = (
         "import sys\n"
-        "from agentrt.engine.loader.gguf_file import gguf_metadata, load_gguf_tokenizer\n"
-        "entry = gguf_metadata(sys.argv[1])\n"
-        "print(len(load_gguf_tokenizer(sys.argv[1])))\n"
-        "heavy = ['transformers.modeling_utils', 'transformers.models.auto.modeling_auto',\n"
-        "         'transformers.configuration_utils', 'sympy', 'accelerate']\n"
-        "print(sorted(set(heavy) & set(sys.modules)))\n"
+        "from agentrt.engine.loader.gguf_file import gguf_metadata\n"
+        "from agentrt.engine.loader.tokenizer import load_tokenizer\n"
+        "from agentrt.engine.model.checkpoint import load_hf_config, resolve_model\n"
+        "path = resolve_model(sys.argv[1])\n"
+        "config = load_hf_config(path)\n"
+        "tokenizer = load_tokenizer(path)\n"
+        "messages = [{'role': 'user', 'content': 'Hi'}]\n"
+        "text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)\n"
+        "print(len(tokenizer), config['vocab_size'], len(tokenizer.encode(text)) > 3)\n"
+        + _HEAVY_CHECK
     )
     env = dict(os.environ, AGENTRT_CACHE_DIR=str(tmp_path / "cache"))
-    result = subprocess.run(
-        [sys.executable, "-c", code, str(tiny_ggufs["llama"])],
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=120,
-        env=env,
+    for load in ("first", "cached"):
+        result = subprocess.run(
+            [sys.executable, "-c", code, str(tiny_ggufs["llama"]), ",".join(HEAVY_PACKAGES)],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=300,
+            env=env,
+        )
+        sizes, heavy = result.stdout.splitlines()
+        assert sizes == f"{TINY_VOCAB} {TINY_VOCAB} True", load
+        assert heavy == "[]", load
+        assert gguf_file.is_complete(next((tmp_path / "cache" / "models").iterdir()))
+
+
+@pytest.mark.slow
+def test_engine_start_imports_no_transformers_and_loads_kernels_lazily(tiny_ggufs) -> None:
+    """A whole start (engine built, first tokens generated) imports no transformers module;
+    the C kernels are loaded only once the engine is built (importing the engine maps none of
+    them), and a second start finds them compiled (a failing compiler is never called)."""
+    code = (
+        "import sys\n"
+        "from agentrt.engine.client.llm import LLM\n"
+        "from agentrt.engine.envs import cache_dir\n"
+        "from agentrt.engine.sampling_params import SamplingParams\n"
+        "def kernels():\n"
+        "    root = str(cache_dir())\n"
+        "    with open('/proc/self/maps') as maps:\n"
+        "        return len({l.split()[-1] for l in maps if root in l and '.so' in l})\n"
+        "before = kernels()\n"
+        "llm = LLM(sys.argv[1], kv_cache_memory_gb=0.05)\n"
+        "out = llm.generate(['Hello'], SamplingParams(max_tokens=3, ignore_eos=True))\n"
+        "print(before, kernels() > 0, len(out[0].outputs[0].token_ids))\n" + _HEAVY_CHECK
     )
-    size, heavy = result.stdout.splitlines()
-    assert int(size) == TINY_VOCAB
-    assert heavy == "[]"
-    assert gguf_file.is_complete(next((tmp_path / "cache" / "models").iterdir()))
+    path = str(tiny_ggufs["llama"])
+    for compiler in (os.environ.get("CC", "cc"), "/bin/false"):  # the second start: cached
+        result = subprocess.run(
+            [sys.executable, "-c", code, path, ",".join(HEAVY_PACKAGES)],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            env=dict(os.environ, CC=compiler),
+        )
+        assert result.returncode == 0, result.stderr[-3000:]
+        started, heavy = result.stdout.splitlines()[-2:]
+        assert started == "0 True 3", compiler
+        assert heavy == "[]", compiler
