@@ -53,6 +53,9 @@ from agentrt.engine.model.parallel import check_tensor_parallel, shard_arch
 from agentrt.engine.spec_decode.draft_model import resolve_draft_model
 from agentrt.engine.worker.model_runner import kv_pool_blocks
 
+# The storage connector's default cap on its directory, in GiB.
+DEFAULT_KV_STORAGE_MAX_GB = 20.0
+
 
 def _option(default: Any, help_text: str, *, choices: tuple[str, ...] | None = None) -> Any:
     metadata: dict[str, Any] = {"help": help_text}
@@ -188,9 +191,10 @@ class EngineArgs:
         "producer that signed its params with the shared secret)",
     )
     kv_storage_max_gb: float | None = _option(
-        None,
+        DEFAULT_KV_STORAGE_MAX_GB,
         "storage: GiB the directory may hold; past it the least recently used blocks are "
-        "deleted (default: no cap)",
+        f"deleted (default: {DEFAULT_KV_STORAGE_MAX_GB:g}: every client's prompts add blocks, "
+        "so without a cap any client could fill the disk)",
     )
 
     def __post_init__(self) -> None:

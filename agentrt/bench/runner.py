@@ -111,7 +111,7 @@ async def run_benchmark_async(
             raise BenchConfigError("mode 'serve' needs an endpoint (--base-url).")
         from agentrt.bench.http import run_http
 
-        target = {"base_url": endpoint.base_url, "model": endpoint.model}
+        target = {"base_url": _without_userinfo(endpoint.base_url), "model": endpoint.model}
         return await run_http(
             endpoint, dataset, load, _config(mode, dataset, load, endpoint=target)
         )
@@ -121,15 +121,31 @@ async def run_benchmark_async(
             f"{dataset.name!r}."
         )
     if engine is not None:
-        config = _config(mode, dataset, load, engine_args=dataclasses.asdict(engine.args))
+        config = _config(mode, dataset, load, engine_args=public_options(engine.args))
         return await _run_inprocess(engine, mode, dataset, load, config)
     from agentrt.engine.client.async_engine import AsyncEngine
 
     engine_args = engine_args or EngineArgs()
     options = {k: v for k, v in dataclasses.asdict(engine_args).items() if k != "model"}
     async with AsyncEngine(engine_args.model, **options) as started:
-        config = _config(mode, dataset, load, engine_args=dataclasses.asdict(engine_args))
+        config = _config(mode, dataset, load, engine_args=public_options(engine_args))
         return await _run_inprocess(started, mode, dataset, load, config)
+
+
+def public_options(args: EngineArgs) -> dict:
+    """`args` as a dict without its secrets (the fields kept out of its repr: kv_secret):
+    result files are shared, pasted into issues and checked in."""
+    return {f.name: getattr(args, f.name) for f in dataclasses.fields(args) if f.repr}
+
+
+def _without_userinfo(url: str) -> str:
+    """`url` without a `user:password@` part."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(url)
+    if "@" not in parts.netloc:
+        return url
+    return urlunsplit(parts._replace(netloc=parts.netloc.rsplit("@", 1)[1]))
 
 
 def _config(mode: str, dataset: DatasetConfig, load: LoadConfig, **target: dict) -> dict:

@@ -27,7 +27,8 @@ def config_file(result: TuneResult, dataset: DatasetConfig) -> dict[str, Any]:
     engine_args = {
         f.name: option_json(getattr(best.args, f.name))
         for f in dataclasses.fields(EngineArgs)
-        if not same_option(getattr(best.args, f.name), getattr(defaults, f.name))
+        # A secret (a field kept out of the repr: kv_secret) never goes into the file.
+        if f.repr and not same_option(getattr(best.args, f.name), getattr(defaults, f.name))
     }
     baseline = result.baseline.final
     return {

@@ -19,11 +19,12 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import math
 import time
 from typing import Any
 
 from agentrt.engine.config import KVTransferConfig
-from agentrt.engine.errors import InvalidRequestError
+from agentrt.engine.errors import ConfigError, InvalidRequestError
 
 SIGNATURE = "signature"  # the field of signed kv_transfer_params that holds the signature
 EXPIRES = "expires"  # ... and their expiry, in Unix seconds
@@ -35,8 +36,38 @@ class KVAuthError(ValueError):
     """A message, params or a file is not signed with this instance's secret."""
 
 
+# The least strength a shared secret may have: a guessable one lets anyone forge params, read
+# KV off the wire and plant storage files.
+MIN_SECRET_BITS = 128
+
+
+def secret_bits(secret: str) -> float:
+    """A generous estimate of a secret's strength: its length times log2 of the alphabet its
+    character classes span (a hex token of 32 chars: 165 bits; "s3cret": 31)."""
+    classes = ((str.isdigit, 10), (str.islower, 26), (str.isupper, 26))
+    pool = sum(size for test, size in classes if any(test(c) for c in secret))
+    if any(not (c.isdigit() or c.islower() or c.isupper()) for c in secret):
+        pool += 33  # punctuation, spaces, anything else
+    if len(set(secret)) < 8:  # "aaaa...": no length makes up for it
+        return 0.0
+    return len(secret) * math.log2(max(pool, 2))
+
+
+def check_secret(secret: str) -> None:
+    """Raise ConfigError unless `secret` has at least MIN_SECRET_BITS."""
+    if secret_bits(secret) < MIN_SECRET_BITS:
+        raise ConfigError(
+            f"kv_secret is too weak (about {secret_bits(secret):.0f} bits, at least "
+            f"{MIN_SECRET_BITS} needed): use a random one, e.g. "
+            "`python -c 'import secrets; print(secrets.token_hex(16))'`, shared by the "
+            "instances that exchange KV."
+        )
+
+
 def derive_key(secret: str, purpose: str) -> bytes:
-    """The key of one use of the shared secret ("params", "wire", "storage", ...)."""
+    """The key of one use of the shared secret ("params", "wire", "storage", ...). Raises
+    ConfigError for a secret weaker than MIN_SECRET_BITS."""
+    check_secret(secret)
     return hmac.new(secret.encode(), f"agentrt kv {purpose}".encode(), hashlib.sha256).digest()
 
 
@@ -55,8 +86,12 @@ def mac(key: bytes, *parts: bytes) -> str:
 
 
 def verify(key: bytes, expected: object, *parts: bytes) -> bool:
-    """Whether `expected` is the MAC of the parts (a constant-time comparison)."""
-    return isinstance(expected, str) and hmac.compare_digest(expected, mac(key, *parts))
+    """Whether `expected` is the MAC of the parts (a constant-time comparison). Compared as
+    bytes: `compare_digest` raises TypeError on a str that is not ASCII (a client's)."""
+    if not isinstance(expected, str):
+        return False
+    given = expected.encode("utf-8", "surrogatepass")
+    return hmac.compare_digest(given, mac(key, *parts).encode())
 
 
 class ParamsSigner:

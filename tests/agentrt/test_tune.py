@@ -183,3 +183,23 @@ def test_bad_search_options_are_refused():
         build_parser().parse_args(["tune", "--max-p99-e2e-ms", "1", "--jump-forward-list", "x"])
     with pytest.raises(BenchConfigError, match="min_gain=-0.1"):
         tune(EngineArgs(), SearchSpace(), DATASET, LoadConfig(), bound_ms=1, min_gain=-0.1)
+
+
+def test_secrets_never_reach_result_files(base):
+    # The kv secret used to be written with every other engine option.
+    import dataclasses
+    import secrets
+
+    from agentrt.bench.runner import _without_userinfo, public_options
+
+    secret = secrets.token_hex(16)
+    args = dataclasses.replace(base, kv_secret=secret)
+    assert "kv_secret" not in public_options(args)
+    assert public_options(args)["max_num_seqs"] == args.max_num_seqs
+    goodputs = {str(base.max_num_seqs): 4.0, "4": 8.0}
+    result = tune(
+        args, SearchSpace(max_num_seqs=(4,)), DATASET, LoadConfig(), bound_ms=600000,
+        screen_prompts=2, measure=fake_measure(goodputs),
+    )  # fmt: skip
+    assert secret not in json.dumps(config_file(result, DATASET))
+    assert _without_userinfo("http://me:pw@host:8000/v1") == "http://host:8000/v1"

@@ -232,10 +232,10 @@ def test_a_peer_without_the_secret_gets_no_kv_and_frees_nothing(producer, consum
     guessed = [kv["remote_request_id"], *(f"llm-{i}" for i in range(5))]
     for req_id in guessed:
         # Without the secret the CURVE handshake fails: not even an answer comes back.
-        for curve in (None, "a guessed secret"):
+        for curve in (None, "a guessed secret, wrong but long enough"):
             assert exchange(port, [ask(kv, curve, req_id=req_id)], 150, curve=curve) is None
         # Past the handshake (the secret's CURVE key), an ask without a valid MAC is refused.
-        for secret in (None, "a guessed secret"):
+        for secret in (None, "a guessed secret, wrong but long enough"):
             assert refused(exchange(port, [ask(kv, secret, req_id=req_id)]))
     assert kv["remote_request_id"] in held(producer)
     assert producer.engine.stats().kv_transfer.num_saved_blocks == sent_before
@@ -384,7 +384,7 @@ def test_a_planted_or_altered_file_is_refused_and_recomputed(model, tmp_path, so
         save_file({"kv": kv + 1}, target)
     else:  # signed by whoever wrote it with another secret
         other = tmp_path / "other"
-        planter = storage(model, other, kv_secret="the attacker's secret")
+        planter = storage(model, other, kv_secret="the attacker's own secret, not the instances'")
         planter.generate([victim], GREEDY)
         planter.engine.shutdown()
         planted_file = planter.engine.connector.path(extend_block_hashes([], victim, BS)[0])
