@@ -524,10 +524,16 @@ static inline __attribute__((always_inline)) void kquant_rows(
             const uint8_t *a = act + (t0 + tt) * stride;
             const int8_t *q = (const int8_t *)a + 256 * i;
             const float da = ((const float *)(a + d_at))[i];
-            __m512i isum = _mm512_setzero_si512();
-            for (int j = 0; j < 4; j++) // pairs of u a (int16), times their scale, summed (VNNI)
+            // pairs of u a (int16), times their scale, summed (VNNI); two chains of two
+            __m512i isum = _mm512_setzero_si512(), isum1 = _mm512_setzero_si512();
+            for (int j = 0; j < 4; j += 2) {
                 isum = _mm512_dpwssd_epi32(
                     isum, _mm512_maddubs_epi16(kb.u[j], _mm512_loadu_si512(q + 64 * j)), kb.scale[j]);
+                isum1 = _mm512_dpwssd_epi32(isum1,
+                                            _mm512_maddubs_epi16(kb.u[j + 1], _mm512_loadu_si512(q + 64 * j + 64)),
+                                            kb.scale[j + 1]);
+            }
+            isum = _mm512_add_epi32(isum, isum1);
             const __m256i bs = _mm256_loadu_si256((const __m256i *)((const int16_t *)(a + bsum_at) + 16 * i));
             const __m256i msum = _mm256_madd_epi16(bs, kb.mins);
             if (qtype == T_Q6_K) { // d = dmin: the offset's sum comes off in integers
@@ -547,10 +553,21 @@ static inline __attribute__((always_inline)) void kquant_rows(
     }
 }
 
+// Each type its own inlined body (the type a constant in it).
 static void kquant_row(int qtype, const uint8_t *row, int64_t num_blocks, int bytes,
                        const uint8_t *act, int64_t k, int64_t rows, float *sums) {
-#define PASS(t, n) kquant_rows(qtype, row, num_blocks, bytes, act, k, t, n, sums + (t))
-    IN_PASSES(TT_MAX, rows, PASS);
+#define PASS(t, n) kquant_rows(QT, row, num_blocks, bytes, act, k, t, n, sums + (t))
+    switch (qtype) {
+#define QT T_Q6_K
+    case QT: IN_PASSES(TT_MAX, rows, PASS); break;
+#undef QT
+#define QT T_Q4_K
+    case QT: IN_PASSES(TT_MAX, rows, PASS); break;
+#undef QT
+#define QT T_Q5_K
+    case QT: IN_PASSES(TT_MAX, rows, PASS); break;
+#undef QT
+    }
 #undef PASS
 }
 
