@@ -25,7 +25,7 @@ from agentrt.errors import AgentError, SchemaError
 from agentrt.formats import resolve_format, tools_format
 from agentrt.grammar.tools import EXCLUDED_ARGUMENTS
 from agentrt.session import check_completion, collect_completion
-from agentrt.tool_calls import ToolCall
+from agentrt.tool_calls import MAX_PARALLEL_TOOL_CALLS, ToolCall
 from agentrt.tools import Tool
 
 FINAL_ANSWER = "final_answer"
@@ -67,7 +67,8 @@ class Agent:
     `await agent.run(task)`. `tool_choice` ("auto", "required" or a tool name) applies to the
     first step only, then resets so the agent cannot loop on a forced call.
     `parallel_tool_calls=True` lets one reply call several tools (run concurrently); it is
-    off by default because small models tend to repeat calls in an open-ended list.
+    off by default because small models tend to repeat calls in an open-ended list (a
+    reply's calls end at an exact repeat, and after `max_parallel_tool_calls`).
     A call already answered is not offered again, and step `max_steps` must answer (with
     `max_steps=1` the first step answers: `tool_choice` is overridden)."""
 
@@ -81,6 +82,7 @@ class Agent:
         max_steps: int = 8,
         tool_choice: str = "auto",
         parallel_tool_calls: bool = False,
+        max_parallel_tool_calls: int | None = MAX_PARALLEL_TOOL_CALLS,
         **sampling: Any,
     ) -> None:
         self.backend: Backend = getattr(runtime, "backend", runtime)
@@ -96,6 +98,7 @@ class Agent:
         self.max_steps = max_steps
         self.tool_choice = tool_choice
         self.parallel_tool_calls = parallel_tool_calls
+        self.max_parallel_tool_calls = max_parallel_tool_calls
         self.sampling = sampling
         self._output_format = resolve_format(output) if output is not None else None
         self._final_definition = (
@@ -114,6 +117,7 @@ class Agent:
                 self._definitions(answered),
                 choice,
                 parallel_tool_calls=self.parallel_tool_calls,
+                max_parallel_tool_calls=self.max_parallel_tool_calls,
             )
             completion = await collect_completion(self.backend.stream(messages, fmt, self.sampling))
             usage = usage + completion.usage

@@ -28,7 +28,13 @@ from agentrt.reasoning import (
     template_kwargs,
 )
 from agentrt.reply_tokens import REASONING, ReplySplitter, reply_markers
-from agentrt.tool_calls import render_messages, split_tool_calls, tool_call_style
+from agentrt.tool_calls import (
+    ReplyCalls,
+    read_call_blocks,
+    read_tool_calls,
+    render_messages,
+    tool_call_style,
+)
 
 # The SDK decodes greedily unless told otherwise: structured replies from small models are
 # most reliable that way, and runs are reproducible.
@@ -178,7 +184,7 @@ class LocalBackend:
                 stop=params.stop,
                 include_stop_str_in_output=params.include_stop_str_in_output,
             )
-            replies = self._stream_tokens(prompt_ids, params, reader, tools is not None)
+            replies = self._stream_tokens(prompt_ids, params, reader, fmt if tools else None)
         else:
             replies = self._stream_text(prompt_ids, params, plan, fmt if tools else None)
         async with aclosing(replies):
@@ -186,7 +192,11 @@ class LocalBackend:
                 yield item
 
     async def _stream_tokens(
-        self, prompt_ids: list[int], params: SamplingParams, reader: ReplySplitter, tools: bool
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        reader: ReplySplitter,
+        tools: OutputFormat | None,
     ) -> AsyncIterator[str | Completion]:
         async with self.engine.add_request(prompt_ids, params) as stream:
             async for delta in stream:
@@ -228,7 +238,13 @@ class LocalBackend:
                             yield answer
                     completion = to_completion(delta.output, plan, tokenizer)
                     if tools is not None:
-                        completion.content = split_tool_calls(completion.text, tools.tool_style)[0]
+                        content, calls = read_tool_calls(
+                            completion.text,
+                            tools.tool_style,
+                            max_calls=tools.max_parallel_tool_calls,
+                        )
+                        completion.content = completion.text if calls is None else content
+                        _end_calls(completion, calls)
                     yield completion
 
     async def stats(self):
@@ -257,7 +273,9 @@ def to_completion(
     )
 
 
-def split_completion(output: RequestOutput, reader: ReplySplitter, tools: bool) -> Completion:
+def split_completion(
+    output: RequestOutput, reader: ReplySplitter, tools: OutputFormat | None
+) -> Completion:
     """`to_completion` of a reply read from its token ids: the answer, reasoning and calls
     are the reader's, and `raw_text` (what the history re-sends) is the reply with its
     markers spelled, also where the detokenizer skipped them as special."""
@@ -265,6 +283,22 @@ def split_completion(output: RequestOutput, reader: ReplySplitter, tools: bool) 
     completion.text, completion.raw_text = reader.text, reader.raw_text
     completion.reasoning = reader.reasoning
     completion.usage.reasoning_tokens = reader.num_reasoning_tokens
-    if tools:
+    if tools is not None:
         completion.content, completion.calls = reader.content, list(reader.calls)
+        calls = read_call_blocks(
+            reader.calls, cut=reader.in_call, max_calls=tools.max_parallel_tool_calls
+        )
+        if _end_calls(completion, calls):
+            completion.calls = completion.calls[: len(calls.calls)]
     return completion
+
+
+def _end_calls(completion: Completion, calls: ReplyCalls | None) -> bool:
+    """A reply whose calls ended early (an exact repeat, the cap: `ReplyCalls`) has its
+    calls, whatever it wrote after them: it finished ("stop"), also where max_tokens cut
+    what followed. Returns whether it did."""
+    if calls is None or calls.end is None or not calls.calls or calls.invalid:
+        return False
+    if completion.finish_reason == "length":
+        completion.finish_reason = "stop"
+    return True

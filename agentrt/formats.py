@@ -35,11 +35,12 @@ from agentrt.grammar import GrammarSpec, GrammarSpecError
 from agentrt.grammar.tools import allows_many, tool_call_spec_text
 from agentrt.grammar.validate import FinalValidator
 from agentrt.tool_calls import (
+    MAX_PARALLEL_TOOL_CALLS,
     OPEN_TAG,
     ToolCall,
     hermes_spec,
-    parse_call_blocks,
-    parse_tool_calls,
+    read_call_blocks,
+    read_tool_calls,
     starts_tool_calls,
 )
 
@@ -80,6 +81,7 @@ class OutputFormat:
     tools: tuple[dict, ...] | None = None
     tool_choice: str | dict = "auto"
     parallel_tool_calls: bool = True
+    max_parallel_tool_calls: int | None = MAX_PARALLEL_TOOL_CALLS  # None: no cap
     tool_style: str = "json"  # or "hermes" / "hermes_tokens" (see agentrt.tool_calls)
 
     def structured_outputs(self) -> StructuredOutputsParams | None:
@@ -109,6 +111,7 @@ class OutputFormat:
                     self.tool_choice,
                     parallel=self.parallel_tool_calls,
                     special=self.tool_style == "hermes_tokens",
+                    max_calls=self.max_parallel_tool_calls,
                 )
             else:
                 spec = GrammarSpec.from_tools(
@@ -176,16 +179,18 @@ class OutputFormat:
         if self.tool_choice == "none":
             return text
         if blocks is None:
-            calls = parse_tool_calls(text, self.tool_style)
+            read = read_tool_calls(text, self.tool_style, max_calls=self.max_parallel_tool_calls)
+            calls = read[1].calls if read[1] is not None else None
         elif blocks:
-            calls = parse_call_blocks(blocks)
-            if calls is None:
+            reply_calls = read_call_blocks(blocks, max_calls=self.max_parallel_tool_calls)
+            if reply_calls.invalid:
                 raise OutputValidationError(
                     f"expected tool calls, got {blocks!r}", text=text, errors=["not a tool call"]
                 )
+            calls = reply_calls.calls
         else:
             calls = None
-        if calls is not None:
+        if calls:
             return calls
         if self.tool_choice == "auto":
             return text
@@ -198,14 +203,26 @@ TEXT = OutputFormat("text")
 
 
 def tools_format(
-    tools: list[dict], tool_choice: str | dict = "auto", *, parallel_tool_calls: bool = True
+    tools: list[dict],
+    tool_choice: str | dict = "auto",
+    *,
+    parallel_tool_calls: bool = True,
+    max_parallel_tool_calls: int | None = MAX_PARALLEL_TOOL_CALLS,
 ) -> OutputFormat:
-    """Replies constrained to calls of `tools` (OpenAI format) per `tool_choice`."""
+    """Replies constrained to calls of `tools` (OpenAI format) per `tool_choice`, at most
+    `max_parallel_tool_calls` of them in one reply (None: no cap)."""
+    if max_parallel_tool_calls is not None and max_parallel_tool_calls < 1:
+        raise SchemaError(
+            f"max_parallel_tool_calls={max_parallel_tool_calls} is invalid: expected >= 1 "
+            "(or None: no cap).",
+            field="max_parallel_tool_calls",
+        )
     return OutputFormat(
         "tools",
         tools=tuple(tools),
         tool_choice=tool_choice,
         parallel_tool_calls=parallel_tool_calls,
+        max_parallel_tool_calls=max_parallel_tool_calls,
     )
 
 

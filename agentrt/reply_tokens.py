@@ -178,6 +178,11 @@ class ReplySplitter:
         self._part.decoder.append([token_id])
         self._take(pieces, self._part.decoder.get_delta(streaming=True))
 
+    @property
+    def in_call(self) -> bool:
+        """The reply is (after `finish`: ended) inside a call: its last call never closed."""
+        return self._part.kind == CALL
+
     def _may_start_reasoning(self) -> bool:
         """A start marker opens the block only before anything else was written."""
         return (

@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from agentrt.grammar import GrammarSpec
@@ -31,6 +31,9 @@ from agentrt.grammar.tools import (
 )
 
 OPEN_TAG, CLOSE_TAG = "<tool_call>", "</tool_call>"
+# The most calls one reply makes by default: small models asked for parallel calls tend to
+# repeat one call until max_tokens; eight covers real fan-outs and bounds that loop.
+MAX_PARALLEL_TOOL_CALLS = 8
 _HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 
 
@@ -73,17 +76,87 @@ def _single_token(tokenizer, text: str) -> bool:
 
 
 def hermes_spec(
-    tools: list[dict[str, Any]], tool_choice: Any, *, parallel: bool, special: bool = False
+    tools: list[dict[str, Any]],
+    tool_choice: Any,
+    *,
+    parallel: bool,
+    special: bool = False,
+    max_calls: int | None = MAX_PARALLEL_TOOL_CALLS,
 ) -> GrammarSpec:
     """The grammar of `<tool_call>` blocks (llguidance Lark with an embedded JSON schema per
-    call; `special`: the tags are the tokenizer's own single tokens); under "auto", plain
-    text that does not start with `<tool_call>` is the alternative. Raises the grammar
-    layer's GrammarSpecError for bad tools or an unknown tool_choice."""
+    call; `special`: the tags are the tokenizer's own single tokens; at most `max_calls`
+    blocks, None: no cap); under "auto", plain text that does not start with `<tool_call>`
+    is the alternative. Raises the grammar layer's GrammarSpecError for bad tools or an
+    unknown tool_choice."""
     canonical, choice = tool_call_spec_text(tools, tool_choice)
     if choice == "none":
         return GrammarSpec.any_text()
     tags = CallTags(OPEN_TAG, CLOSE_TAG, open_special=special, close_special=special)
-    return GrammarSpec.from_ebnf(tagged_calls_lark(canonical, choice, parallel=parallel, tags=tags))
+    lark = tagged_calls_lark(canonical, choice, parallel=parallel, tags=tags, max_calls=max_calls)
+    return GrammarSpec.from_ebnf(lark)
+
+
+@dataclass(slots=True)
+class ReplyCalls:
+    """The calls of one reply, offered as each closes (`offer`). They end at the first exact
+    repeat of a call already made (same name and arguments: a small model asked for
+    parallel calls tends to loop on one call) and after `max_calls`; what follows is not
+    read. `cut`: the reply ended inside a call, which is dropped (never passed off as text);
+    `invalid`: a closed call was not `{"name": ..., "arguments": {...}}`."""
+
+    max_calls: int | None = MAX_PARALLEL_TOOL_CALLS
+    calls: list[ToolCall] = field(default_factory=list)
+    end: str | None = None  # "repeat" or "cap" once the calls ended early
+    cut: bool = False
+    invalid: bool = False
+    _seen: set[tuple[str, str]] = field(default_factory=set)
+
+    def offer(self, item: Any) -> bool:
+        """A closed call (its parsed JSON); True when it is one of the reply's calls."""
+        if self.end is not None or self.invalid:
+            return False
+        calls = _to_calls([item])
+        if calls is None:
+            self.invalid = True
+            return False
+        key = (calls[0].name, json.dumps(calls[0].arguments, sort_keys=True))
+        if key in self._seen:
+            self.end = "repeat"
+            return False
+        if self.max_calls is not None and len(self.calls) >= self.max_calls:
+            self.end = "cap"
+            return False
+        self._seen.add(key)
+        self.calls.append(calls[0])
+        return True
+
+    def offer_text(self, block: str) -> bool:
+        """`offer` of a call's JSON text (one that is not JSON is invalid)."""
+        try:
+            item = json.loads(block)
+        except json.JSONDecodeError:
+            item = None
+        return self.offer(item)
+
+    def finish_reason(self, reason: str | None) -> str | None:
+        """The reply's finish reason, from the engine's: "tool_calls" when it made calls and
+        stopped, or its calls ended early (a repeat, the cap: what came after is dropped);
+        "length" when max_tokens cut it, inside a call too."""
+        if not self.calls or reason not in ("stop", "length"):
+            return reason
+        return "tool_calls" if reason == "stop" or self.end is not None else reason
+
+
+def read_call_blocks(
+    blocks: list[str], *, cut: bool = False, max_calls: int | None = MAX_PARALLEL_TOOL_CALLS
+) -> ReplyCalls:
+    """The calls of a finished reply from their JSON texts (`cut`: the last one never
+    closed)."""
+    calls = ReplyCalls(max_calls)
+    for block in blocks[:-1] if cut and blocks else blocks:
+        calls.offer_text(block)
+    calls.cut = cut
+    return calls
 
 
 def starts_tool_calls(text: str, style: str = "json") -> bool:
@@ -99,28 +172,66 @@ def parse_tool_calls(text: str, style: str = "json") -> list[ToolCall] | None:
 
 
 def split_tool_calls(text: str, style: str = "json") -> tuple[str, list[ToolCall] | None]:
-    """(content, calls) of a constrained reply read from its text: calls None when it is
+    """(content, calls) of a constrained reply read from its text: calls None when it made
+    none (content is then the whole text, or the text before a call cut off). See
+    `read_tool_calls`."""
+    content, calls = read_tool_calls(text, style)
+    if calls is None or not calls.calls:
+        return (text, None) if calls is None else (content, None)
+    return content, calls.calls
+
+
+def read_tool_calls(
+    text: str, style: str = "json", *, max_calls: int | None = MAX_PARALLEL_TOOL_CALLS
+) -> tuple[str, ReplyCalls | None]:
+    """(content, calls) of a constrained reply read from its text; calls None when it is
     plain text (content is then the whole text). Under a hermes style the calls are the
     `<tool_call>` blocks from the first opening tag on, and the text before it is the
     content ("Let me check." then a call); plain text may start with `{`. The "json" style
-    reads a reply that is one call payload. (A tokenizer whose tags are single tokens is read
-    from the token ids instead: agentrt.reply_tokens.)"""
+    reads a reply that is one call payload, or a list of them: one cut off keeps the calls
+    it completed. (A tokenizer whose tags are single tokens is read from the token ids
+    instead: agentrt.reply_tokens.)"""
     stripped = text.strip()
+    calls = ReplyCalls(max_calls)
     if style.startswith("hermes") or stripped.startswith(OPEN_TAG):
         at = stripped.find(OPEN_TAG)
         if at < 0:
             return text, None
         blocks = _HERMES_CALL.findall(stripped[at:])
-        calls = parse_call_blocks(blocks) if blocks else None
-        return (stripped[:at].strip(), calls) if calls else (text, None)
+        for block in blocks:
+            calls.offer_text(block)
+        calls.cut = stripped.count(OPEN_TAG, at) > len(blocks)
+        if calls.invalid or not (calls.calls or calls.cut):
+            return text, None
+        return stripped[:at].strip(), calls
     if not stripped.startswith(("{", "[")):
         return text, None
     try:
         payload = json.loads(stripped)
     except json.JSONDecodeError:
+        items, calls.cut = _complete_items(stripped), True
+    else:
+        items = payload if isinstance(payload, list) else [payload]
+    for item in items:
+        calls.offer(item)
+    if calls.invalid or not (calls.calls or calls.cut):
         return text, None
-    calls = _to_calls(payload if isinstance(payload, list) else [payload])
-    return ("", calls) if calls else (text, None)
+    return "", calls
+
+
+def _complete_items(text: str) -> list[Any]:
+    """The items a JSON list cut off completed (none for anything else)."""
+    if not text.startswith("["):
+        return []
+    decoder, items, at = json.JSONDecoder(), [], 1
+    while True:
+        while at < len(text) and text[at] in " \t\r\n,":
+            at += 1
+        try:
+            item, at = decoder.raw_decode(text, at)
+        except json.JSONDecodeError:
+            return items
+        items.append(item)
 
 
 def parse_call_blocks(blocks: list[str]) -> list[ToolCall] | None:

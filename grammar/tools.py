@@ -197,11 +197,16 @@ _TAG_RE = re.compile(r"^</?[A-Za-z0-9_|.\-]{1,64}>$")
 
 
 def tagged_calls_lark(
-    tools: list[dict[str, Any]], choice: str, *, parallel: bool, tags: CallTags
+    tools: list[dict[str, Any]],
+    choice: str,
+    *,
+    parallel: bool,
+    tags: CallTags,
+    max_calls: int | None = None,
 ) -> str:
     """Lark grammar (llguidance dialect) of tagged calls for canonical `tools` and `choice`
     ("auto", "required" or "name:<tool>"): `<open>\n<call JSON>\n<close>` per call, several
-    (one newline apart) when `allows_many`.
+    (one newline apart, at most `max_calls`; None: no cap) when `allows_many`.
 
     Under "auto" the reply is plain text, calls, or text then calls (Qwen writes "Let me
     check.\n<tool_call>..."), and the text may hold anything, a leading `<` too:
@@ -214,7 +219,11 @@ def tagged_calls_lark(
     many = allows_many(choice, parallel)
     call_json = f'"\\n" %json {json.dumps(call_schema, ensure_ascii=False)} "\\n"'
     close = _tag(tags.close, tags.close_special)
-    calls = 'call ("\\n" call)*' if many else "call"
+    more = ""
+    if many and max_calls != 1:
+        times = "*" if max_calls is None else f"{{0,{max_calls - 1}}}"
+        more = f' ("\\n" call){times}'
+    calls = f"call{more}"
     lines = [
         f"calls: {calls}",
         f"call: {_tag(tags.open, tags.open_special)} {call_json} {close}",
@@ -226,7 +235,6 @@ def tagged_calls_lark(
         lines.insert(0, "start: calls | text | text calls")
         lines += ["text: TEXT", f"TEXT: /(?s:.*)/ & ~/[ \\t\\r\\n]*{opening}(?s:.*)/"]
     else:
-        more = ' ("\\n" call)*' if many else ""
         lines = [f"start: text | lead {call_json} {close}{more}", lines[1]]
         lines += [
             f"lead[suffix={json.dumps(tags.open)}]: /(?s:.*)/",

@@ -20,7 +20,7 @@ from agentrt.formats import OutputFormat
 from agentrt.grammar import GrammarSpec
 from agentrt.grammar.tools import compact, tool_call_spec_text, tool_calls_schema
 from agentrt.server.tool_stream import ToolCallStreamer
-from agentrt.tool_calls import hermes_spec
+from agentrt.tool_calls import MAX_PARALLEL_TOOL_CALLS, hermes_spec
 
 # A compact call in the "json" style starts with exactly this (`COMPACT_JSON` separators).
 _CALL_HEAD = '{"name": "'
@@ -61,7 +61,11 @@ def calls_or_answer(
     # (JSON never starts with the opening tag).
     special = {"special": True} if tools.tool_style == "hermes_tokens" else {}
     tagged = hermes_spec(
-        list(tools.tools), "required", parallel=tools.parallel_tool_calls, **special
+        list(tools.tools),
+        "required",
+        parallel=tools.parallel_tool_calls,
+        max_calls=tools.max_parallel_tool_calls,
+        **special,
     ).text
     if not tagged.startswith("start:"):
         raise AssertionError(f"a tagged calls grammar starts with its start rule: {tagged!r}")
@@ -105,9 +109,15 @@ class CallsOrAnswerStreamer:
     then the answer streams as content and calls as tool-call deltas. `finish()` releases
     text still held when the reply ends (a reply cut before it could tell: the answer)."""
 
-    def __init__(self, tool_style: str, tool_names: set[str]) -> None:
+    def __init__(
+        self,
+        tool_style: str,
+        tool_names: set[str],
+        *,
+        max_calls: int | None = MAX_PARALLEL_TOOL_CALLS,
+    ) -> None:
         self._kind = ReplyKind(tool_style, tool_names)
-        self._calls = ToolCallStreamer(tool_style)
+        self._calls = ToolCallStreamer(tool_style, max_calls=max_calls)
         self.kind: str | None = None  # "calls" or "answer", once told
         self._held = ""
 
@@ -133,6 +143,9 @@ class CallsOrAnswerStreamer:
     @property
     def is_tool_calls(self) -> bool:
         return self.kind == "calls" and self._calls.is_tool_calls
+
+    def finish_reason(self, reason: str | None) -> str | None:
+        return self._calls.finish_reason(reason) if self.kind == "calls" else reason
 
 
 def _closed_string(text: str) -> str | None:

@@ -21,7 +21,7 @@ from agentrt.reasoning import (
     template_kwargs,
 )
 from agentrt.reply_tokens import CALL, REASONING, ReplyMarkers, ReplySplitter, reply_markers
-from agentrt.server.calls_or_answer import CallsOrAnswerStreamer, tool_names
+from agentrt.server.calls_or_answer import CallsOrAnswerStreamer, ReplyKind, tool_names
 from agentrt.server.errors import bad_request
 from agentrt.server.generation import Generation, respond
 from agentrt.server.offload import check_text_length, off_loop
@@ -32,9 +32,11 @@ from agentrt.server.state import ServerState
 from agentrt.server.tagged_stream import TextThenCallsStreamer
 from agentrt.server.tool_stream import ToolCallStreamer
 from agentrt.tool_calls import (
-    parse_call_blocks,
+    MAX_PARALLEL_TOOL_CALLS,
+    ReplyCalls,
+    read_call_blocks,
+    read_tool_calls,
     render_messages,
-    split_tool_calls,
     tool_call_style,
 )
 
@@ -178,6 +180,12 @@ class _ChatView:
         # Tools with a response_format: calls or the answer (agentrt.server.calls_or_answer).
         self.answer_too = constraint.answer_too
         self.tool_names = tool_names(list(constraint.tools.tools)) if constraint.tools else set()
+        # The most calls one reply returns (agentrt.tool_calls.ReplyCalls).
+        self.max_calls = (
+            constraint.tools.max_parallel_tool_calls
+            if constraint.tools
+            else MAX_PARALLEL_TOOL_CALLS
+        )
         self.top_n = top_n
         self.id = new_id("chatcmpl")
         self.created = now()
@@ -241,32 +249,39 @@ class _ChatView:
         reader = self._reader()
         reader.feed(completion.token_ids)
         reader.finish()
-        calls = parse_call_blocks(reader.calls) if reader.calls else None
-        if calls:
-            message = _calls_message(calls, reader.content)
-        else:  # no call (or one max_tokens cut): the answer as text
-            message = {"role": "assistant", "content": reader.text, "refusal": None}
+        calls = None
+        if reader.calls:
+            calls = read_call_blocks(reader.calls, cut=reader.in_call, max_calls=self.max_calls)
+        message, finish = _reply_message(reader.text, reader.content, calls, completion)
         if reader.reasoning is not None and self.include_reasoning:
             message["reasoning_content"] = reader.reasoning
-        return message, _finish(completion.finish_reason, tool_calls=bool(calls))
+        return message, finish
 
     def _answer(self, completion: CompletionOutput) -> tuple[dict[str, Any], str | None]:
-        calls = None
-        if self.tools_active:
-            content, calls = split_tool_calls(completion.text, self.tool_style)
-        if calls:
-            message = _calls_message(calls, content)
-            return message, _finish(completion.finish_reason, tool_calls=True)
-        message = {"role": "assistant", "content": completion.text, "refusal": None}
-        return message, _finish(completion.finish_reason, tool_calls=False)
+        content, calls = completion.text, None
+        if self.tools_active and not self._is_answer(completion.text):
+            content, calls = read_tool_calls(
+                completion.text, self.tool_style, max_calls=self.max_calls
+            )
+        return _reply_message(completion.text, content, calls, completion)
+
+    def _is_answer(self, text: str) -> bool:
+        """With an answer format too: whether the reply is the answer, not calls."""
+        if not self.answer_too:
+            return False
+        kind = ReplyKind(self.tool_style, self.tool_names)
+        kind.feed(text)
+        return kind.finish() == "answer"
 
     def _streamer(self) -> ToolCallStreamer | CallsOrAnswerStreamer | TextThenCallsStreamer | None:
         """What turns a streamed reply into deltas (None: plain text)."""
         if self.answer_too:
-            return CallsOrAnswerStreamer(self.tool_style, self.tool_names)
+            return CallsOrAnswerStreamer(self.tool_style, self.tool_names, max_calls=self.max_calls)
         if self.tools_active and self.tool_style == "hermes":  # text may precede the calls
-            return TextThenCallsStreamer()
-        return ToolCallStreamer(self.tool_style) if self.tools_active else None
+            return TextThenCallsStreamer(max_calls=self.max_calls)
+        if self.tools_active:
+            return ToolCallStreamer(self.tool_style, max_calls=self.max_calls)
+        return None
 
     def _text_delta(
         self,
@@ -354,7 +369,7 @@ class _ChatView:
         extra = {"usage": None} if include_usage else {}
         if self.markers is not None:  # read from the token ids; calls streamed as text
             readers = [self._reader() for _ in firsts]
-            streamers = [ToolCallStreamer("hermes") for _ in firsts]
+            streamers = [ToolCallStreamer("hermes", max_calls=self.max_calls) for _ in firsts]
         else:
             splitters = [self.reasoning.stream() for _ in firsts]
             streamers = [self._streamer() for _ in firsts]
@@ -375,8 +390,9 @@ class _ChatView:
             held = streamer.finish() if streamer is not None else ""
             if held:
                 await emit(self.chunk([_choice(index, {"content": held})], **extra))
-            tool_calls = streamer is not None and streamer.is_tool_calls
-            finish = _finish(output.outputs[0].finish_reason, tool_calls=tool_calls)
+            finish = output.outputs[0].finish_reason
+            if streamer is not None:
+                finish = streamer.finish_reason(finish)
             await emit(self.chunk([_choice(index, {}, None, finish)], **extra))
 
         for index in range(len(firsts)):
@@ -384,6 +400,21 @@ class _ChatView:
         outputs = await generation.stream_choices(firsts, emit, on_delta, on_finish)
         if include_usage:
             await emit(self.chunk([], self._usage(outputs)))
+
+
+def _reply_message(
+    text: str, content: str, calls: ReplyCalls | None, completion: CompletionOutput
+) -> tuple[dict[str, Any], str | None]:
+    """The message of a reply and its finish reason: its calls (`ReplyCalls`: those before
+    a repeat, the cap or a cut) with the text before them, or its text (`calls` None: it
+    made none); a reply cut inside its first call has the text before it, no call."""
+    if calls is None or calls.invalid:
+        message = {"role": "assistant", "content": text, "refusal": None}
+        return message, completion.finish_reason
+    if not calls.calls:
+        message = {"role": "assistant", "content": content.strip() or None, "refusal": None}
+        return message, completion.finish_reason
+    return _calls_message(calls.calls, content), calls.finish_reason(completion.finish_reason)
 
 
 def _calls_message(calls: list[Any], content: str | None) -> dict[str, Any]:
@@ -398,9 +429,3 @@ def _calls_message(calls: list[Any], content: str | None) -> dict[str, Any]:
 
 def _choice(index: int, delta: dict, logprobs: dict | None = None, finish: str | None = None):
     return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
-
-
-def _finish(reason: str | None, *, tool_calls: bool) -> str | None:
-    if tool_calls and reason == "stop":
-        return "tool_calls"
-    return reason

@@ -26,6 +26,7 @@ from agentrt.server.protocol import (
     CompletionRequest,
     StructuredOutputsRequest,
 )
+from agentrt.tool_calls import MAX_PARALLEL_TOOL_CALLS
 
 _SEED_SPAN = MAX_SEED - MIN_SEED + 1
 
@@ -136,7 +137,10 @@ def chat_constraint(request: ChatCompletionRequest, tool_style: str = "json") ->
     if tools and choice != "none":
         tool_choice = choice.model_dump() if hasattr(choice, "model_dump") else choice or "auto"
         fmt = tools_format(
-            tools, tool_choice, parallel_tool_calls=request.parallel_tool_calls is not False
+            tools,
+            tool_choice,
+            parallel_tool_calls=request.parallel_tool_calls is not False,
+            max_parallel_tool_calls=request.max_parallel_tool_calls or MAX_PARALLEL_TOOL_CALLS,
         )
         fmt = dataclasses.replace(fmt, tool_style=tool_style)
         # SchemaError names the field at fault: tools or tool_choice.

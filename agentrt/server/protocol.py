@@ -186,6 +186,8 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[ToolDefinition] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # agentrt: the most calls one reply makes (None: 8); a repeated call also ends them.
+    max_parallel_tool_calls: Annotated[int, Field(ge=1, le=128)] | None = None
     # Accepted and ignored (they change nothing for a local model).
     store: bool | None = None
     metadata: dict[str, str] | None = None

@@ -158,8 +158,8 @@ async def create_response(
     failure = failed_output(outputs)
     if failure is not None:
         raise failure
-    output = await view.items(outputs[0].outputs[0])
-    body = dump(view.response(_status(outputs[0]), output, outputs[0]))
+    output, status = await view.items(outputs[0].outputs[0])
+    body = dump(view.response(status, output, outputs[0]))
     keep(body, output)
     return JSONResponse(body)
 
@@ -178,10 +178,6 @@ def _refuse_unsupported(request: ResponsesRequest) -> None:
             "longer than the context is refused.",
             param="truncation",
         )
-
-
-def _status(output: RequestOutput) -> str:
-    return "incomplete" if output.outputs[0].finish_reason == "length" else "completed"
 
 
 class ResponseView:
@@ -305,13 +301,15 @@ class ResponseView:
     def _split(self, items: OutputItems) -> ReplySplit:
         return ReplySplit(items, self.reasoning, self.tokenizer)
 
-    async def items(self, completion: CompletionOutput) -> list[BaseModel]:
-        """The output items of a finished reply: its reasoning, then its function calls or
-        one message. They are read as a stream is (`OutputItems`, sending nothing), so a
-        reply streamed and one answered in full have the same items."""
-        reply = self._split(OutputItems(self.shape, discard))
+    async def items(self, completion: CompletionOutput) -> tuple[list[BaseModel], str]:
+        """The output items of a finished reply (its reasoning, then its function calls or
+        one message) and the response's status. They are read as a stream is
+        (`OutputItems`, sending nothing), so a reply streamed and one answered in full have
+        the same items."""
+        items = OutputItems(self.shape, discard)
+        reply = self._split(items)
         await reply.feed(completion.text, completion.token_ids, completion.logprobs)
-        return await reply.close(completion.finish_reason)
+        return await reply.close(completion.finish_reason), items.status
 
     # -- the stream -----------------------------------------------------------------------
 
@@ -338,7 +336,7 @@ class ResponseView:
             await events.send(ResponseFailedEvent, response=response)
             return
         output = await reply.close(delta.output.outputs[0].finish_reason)
-        status = _status(delta.output)
+        status = events.status
         response = self.response(status, output, delta.output)
         done = ResponseCompletedEvent if status == "completed" else ResponseIncompleteEvent
         keep(dump(response), output)  # stored before the client hears it is done

@@ -110,6 +110,7 @@ class OutputItems:
         elif shape.tools_active:
             self.calls = ToolCallStreamer(shape.tool_style)
         self.logprobs: list = []  # of text not yet sent (held until the reply's kind shows)
+        self.status: str | None = None  # "completed" or "incomplete", once closed
 
     async def send(self, cls: type[BaseModel], **fields) -> None:
         event = cls(type=event_type(cls), sequence_number=self.sequence_number, **fields)
@@ -243,7 +244,10 @@ class OutputItems:
     async def close(self, finish_reason: str | None) -> list[BaseModel]:
         """Close the open items at the end of the reply (a reply that is nothing yet is an
         empty message); returns the output."""
+        if self.calls is not None:  # calls ended by a repeat or the cap are complete
+            finish_reason = self.calls.finish_reason(finish_reason)
         status = "incomplete" if finish_reason == "length" else "completed"
+        self.status = status
         await self.end_reasoning(status)  # the reply ended in its reasoning
         held = self.calls.finish() if self.calls is not None else ""
         if self.call is not None:  # a call cut off (the held text is after it)

@@ -13,14 +13,15 @@ from __future__ import annotations
 from typing import Any
 
 from agentrt.server.tool_stream import ToolCallStreamer
-from agentrt.tool_calls import OPEN_TAG
+from agentrt.tool_calls import MAX_PARALLEL_TOOL_CALLS, OPEN_TAG
 
 
 class TextThenCallsStreamer:
     """`ToolCallStreamer`'s interface (`feed`, `finish`, `is_tool_calls`) for text, then
     calls, in spelled tags."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, max_calls: int | None = MAX_PARALLEL_TOOL_CALLS) -> None:
+        self.max_calls = max_calls
         self._calls: ToolCallStreamer | None = None  # set once the opening tag came
         self._held = ""  # the text's tail that may start the tag, or is whitespace
 
@@ -31,7 +32,7 @@ class TextThenCallsStreamer:
         text, self._held = self._held + text, ""
         at = text.find(OPEN_TAG)
         if at >= 0:  # the whitespace before the tag is no content
-            self._calls = ToolCallStreamer("hermes")
+            self._calls = ToolCallStreamer("hermes", max_calls=self.max_calls)
             _, deltas = self._calls.feed(text[at:])
             return text[:at].rstrip(), deltas
         body = text[: len(text) - _partial_tag(text)].rstrip()
@@ -48,6 +49,9 @@ class TextThenCallsStreamer:
     @property
     def is_tool_calls(self) -> bool:
         return self._calls is not None and self._calls.is_tool_calls
+
+    def finish_reason(self, reason: str | None) -> str | None:
+        return reason if self._calls is None else self._calls.finish_reason(reason)
 
 
 def _partial_tag(text: str) -> int:

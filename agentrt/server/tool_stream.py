@@ -11,6 +11,11 @@ tags between hermes blocks hold no JSON punctuation, so they pass through the sa
 and turns it into OpenAI's deltas: the first delta of a call carries its `id`, `type` and
 `name`; later ones append raw text to `function.arguments`, so the client's concatenation
 is the arguments' JSON text.
+
+The first call streams as it grows; each later one is held until it closes, then sent whole
+if it is one of the reply's calls (`ReplyCalls`: an exact repeat of an earlier call, or one
+past the cap, ends the calls and nothing after it is sent). A call cut off by the reply's
+end is never released as text.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from agentrt.tool_calls import OPEN_TAG, new_call_id
+from agentrt.tool_calls import MAX_PARALLEL_TOOL_CALLS, OPEN_TAG, ReplyCalls, new_call_id
 
 
 @dataclass(slots=True)
@@ -29,6 +34,9 @@ class _Call:
     name: str | None = None
     args_start: int | None = None  # offset of the arguments value in the text
     args_end: int | None = None  # one past its end, once closed
+    end: int | None = None  # one past the call object's end, once closed
+    offered: bool = False  # given to `ReplyCalls` (once closed)
+    counted: bool = True  # one of the reply's calls (False: a repeat, or past the cap)
     sent_header: bool = False
     sent_args: int = 0  # characters of the arguments already sent
 
@@ -36,8 +44,11 @@ class _Call:
 class ToolCallStreamer:
     """Feed text deltas; get content deltas (plain-text replies) or tool-call deltas."""
 
-    def __init__(self, style: str = "json") -> None:
+    def __init__(
+        self, style: str = "json", *, max_calls: int | None = MAX_PARALLEL_TOOL_CALLS
+    ) -> None:
         self.opening = OPEN_TAG if style.startswith("hermes") else None
+        self.reply_calls = ReplyCalls(max_calls)
         self.text = ""
         self.mode: str | None = None  # None until the first non-space character: "text" / "json"
         self.calls: list[_Call] = []
@@ -76,21 +87,23 @@ class ToolCallStreamer:
         return "", self._deltas()
 
     def finish(self) -> str:
-        """At the reply's end: the text no delta has carried, as plain text (nothing is
-        lost when max_tokens cuts a reply): all of it when no call was announced (a reply
-        that stopped while it could still have become a call, `<tool` or spaces only, or
-        one cut before its first call's name), else a last call cut before its name."""
-        if self.mode == "text":
+        """At the reply's end: the text no delta has carried, as plain text: all of it when
+        the reply stopped while it could still have become a call (`<tool` or spaces only);
+        nothing once a call opened (a call cut off is not text)."""
+        if self.mode is not None:
             return ""
-        if not any(call.sent_header for call in self.calls):
-            self.mode = "text"  # no call after all
-            return self.text
-        last = self.calls[-1]
-        return "" if last.sent_header else self.text[last.start :]
+        self.mode = "text"  # no call after all
+        return self.text
 
     @property
     def is_tool_calls(self) -> bool:
         return self.mode == "json"
+
+    def finish_reason(self, reason: str | None) -> str | None:
+        """The reply's finish reason from the engine's (`ReplyCalls.finish_reason`)."""
+        if self.reply_calls.calls:
+            return self.reply_calls.finish_reason(reason)
+        return "tool_calls" if self.is_tool_calls and reason == "stop" else reason
 
     def _scan(self) -> None:
         text = self.text
@@ -118,6 +131,8 @@ class ToolCallStreamer:
             elif ch in "}]":
                 self._depth -= 1
                 self._close_container(i)
+                if ch == "}" and self._depth == self._call_depth - 1 and self.calls:
+                    self.calls[-1].end = i + 1
             elif ch == ":" and self._depth == self._call_depth:
                 self._key = self._last_string
             elif not ch.isspace() and ch != ",":
@@ -152,8 +167,13 @@ class ToolCallStreamer:
     def _deltas(self) -> list[dict[str, Any]]:
         deltas = []
         for index, call in enumerate(self.calls):
-            if call.name is None:
-                continue
+            if call.end is not None and not call.offered:
+                call.offered = True
+                call.counted = self._offer(call) or index == 0  # the first one streamed
+            if not call.counted:
+                break  # the reply's calls ended before this one
+            if call.name is None or (index > 0 and call.end is None):
+                continue  # a later call is sent once closed (it may be a repeat)
             if not call.sent_header:
                 call.sent_header = True
                 deltas.append(
@@ -172,3 +192,11 @@ class ToolCallStreamer:
                 call.sent_args += len(fragment)
                 deltas.append({"index": index, "function": {"arguments": fragment}})
         return deltas
+
+    def _offer(self, call: _Call) -> bool:
+        """Whether a closed call is one of the reply's (`ReplyCalls.offer`)."""
+        try:
+            item = json.loads(self.text[call.start : call.end])
+        except json.JSONDecodeError:
+            item = None
+        return self.reply_calls.offer(item)

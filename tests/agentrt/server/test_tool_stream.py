@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from agentrt.server.tool_stream import ToolCallStreamer
-from agentrt.tool_calls import parse_tool_calls
+from agentrt.tool_calls import parse_tool_calls, read_tool_calls
 
 CALLS = [
     {"name": "get_weather", "arguments": {"city": "Paris", "note": 'a "quoted" }{ brace'}},
@@ -83,11 +83,10 @@ def test_hermes_text_may_start_with_a_bracket(text, cuts):
 
 
 @pytest.mark.parametrize("name", REPLIES)
-def test_a_reply_cut_anywhere_loses_nothing(name):
-    """max_tokens may end a reply at any character: the calls announced so far keep their
-    arguments' text up to the cut, and what no delta carried comes out of `finish` as
-    content (all of it when no call was announced yet, else a last call cut before its
-    name)."""
+def test_a_reply_cut_anywhere_keeps_its_calls_and_passes_no_call_off_as_text(name):
+    """max_tokens may end a reply at any character: the first call streams up to the cut,
+    a later one comes whole once it closed (it may be a repeat), and nothing after the
+    first call opened comes out of `finish` as content (a call cut off is not text)."""
     style, reply = REPLIES[name]
     _, full = _assemble(ToolCallStreamer(style), [reply])
     for end in range(len(reply) + 1):
@@ -95,16 +94,55 @@ def test_a_reply_cut_anywhere_loses_nothing(name):
         streamer = ToolCallStreamer(style)
         content, calls = _assemble(streamer, list(cut))
         content += streamer.finish()
-        if not calls:
-            assert content == cut and not streamer.is_tool_calls
+        if not streamer.is_tool_calls:  # spaces, or a part of the opening tag, so far
+            assert content == cut and "<tool_call>".startswith(cut.strip()) and calls == {}
             continue
-        assert streamer.is_tool_calls
-        *done, last = sorted(calls)
-        assert all(calls[i]["arguments"] == full[i]["arguments"] for i in done)
-        arguments = calls[last]["arguments"]
-        assert full[last]["arguments"].startswith(arguments)
-        if arguments != full[last]["arguments"]:  # cut in them: up to the cut
-            assert cut.endswith(arguments) and content == ""
-        if content:  # a next call, cut before its name
-            assert cut.endswith(content) and content.startswith("{")
-            assert len(calls) < len(full)
+        assert content == ""
+        assert all(full[i]["name"] == calls[i]["name"] for i in calls)  # none before its name
+        if calls:
+            first, *later = sorted(calls)
+            assert full[first]["arguments"].startswith(calls[first]["arguments"])
+            assert all(calls[i]["arguments"] == full[i]["arguments"] for i in later)
+
+
+REPEATING = {
+    "json-list": ("json", json.dumps([CALLS[0], CALLS[1], CALLS[0], CALLS[1]])[:-30]),
+    "hermes": (
+        "hermes",
+        "".join(f"<tool_call>\n{json.dumps(c)}\n</tool_call>\n" for c in [*CALLS, CALLS[0]])
+        + '<tool_call>\n{"name": "get_',
+    ),
+}
+
+
+@pytest.mark.parametrize("name", REPEATING)
+@given(cuts=st.lists(st.integers(min_value=0, max_value=400), max_size=30))
+def test_a_repeated_call_ends_the_calls(name, cuts):
+    """A reply that repeats its calls until max_tokens: the distinct calls stream, whole and
+    in any split, nothing after the repeat does, and the reply finished its calls."""
+    style, reply = REPEATING[name]
+    streamer = ToolCallStreamer(style)
+    content, calls = _assemble(streamer, _split(reply, cuts))
+    assert content + streamer.finish() == ""
+    streamed = [(calls[i]["name"], json.loads(calls[i]["arguments"])) for i in sorted(calls)]
+    assert streamed == [(c["name"], c["arguments"]) for c in CALLS]
+    assert streamer.finish_reason("length") == "tool_calls"
+    _, read = read_tool_calls(reply, style)
+    assert [(c.name, c.arguments) for c in read.calls] == streamed and read.end == "repeat"
+
+
+@pytest.mark.parametrize("name", REPEATING)
+def test_a_cap_of_one_call(name):
+    style, reply = REPEATING[name]
+    streamer = ToolCallStreamer(style, max_calls=1)
+    _, calls = _assemble(streamer, [reply])
+    assert [c["name"] for c in calls.values()] == ["get_weather"]
+    _, read = read_tool_calls(reply, style, max_calls=1)
+    assert [c.name for c in read.calls] == ["get_weather"] and read.end == "cap"
+
+
+def test_a_list_cut_off_keeps_the_calls_it_completed():
+    reply = json.dumps(CALLS)[:-20]
+    content, read = read_tool_calls(reply, "json")
+    assert content == "" and read.cut and [c.name for c in read.calls] == ["get_weather"]
+    assert read.finish_reason("length") == "length"
