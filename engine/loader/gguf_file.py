@@ -74,8 +74,8 @@ GLOBAL_NAMES = {
     "output_norm": "model.norm",
     "output": "lm_head",
 }
-# Tensors llama.cpp adds that have no HF parameter (llama3 rope factors live in config).
-_SKIPPED_TENSORS = {"rope_freqs.weight"}
+# Tensors llama.cpp adds that have no HF parameter (rope factors: gguf_loader.py reads them).
+_SKIPPED_TENSORS = {"rope_freqs.weight", "rope_factors_short.weight", "rope_factors_long.weight"}
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 _KEY_SAMPLE_BYTES = 1 << 20
 # tokenizer_config.json keys passed on to the tokenizer built from the cached tokenizer.json.

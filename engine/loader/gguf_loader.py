@@ -122,6 +122,28 @@ class GGUFLoader:
             return None
         return torch.from_numpy(np.array(tensor.data, dtype=np.float32)).reshape(-1)
 
+    def rope_scaling(self) -> dict | None:
+        """LongRoPE's settings of a Phi-3 GGUF (transformers' `rope_scaling` form), or None:
+        llama.cpp stores its factors as `rope_factors_short` / `rope_factors_long` tensors
+        and its original context and attention factor in metadata."""
+        tensors = {t.name: t for t in self.file.reader.tensors}
+        short, long = (
+            tensors.get("rope_factors_short.weight"),
+            tensors.get("rope_factors_long.weight"),
+        )
+        if short is None or long is None:
+            return None
+        arch = self.file.architecture
+        return {
+            "rope_type": "longrope",
+            "short_factor": np.array(short.data, dtype=np.float32).reshape(-1).tolist(),
+            "long_factor": np.array(long.data, dtype=np.float32).reshape(-1).tolist(),
+            "original_max_position_embeddings": int(
+                self.file.field(f"{arch}.rope.scaling.original_context_length")
+            ),
+            "attention_factor": float(self.file.field(f"{arch}.rope.scaling.attn_factor", 1.0)),
+        }
+
     def _tensor(self, name: str):
         tensor = self.file.tensors.get(name)
         if tensor is None:

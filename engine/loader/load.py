@@ -93,9 +93,9 @@ def load_weights(
         unused.remove("lm_head.weight")  # tied checkpoints may still store it
     if unused:
         raise ModelLoadError(f"checkpoint has tensors the model does not use: {unused[:5]}")
-    factors = loader.rope_factors()
-    if factors is not None:
-        model.rope_factors = factors
+    factors, scaling = loader.rope_factors(), loader.rope_scaling()
+    if factors is not None or scaling is not None:  # the rope the weights come with
+        model.rope_factors, model.rope_scaling = factors, scaling
         model.build_rotary(model.rotary.cos_sin_cache.shape[0])
     left = [n for n, p in model.named_parameters() if p.is_meta]
     assert not left, f"parameters not loaded: {left[:5]}"

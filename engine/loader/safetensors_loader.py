@@ -55,6 +55,9 @@ class SafetensorsLoader:
     def rope_factors(self) -> None:
         return None  # HF checkpoints state their rope scaling in config.json
 
+    def rope_scaling(self) -> None:
+        return None
+
     def read(self, name: str, split: Split, shard: Shard) -> torch.Tensor:
         handle = self._files.get(name)
         if handle is None:
@@ -90,6 +93,9 @@ class StateDictLoader:
 
     def rope_factors(self) -> None:
         return None  # HF checkpoints state their rope scaling in config.json
+
+    def rope_scaling(self) -> None:
+        return None
 
     def read(self, name: str, split: Split, shard: Shard) -> torch.Tensor:
         if name not in self.state:

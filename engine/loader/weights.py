@@ -99,6 +99,11 @@ class WeightLoader(Protocol):
         stores as a tensor (a llama 3.x GGUF's `rope_freqs`), or None."""
         ...
 
+    def rope_scaling(self) -> dict | None:
+        """Rope scaling the checkpoint stores beside its config (a Phi-3 GGUF's LongRoPE
+        factors), in config.json's `rope_scaling` form; None when the config has it all."""
+        ...
+
 
 def parameter_specs(arch: ModelArchConfig) -> list[ParamSpec]:
     """Every parameter of the model of `arch` (model/decoder.py, the full model, before
@@ -113,16 +118,19 @@ def parameter_specs(arch: ModelArchConfig) -> list[ParamSpec]:
     for i in range(arch.num_layers):
         p, m = f"model.layers.{i}.", f"layers.{i}."
         attn = tuple(f"{p}self_attn.{n}_proj" for n in "qkv")
+        qkv_parts = tuple(f"{n}.weight" for n in attn)
+        gate_up_parts = (f"{p}mlp.gate_proj.weight", f"{p}mlp.up_proj.weight")
+        if arch.fused_projections:  # stored fused (Phi-3): one part each
+            qkv_parts, gate_up_parts = (
+                (f"{p}self_attn.qkv_proj.weight",),
+                (f"{p}mlp.gate_up_proj.weight",),
+            )
         specs += [
             ParamSpec(f"{m}input_layernorm.weight", (f"{p}input_layernorm.weight",), Split.NONE),
             *_norm_specs(arch, p, m),
-            ParamSpec(f"{m}qkv_proj.weight", tuple(f"{n}.weight" for n in attn), Split.COLUMN),
+            ParamSpec(f"{m}qkv_proj.weight", qkv_parts, Split.COLUMN),
             ParamSpec(f"{m}o_proj.weight", (f"{p}self_attn.o_proj.weight",), Split.ROW),
-            ParamSpec(
-                f"{m}gate_up_proj.weight",
-                (f"{p}mlp.gate_proj.weight", f"{p}mlp.up_proj.weight"),
-                Split.COLUMN,
-            ),
+            ParamSpec(f"{m}gate_up_proj.weight", gate_up_parts, Split.COLUMN),
             ParamSpec(f"{m}down_proj.weight", (f"{p}mlp.down_proj.weight",), Split.ROW),
         ]
         if arch.qkv_bias:

@@ -45,6 +45,9 @@ class ModelArchConfig:
     embedding_scale: float = 1.0  # the embedding's rows times this (Gemma: sqrt(hidden))
     attention_scale: float | None = None  # None: head_dim ** -0.5
     final_logit_softcap: float | None = None  # logits = cap * tanh(logits / cap)
+    # The checkpoint stores q/k/v as one matrix `self_attn.qkv_proj` and gate/up as one
+    # `mlp.gate_up_proj` (Phi-3), not as their parts.
+    fused_projections: bool = False
     # Per layer FULL_ATTENTION or SLIDING_ATTENTION (empty: every layer full); sliding
     # layers attend to the last `sliding_window` positions and rotate with the local rope.
     layer_types: tuple[str, ...] = ()

@@ -207,6 +207,8 @@ class DecoderForCausalLM(nn.Module):
         # Per-frequency divisors of the global rope stored with the weights (the loader sets
         # them: a llama 3.x GGUF's rope_freqs), else None.
         self.rope_factors: torch.Tensor | None = None
+        # ... and scaling that replaces the config's (a Phi-3 GGUF's LongRoPE factors).
+        self.rope_scaling: dict | None = None
         self.build_rotary(max_positions)
         # The output projection when quantized (a GGMLLinear: the loader sets it, over the
         # embedding's own blocks when tied); else the lm_head or tied embedding weight.
@@ -224,7 +226,7 @@ class DecoderForCausalLM(nn.Module):
             cfg.head_dim,
             max_positions,
             cfg.rope_theta,
-            cfg.rope_scaling,
+            self.rope_scaling or cfg.rope_scaling,
             kernel_ops=self.kernel_ops,
             device=device,
             factors=self.rope_factors,

@@ -88,6 +88,17 @@ FAMILIES: tuple[ModelFamily, ...] = (
         gguf_tensor_names={**LLAMA_BLOCK_NAMES, **QK_NORM_NAMES},
     ),
     ModelFamily(
+        "phi3",
+        "phi3",
+        ("Phi3ForCausalLM",),
+        ("phi3",),
+        gguf_tensor_names={
+            **LLAMA_BLOCK_NAMES,
+            "attn_qkv": "self_attn.qkv_proj",
+            "ffn_up": "mlp.gate_up_proj",  # gate and up rows, as HF stores them
+        },
+    ),
+    ModelFamily(
         "gemma3",
         "gemma3",
         ("Gemma3ForCausalLM",),
@@ -106,6 +117,7 @@ MODEL_TYPE_TO_ARCHITECTURE: dict[str, str] = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
 }
 
 

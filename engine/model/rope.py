@@ -1,4 +1,5 @@
-"""Rotary position embeddings (neox layout, as HF Llama), with default/linear/llama3 scaling."""
+"""Rotary position embeddings (neox layout, as HF Llama), with default / linear / llama3 /
+longrope scaling."""
 
 from __future__ import annotations
 
@@ -33,7 +34,42 @@ def inverse_frequencies(
         return inv_freq / scaling["factor"]
     if rope_type == "llama3":
         return _llama3(inv_freq, scaling)
-    raise ModelLoadError(f"rope scaling {rope_type!r} is not supported (default, linear, llama3).")
+    if rope_type in ("longrope", "su"):  # the short factors; `rope_table` switches to long
+        return _longrope(head_dim, theta, scaling["short_factor"])
+    raise ModelLoadError(
+        f"rope scaling {rope_type!r} is not supported (default, linear, llama3, longrope)."
+    )
+
+
+def rope_table(
+    head_dim: int,
+    max_positions: int,
+    theta: float,
+    scaling: dict | None,
+    factors: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """(max_positions, head_dim) fp32: cos of the head_dim / 2 frequencies at each position,
+    then sin. LongRoPE (Phi-3): positions within the original context turn with the short
+    factors, those past it with the long ones (transformers switches the whole sequence once
+    it is longer: the same up to the original context), cos and sin times the attention
+    factor, as transformers does."""
+    inv_freq = inverse_frequencies(head_dim, theta, scaling, factors)
+    positions = torch.arange(max_positions, dtype=torch.float32, device="cpu")
+    freqs = positions[:, None] * inv_freq[None, :]  # (P, D/2)
+    rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if rope_type in ("longrope", "su"):
+        original = scaling["original_max_position_embeddings"]
+        long = _longrope(head_dim, theta, scaling["long_factor"])
+        freqs[original:] = positions[original:, None] * long[None, :]
+        attention_factor = scaling.get("attention_factor") or 1.0
+        return torch.cat((freqs.cos(), freqs.sin()), dim=-1) * attention_factor
+    return torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+
+
+def _longrope(head_dim: int, theta: float, factors) -> torch.Tensor:
+    """transformers' LongRoPE frequencies: 1 / (factor * theta ** (2i / head_dim))."""
+    steps = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
+    return 1.0 / (torch.as_tensor(factors, dtype=torch.float32, device="cpu") * theta**steps)
 
 
 def _llama3(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
@@ -69,10 +105,8 @@ class RotaryEmbedding:
         device: torch.device | None = None,
         factors: torch.Tensor | None = None,
     ):
-        inv_freq = inverse_frequencies(head_dim, theta, scaling, factors)
-        positions = torch.arange(max_positions, dtype=torch.float32, device="cpu")
-        freqs = positions[:, None] * inv_freq[None, :]  # (P, D/2)
-        self.cos_sin_cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(device)  # (P, D)
+        table = rope_table(head_dim, max_positions, theta, scaling, factors)
+        self.cos_sin_cache = table.to(device)  # (P, D)
         self.head_dim = head_dim
         self.kernel_ops = kernel_ops
 

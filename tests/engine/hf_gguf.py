@@ -69,6 +69,23 @@ def hf_config(family: str) -> Any:
                 "original_max_position_embeddings": 64,
             },
         )
+    if family == "phi3":
+        # LongRoPE: positions within the original context (64) turn with the short factors,
+        # past it with the long ones; cos and sin scaled by sqrt(1 + ln 8 / ln 64).
+        half = _COMMON["head_dim"] // 2
+        return transformers.Phi3Config(
+            **{**_COMMON, "max_position_embeddings": 512},
+            num_hidden_layers=2,
+            tie_word_embeddings=False,
+            original_max_position_embeddings=64,
+            rope_parameters={
+                "rope_type": "longrope",
+                "rope_theta": 10000.0,
+                "short_factor": [1.0 + 0.1 * i for i in range(half)],
+                "long_factor": [1.0 + 2.0 * i for i in range(half)],
+                "original_max_position_embeddings": 64,
+            },
+        )
     if family == "gemma3":
         # Six layers: five sliding-window ones, then a global one (the family's pattern); a
         # window of 8 so prompts and decodes run past it.
@@ -129,8 +146,17 @@ def write_family_gguf(
     else:
         writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
     _add_tokenizer(writer)
-    if config.rope_parameters.get("rope_type") == "llama3":
+    rope = config.rope_parameters
+    if rope.get("rope_type") == "llama3":
         writer.add_tensor("rope_freqs.weight", llama3_rope_factors(config))
+    if rope.get("rope_type") == "longrope":  # as convert_hf_to_gguf.py's Phi3MiniModel
+        original = rope["original_max_position_embeddings"]
+        scale = config.max_position_embeddings / original
+        writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)))
+        writer.add_rope_scaling_orig_ctx_len(original)
+        for kind in ("short", "long"):
+            factors = np.array(rope[f"{kind}_factor"], dtype=np.float32)
+            writer.add_tensor(f"rope_factors_{kind}.weight", factors)
     block_names = {hf: name for name, hf in entry.gguf_tensor_names.items()}
     global_names = {hf: name for name, hf in GLOBAL_NAMES.items()}
     for hf_name, tensor in model.state_dict().items():

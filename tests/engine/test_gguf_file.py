@@ -24,7 +24,7 @@ from agentrt.engine.loader.gguf_file import (
     gguf_metadata,
     metadata_dir,
 )
-from agentrt.engine.loader.gguf_reader import GGUFContainer
+from agentrt.engine.loader.gguf_reader import GGUFContainer, LazyStrings
 from agentrt.engine.model.checkpoint import (
     load_hf_config,
     load_state_dict,
@@ -316,6 +316,22 @@ def test_container_reads_what_gguf_py_reads(which, tiny_ggufs) -> None:
         assert np.array_equal(
             mine.data.reshape(-1).view(np.uint8), ref.data.reshape(-1).view(np.uint8)
         )
+
+
+def test_long_string_arrays_are_decoded_on_first_use(tiny_ggufs) -> None:
+    """The vocabulary and merges are stepped over when the header is read (a load whose
+    tokenizer is cached never decodes them), and decode to gguf-py's values when used."""
+    path = tiny_ggufs["llama"]
+    ours = GGUFContainer(path).fields
+    theirs = gguf.GGUFReader(path).fields
+    tokens = ours["tokenizer.ggml.tokens"]
+    assert isinstance(tokens, LazyStrings)
+    assert len(tokens) == TINY_VOCAB and tokens._values is None  # a length decodes nothing
+    assert tokens[:3] == theirs["tokenizer.ggml.tokens"].contents()[:3]
+    assert list(tokens) == tokens == theirs["tokenizer.ggml.tokens"].contents()
+    # a short array (this file's few hundred merges) is read as a list at once
+    assert ours["tokenizer.ggml.merges"] == theirs["tokenizer.ggml.merges"].contents()
+    assert isinstance(ours["general.name"], str)
 
 
 def test_container_refuses_a_file_that_is_not_gguf_or_is_cut(tmp_path, tiny_ggufs) -> None:
