@@ -28,8 +28,7 @@ from typing import Any
 import jsonschema
 import pydantic
 
-from agentrt.engine.core.structured_output import to_grammar_spec
-from agentrt.engine.sampling_params import StructuredOutputsParams
+from agentrt.engine.sampling_params import StructuredOutputsParams, to_grammar_spec
 from agentrt.errors import OutputValidationError, SchemaError
 from agentrt.grammar import GrammarSpec, GrammarSpecError
 from agentrt.grammar.tools import allows_many, tool_call_spec_text

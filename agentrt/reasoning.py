@@ -22,9 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from agentrt.engine.core.structured_output import to_grammar_spec
 from agentrt.engine.errors import InvalidRequestError
-from agentrt.engine.sampling_params import StructuredOutputsParams
+from agentrt.engine.sampling_params import StructuredOutputsParams, to_grammar_spec
 from agentrt.grammar import GrammarSpec, GrammarSpecError
 from agentrt.grammar.reasoning import (
     ReasoningSpec,

@@ -36,8 +36,8 @@ from typing import Any
 import anyio
 
 from agentrt.backend import Completion, Usage, check_sampling, reasoning_options
-from agentrt.engine.core.scheduler import SchedulerStats
 from agentrt.engine.errors import EngineDeadError, ErrorCode, InvalidRequestError
+from agentrt.engine.records import SchedulerStats
 from agentrt.errors import ERROR_KINDS, code_for_status, error_for
 from agentrt.formats import OutputFormat
 from agentrt.reasoning import ReasoningText

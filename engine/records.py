@@ -124,6 +124,26 @@ class KVTransferStats:
 
 
 @dataclass(frozen=True, slots=True)
+class SchedulerStats:
+    """The scheduler's state and counts (`EngineCore.stats`): what `/metrics`, the SDK and
+    the engine clients read."""
+
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float  # fraction of blocks referenced by requests
+    num_preemptions: int
+    prefix_cache_queried_tokens: int
+    prefix_cache_hit_tokens: int
+    # Speculative decoding (None when it is off; EngineCore.stats): its method, and the
+    # drafted and accepted tokens of all requests so far.
+    spec_decode_method: str | None = None
+    spec_decode: SpecDecodeStats | None = None
+    # KV transfer (None without a connector; EngineCore.stats): its name and counts.
+    kv_connector: str | None = None
+    kv_transfer: KVTransferStats | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class SampledToken:
     """One sampled token and, when requested, its logprob and the top alternatives."""
 

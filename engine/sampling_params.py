@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from agentrt.engine.errors import InvalidRequestError
-from agentrt.grammar import GrammarSpec
+from agentrt.grammar import GrammarSpec, GrammarSpecError
 
 # Upper bound for `logprobs` / `prompt_logprobs` (OpenAI allows 20 top logprobs).
 MAX_LOGPROBS = 20
@@ -52,6 +52,33 @@ class StructuredOutputsParams:
                 field="structured_outputs",
                 value=given,
             )
+
+
+def to_grammar_spec(params: StructuredOutputsParams) -> GrammarSpec:
+    """The canonical spec for a request; raises InvalidRequestError for a bad one."""
+    if params.spec is not None:
+        if not isinstance(params.spec, GrammarSpec):
+            raise InvalidRequestError(
+                f"structured_outputs.spec must be a GrammarSpec, got {type(params.spec).__name__}.",
+                field="structured_outputs",
+            )
+        return params.spec
+    try:
+        if params.json is not None:
+            if isinstance(params.json, dict | str | bool):
+                return GrammarSpec.from_json_schema(params.json)
+            return GrammarSpec.from_type(params.json)
+        if params.regex is not None:
+            return GrammarSpec.from_regex(params.regex)
+        if params.choice is not None:
+            return GrammarSpec.from_choice(list(params.choice))
+        if params.grammar is not None:
+            return GrammarSpec.from_ebnf(params.grammar)
+        return GrammarSpec.from_json_schema({"type": "object"})
+    except GrammarSpecError as exc:
+        raise InvalidRequestError(
+            f"structured_outputs is invalid: {exc}", field="structured_outputs"
+        ) from None
 
 
 @dataclass(frozen=True, slots=True)

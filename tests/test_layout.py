@@ -58,6 +58,19 @@ def test_import_arrows():
     assert not violations, "import arrows broken:\n" + "\n".join(violations)
 
 
+def test_the_sdk_does_not_reach_into_the_engine_core():
+    """agentrt/ uses the engine's records, sampling params and clients, never its core's
+    internals (the scheduler, the structured-output manager): the core may move into its
+    own process and change inside without the SDK noticing."""
+    violations = [
+        f"{path.relative_to(ROOT)} imports {module}"
+        for path in sorted((ROOT / "agentrt").rglob("*.py"))
+        for module in _imports(path)
+        if module == "agentrt.engine.core" or module.startswith("agentrt.engine.core.")
+    ]
+    assert not violations, "agentrt/ reaches into engine.core:\n" + "\n".join(violations)
+
+
 def test_every_package_folder_is_listed_in_pyproject():
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
     listed = set(config["packages"])

@@ -21,8 +21,7 @@ from prometheus_client import (
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from agentrt.engine.core.scheduler import SchedulerStats
-from agentrt.engine.records import KVTransferStats, SpecDecodeStats
+from agentrt.engine.records import KVTransferStats, SchedulerStats, SpecDecodeStats
 
 # generate_latest writes the classic text format (our names need no UTF-8 escaping).
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"

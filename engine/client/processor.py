@@ -10,11 +10,10 @@ import time
 from collections.abc import Iterable, Sequence
 
 from agentrt.engine.config import EngineConfig, KVTransferConfig
-from agentrt.engine.core.structured_output import to_grammar_spec
 from agentrt.engine.errors import ContextLengthError, InvalidRequestError
 from agentrt.engine.kv_transfer.auth import check_client_params
 from agentrt.engine.records import EngineCoreRequest
-from agentrt.engine.sampling_params import SamplingParams
+from agentrt.engine.sampling_params import SamplingParams, to_grammar_spec
 
 Prompt = str | Sequence[int]
 

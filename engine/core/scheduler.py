@@ -13,7 +13,6 @@ from __future__ import annotations
 import bisect
 import dataclasses
 from collections import deque
-from dataclasses import dataclass
 
 from agentrt.engine.config import SchedulerConfig
 from agentrt.engine.core.kv_cache_manager import KVCacheManager
@@ -22,29 +21,11 @@ from agentrt.engine.errors import ErrorCode
 from agentrt.engine.kv_transfer import KVConnectorScheduler
 from agentrt.engine.records import (
     EngineCoreOutput,
-    KVTransferStats,
     SamplerStepOutput,
     ScheduledChunk,
     SchedulerOutput,
-    SpecDecodeStats,
+    SchedulerStats,
 )
-
-
-@dataclass(frozen=True, slots=True)
-class SchedulerStats:
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float  # fraction of blocks referenced by requests
-    num_preemptions: int
-    prefix_cache_queried_tokens: int
-    prefix_cache_hit_tokens: int
-    # Speculative decoding (None when it is off; EngineCore.stats): its method, and the
-    # drafted and accepted tokens of all requests so far.
-    spec_decode_method: str | None = None
-    spec_decode: SpecDecodeStats | None = None
-    # KV transfer (None without a connector; EngineCore.stats): its name and counts.
-    kv_connector: str | None = None
-    kv_transfer: KVTransferStats | None = None
 
 
 class Scheduler:
