@@ -13,7 +13,6 @@ from agentrt.engine.args import EngineArgs
 from agentrt.engine.client.llm_engine import LLMEngine
 from agentrt.engine.model.checkpoint import resolve_model
 from agentrt.engine.sampling_params import SamplingParams
-from agentrt.engine.worker.model_runner import kv_block_bytes
 
 
 def test_the_embedded_model_resolves_to_its_file_and_block_formats(smollm2_dir):
@@ -23,9 +22,9 @@ def test_the_embedded_model_resolves_to_its_file_and_block_formats(smollm2_dir):
     assert (model.dtype, model.quantization) == (torch.float32, "gguf")  # "auto" twice
     assert model.arch.num_layers == 30 and model.hf_config["num_hidden_layers"] == 30
     assert model.max_model_len == model.arch.max_position_embeddings
-    # The pool holds what 2 GiB (the default) hold, sized once.
-    block_bytes = kv_block_bytes(model.arch, config.cache.block_size, model.dtype)
-    assert config.cache.num_blocks == 2 * 2**30 // block_bytes
+    # The pool holds what 2 GiB (the default) hold, sized once: a block of 16 tokens costs
+    # 2 (K, V) x 16 x 3 KV heads x 64 x 4 bytes (fp32) x 30 layers = 737,280 bytes.
+    assert config.cache.block_size == 16 and config.cache.num_blocks == 2912
     with pytest.raises(dataclasses.FrozenInstanceError):
         config.model.quantization = "none"  # type: ignore[misc]
 

@@ -9,12 +9,12 @@ import json
 
 import pytest
 import torch
+from gguf.quants import dequantize as gguf_dequantize
 
 from agentrt.engine.client.llm import LLM
 from agentrt.engine.errors import ConfigError
 from agentrt.engine.loader.gguf_file import open_gguf
 from agentrt.engine.loader.quantization import Q4_1, Q8_0, resolve_quantization
-from agentrt.engine.model.checkpoint import load_state_dict
 from agentrt.engine.model.ggml_linear import GGMLEmbedding, GGMLLinear
 from agentrt.engine.records import ScheduledChunk, SchedulerOutput
 from agentrt.engine.sampling_params import SamplingParams, StructuredOutputsParams
@@ -43,20 +43,32 @@ def test_gguf_mode_holds_the_files_own_blocks(smollm2_dir, smollm2_default_llm):
     are views of the file's memory map (nothing copied), or on AVX-512 copies interleaved
     by 16 rows (the map's pages released); q/k/v and gate/up, one block type each, are
     stacked into one weight (q/k rows un-permuted). Dequantized they are bit for bit the
-    weights dtype="float32" runs."""
+    weights gguf-py dequantizes from the file (the reference for every block type)."""
     llm = smollm2_default_llm  # read only
     model = llm.engine.runner.model
     assert llm.engine.model_config.quantization == "gguf" and model.cpu_ops is not None
     embed = model.embed_tokens
     assert isinstance(embed, GGMLEmbedding) and embed.weight.qtype == Q8_0
     assert model.logits_proj.weights == [embed.weight]
-    state = load_state_dict(smollm2_dir)
-    assert torch.equal(embed.weight.dequantize(), state["model.embed_tokens.weight"])
-    tensors = {t.name: torch.from_numpy(t.data) for t in open_gguf(smollm2_dir).reader.tensors}
+    file_tensors = {t.name: t for t in open_gguf(smollm2_dir).reader.tensors}
+    tensors = {name: torch.from_numpy(t.data) for name, t in file_tensors.items()}
+
+    def reference(name: str, num_heads: int | None = None) -> torch.Tensor:
+        """gguf-py's dequantization of the file's tensor (the reference for every block
+        type); q/k rows back in HF's order (llama.cpp's converter permuted them)."""
+        tensor = file_tensors[name]
+        weight = torch.from_numpy(gguf_dequantize(tensor.data, tensor.tensor_type).copy())
+        if num_heads is None:
+            return weight
+        rows, cols = weight.shape  # (num_heads * head_dim, hidden)
+        halves = weight.reshape(num_heads, rows // num_heads // 2, 2, cols)
+        return halves.swapaxes(1, 2).reshape(rows, cols)
+
+    assert torch.equal(embed.weight.dequantize(), reference("token_embd.weight"))
     interleaved = default_kernels().interleaves(Q4_1)  # AVX-512: rows interleaved by 16
     assert embed.weight.interleaved == interleaved
     for i in (0, len(model.layers) - 1):
-        layer, p = model.layers[i], f"model.layers.{i}."
+        layer = model.layers[i]
         for name, file_name in (("o_proj", "attn_output"), ("down_proj", "ffn_down")):
             (weight,) = getattr(layer, name).weights
             mapped = tensors[f"blk.{i}.{file_name}.weight"]
@@ -68,9 +80,16 @@ def test_gguf_mode_holds_the_files_own_blocks(smollm2_dir, smollm2_default_llm):
         (qkv,) = layer.qkv_proj.weights
         (gate_up,) = layer.gate_up_proj.weights
         assert qkv.qtype == gate_up.qtype == Q4_1
-        expected = torch.cat([state[f"{p}self_attn.{n}_proj.weight"] for n in "qkv"])
+        b = f"blk.{i}."
+        expected = torch.cat(
+            [
+                reference(b + "attn_q.weight", num_heads=9),
+                reference(b + "attn_k.weight", num_heads=3),
+                reference(b + "attn_v.weight"),
+            ]
+        )
         assert torch.equal(qkv.dequantize(), expected)
-        expected = torch.cat([state[f"{p}mlp.{n}_proj.weight"] for n in ("gate", "up")])
+        expected = torch.cat([reference(b + "ffn_gate.weight"), reference(b + "ffn_up.weight")])
         assert torch.equal(gate_up.dequantize(), expected)
 
 

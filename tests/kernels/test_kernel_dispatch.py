@@ -30,12 +30,31 @@ DISPATCHED = {
 }
 
 
+# The public signature of each dispatched kernel (vLLM's argument names), as callers see it.
+SIGNATURES = {
+    "reshape_and_cache": ["key", "value", "kv_cache", "slot_mapping"],
+    "paged_attention": [
+        "query",
+        "kv_cache",
+        "query_start_loc",
+        "seq_lens",
+        "block_tables",
+        "scale",
+        "max_query_len",
+        "max_seq_len",
+        "out",
+    ],
+    "apply_token_bitmask": ["logits", "bitmask", "indices"],
+    "rms_norm": ["x", "weight", "eps", "residual"],
+    "rotary_embedding": ["positions", "query", "key", "cos_sin_cache", "head_size", "is_neox"],
+}
+
+
 @pytest.mark.parametrize("name", sorted(DISPATCHED))
-def test_dispatch_takes_the_reference_signature_and_docs(name):
-    fn, ref = getattr(kernels, name), getattr(kernels, f"{name}_ref")
-    assert fn.__name__ == name
-    assert fn.__doc__ == ref.__doc__
-    assert inspect.signature(fn) == inspect.signature(ref)
+def test_dispatch_shows_the_kernels_public_signature(name):
+    fn = getattr(kernels, name)
+    assert list(inspect.signature(fn).parameters) == SIGNATURES[name]
+    assert fn.__name__ == name and fn.__doc__.strip()  # help() shows the reference's text
 
 
 @pytest.fixture
