@@ -314,9 +314,10 @@ static void legacy_row(int qtype, const BlockType *bt, const uint8_t *row, int64
 // each row 2 int16 sums; columns are added in int16 (Q4: 8 of them, at most 8 * 2 * 15 * 128
 // < 2^15; Q5: 4, 4 * 2 * 31 * 128 < 2^15), then pmaddwd by ones gives each row its int32 dot.
 // A Q5 fifth bit comes from its mask's 32 bits of the half, spread to bytes (bytes_from_bits).
-// Q8_0 (u up to 255 would saturate pmaddubsw) and the K-quants stay in the file's layout
-// here: an interleaved Q4_K, Q5_K and Q6_K were measured slower than it when streaming
-// weights from memory.
+// Q8_0's u = q + 128 would saturate pmaddubsw: its columns go back to q, and |q| times the
+// activation with q's sign (at most 2 * 128 * 127 < 2^15 a pair), one pmaddwd a column; no
+// bias. The K-quants stay in the file's layout here: an interleaved Q4_K, Q5_K and Q6_K were
+// measured slower than it when streaming weights from memory.
 
 #define X16_TT 2 // activation rows a pass over a group's blocks
 
@@ -336,15 +337,53 @@ static inline __m256i x16_dot8(const __m256i *u, const int32_t *q, int q5) {
     return _mm256_add_epi32(r, _mm256_madd_epi16(s, ones));
 }
 
+static inline __attribute__((always_inline)) void x16_q8_rows(const uint8_t *group,
+                                                              int64_t num_blocks, const uint8_t *act,
+                                                              int64_t kp, const int TT, float *sums) {
+    const int64_t stride = act_row_bytes(kp), d32_at = kp + kp / 2;
+    const __m256i flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
+    for (int half = 0; half < 2; half++) {
+        __m256 acc[X16_TT];
+        for (int tt = 0; tt < TT; tt++) acc[tt] = _mm256_setzero_ps();
+        for (int64_t b = 0; b < num_blocks; b++) {
+            const uint8_t *p = group + b * 16 * 34;
+            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 16 * half)));
+            __m256i isum[X16_TT];
+            for (int tt = 0; tt < TT; tt++) isum[tt] = _mm256_setzero_si256();
+            for (int c = 0; c < 8; c++) {
+                const __m256i q = _mm256_xor_si256(
+                    _mm256_loadu_si256((const __m256i *)(p + 32 + 64 * c + 32 * half)), flip);
+                const __m256i w = _mm256_abs_epi8(q);
+                for (int tt = 0; tt < TT; tt++) {
+                    const int32_t *qa = (const int32_t *)(act + tt * stride + 32 * b);
+                    const __m256i a = _mm256_sign_epi8(_mm256_set1_epi32(qa[c]), q);
+                    isum[tt] = _mm256_add_epi32(
+                        isum[tt], _mm256_madd_epi16(_mm256_maddubs_epi16(w, a), ones));
+                }
+            }
+            for (int tt = 0; tt < TT; tt++) {
+                const float da = ((const float *)(act + tt * stride + d32_at))[b];
+                acc[tt] = _mm256_fmadd_ps(
+                    d, _mm256_mul_ps(_mm256_cvtepi32_ps(isum[tt]), _mm256_set1_ps(da)), acc[tt]);
+            }
+        }
+        for (int tt = 0; tt < TT; tt++) _mm256_storeu_ps(sums + 16 * tt + 8 * half, acc[tt]);
+    }
+}
+
 static inline __attribute__((always_inline)) void x16_rows(int qtype, const uint8_t *group,
                                                            int64_t num_blocks, const uint8_t *act,
                                                            int64_t kp, const int TT, float *sums) {
     const int has_min = qtype == T_Q4_1 || qtype == T_Q5_1;
     const int q5 = qtype == T_Q5_0 || qtype == T_Q5_1;
-    const int64_t block = 16 * (18 + 2 * has_min + 4 * q5);
     const int64_t stride = act_row_bytes(kp), d32_at = kp + kp / 2;
     const int64_t s32_at = kp + 4 * (kp / 8 + kp / 32);
     const __m256i low = _mm256_set1_epi8(0x0f), sixteen = _mm256_set1_epi8(16);
+    if (qtype == T_Q8_0) {
+        x16_q8_rows(group, num_blocks, act, kp, TT, sums);
+        return;
+    }
+    const int64_t block = 16 * (18 + 2 * has_min + 4 * q5);
     for (int half = 0; half < 2; half++) {
         __m256 acc[X16_TT];
         for (int tt = 0; tt < TT; tt++) acc[tt] = _mm256_setzero_ps();

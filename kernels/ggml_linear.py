@@ -11,8 +11,8 @@ step. The C library is built on first use for the best instruction set of this C
 (read once, on first use); every function also takes `kernels=load_ggml_kernels(build_dir,
 isa)` to run another build (ggml_library.py).
 On AVX-512, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and Q4_K run faster with the rows of a weight
-interleaved by 16 (on AVX2 the four 4- and 5-bit legacy types; 1.3-1.8x streaming from
-memory, ~3x in cache)
+interleaved by 16 (on AVX2 the five legacy types; 1.3-1.8x streaming from memory, ~3x in
+cache)
 (`interleave`, done once at load; `GGMLWeight.interleaved`): each vector lane sums one row,
 so the scales of 16 rows are one vector and no lanes are summed at the end.
 Every step size takes the same kernel, so a row's result does not depend on the step it is

@@ -24,7 +24,7 @@
 // of T rows reads each weight byte from memory once. On AVX-512 the legacy types (blocks of
 // 32 with one fp16 scale each) skip the chunk: pairs of blocks are decoded into registers and
 // dotted with 8 activation rows at a time (ggml_avx512.h; on AVX2 one block and 4 rows,
-// ggml_avx2.h); Q4_0, Q4_1, Q5_0, Q5_1 (and on AVX-512 Q8_0, Q4_K) weights interleaved by 16 rows
+// ggml_avx2.h); the legacy types (and on AVX-512 Q4_K) interleaved by 16 rows
 // at load (`ggml_interleave`) take kernels whose vector lanes are those rows (x16_type). On AVX-512 and AVX2, Q4_K, Q5_K
 // and Q6_K take their activations in blocks of 256 instead (ggml's Q8_K), which lets a
 // block's group scales be applied in integers (ggml_avx512.h, ggml_avx2.h,
@@ -469,11 +469,9 @@ static void x16_group(int qtype, const uint8_t *group, int64_t num_blocks, const
 #define QT T_Q5_1
     case QT: IN_PASSES(X16_TT, rows, PASS); break;
 #undef QT
-#if AGENTRT_ISA == 2
 #define QT T_Q8_0
     case QT: IN_PASSES(X16_TT, rows, PASS); break;
 #undef QT
-#endif
     }
 #undef PASS
 }
@@ -643,14 +641,14 @@ static inline int q8k_type(int qtype) {
 // The activation block this build quantizes to for the type: 256 or 32.
 int ggml_act_block(int qtype) { return q8k_type(qtype) ? 256 : 32; }
 
-// The types this build runs interleaved by 16 rows (ggml_linear.py's `interleave`): Q4_0,
-// Q4_1, Q5_0 and Q5_1 on AVX-512 and AVX2, Q8_0 and Q4_K on AVX-512 (ggml_avx2.h says why not
-// there). Each was measured faster than the file's layout when streaming weights from memory;
-// Q5_K and Q6_K interleaved were slower (more decoding a column), so they are not.
+// The types this build runs interleaved by 16 rows (ggml_linear.py's `interleave`): the
+// legacy types on AVX-512 and AVX2, Q4_K on AVX-512 (ggml_avx2.h says why not there). Each
+// was measured faster than the file's layout when streaming weights from memory; Q5_K and
+// Q6_K interleaved were slower (more decoding a column), so they are not.
 static inline int x16_type(int qtype) {
-    return AGENTRT_ISA >= 1 &&
-           (qtype == T_Q4_0 || qtype == T_Q4_1 || qtype == T_Q5_0 || qtype == T_Q5_1 ||
-            (AGENTRT_ISA == 2 && (qtype == T_Q8_0 || qtype == T_Q4_K)));
+    return AGENTRT_ISA >= 1 && (qtype == T_Q4_0 || qtype == T_Q4_1 || qtype == T_Q5_0 ||
+                                qtype == T_Q5_1 || qtype == T_Q8_0 ||
+                                (AGENTRT_ISA == 2 && qtype == T_Q4_K));
 }
 
 static inline void store_out(void *out, int out_bf16, int64_t at, float v) {
