@@ -25,6 +25,7 @@ together (a tensor-parallel rank's heads are the same rows in either order).
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
 import functools
 import gzip
@@ -272,7 +273,18 @@ def load_gguf_tokenizer(gguf_path: str | os.PathLike[str]) -> FastTokenizer:
         **{k: config.get(k) for k in _TOKENIZER_KEYS},
         chat_template=template.read_text() if template.is_file() else None,
     )
+    _return_freed_memory()
     return FastTokenizer(backend, settings)
+
+
+def _return_freed_memory() -> None:
+    """Hand the heap's free pages back to the OS (glibc's `malloc_trim`). Reading a
+    tokenizer's JSON leaves about twice the tokenizer's own size free in the heap (Qwen's
+    152k vocabulary: 81 of 125 MiB), which would otherwise stay in the process's RSS."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to do
+        pass
 
 
 def _write_metadata(gguf_path: Path, out_dir: Path) -> None:

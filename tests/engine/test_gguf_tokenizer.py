@@ -125,14 +125,46 @@ def test_built_from_fields_equals_the_cached_one(smollm2_dir: Path) -> None:
         assert built.encode(text) == cached.encode(text)
 
 
-def test_a_copy_is_independent_and_equal(smollm2_dir: Path) -> None:
-    """The engine deep-copies the tokenizer for its front-end thread."""
+def test_a_copy_has_its_own_settings_and_shares_the_vocabulary(smollm2_dir: Path) -> None:
+    """The engine deep-copies the tokenizer for its front-end thread: the copy's settings are
+    its own, the Rust tokenizer (never changed after construction) is shared."""
     ours = load_gguf_tokenizer(smollm2_dir)
     twin = copy.deepcopy(ours)
+    assert twin.backend_tokenizer is ours.backend_tokenizer
     twin.chat_template = "{{ messages[0]['content'] }}"
-    assert twin.encode(TEXTS[2]) == ours.encode(TEXTS[2])
-    assert ours.chat_template != twin.chat_template
+    twin.model_max_length = 16
+    assert (ours.chat_template, ours.model_max_length) == (
+        load_gguf_tokenizer(smollm2_dir).chat_template,
+        8192,
+    )
     assert twin.apply_chat_template(MESSAGES[1:2], tokenize=False) == MESSAGES[1]["content"]
+
+
+def test_threads_share_one_tokenizer(smollm2_dir: Path) -> None:
+    """Encoding, decoding and streaming decodes on four threads at once give what one
+    thread gives (the engine thread and the front end share the Rust tokenizer)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tokenizers.decoders import DecodeStream
+
+    ours = load_gguf_tokenizer(smollm2_dir)
+    texts = [t * 20 for t in TEXTS if t]
+
+    def work(seed: int) -> list:
+        twin = copy.deepcopy(ours)
+        results = []
+        for text in texts[seed % 3 :] * 3:
+            ids = twin.encode(text)
+            stream = DecodeStream(skip_special_tokens=False)
+            pieces = [stream.step(twin.backend_tokenizer, i) for i in ids]
+            results.append((ids, twin.decode(ids), "".join(p for p in pieces if p)))
+        return results
+
+    expected = [work(seed) for seed in range(8)]
+    with ThreadPoolExecutor(4) as pool:
+        assert list(pool.map(work, range(8))) == expected
+    for _ids, decoded, streamed in expected[0]:
+        assert streamed == decoded
 
 
 def test_transformers_view_and_saved_copy_are_the_same_tokenizer(
@@ -259,9 +291,14 @@ def test_unsupported_tokenizer_model_falls_back(smollm2_dir: Path) -> None:
 
 
 def test_config_keys_are_transformers_own() -> None:
-    """The GGUF -> config key table read without transformers is transformers' table."""
+    """The GGUF -> config key table read without transformers is transformers' table, for
+    every architecture transformers reads GGUFs of."""
     from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
 
-    for section, keys in gguf_file.CONFIG_KEYS.items():
-        theirs = {k: v for k, v in GGUF_CONFIG_MAPPING[section].items() if v not in (None, -1)}
-        assert keys == theirs, section
+    shared = [s for s in gguf_file.CONFIG_KEYS if s in GGUF_CONFIG_MAPPING]
+    assert {"general", "tokenizer", "llama", "mistral", "qwen2", "qwen3"} <= set(shared)
+    for section in shared:
+        theirs = GGUF_CONFIG_MAPPING[section]
+        assert gguf_file.CONFIG_KEYS[section] == {
+            k: v for k, v in theirs.items() if v not in (None, -1)
+        }, section
