@@ -10,15 +10,17 @@ A completion request (`/v1/chat/completions`, `/v1/completions`) goes upstream t
    `kv_transfer_params` added; its reply (JSON, or an SSE stream) goes back to the client as
    is: status, content type, body, stream chunks as they arrive.
 
-A prefill that fails (unreachable, past `prefill_timeout_s`, a 5xx) is logged and counted; the
-decode instance then gets the request without `kv_transfer_params` and prefills it itself. A
-4xx from the prefill instance is the client's fault: it goes back unchanged and nothing is
-decoded. A decode instance that does not answer gives the client a 502 error object.
+A prefill that fails (unreachable, past `prefill_timeout_s`, a 5xx, a 429: a producer that
+holds all the KV it may) is logged and counted; the decode instance then gets the request
+without `kv_transfer_params` and prefills it itself. Any other 4xx from the prefill instance
+is the client's fault: it goes back unchanged and nothing is decoded. The body is checked
+first (`proxy_app.checked_body`), so a body the decode instance would refuse never makes a
+prefill instance hold blocks for it. A decode instance that does not answer gives the client a 502 error object.
 
-The proxy keeps no state of its own besides the round-robin turns and its counters, and
-forwards only the `Authorization` header: the instances check API keys and validate bodies.
-With `api_key` it checks the key itself before forwarding anything (401), as `agentrt serve`
-does (the instances then take the same key); every body is limited to `max_request_bytes`
+The proxy keeps no state of its own besides the round-robin turns and its counters. Upstream
+it sends its own credential (`upstream_api_key`, default its `api_key`), never a client's
+header. With `api_key` it checks the client's key itself before forwarding anything (401), as
+`agentrt serve` does; every body is limited to `max_request_bytes`
 (413), the server's default; `/health` (open, for load balancers) names no upstream. A
 client's own `kv_transfer_params` never pass: the field is the proxy's to set, and the decode
 instance accepts only what a producer signed (engine/kv_transfer/auth.py).
@@ -46,7 +48,7 @@ logger = logging.getLogger("agentrt.proxy")
 PREFILL_TIMEOUT_S = 60.0
 DECODE_TIMEOUT_S = 600.0
 # Why a prefill failed; the label of `agentrt_proxy_prefill_fallbacks_total`.
-FALLBACK_REASONS = ("unreachable", "timeout", "server_error")
+FALLBACK_REASONS = ("unreachable", "timeout", "server_error", "overloaded")
 # Fields of the client's body the prefill request drops: a one-token, one-choice request must
 # stay valid (`min_tokens` above 1 would exceed max_tokens=1, `best_of` would prefill n times).
 PREFILL_DROPPED_FIELDS = ("max_completion_tokens", "min_tokens", "n", "best_of", "stream_options")
@@ -179,6 +181,10 @@ class DisaggProxy:
             return self._fallback("timeout", url, f"no reply in {self.prefill_timeout_s}s")
         except httpx.TransportError as exc:
             return self._fallback("unreachable", url, repr(exc))
+        if response.status_code == 429:
+            # The producer holds all the KV it may for consumers (or its queue is full): the
+            # client's request is fine, and the decode instance can prefill it itself.
+            return self._fallback("overloaded", url, "429: the prefill instance is busy")
         if response.is_client_error:
             return PrefillOutcome(rejection=_relayed(response, response.content))
         if not response.is_success:

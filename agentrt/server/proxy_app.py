@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -27,9 +28,41 @@ _INSTALL_HINT = (
 )
 
 
-def _forwarded_headers(request: Request) -> dict[str, str]:
-    auth = request.headers.get("authorization")
-    return {"authorization": auth} if auth is not None else {}
+def upstream_headers(upstream_api_key: str | None) -> dict[str, str]:
+    """The headers every upstream request carries: the proxy's own credential, never the
+    client's (a client's key is for the proxy; forwarded, the instances would answer any
+    key the client guessed, and one client's key would reach the instances as its own)."""
+    return {"authorization": f"Bearer {upstream_api_key}"} if upstream_api_key else {}
+
+
+def checked_body(path: str, body: dict[str, Any]) -> None:
+    """Refuse (400) a body the decode instance would refuse, before the prefill instance
+    holds KV blocks for it: a decode that fails leaves them pinned until the hold times out."""
+    import pydantic
+
+    from agentrt.engine.errors import InvalidRequestError
+    from agentrt.server.errors import bad_request, from_exception
+    from agentrt.server.params import choice_params
+    from agentrt.server.protocol import ChatCompletionRequest, CompletionRequest
+
+    model = ChatCompletionRequest if path == "/v1/chat/completions" else CompletionRequest
+    try:
+        request = model.model_validate(body)
+    except pydantic.ValidationError as exc:
+        first = exc.errors()[0]
+        param = ".".join(str(p) for p in first.get("loc", ())) or None
+        raise bad_request(f"{param}: {first.get('msg')}", param=param) from None
+    max_tokens = getattr(request, "max_completion_tokens", None) or request.max_tokens
+    try:
+        choice_params(
+            request.model_copy(update={"kv_transfer_params": None}),
+            max_tokens=max_tokens,
+            max_tokens_field="max_tokens",
+            logprobs=None,
+            structured=None,
+        )
+    except InvalidRequestError as exc:
+        raise from_exception(exc) from None
 
 
 async def _json_object(request: Request) -> dict[str, Any]:
@@ -51,10 +84,12 @@ def create_proxy_app(
     prefill_timeout_s: float = PREFILL_TIMEOUT_S,
     decode_timeout_s: float = DECODE_TIMEOUT_S,
     api_key: str | None = None,
+    upstream_api_key: str | None = None,
     max_request_bytes: int = MAX_REQUEST_BYTES,
 ) -> FastAPI:
     """The proxy's ASGI app. `api_key`: required as 'Authorization: Bearer KEY' on every
-    route but /health. Raises ValueError for an empty URL list, a URL that is not http(s), a
+    route but /health. `upstream_api_key`: what the proxy sends the instances (default: its
+    own `api_key`; never a client's header). Raises ValueError for an empty URL list, a URL that is not http(s), a
     timeout that is not positive or a body limit below 1."""
     try:
         from contextlib import asynccontextmanager
@@ -83,6 +118,7 @@ def create_proxy_app(
         yield
         await proxy.aclose()
 
+    headers = upstream_headers(upstream_api_key or api_key)
     app = FastAPI(title="agentrt proxy", lifespan=lifespan)
     app.state.proxy = proxy
     install_error_handlers(app)
@@ -92,8 +128,8 @@ def create_proxy_app(
     async def complete(request: Request) -> Response:
         body = await _json_object(request)
         proxy.metrics.requests.inc()
-        headers = _forwarded_headers(request)
         path = request.url.path
+        checked_body(path, body)
         outcome = await proxy.prefill(path, body, headers)
         if outcome.rejection is not None:
             return outcome.rejection
@@ -102,7 +138,7 @@ def create_proxy_app(
         )
 
     async def models(request: Request) -> Response:
-        return await proxy.forward("GET", "/v1/models", _forwarded_headers(request))
+        return await proxy.forward("GET", "/v1/models", headers)
 
     async def health(request: Request) -> Response:
         return JSONResponse({"status": "ok"})  # open to anyone: no upstream addresses
@@ -135,6 +171,12 @@ def add_proxy_args(parser: argparse.ArgumentParser) -> None:
         help="a decode instance (repeat for several: round-robin)",
     )
     add_listen_args(parser, ", checked before anything is forwarded")
+    parser.add_argument(
+        "--upstream-api-key",
+        default=os.environ.get("AGENTRT_UPSTREAM_API_KEY"),
+        help="the key the proxy sends the instances (default: $AGENTRT_UPSTREAM_API_KEY, else "
+        "--api-key); a client's own key is never forwarded",
+    )
     parser.add_argument("--max-request-bytes", type=int, default=MAX_REQUEST_BYTES, help="else 413")
     parser.add_argument(
         "--prefill-timeout",
@@ -170,6 +212,7 @@ def run_proxy(args: argparse.Namespace) -> int:
             prefill_timeout_s=args.prefill_timeout,
             decode_timeout_s=args.decode_timeout,
             api_key=args.api_key or None,
+            upstream_api_key=args.upstream_api_key or None,
             max_request_bytes=args.max_request_bytes,
         )
     except ValueError as exc:

@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from agentrt.engine.config import KVTransferConfig
@@ -155,9 +156,13 @@ class P2PScheduler(KVConnectorScheduler):
     def _max_held(self) -> int:
         return int(self.config.max_held_fraction * self.kv.num_blocks)
 
-    def _num_held(self) -> int:
-        """Blocks pinned by held requests (all of each one's blocks stay until sent)."""
-        return sum(len(self.kv.block_ids(req_id)) for req_id in self.held)
+    def _num_held(self, more: Iterable[int] = ()) -> int:
+        """Physical blocks pinned by held requests (all of each one's blocks stay until sent),
+        with `more`: distinct blocks, so a prefix the prefix cache shares between held
+        requests counts once (counted once per request, a few holds of one long shared
+        prompt reached the cap and refused everyone's)."""
+        held = {b for req_id in self.held for b in self.kv.block_ids(req_id)}
+        return len(held.union(more))
 
     def request_finished(self, request: Request) -> dict | None:
         self._tried.discard(request.req_id)
@@ -181,7 +186,7 @@ class P2PScheduler(KVConnectorScheduler):
         max_held = self._max_held()
         # Admission reserved room for it; this guards against what the reservation did not
         # foresee (a hold never admitted, e.g. after a restart of the accounting).
-        if num_held + len(block_ids) > max_held:
+        if self._num_held(block_ids) > max_held:
             self.stats.num_holds_refused += 1
             refused = (
                 f"{num_held} of the {max_held} blocks this producer may hold for consumers "

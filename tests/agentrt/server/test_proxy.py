@@ -207,7 +207,7 @@ def fallbacks(http: httpx.Client) -> dict[str, float]:
 
 
 def test_chat_through_the_openai_client(start_proxy, prefill, decode):
-    http = start_proxy()
+    http = start_proxy(upstream_api_key="upstream-key")
     client = openai.OpenAI(
         base_url=str(http.base_url).rstrip("/") + "/v1", api_key="sk-proxy-test", max_retries=0
     )
@@ -224,7 +224,9 @@ def test_chat_through_the_openai_client(start_proxy, prefill, decode):
     assert decode_call.body["max_tokens"] == 7
     assert decode_call.body["messages"] == MESSAGES
     assert decode_call.body["kv_transfer_params"] == prefill.kv_params(1)
-    assert prefill_call.headers["authorization"] == decode_call.headers["authorization"] == AUTH
+    # The proxy's own credential upstream, never the client's key.
+    upstream = "Bearer upstream-key"
+    assert prefill_call.headers["authorization"] == decode_call.headers["authorization"] == upstream
 
     stream = client.chat.completions.create(model="m", messages=MESSAGES, stream=True)
     chunks = list(stream)
@@ -330,13 +332,44 @@ def test_slow_prefill_times_out_and_falls_back(start_proxy, prefill, decode):
 def test_prefill_client_error_is_returned_without_decoding(start_proxy, prefill, decode):
     http = start_proxy()
     prefill.mode = "bad_request"
-    response = http.post("/v1/chat/completions", json={"model": "m"})
+    response = http.post("/v1/chat/completions", json={"model": "m", "messages": MESSAGES})
     assert response.status_code == 400
     assert response.json() == {
         "error": {"message": "messages: field required", "type": "invalid_request_error"}
     }
     assert decode.calls == []
     assert fallbacks(http) == {"requests": 1, "unreachable": 0, "timeout": 0, "server_error": 0}
+
+
+def test_a_body_the_decode_instance_would_refuse_is_refused_before_the_prefill(
+    start_proxy, prefill, decode
+):
+    # The prefill leg drops `n`: an n the decode instance refuses used to be prefilled, and
+    # its blocks held for a decode that never came (120 s).
+    http = start_proxy()
+    for body in (
+        {"model": "m", "messages": MESSAGES, "n": 1000},
+        {"model": "m"},
+        {"model": "m", "messages": MESSAGES, "stop": ["x" * 5000]},
+        {"model": "m", "messages": MESSAGES, "min_tokens": 9, "max_tokens": 2},
+    ):
+        response = http.post("/v1/chat/completions", json=body)
+        assert response.status_code == 400, (body, response.text)
+        assert response.json()["error"]["type"] == "invalid_request_error"
+    assert prefill.calls == [] and decode.calls == []
+
+
+def test_a_busy_prefill_instance_falls_back_to_a_local_prefill(start_proxy, prefill, decode):
+    # A producer that holds all it may for consumers answers 429: relayed, it made every
+    # client wait while any decode instance could prefill the request itself.
+    http = start_proxy()
+    prefill.mode = "overloaded"
+    response = http.post("/v1/chat/completions", json={"model": "m", "messages": MESSAGES})
+    assert response.status_code == 200
+    assert response.json()["choices"][0]["message"]["content"] == "decoded by decode-a"
+    assert "kv_transfer_params" not in decode.calls[0].body
+    values = metrics(http)
+    assert values['agentrt_proxy_prefill_fallbacks_total{reason="overloaded"}'] == 1
 
 
 def test_decode_down_gives_502(start_proxy, prefill):
@@ -369,7 +402,7 @@ def test_models_health_and_invalid_json(start_proxy, prefill, decode, stubs):
     models = http.get("/v1/models")
     assert models.status_code == 200
     assert models.json()["data"][0]["owned_by"] == "decode-a"
-    assert decode.calls[0].headers["authorization"] == AUTH
+    assert "authorization" not in decode.calls[0].headers  # the client's key stays here
 
     health = http.get("/health")
     assert health.status_code == 200
