@@ -371,6 +371,16 @@ CONFIG_KEYS = {
     "mistral": _ARCH_CONFIG_KEYS,
     "qwen2": {k: v for k, v in _ARCH_CONFIG_KEYS.items() if k != "rope.dimension_count"},
     "qwen3": {k: v for k, v in _ARCH_CONFIG_KEYS.items() if k != "rope.dimension_count"},
+    # Families transformers reads no GGUF of (engine/model/registry.py): llama's keys and
+    # what the family adds.
+    "smollm3": _ARCH_CONFIG_KEYS,
+    "granite": {
+        **_ARCH_CONFIG_KEYS,
+        "embedding_scale": "embedding_multiplier",
+        "residual_scale": "residual_multiplier",
+        "attention.scale": "attention_multiplier",
+        "logit_scale": "logits_scaling",
+    },
 }
 
 

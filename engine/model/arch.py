@@ -43,6 +43,8 @@ class ModelArchConfig:
     norm_offset: float = 0.0  # RMSNorm multiplies by (offset + w): Gemma's is 1
     activation: str = "silu"  # of the gated MLP: "silu" or "gelu_tanh"
     embedding_scale: float = 1.0  # the embedding's rows times this (Gemma: sqrt(hidden))
+    residual_scale: float = 1.0  # attention's and the MLP's outputs times this (Granite)
+    logits_scaling: float = 1.0  # logits divided by this (Granite)
     attention_scale: float | None = None  # None: head_dim ** -0.5
     final_logit_softcap: float | None = None  # logits = cap * tanh(logits / cap)
     # The checkpoint stores q/k/v as one matrix `self_attn.qkv_proj` and gate/up as one
@@ -54,6 +56,8 @@ class ModelArchConfig:
     sliding_window: int | None = None
     local_rope_theta: float | None = None
     local_rope_scaling: dict | None = None
+    # Per layer whether it rotates q and k (empty: every layer): SmolLM3's NoPE layers.
+    rope_layers: tuple[bool, ...] = ()
 
     @classmethod
     def from_hf_dict(cls, config: dict) -> ModelArchConfig:

@@ -93,6 +93,8 @@ class DecoderLayer(nn.Module):
         self.head_dim = cfg.head_dim
         self.scale = cfg.attention_scale or cfg.head_dim**-0.5
         self.sliding_window = cfg.sliding_window if cfg.is_sliding(index) else None
+        self.use_rope = not cfg.rope_layers or cfg.rope_layers[index]
+        self.residual_scale = cfg.residual_scale
         q_size = cfg.num_heads * cfg.head_dim
         kv_size = cfg.num_kv_heads * cfg.head_dim
         self.qkv_split = (q_size, kv_size, kv_size)
@@ -146,6 +148,8 @@ class DecoderLayer(nn.Module):
                 q, k = self.q_norm(q), self.k_norm(k)
             if rotate is not None:
                 q, k = rotate(q, k)
+            else:  # a NoPE layer: the query as the attention kernels take it
+                q = q.contiguous()
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)  # (T, KVH, D)
         if self.sliding_window is not None:
             attn = windowed_attention(q, k, v, kv_cache, meta, self.scale, self.sliding_window)
@@ -154,6 +158,8 @@ class DecoderLayer(nn.Module):
         hidden = self.o_proj(attn.reshape(num_tokens, -1))
         if self.tp is not None:
             self.tp.all_reduce(hidden)
+        if self.residual_scale != 1.0:
+            hidden = hidden * self.residual_scale
         if self.attn_output_norm is not None:
             hidden = self.attn_output_norm(hidden)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
@@ -161,6 +167,8 @@ class DecoderLayer(nn.Module):
         hidden = self.down_proj(self.act(gate) * up)
         if self.tp is not None:
             self.tp.all_reduce(hidden)
+        if self.residual_scale != 1.0:
+            hidden = hidden * self.residual_scale
         if self.mlp_output_norm is not None:
             hidden = self.mlp_output_norm(hidden)
         return hidden, residual
@@ -270,6 +278,8 @@ class DecoderForCausalLM(nn.Module):
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             layer_rotate = local_rotate if layer.sliding_window is not None else rotate
+            if not layer.use_rope:
+                layer_rotate = None
             hidden, residual = layer(hidden, residual, layer_rotate, kv_cache, meta, attention)
         return hidden + residual  # the final norm runs on the sampled rows only
 
@@ -285,6 +295,8 @@ class DecoderForCausalLM(nn.Module):
         else:
             weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
             logits = F.linear(self.norm(hidden), weight).float()
+        if self.cfg.logits_scaling != 1.0:
+            logits = logits / self.cfg.logits_scaling
         cap = self.cfg.final_logit_softcap
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap

@@ -74,6 +74,9 @@ class LlamaForCausalLM(DecoderForCausalLM):
             and cfg.norm_offset == 0.0
             and cfg.activation == "silu"
             and cfg.embedding_scale == 1.0
+            and cfg.residual_scale == 1.0
+            and cfg.logits_scaling == 1.0
+            and all(cfg.rope_layers)
             and cfg.attention_scale is None
             and cfg.final_logit_softcap is None
             and not cfg.layer_types

@@ -98,6 +98,9 @@ FAMILIES: tuple[ModelFamily, ...] = (
             "ffn_up": "mlp.gate_up_proj",  # gate and up rows, as HF stores them
         },
     ),
+    # llama.cpp's converter treats both as Llama (Q/K rows permuted).
+    ModelFamily("smollm3", "smollm3", ("SmolLM3ForCausalLM",), ("smollm3",), gguf_permutes_qk=True),
+    ModelFamily("granite", "granite", ("GraniteForCausalLM",), ("granite",), gguf_permutes_qk=True),
     ModelFamily(
         "gemma3",
         "gemma3",
@@ -118,6 +121,8 @@ MODEL_TYPE_TO_ARCHITECTURE: dict[str, str] = {
     "qwen3": "Qwen3ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
     "phi3": "Phi3ForCausalLM",
+    "smollm3": "SmolLM3ForCausalLM",
+    "granite": "GraniteForCausalLM",
 }
 
 

@@ -69,6 +69,21 @@ def hf_config(family: str) -> Any:
                 "original_max_position_embeddings": 64,
             },
         )
+    if family == "smollm3":  # layers 3 and 7 (every fourth) rotate nothing
+        return transformers.SmolLM3Config(
+            **_COMMON, num_hidden_layers=8, rope_theta=10000.0, tie_word_embeddings=True
+        )
+    if family == "granite":
+        return transformers.GraniteConfig(
+            **_COMMON,
+            num_hidden_layers=2,
+            rope_theta=10000.0,
+            tie_word_embeddings=True,
+            embedding_multiplier=12.0,
+            residual_multiplier=0.22,
+            attention_multiplier=0.2,
+            logits_scaling=8.0,
+        )
     if family == "phi3":
         # LongRoPE: positions within the original context (64) turn with the short factors,
         # past it with the long ones; cos and sin scaled by sqrt(1 + ln 8 / ln 64).
@@ -146,6 +161,11 @@ def write_family_gguf(
     else:
         writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
     _add_tokenizer(writer)
+    if family == "granite":
+        writer.add_embedding_scale(config.embedding_multiplier)
+        writer.add_residual_scale(config.residual_multiplier)
+        writer.add_attention_scale(config.attention_multiplier)
+        writer.add_logit_scale(config.logits_scaling)
     rope = config.rope_parameters
     if rope.get("rope_type") == "llama3":
         writer.add_tensor("rope_freqs.weight", llama3_rope_factors(config))

@@ -51,6 +51,8 @@ def family_files(tmp_path_factory):
             ("llama", Q.Q8_0),
             ("llama3", Q.F32),
             ("phi3", Q.Q8_0),
+            ("smollm3", Q.Q8_0),
+            ("granite", Q.Q8_0),
             ("gemma3", Q.Q8_0),
             ("gemma3", Q.F32),
         )
@@ -63,6 +65,8 @@ def family_files(tmp_path_factory):
         ("llama", Q.Q8_0, {}),
         ("llama3", Q.F32, {}),  # the GGUF's rope_freqs for the config's llama3 scaling
         ("phi3", Q.Q8_0, {}),  # fused qkv and gate_up; LongRoPE factors as tensors
+        ("smollm3", Q.Q8_0, {}),  # NoPE layers
+        ("granite", Q.Q8_0, {}),  # embedding, residual, attention and logit multipliers
         ("gemma3", Q.Q8_0, {}),
         ("gemma3", Q.F32, {"attention_backend": "torch"}),
         ("gemma3", Q.F32, {"max_num_batched_tokens": 7}),  # chunks across the window
