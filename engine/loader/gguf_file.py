@@ -374,6 +374,7 @@ CONFIG_KEYS = {
     # Families transformers reads no GGUF of (engine/model/registry.py): llama's keys and
     # what the family adds.
     "smollm3": _ARCH_CONFIG_KEYS,
+    "olmo2": _ARCH_CONFIG_KEYS,
     "granite": {
         **_ARCH_CONFIG_KEYS,
         "embedding_scale": "embedding_multiplier",

@@ -126,7 +126,6 @@ def parameter_specs(arch: ModelArchConfig) -> list[ParamSpec]:
                 (f"{p}mlp.gate_up_proj.weight",),
             )
         specs += [
-            ParamSpec(f"{m}input_layernorm.weight", (f"{p}input_layernorm.weight",), Split.NONE),
             *_norm_specs(arch, p, m),
             ParamSpec(f"{m}qkv_proj.weight", qkv_parts, Split.COLUMN),
             ParamSpec(f"{m}o_proj.weight", (f"{p}self_attn.o_proj.weight",), Split.ROW),
@@ -146,17 +145,24 @@ def parameter_specs(arch: ModelArchConfig) -> list[ParamSpec]:
 
 
 def _norm_specs(arch: ModelArchConfig, p: str, m: str) -> list[ParamSpec]:
-    """A layer's norms after the input one (model/decoder.py's names), by the layout: HF's
-    Gemma names its pre-MLP norm `pre_feedforward_layernorm` and the norm of attention's
-    output `post_attention_layernorm`, which is Llama's pre-MLP norm."""
+    """A layer's norms (model/decoder.py's names) by the layout. HF's Gemma names its pre-MLP
+    norm `pre_feedforward_layernorm` and the norm of attention's output
+    `post_attention_layernorm`, which is Llama's pre-MLP norm; OLMo 2 has only the norms
+    of the outputs, under Gemma's names."""
+    names = {"input_layernorm": "input_layernorm"}
     if arch.norm_layout == "sandwich":
-        names = {
+        names |= {
             "post_attention_layernorm": "pre_feedforward_layernorm",
             "attn_output_norm": "post_attention_layernorm",
             "mlp_output_norm": "post_feedforward_layernorm",
         }
+    elif arch.norm_layout == "post":
+        names = {
+            "attn_output_norm": "post_attention_layernorm",
+            "mlp_output_norm": "post_feedforward_layernorm",
+        }
     else:
-        names = {"post_attention_layernorm": "post_attention_layernorm"}
+        names |= {"post_attention_layernorm": "post_attention_layernorm"}
     return [
         ParamSpec(f"{m}{ours}.weight", (f"{p}{theirs}.weight",), Split.NONE)
         for ours, theirs in names.items()

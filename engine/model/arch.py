@@ -38,8 +38,11 @@ class ModelArchConfig:
     # --- what families set (model/<family>.py); Llama's defaults ---
     family: str = "llama"
     # "pre": a norm before attention and before the MLP (Llama); "sandwich": also one after
-    # each of them, on its output before the residual add (Gemma 2/3).
+    # each of them, on its output before the residual add (Gemma 2/3); "post": only those
+    # after (OLMo 2).
     norm_layout: str = "pre"
+    # q/k norms over each head (Qwen3, Gemma 3), or over all heads at once (OLMo 2).
+    qk_norm_per_head: bool = True
     norm_offset: float = 0.0  # RMSNorm multiplies by (offset + w): Gemma's is 1
     activation: str = "silu"  # of the gated MLP: "silu" or "gelu_tanh"
     embedding_scale: float = 1.0  # the embedding's rows times this (Gemma: sqrt(hidden))

@@ -104,17 +104,20 @@ class DecoderLayer(nn.Module):
         def norm(size: int) -> RMSNorm:
             return RMSNorm(size, cfg.rms_norm_eps, kernel_ops, cfg.norm_offset)
 
-        sandwich = cfg.norm_layout == "sandwich"
-        self.input_layernorm = norm(cfg.hidden_size)
+        pre = cfg.norm_layout != "post"
+        post = cfg.norm_layout != "pre"
+        self.input_layernorm = norm(cfg.hidden_size) if pre else None
         self.qkv_proj = nn.Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=False)
-        self.q_norm = norm(cfg.head_dim) if cfg.qk_norm else None
-        self.k_norm = norm(cfg.head_dim) if cfg.qk_norm else None
-        self.attn_output_norm = norm(cfg.hidden_size) if sandwich else None
-        self.post_attention_layernorm = norm(cfg.hidden_size)
+        per_head = cfg.qk_norm_per_head
+        self.q_norm = norm(cfg.head_dim if per_head else q_size) if cfg.qk_norm else None
+        self.k_norm = norm(cfg.head_dim if per_head else kv_size) if cfg.qk_norm else None
+        self.qk_norm_per_head = per_head
+        self.attn_output_norm = norm(cfg.hidden_size) if post else None
+        self.post_attention_layernorm = norm(cfg.hidden_size) if pre else None
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-        self.mlp_output_norm = norm(cfg.hidden_size) if sandwich else None
+        self.mlp_output_norm = norm(cfg.hidden_size) if post else None
 
     def forward(
         self,
@@ -128,7 +131,9 @@ class DecoderLayer(nn.Module):
         """Returns (output, residual) unsummed: the next norm adds them, fused with it (HF
         adds first, then normalises: the same two operations)."""
         num_tokens = hidden.shape[0]
-        if residual is None:
+        if self.input_layernorm is None:  # the "post" layout: attention reads the sum
+            hidden = residual = hidden if residual is None else hidden + residual
+        elif residual is None:
             residual, hidden = hidden, self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
@@ -142,9 +147,11 @@ class DecoderLayer(nn.Module):
             q, k = qk[:, : self.num_heads].contiguous(), qk[:, self.num_heads :]
         else:
             q, k, v = qkv.split(self.qkv_split, dim=-1)
+            if self.q_norm is not None and not self.qk_norm_per_head:  # over all heads
+                q, k = self.q_norm(q), self.k_norm(k)
             q = q.reshape(num_tokens, self.num_heads, self.head_dim)  # (T, H, D)
             k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)  # (T, KVH, D)
-            if self.q_norm is not None:
+            if self.q_norm is not None and self.qk_norm_per_head:
                 q, k = self.q_norm(q), self.k_norm(k)
             if rotate is not None:
                 q, k = rotate(q, k)
@@ -162,7 +169,10 @@ class DecoderLayer(nn.Module):
             hidden = hidden * self.residual_scale
         if self.attn_output_norm is not None:
             hidden = self.attn_output_norm(hidden)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        if self.post_attention_layernorm is None:  # the "post" layout: the MLP reads the sum
+            hidden = residual = hidden + residual
+        else:
+            hidden, residual = self.post_attention_layernorm(hidden, residual)
         gate, up = self.gate_up_proj(hidden).chunk(2, dim=-1)
         hidden = self.down_proj(self.act(gate) * up)
         if self.tp is not None:

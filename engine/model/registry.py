@@ -102,6 +102,18 @@ FAMILIES: tuple[ModelFamily, ...] = (
     ModelFamily("smollm3", "smollm3", ("SmolLM3ForCausalLM",), ("smollm3",), gguf_permutes_qk=True),
     ModelFamily("granite", "granite", ("GraniteForCausalLM",), ("granite",), gguf_permutes_qk=True),
     ModelFamily(
+        "olmo2",
+        "olmo2",
+        ("Olmo2ForCausalLM",),
+        ("olmo2",),
+        gguf_tensor_names={
+            **{k: v for k, v in LLAMA_BLOCK_NAMES.items() if k not in ("attn_norm", "ffn_norm")},
+            **QK_NORM_NAMES,
+            "post_attention_norm": "post_attention_layernorm",
+            "post_ffw_norm": "post_feedforward_layernorm",
+        },
+    ),
+    ModelFamily(
         "gemma3",
         "gemma3",
         ("Gemma3ForCausalLM",),
@@ -123,6 +135,7 @@ MODEL_TYPE_TO_ARCHITECTURE: dict[str, str] = {
     "phi3": "Phi3ForCausalLM",
     "smollm3": "SmolLM3ForCausalLM",
     "granite": "GraniteForCausalLM",
+    "olmo2": "Olmo2ForCausalLM",
 }
 
 

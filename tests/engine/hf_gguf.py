@@ -73,6 +73,10 @@ def hf_config(family: str) -> Any:
         return transformers.SmolLM3Config(
             **_COMMON, num_hidden_layers=8, rope_theta=10000.0, tie_word_embeddings=True
         )
+    if family == "olmo2":
+        return transformers.Olmo2Config(
+            **_COMMON, num_hidden_layers=2, rope_theta=500000.0, tie_word_embeddings=False
+        )
     if family == "granite":
         return transformers.GraniteConfig(
             **_COMMON,
