@@ -1,7 +1,9 @@
 """The sampler over a 150k-token vocabulary (Qwen2.5's 151,936), one request and a few:
 the full path (torch.argmax; softmax, top-k, top-p over the whole row, then the draw) vs
-what `Sampler` runs now (kernels/cpu_sampling.c's argmax; a top-k row's softmax, top-p and
-draw over its k candidates), side by side in one process, alternating, medians.
+what `Sampler` runs now (kernels/cpu_sampling.c's argmax and top-k; softmax, top-p and the
+draw over a top-k row's k candidates or a top-p row's 256), side by side in one process,
+alternating, medians. The logits are random normal times 3 (a top-p row's nucleus then lies
+within its 256 most likely tokens, as a trained model's usually does).
 
     python benchmarks/sampler.py [--vocab 151936] [--rows 1,4] [--threads 1]
 """
@@ -22,6 +24,7 @@ CASES = {
     "greedy": SamplingParams(temperature=0.0),
     "top_k=20 top_p=0.8 t=0.7": SamplingParams(temperature=0.7, top_k=20, top_p=0.8),
     "top_k=40 t=1.0": SamplingParams(temperature=1.0, top_k=40),
+    "top_p=0.9 t=0.7": SamplingParams(temperature=0.7, top_p=0.9),
 }
 
 

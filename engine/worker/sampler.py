@@ -16,14 +16,15 @@ Order of operations on a step's logits `[B, V]` (one row per request, batch orde
 Per-row Python loops run only over seeded rows; everything else is batched. Penalties and
 biases touch only the (row, token) pairs they name, never a dense `[B, V]` mask.
 
-Only the top of a row is needed by a greedy row and by a row whose top-k truncates (k <=
-TOP_K_CANDIDATES): on the CPU those take the C kernels of kernels/cpu_sampling.py, one pass
-over the row (torch's argmax and topk cost 0.3-1 ms a row over a 150k vocabulary). A top-k
-row then computes its softmax, top-p, min-p and draw over its k candidates only
-(`sample_top_k_candidates`): every later stage depends on the kept tokens' probabilities
-relative to each other, not on the whole row's sum, and the draw walks the candidates in
-token-id order as the full row's inverse CDF does, so a row draws the token the full path
-draws for the same uniform (up to fp32 rounding at a boundary between two tokens).
+Only the top of a row is needed by a greedy row, a row whose top-k truncates (k <=
+TOP_K_CANDIDATES) and a top-p row whose nucleus lies within its TOP_P_CANDIDATES most likely
+tokens: on the CPU those take the C kernels of kernels/cpu_sampling.py, one pass over the
+row (torch's argmax and topk cost 0.3-1 ms a row over a 150k vocabulary), then the softmax,
+top-p, min-p and draw over the candidates only (`sample_candidates`): every later stage
+depends on the kept tokens' probabilities relative to each other (and top-p's target on the
+row's whole mass, one sum), and the draw walks the candidates in token-id order as the full
+row's inverse CDF does, so a row draws the token the full path draws for the same uniform
+(up to fp32 rounding at a boundary between two tokens).
 
 On a GPU the step must not wait for the device until its tokens are read back: which rows
 are random, which truncate and by how much is known on the host when the metadata is built
@@ -193,9 +194,9 @@ def sample_random(
     logits: torch.Tensor, metadata: SamplingMetadata, rows: torch.Tensor | None
 ) -> torch.Tensor:
     """Draw one token per random row from `random_probs` (same arguments); rows that
-    truncate to their top k take `sample_top_k_candidates`, the same draw."""
+    truncate to their most likely tokens take `sample_candidates`, the same draw."""
     uniform = random_uniforms(logits, metadata, rows)  # [R, 1]
-    if (sampled := sample_top_k_candidates(logits, metadata, rows, uniform)) is not None:
+    if (sampled := sample_candidates(logits, metadata, rows, uniform)) is not None:
         return sampled
     return draw_inverse_cdf(random_probs(logits, metadata, rows), uniform)
 
@@ -221,55 +222,61 @@ def random_uniforms(
     return uniform
 
 
-def sample_top_k_candidates(
+def sample_candidates(
     logits: torch.Tensor,
     metadata: SamplingMetadata,
     rows: torch.Tensor | None,
     uniform: torch.Tensor,
 ) -> torch.Tensor | None:
     """`draw_inverse_cdf(random_probs(logits, ...), uniform)` `[R]` computed over each row's
-    top k candidates alone, or None where that does not apply: not on the CPU, a row whose
-    k does not truncate or exceeds TOP_K_CANDIDATES, a NaN, or a tie with a row's k-th
-    value beyond TOP_K_TIES candidates (every tied token is kept). Same arguments as
-    `random_probs`; does not modify `logits`.
+    most likely tokens alone, or None where that does not apply. Two cases, on the CPU:
+
+    - every random row's top-k truncates, k <= TOP_K_CANDIDATES: its k candidates, with the
+      ties of its k-th value (up to TOP_K_TIES candidates in all; every tied token is kept);
+    - no row has top-k and every random row's top-p truncates: the TOP_P_CANDIDATES most
+      likely tokens, when they hold each row's nucleus (the row's whole mass, which top-p's
+      target is a share of, is one sum over the row; a wider nucleus takes the full path).
+
+    A NaN takes the full path too. Same arguments as `random_probs`; does not modify `logits`.
 
     The candidates come in the order of a stable descending sort (value, then id), which is
     the order top-p's nucleus is taken in; the truncations zero probabilities as the full
     path does, and the draw walks the kept candidates by ascending id, as the full row's
     cumulative sum does (the truncated tokens add nothing to it)."""
-    known = metadata.top_k_rows
-    if (
-        logits.device.type != "cpu"
-        or logits.dtype != torch.float32
-        or logits.stride(1) != 1
-        or known is None
-        or known.index is not None
-        or not 1 <= known.max_top_k <= min(TOP_K_CANDIDATES, logits.shape[1])
-    ):
+    if logits.device.type != "cpu" or logits.dtype != torch.float32 or logits.stride(1) != 1:
         return None
 
     def select(values: torch.Tensor | None) -> torch.Tensor | None:
         return values if values is None or rows is None else values[rows]
 
-    top_k = select(metadata.top_k) - 1  # [R]: the k-th's position
-    width = known.max_top_k
-    while True:
-        values, ids, num_ge = default_cpu_sampling().top_k(logits, width)  # [R, K]
-        kth = values.gather(1, top_k.unsqueeze(1))  # [R, 1]
-        keep = values >= kth  # [R, K]: the row's k, and the ties with its k-th among the K
+    temperature = select(metadata.temperature).unsqueeze(1)  # [R, 1]
+    top_p, by_k, by_p = select(metadata.top_p), metadata.top_k_rows, metadata.top_p_rows
+    whole = None  # [R, 1]: the row's whole unnormalised mass, where top-p needs it
+    if by_k is not None:
+        if by_k.index is not None or not 1 <= by_k.max_top_k <= TOP_K_CANDIDATES:
+            return None
+        found = _top_k_candidates(logits, select(metadata.top_k) - 1, by_k.max_top_k)
+        if found is None:
+            return None
+        values, ids, keep = found
+        scaled = values.div_(temperature).masked_fill_(~keep, -math.inf)  # [R, K]
+    elif by_p is not None and by_p.index is None:
+        width = min(TOP_P_CANDIDATES, logits.shape[1])
+        values, ids, num_ge = default_cpu_sampling().top_k(logits, width)  # [R, C]
         if bool((num_ge < 0).any()):  # a NaN
             return None
-        # Tokens tied with a k-th value that did not fit (a -inf k-th: they draw nothing)
-        tied = torch.where(kth.squeeze(1) > -math.inf, num_ge, 0)
-        if int(tied.max()) <= width:
-            break
-        width = int(tied.max())
-        if width > TOP_K_TIES:
-            return None
-    scaled = values.div_(select(metadata.temperature).unsqueeze(1))  # [R, K]
-    probs = scaled.masked_fill_(~keep, -math.inf).softmax(dim=-1)  # [R, K], descending
-    if (top_p := select(metadata.top_p)) is not None:
-        target = top_p.unsqueeze(1) * probs.sum(dim=-1, keepdim=True)  # [R, 1]
+        scaled = values.div_(temperature)
+        # exp(x - max) as softmax takes it, summed over the row: [R, 1]
+        top = scaled[:, :1].clone()
+        whole = (logits / temperature).sub_(top).exp_().sum(dim=-1, keepdim=True)
+    else:
+        return None
+    probs = scaled.sub_(scaled[:, :1].clone()).exp_()  # [R, K] unnormalised, descending
+    if top_p is not None:
+        total = probs.sum(dim=-1, keepdim=True) if whole is None else whole
+        target = top_p.unsqueeze(1) * total  # [R, 1]
+        if whole is not None and bool((probs.sum(dim=-1, keepdim=True) < target).any()):
+            return None  # a nucleus wider than the candidates
         # p == 1 rows are left whole, as apply_top_p leaves them
         nucleus = _nucleus(probs, target) | (top_p >= 1.0).unsqueeze(1)  # [R, K]
         probs.masked_fill_(~nucleus, 0.0)
@@ -280,6 +287,27 @@ def sample_top_k_candidates(
     by_id = ids.gather(1, order)
     drawn = draw_inverse_cdf(probs.gather(1, order), uniform)  # [R] positions in by_id
     return by_id.gather(1, drawn.unsqueeze(1)).squeeze(1)
+
+
+def _top_k_candidates(
+    logits: torch.Tensor, kth_at: torch.Tensor, width: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """Each row's top `width` (>= its k) and the ties of its k-th value (`kth_at` `[R]`:
+    k - 1): (values, ids, keep: value >= the k-th), `[R, K]` each; None for a NaN or more
+    than TOP_K_TIES candidates."""
+    width = min(width, logits.shape[1])
+    while True:
+        values, ids, num_ge = default_cpu_sampling().top_k(logits, width)  # [R, K]
+        kth = values.gather(1, kth_at.unsqueeze(1))  # [R, 1]
+        if bool((num_ge < 0).any()):  # a NaN
+            return None
+        # Tokens tied with a k-th value that did not fit (a -inf k-th: they draw nothing)
+        tied = int(torch.where(kth.squeeze(1) > -math.inf, num_ge, 0).max())
+        if tied <= width:
+            return values, ids, values >= kth
+        if tied > TOP_K_TIES:
+            return None
+        width = tied
 
 
 def draw_inverse_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,7 @@
-"""The sampler's top-k candidates path (`sample_top_k_candidates`: softmax, top-p, min-p and
-the draw over each row's k candidates) against a full-sort reference over the whole row,
-for the same uniforms, on random logits with ties."""
+"""The sampler's candidates path (`sample_candidates`: softmax, top-p, min-p and the draw
+over each row's top-k candidates, or over the candidates holding a top-p row's nucleus)
+against a full-sort reference over the whole row, for the same uniforms, on random logits
+with ties."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from agentrt.engine.worker.sampler import (
     TOP_K_CANDIDATES,
     Sampler,
     draw_inverse_cdf,
-    sample_top_k_candidates,
+    sample_candidates,
 )
 from agentrt.engine.worker.sampling_metadata import SamplingMetadata
 
@@ -58,6 +59,8 @@ PARAMS = [
     SamplingParams(temperature=1.3, top_k=1),
     SamplingParams(temperature=0.5, top_k=TOP_K_CANDIDATES, top_p=0.8, min_p=0.05),
     SamplingParams(temperature=1.0, top_k=7, min_p=0.2),
+    SamplingParams(temperature=0.3, top_p=0.9),  # top-p alone: a nucleus of a few tokens
+    SamplingParams(temperature=0.6, top_p=0.5, min_p=0.1),
 ]
 
 
@@ -65,13 +68,15 @@ PARAMS = [
 def test_candidates_draw_what_the_full_sort_reference_draws(params):
     vocab, rows, draws = 3000, 4, 200
     logits = random_logits(params.top_k, rows, vocab)
+    if not params.top_k_enabled:  # peaked rows: each nucleus within the candidates
+        logits *= 4
     metadata = build([params] * rows, vocab)
     gen = torch.Generator().manual_seed(7)
     probs = torch.stack([reference_probs(logits[r], params) for r in range(rows)])  # [R, V]
     mismatches = 0
     for _ in range(draws):
         uniform = torch.rand(rows, 1, generator=gen)
-        got = sample_top_k_candidates(logits.clone(), metadata, None, uniform)
+        got = sample_candidates(logits.clone(), metadata, None, uniform)
         assert got is not None
         want = draw_inverse_cdf(probs, uniform)
         assert (probs.gather(1, got.unsqueeze(1)) > 0).all()  # only kept tokens
@@ -85,7 +90,7 @@ def test_a_tie_with_the_kth_beyond_the_candidates_takes_the_full_path():
     logits = torch.randn(2, vocab)
     logits[0, 100:1400] = 5.0  # 1300 tokens tied at the top: k = 5 keeps them all
     metadata = build([SamplingParams(temperature=1.0, top_k=5)] * 2, vocab)
-    assert sample_top_k_candidates(logits.clone(), metadata, None, torch.rand(2, 1)) is None
+    assert sample_candidates(logits.clone(), metadata, None, torch.rand(2, 1)) is None
     torch.manual_seed(0)
     many = build([SamplingParams(temperature=1.0, top_k=5)] * 4000, vocab)
     tokens = Sampler()(logits[:1].repeat(4000, 1), many).sampled_token_ids
@@ -99,10 +104,11 @@ def test_rows_that_do_not_truncate_or_exceed_the_cap_take_the_full_path():
     for params in (
         [SamplingParams(temperature=1.0, top_k=5), SamplingParams(temperature=1.0)],
         [SamplingParams(temperature=1.0, top_k=TOP_K_CANDIDATES + 1)] * 2,
-        [SamplingParams(temperature=1.0, top_p=0.9)] * 2,
+        [SamplingParams(temperature=1.0, top_p=0.9), SamplingParams(temperature=1.0)],
+        [SamplingParams(temperature=5.0, top_p=0.9)] * 2,  # a nucleus of ~2000 tokens
     ):
         metadata = build(params, vocab)
-        assert sample_top_k_candidates(logits, metadata, None, torch.rand(2, 1)) is None
+        assert sample_candidates(logits, metadata, None, torch.rand(2, 1)) is None
 
 
 def test_seeded_rows_draw_the_same_through_either_path():
