@@ -11,6 +11,8 @@ it).
 from __future__ import annotations
 
 import json
+import logging
+import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
@@ -26,7 +28,30 @@ from agentrt.engine.sampling_params import SamplingParams
 from agentrt.server.errors import failed_output, from_exception
 from agentrt.server.metrics import RequestTimer, ServerMetrics
 
+logger = logging.getLogger("agentrt.server")
+
 Emit = Callable[[Any], Awaitable[None]]
+
+
+def _release_remote_prefill(engine: AsyncEngine, params: Sequence[SamplingParams]) -> None:
+    """A request refused before it reached the engine (too long for this instance, the
+    queue full) that came with a producer's signed `kv_transfer_params` (a disaggregated
+    decode): tell the producer to free what it holds for it now, on a thread (nothing waits
+    for it). Otherwise the blocks stay pinned until the producer's hold timeout, and a few
+    such requests fill its cap."""
+    kv = params[0].kv_transfer_params if params else None
+    config = engine.config.kv_transfer if engine.config is not None else None
+    if not kv or not kv.get("do_remote_prefill") or config is None or config.secret is None:
+        return
+    from agentrt.engine.kv_transfer.p2p_worker import release_hold
+
+    def release() -> None:
+        try:
+            release_hold(kv, config.secret, config.timeout_s)
+        except Exception as exc:  # noqa: BLE001 - the producer's hold timeout frees them anyway
+            logger.info("could not release a refused request's remote prefill: %s", exc)
+
+    threading.Thread(target=release, name="agentrt-kv-release", daemon=True).start()
 
 
 class ClientDisconnected(Exception):
@@ -61,9 +86,11 @@ class Generation:
                 self.timers.append(metrics.timer(arrival))
         except InvalidRequestError as exc:
             self.abort()
+            _release_remote_prefill(engine, params)
             raise from_exception(exc, param_names) from None
         except BaseException:
             self.abort()
+            _release_remote_prefill(engine, params)
             raise
 
     def abort(self) -> None:

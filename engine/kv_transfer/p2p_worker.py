@@ -226,3 +226,44 @@ class P2PWorker(KVConnectorWorker):
             self._server.join()
         super().shutdown()
         self._context.destroy(linger=0)
+
+
+def release_hold(params: dict, secret: str, timeout_s: float) -> bool:
+    """Tell the producer that signed `params` (a consumer's `kv_transfer_params`) to free the
+    blocks it holds for them now, not at its hold timeout: what a consumer's worker does for
+    a request that needs none of them, for a front end whose request failed before it reached
+    the engine (a decode that can never run leaves the hold pinned otherwise). The same
+    authenticated ask with no blocks; returns whether the producer acknowledged it. Raises
+    KVAuthError for params not signed with `secret`."""
+    from agentrt.engine.kv_transfer.auth import ParamsSigner
+
+    ParamsSigner(secret).verify(params)
+    wire_key = derive_key(secret, "wire")
+    server_public, _ = curve_server_keys(secret)
+    ask = {
+        "req_id": params["remote_request_id"],
+        "block_ids": [],
+        "engine_id": params["remote_engine_id"],
+        "key": params["remote_key"],
+        "nonce": secrets.token_hex(16),
+    }
+    ask["mac"] = mac(wire_key, b"ask", canonical(ask))
+    context = zmq.Context.instance()
+    socket = context.socket(zmq.DEALER)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.setsockopt(zmq.MAXMSGSIZE, _ANSWER_SLACK_BYTES)
+    socket.curve_publickey, socket.curve_secretkey = zmq.curve_keypair()
+    socket.curve_serverkey = server_public
+    try:
+        socket.connect(f"tcp://{params['remote_host']}:{int(params['remote_port'])}")
+        socket.send(json.dumps(ask).encode())
+        if not socket.poll(int(timeout_s * 1000)):
+            return False
+        frames = socket.recv_multipart()
+    finally:
+        socket.close()
+    answer = json.loads(frames[0]) if frames else {}
+    fields = {k: v for k, v in answer.items() if k != "mac"}
+    return bool(answer.get("ok")) and verify(
+        wire_key, answer.get("mac"), b"answer", canonical(fields)
+    )

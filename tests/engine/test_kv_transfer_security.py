@@ -22,7 +22,7 @@ from safetensors.torch import save_file
 from agentrt.engine.client.llm import LLM
 from agentrt.engine.core.block_hash import extend_block_hashes
 from agentrt.engine.errors import ConfigError, ErrorCode, InvalidRequestError
-from agentrt.engine.kv_transfer.auth import ParamsSigner, canonical, derive_key, mac
+from agentrt.engine.kv_transfer.auth import KVAuthError, ParamsSigner, canonical, derive_key, mac
 from agentrt.engine.kv_transfer.p2p_worker import curve_server_keys
 from agentrt.engine.kv_transfer.storage import KEY_FILE, storage_secret
 from agentrt.engine.sampling_params import SamplingParams
@@ -420,3 +420,53 @@ def test_the_storage_cap_evicts_the_least_recently_used_blocks(model, tmp_path, 
     assert tokens(reader, last) == tokens(solo, last)
     assert loaded_tokens(reader) == 3 * BS
     reader.engine.shutdown()
+
+
+def _wait_released(producer: LLM, req_id: str) -> None:
+    """Step the producer until its engine freed the hold (it frees sent holds each step)."""
+    import time
+
+    deadline = time.monotonic() + 10
+    while req_id in held(producer):
+        assert time.monotonic() < deadline, "the hold was not released"
+        producer.generate([prompt(999)], dataclasses.replace(GREEDY, max_tokens=1))
+
+
+def test_a_front_end_releases_the_hold_of_a_decode_that_cannot_run(producer, listener):
+    # A decode instance that refuses a request before its engine sees it (too long for it,
+    # its queue full) used to leave the producer's blocks pinned for the hold timeout.
+    from agentrt.engine.kv_transfer.p2p_worker import release_hold
+
+    kv = prefill(producer, prompt(41))
+    assert kv["remote_request_id"] in held(producer)
+    assert release_hold(kv, SECRET, 5.0)
+    _wait_released(producer, kv["remote_request_id"])
+    assert not release_hold(kv, SECRET, 5.0)  # released once: nothing left to free
+    # Params a client altered are refused before anything is contacted.
+    port, num_connections = listener
+    with pytest.raises(KVAuthError):
+        release_hold({**prefill(producer, prompt(42)), "remote_port": port}, SECRET, 1.0)
+    assert num_connections() == 0
+
+
+def test_the_server_releases_the_hold_when_the_decode_is_refused(producer):
+    import types
+
+    from agentrt.server.errors import APIError
+    from agentrt.server.generation import Generation
+    from agentrt.server.metrics import ServerMetrics
+
+    kv = prefill(producer, prompt(43))
+
+    class RefusingEngine:  # a decode instance's front end that refuses the request
+        config = types.SimpleNamespace(kv_transfer=producer.engine.config.kv_transfer)
+
+        def add_request(self, *args, **kwargs):
+            raise InvalidRequestError("too long for this instance", field="prompt")
+
+        def abort(self, request_id):
+            pass
+
+    with pytest.raises(APIError):
+        Generation(RefusingEngine(), ServerMetrics("m"), [prompt(43)], [with_kv(kv)])
+    _wait_released(producer, kv["remote_request_id"])
