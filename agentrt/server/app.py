@@ -183,7 +183,8 @@ def _add_routes(app: FastAPI) -> None:
             token_ids = state.engine.processor.tokenize(body.tokens) if body.tokens else []
         except InvalidRequestError as exc:
             raise from_exception(exc, {"prompt_token_ids": "tokens"}) from None
-        return {"prompt": state.engine.tokenizer.decode(token_ids)}
+        text = await off_loop(state.prompt_limiter, state.engine.tokenizer.decode, token_ids)
+        return {"prompt": text}
 
 
 def _encode(state: ServerState, body: TokenizeRequest) -> list[int]:

@@ -12,7 +12,15 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+)
 
 # torch generators take seeds in [-2**63, 2**64).
 MIN_SEED = -(2**63)
@@ -48,6 +56,23 @@ def _allowed_template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any] | 
 
 
 TemplateKwargs = Annotated[dict[str, Any] | None, AfterValidator(_allowed_template_kwargs)]
+# Lists a body may hold, checked before their items are (an 8 MiB body of 250,000 messages
+# took 5 s of the event loop to validate, stalling every other request and /health).
+MAX_MESSAGES = 4096
+MAX_PARTS = 1024  # content parts of one message, tool calls of one message
+MAX_TOOLS = 512
+MAX_LOGIT_BIAS = 4096
+
+
+def _at_most(limit: int) -> BeforeValidator:
+    def check(value: Any) -> Any:
+        if isinstance(value, list | dict) and len(value) > limit:
+            raise ValueError(f"at most {limit} items are accepted, got {len(value)}")
+        return value
+
+    return BeforeValidator(check)
+
+
 # vLLM's `cache_salt`: prefix-cache hits only between requests that send the same salt.
 CacheSalt = Annotated[str, Field(min_length=1, max_length=256)]
 
@@ -76,7 +101,9 @@ class _SamplingFields(_Closed):
     model: str
     frequency_penalty: Penalty | None = None
     presence_penalty: Penalty | None = None
-    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
+    logit_bias: Annotated[
+        dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None, _at_most(MAX_LOGIT_BIAS)
+    ] = None
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     n: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
     seed: Seed | None = None
@@ -133,9 +160,9 @@ class MessageToolCall(BaseModel):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[ContentPart] | None = None
+    content: Annotated[str | list[ContentPart] | None, _at_most(MAX_PARTS)] = None
     name: str | None = None
-    tool_calls: list[MessageToolCall] | None = None
+    tool_calls: Annotated[list[MessageToolCall] | None, _at_most(MAX_PARTS)] = None
     tool_call_id: str | None = None
 
 
@@ -178,12 +205,12 @@ class ResponseFormat(_Closed):
 
 
 class ChatCompletionRequest(_SamplingFields):
-    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    messages: Annotated[list[ChatMessage], Field(min_length=1), _at_most(MAX_MESSAGES)]
     logprobs: bool | None = None
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     response_format: ResponseFormat | None = None
-    tools: list[ToolDefinition] | None = None
+    tools: Annotated[list[ToolDefinition] | None, _at_most(MAX_TOOLS)] = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     # agentrt: the most calls one reply makes (None: 8); a repeated call also ends them.
@@ -232,7 +259,9 @@ class TokenizeRequest(_Closed):
 
     model: str | None = None
     prompt: str | None = None
-    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1), _at_most(MAX_MESSAGES)] | None = (
+        None
+    )
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 
@@ -264,7 +293,7 @@ class InputContent(_Open):
 class InputMessage(_Open):
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
-    content: str | list[InputContent]
+    content: Annotated[str | list[InputContent], _at_most(MAX_PARTS)]
 
 
 class FunctionCallItem(_Open):
@@ -356,7 +385,7 @@ class ReasoningConfig(_Closed):
 
 class ResponsesRequest(_Closed):
     model: str | None = None
-    input: str | list[InputItem]
+    input: Annotated[str | list[InputItem], _at_most(MAX_MESSAGES)]
     instructions: str | None = None
     previous_response_id: str | None = None
     store: bool | None = None
@@ -365,7 +394,7 @@ class ResponsesRequest(_Closed):
     max_output_tokens: Annotated[int, Field(ge=1)] | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
-    tools: list[ResponsesTool] | None = None
+    tools: Annotated[list[ResponsesTool] | None, _at_most(MAX_TOOLS)] = None
     tool_choice: Literal["none", "auto", "required"] | ResponsesToolChoice | None = None
     parallel_tool_calls: bool | None = None
     text: TextConfig | None = None

@@ -175,3 +175,12 @@ def test_responses_leak_no_paths_or_exception_text(http: httpx.Client, server) -
     card = http.get("/v1/models").json()["data"][0]
     assert "/" not in json.dumps(card)
     assert card["root"] == card["id"] == MODEL
+
+
+def test_a_body_of_a_quarter_million_messages_is_refused_before_validating_them(attack) -> None:
+    # Validating 250,000 message objects took seconds of the event loop (/health included).
+    messages = [{"role": "user", "content": "x"}] * 250_000
+    result = attack(
+        lambda c: c.post("/v1/chat/completions", json={"model": MODEL, "messages": messages})
+    )
+    assert_client_error(result.response, "at most 4096")
