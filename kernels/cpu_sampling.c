@@ -8,7 +8,10 @@
 // stable sort's order), and how many of the row's values are >= the k-th (ties with the k-th
 // beyond the k, which the caller keeps); -1 for a row holding a NaN (the caller's reference
 // path decides it).
+// softmax_draw_rows (AVX-512 builds): a row's softmax at temperature t summed, and the
+// inverse-CDF draw of a uniform from it, without writing the probabilities.
 
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 
@@ -162,4 +165,101 @@ int top_k_rows(const float *x, int64_t rows, int64_t n, int64_t stride, int64_t 
     }
     free(h);
     return 0;
+}
+
+#if defined(__AVX512F__)
+// exp(x) for 16 floats, within ~2 ulp of expf: x = n ln2 + r, |r| <= ln2 / 2, e^r by its
+// Taylor series to r^6 (error < 6e-8 relative), times 2^n (vscalefps: subnormal results
+// too). x below -104 (and -inf) gives 0.
+static inline __m512 exp16(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x); // ln2's high part
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);     // and its rest
+    __m512 p = _mm512_set1_ps(1.0f / 720);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+// The weights exp(x / t - m) of x[0 .. LANES).
+static inline __m512 weights16(const float *x, float t, float m) {
+    return exp16(_mm512_sub_ps(_mm512_div_ps(_mm512_loadu_ps(x), _mm512_set1_ps(t)),
+                               _mm512_set1_ps(m)));
+}
+#endif
+
+// Whether this build has softmax_draw_rows.
+int cpu_sampling_has_softmax(void) {
+#if defined(__AVX512F__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+// Per row (temperature t[r] > 0): m = max(x) / t, the weights w_i = exp(x_i / t - m) (the
+// numerators of softmax(x / t)), totals[r] = their sum, added LANES at a time in order. With
+// `u` (one uniform in [0, 1) a row), out[r] = the first i whose running sum of weights
+// exceeds u * total (the last i with w_i > 0 when rounding leaves none): the inverse CDF of
+// the row in index order. A row holding a NaN gets out[r] = -1. n must be a multiple of
+// LANES. Returns 0, -1 for an n that is not (or a build without it), -2 out of memory.
+int softmax_draw_rows(const float *x, int64_t rows, int64_t n, int64_t stride, const float *t,
+                      const float *u, float *totals, int64_t *out) {
+#if defined(__AVX512F__)
+    if (n % LANES) return -1;
+    const int64_t blocks = n / LANES;
+    float *block_sum = malloc((size_t)blocks * sizeof(float));
+    if (!block_sum) return -2;
+    for (int64_t r = 0; r < rows; r++) {
+        const float *p = x + r * stride;
+        int nan;
+        const float m = max_of(p, n, &nan) / t[r];
+        if (nan) {
+            totals[r] = NAN;
+            if (u) out[r] = -1;
+            continue;
+        }
+        float total = 0.0f;
+        for (int64_t b = 0; b < blocks; b++) {
+            block_sum[b] = _mm512_reduce_add_ps(weights16(p + LANES * b, t[r], m));
+            total += block_sum[b];
+        }
+        totals[r] = total;
+        if (!u) continue;
+        const float target = u[r] * total;
+        float running = 0.0f;
+        int64_t b = 0, last = -1; // `last`: the last block with weight before the crossing
+        for (; b < blocks && !(running + block_sum[b] > target); b++) {
+            running += block_sum[b];
+            if (block_sum[b] > 0.0f) last = b;
+        }
+        int64_t at = -1;
+        float w[LANES];
+        if (b < blocks) { // the crossing is in block b (up to rounding of its sum)
+            _mm512_storeu_ps(w, weights16(p + LANES * b, t[r], m));
+            for (int j = 0; j < LANES && at < 0; j++) {
+                running += w[j];
+                if (w[j] > 0.0f && running > target) at = LANES * b + j;
+            }
+            if (at < 0 && block_sum[b] > 0.0f) last = b;
+        }
+        if (at < 0 && last >= 0) { // rounded past the total: the last token with weight
+            _mm512_storeu_ps(w, weights16(p + LANES * last, t[r], m));
+            for (int j = LANES - 1; j >= 0 && at < 0; j--)
+                if (w[j] > 0.0f) at = LANES * last + j;
+        }
+        out[r] = at < 0 ? 0 : at;
+    }
+    free(block_sum);
+    return 0;
+#else
+    (void)x, (void)rows, (void)n, (void)stride, (void)t, (void)u, (void)totals, (void)out;
+    return -1;
+#endif
 }

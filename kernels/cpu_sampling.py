@@ -49,6 +49,11 @@ class CpuSampling:
         lib.argmax_rows.restype = None
         lib.top_k_rows.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, ptr]
         lib.top_k_rows.restype = ctypes.c_int
+        lib.softmax_draw_rows.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, ptr]
+        lib.softmax_draw_rows.restype = ctypes.c_int
+        lib.cpu_sampling_has_softmax.restype = ctypes.c_int
+        # softmax_draw runs on AVX-512 builds, over rows of a multiple of 16 values
+        self.has_softmax = bool(lib.cpu_sampling_has_softmax())
         self._lib = lib
 
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
@@ -87,6 +92,42 @@ class CpuSampling:
         if rc:
             raise MemoryError(f"top_k_rows: no memory for k = {k}")
         return values, ids, num_ge
+
+    def softmax_draw(
+        self, logits: torch.Tensor, temperature: torch.Tensor, uniform: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """logits float32 (R, V), V a multiple of 16; temperature float32 (R,) > 0; uniform
+        float32 (R,) in [0, 1) or None -> (totals (R,): each row's sum of exp(x / t - max),
+        softmax(x / t)'s denominator; tokens (R,) int64 or None: the inverse-CDF draw of
+        `uniform` from the row's softmax in id order, as `draw_inverse_cdf` takes it, -1 for a
+        row holding a NaN (its total NaN)). Needs `has_softmax`."""
+        _check(logits)
+        rows, n = logits.shape
+        for name, t in (("temperature", temperature), ("uniform", uniform)):
+            if t is not None and (t.dtype != torch.float32 or t.shape != (rows,) or t.is_cuda):
+                raise KernelInputError(f"{name}: expected float32 ({rows},) on the CPU.", arg=name)
+        temperature = temperature.contiguous()
+        uniform = None if uniform is None else uniform.contiguous()
+        totals = torch.empty(rows)
+        tokens = None if uniform is None else torch.empty(rows, dtype=torch.int64)
+        rc = self._lib.softmax_draw_rows(
+            logits.data_ptr(),
+            rows,
+            n,
+            logits.stride(0),
+            temperature.data_ptr(),
+            None if uniform is None else uniform.data_ptr(),
+            totals.data_ptr(),
+            None if tokens is None else tokens.data_ptr(),
+        )
+        if rc == -2:
+            raise MemoryError("softmax_draw_rows: no memory")
+        if rc:
+            raise KernelInputError(
+                f"softmax_draw: {n} columns (a multiple of 16 needed) or no AVX-512 build.",
+                arg="logits",
+            )
+        return totals, tokens
 
 
 def top_k_ref(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -198,7 +198,37 @@ def sample_random(
     uniform = random_uniforms(logits, metadata, rows)  # [R, 1]
     if (sampled := sample_candidates(logits, metadata, rows, uniform)) is not None:
         return sampled
+    if (sampled := sample_untruncated(logits, metadata, rows, uniform)) is not None:
+        return sampled
     return draw_inverse_cdf(random_probs(logits, metadata, rows), uniform)
+
+
+def _softmax_kernel(logits: torch.Tensor):
+    """kernels/cpu_sampling.py's library where its softmax_draw takes these logits."""
+    if logits.device.type != "cpu" or logits.dtype != torch.float32 or logits.stride(1) != 1:
+        return None
+    kernels = default_cpu_sampling()
+    return kernels if kernels.has_softmax and logits.shape[1] % 16 == 0 else None
+
+
+def sample_untruncated(
+    logits: torch.Tensor,
+    metadata: SamplingMetadata,
+    rows: torch.Tensor | None,
+    uniform: torch.Tensor,
+) -> torch.Tensor | None:
+    """Rows without top-k, top-p or min-p on the CPU: the inverse-CDF draw from softmax(x /
+    t) in one kernel (kernels/cpu_sampling.c), the probabilities never written; None where
+    it does not apply (another device, a truncation, a NaN). Same arguments and draw as
+    `draw_inverse_cdf(random_probs(...), uniform)`, up to fp32 rounding at a boundary
+    between two tokens."""
+    if metadata.top_k is not None or metadata.top_p is not None or metadata.min_p is not None:
+        return None
+    if (kernels := _softmax_kernel(logits)) is None:
+        return None
+    temperature = metadata.temperature if rows is None else metadata.temperature[rows]
+    _, tokens = kernels.softmax_draw(logits, temperature, uniform.squeeze(1))
+    return None if bool((tokens < 0).any()) else tokens
 
 
 def random_uniforms(
@@ -234,8 +264,9 @@ def sample_candidates(
     - every random row's top-k truncates, k <= TOP_K_CANDIDATES: its k candidates, with the
       ties of its k-th value (up to TOP_K_TIES candidates in all; every tied token is kept);
     - no row has top-k and every random row's top-p truncates: the TOP_P_CANDIDATES most
-      likely tokens, when they hold each row's nucleus (the row's whole mass, which top-p's
-      target is a share of, is one sum over the row; a wider nucleus takes the full path).
+      likely tokens, where they hold the row's nucleus (the row's whole mass, which top-p's
+      target is a share of, is one sum over the row); a row whose nucleus is wider takes the
+      full path alone.
 
     A NaN takes the full path too. Same arguments as `random_probs`; does not modify `logits`.
 
@@ -267,16 +298,20 @@ def sample_candidates(
             return None
         scaled = values.div_(temperature)
         # exp(x - max) as softmax takes it, summed over the row: [R, 1]
-        top = scaled[:, :1].clone()
-        whole = (logits / temperature).sub_(top).exp_().sum(dim=-1, keepdim=True)
+        if (kernels := _softmax_kernel(logits)) is not None:
+            whole = kernels.softmax_draw(logits, temperature.squeeze(1), None)[0].unsqueeze(1)
+        else:
+            top = scaled[:, :1].clone()
+            whole = (logits / temperature).sub_(top).exp_().sum(dim=-1, keepdim=True)
     else:
         return None
     probs = scaled.sub_(scaled[:, :1].clone()).exp_()  # [R, K] unnormalised, descending
+    wide = None  # [W]: rows whose nucleus is wider than their candidates
     if top_p is not None:
         total = probs.sum(dim=-1, keepdim=True) if whole is None else whole
         target = top_p.unsqueeze(1) * total  # [R, 1]
-        if whole is not None and bool((probs.sum(dim=-1, keepdim=True) < target).any()):
-            return None  # a nucleus wider than the candidates
+        if whole is not None:
+            wide = (probs.sum(dim=-1) < target.squeeze(1)).nonzero().squeeze(1)
         # p == 1 rows are left whole, as apply_top_p leaves them
         nucleus = _nucleus(probs, target) | (top_p >= 1.0).unsqueeze(1)  # [R, K]
         probs.masked_fill_(~nucleus, 0.0)
@@ -286,7 +321,12 @@ def sample_candidates(
     order = ids.argsort(dim=-1)  # [R, K]: the candidates by ascending id
     by_id = ids.gather(1, order)
     drawn = draw_inverse_cdf(probs.gather(1, order), uniform)  # [R] positions in by_id
-    return by_id.gather(1, drawn.unsqueeze(1)).squeeze(1)
+    sampled = by_id.gather(1, drawn.unsqueeze(1)).squeeze(1)
+    if wide is not None and wide.numel():  # every random row has top-p and no top-k: so too
+        batch_rows = wide if rows is None else rows[wide]  # the wide ones alone
+        probs = random_probs(logits[wide], metadata, batch_rows)  # [W, V]
+        sampled[wide] = draw_inverse_cdf(probs, uniform[wide])
+    return sampled
 
 
 def _top_k_candidates(

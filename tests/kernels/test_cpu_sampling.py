@@ -60,3 +60,49 @@ def test_bad_inputs_are_refused():
             cs.argmax(bad)
     with pytest.raises(KernelInputError, match="k = 9"):
         cs.top_k(torch.randn(2, 8), 9)
+
+
+def test_softmax_draw_is_the_inverse_cdf_of_the_softmax():
+    cs = default_cpu_sampling()
+    if not cs.has_softmax:
+        pytest.skip("softmax_draw runs on AVX-512 builds")
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(4, 4096, generator=gen) * 4
+    logits[1, ::2] = -torch.inf  # a grammar's mask
+    logits[2, :4000] = -torch.inf  # a few tokens left
+    temperature = torch.tensor([1.0, 0.7, 2.0, 0.3])
+    probs = (logits / temperature.unsqueeze(1)).softmax(dim=-1)  # [4, V]
+    whole = (
+        (logits / temperature.unsqueeze(1))
+        .sub((logits / temperature.unsqueeze(1)).amax(-1, keepdim=True))
+        .exp()
+        .sum(-1)
+    )
+    mismatches = 0
+    for _ in range(300):
+        uniform = torch.rand(4, generator=gen)
+        totals, tokens = cs.softmax_draw(logits, temperature, uniform)
+        torch.testing.assert_close(totals, whole, rtol=1e-5, atol=0)
+        cdf = probs.cumsum(-1)
+        want = torch.searchsorted(cdf, uniform.unsqueeze(1) * cdf[:, -1:], right=True).squeeze(1)
+        assert (probs.gather(1, tokens.unsqueeze(1)) > 0).all()  # never a masked token
+        mismatches += int((tokens != want).sum())
+    assert mismatches <= 2  # fp32 rounding at a boundary between two tokens
+    # the top end: u just under 1 takes a token with weight at the end of the support
+    almost = torch.full((4,), 1 - 2**-24)
+    tokens = cs.softmax_draw(logits, temperature, almost)[1]
+    assert (probs.gather(1, tokens.unsqueeze(1)) > 0).all()
+    after = probs.sum(-1) - probs.cumsum(-1).gather(1, tokens.unsqueeze(1)).squeeze(1)
+    assert (after <= 1e-5).all()  # at most rounding's worth of mass past it
+
+
+def test_softmax_draw_marks_a_nan_row():
+    cs = default_cpu_sampling()
+    if not cs.has_softmax:
+        pytest.skip("softmax_draw runs on AVX-512 builds")
+    logits = torch.randn(2, 64)
+    logits[1, 9] = torch.nan
+    totals, tokens = cs.softmax_draw(logits, torch.ones(2), torch.full((2,), 0.5))
+    assert tokens[1] == -1 and totals[1].isnan() and tokens[0] >= 0
+    with pytest.raises(KernelInputError, match="multiple of 16"):
+        cs.softmax_draw(torch.randn(2, 60), torch.ones(2), None)

@@ -16,6 +16,7 @@ from agentrt.engine.worker.sampler import (
     Sampler,
     draw_inverse_cdf,
     sample_candidates,
+    sample_untruncated,
 )
 from agentrt.engine.worker.sampling_metadata import SamplingMetadata
 
@@ -105,10 +106,28 @@ def test_rows_that_do_not_truncate_or_exceed_the_cap_take_the_full_path():
         [SamplingParams(temperature=1.0, top_k=5), SamplingParams(temperature=1.0)],
         [SamplingParams(temperature=1.0, top_k=TOP_K_CANDIDATES + 1)] * 2,
         [SamplingParams(temperature=1.0, top_p=0.9), SamplingParams(temperature=1.0)],
-        [SamplingParams(temperature=5.0, top_p=0.9)] * 2,  # a nucleus of ~2000 tokens
     ):
         metadata = build(params, vocab)
         assert sample_candidates(logits, metadata, None, torch.rand(2, 1)) is None
+
+
+def test_a_top_p_row_whose_nucleus_is_wider_than_the_candidates_takes_the_full_path():
+    """Its neighbours still sample among their candidates; it draws what the reference
+    draws for its uniform."""
+    vocab = 3000
+    logits = torch.randn(3, vocab)
+    logits[1] *= 40  # a nucleus of a few tokens; rows 0 and 2: ~2000 tokens at T = 5
+    params = [SamplingParams(temperature=5.0, top_p=0.9)] * 3
+    metadata = build(params, vocab)
+    gen = torch.Generator().manual_seed(9)
+    probs = torch.stack([reference_probs(logits[r], params[r]) for r in range(3)])
+    assert int((probs[0] > 0).sum()) > 1000 and int((probs[1] > 0).sum()) < 50
+    mismatches = 0
+    for _ in range(100):
+        uniform = torch.rand(3, 1, generator=gen)
+        got = sample_candidates(logits.clone(), metadata, None, uniform)
+        mismatches += int((got != draw_inverse_cdf(probs, uniform)).sum())
+    assert mismatches <= 2
 
 
 def test_seeded_rows_draw_the_same_through_either_path():
@@ -132,3 +151,25 @@ def test_seeded_rows_draw_the_same_through_either_path():
     fast = run([])
     full = run([SamplingParams(temperature=1.0)])  # this row does not truncate: full path
     assert fast == full
+
+
+def test_untruncated_rows_draw_what_the_full_softmax_draws():
+    """Temperature alone (the engine's default sampling): one kernel over the row, the
+    probabilities never written, on AVX-512 builds."""
+    vocab, rows = 4096, 3
+    logits = random_logits(11, rows, vocab)
+    params = [SamplingParams(temperature=t) for t in (1.0, 0.7, 1.5)]
+    metadata = build(params, vocab)
+    probs = torch.stack([reference_probs(logits[r], params[r]) for r in range(rows)])
+    gen = torch.Generator().manual_seed(5)
+    if sample_untruncated(logits, metadata, None, torch.rand(rows, 1)) is None:
+        pytest.skip("the kernel runs on AVX-512 builds")
+    mismatches = 0
+    for _ in range(200):
+        uniform = torch.rand(rows, 1, generator=gen)
+        got = sample_untruncated(logits, metadata, None, uniform)
+        assert (probs.gather(1, got.unsqueeze(1)) > 0).all()
+        mismatches += int((got != draw_inverse_cdf(probs, uniform)).sum())
+    assert mismatches <= 2
+    truncated = build([SamplingParams(temperature=1.0, min_p=0.1)] * rows, vocab)
+    assert sample_untruncated(logits, truncated, None, torch.rand(rows, 1)) is None
