@@ -40,7 +40,8 @@ def _release_remote_prefill(engine: AsyncEngine, params: Sequence[SamplingParams
     for it). Otherwise the blocks stay pinned until the producer's hold timeout, and a few
     such requests fill its cap."""
     kv = params[0].kv_transfer_params if params else None
-    config = engine.config.kv_transfer if engine.config is not None else None
+    engine_config = getattr(engine, "config", None)  # None before start (and in fakes)
+    config = getattr(engine_config, "kv_transfer", None)
     if not kv or not kv.get("do_remote_prefill") or config is None or config.secret is None:
         return
     from agentrt.engine.kv_transfer.p2p_worker import release_hold

@@ -123,17 +123,23 @@ class GGUFLoader:
         return torch.from_numpy(np.array(tensor.data, dtype=np.float32)).reshape(-1)
 
     def rope_scaling(self) -> dict | None:
-        """LongRoPE's settings of a Phi-3 GGUF (transformers' `rope_scaling` form), or None:
-        llama.cpp stores its factors as `rope_factors_short` / `rope_factors_long` tensors
-        and its original context and attention factor in metadata."""
+        """The rope scaling a GGUF states in its metadata and tensors, in transformers'
+        `rope_scaling` form, or None. Linear (`rope.scaling.type`, e.g. Gemma 3 4B and up:
+        8, on the global layers) and LongRoPE (a Phi-3 file's `rope_factors_short` /
+        `rope_factors_long` tensors, original context and attention factor): transformers'
+        GGUF config keeps neither, llama.cpp applies both."""
         tensors = {t.name: t for t in self.file.reader.tensors}
         short, long = (
             tensors.get("rope_factors_short.weight"),
             tensors.get("rope_factors_long.weight"),
         )
-        if short is None or long is None:
-            return None
         arch = self.file.architecture
+        if short is None or long is None:
+            kind = self.file.reader.fields.get(f"{arch}.rope.scaling.type")
+            factor = float(self.file.field(f"{arch}.rope.scaling.factor", 1.0))
+            if kind == "linear" and factor != 1.0:
+                return {"rope_type": "linear", "factor": factor}
+            return None
         return {
             "rope_type": "longrope",
             "short_factor": np.array(short.data, dtype=np.float32).reshape(-1).tolist(),

@@ -50,6 +50,7 @@ class ModelArchConfig:
     logits_scaling: float = 1.0  # logits divided by this (Granite)
     attention_scale: float | None = None  # None: head_dim ** -0.5
     final_logit_softcap: float | None = None  # logits = cap * tanh(logits / cap)
+    attn_logit_softcap: float | None = None  # attention scores the same way (Gemma 2)
     # The checkpoint stores q/k/v as one matrix `self_attn.qkv_proj` and gate/up as one
     # `mlp.gate_up_proj` (Phi-3), not as their parts.
     fused_projections: bool = False

@@ -94,6 +94,7 @@ class DecoderLayer(nn.Module):
         self.scale = cfg.attention_scale or cfg.head_dim**-0.5
         self.sliding_window = cfg.sliding_window if cfg.is_sliding(index) else None
         self.use_rope = not cfg.rope_layers or cfg.rope_layers[index]
+        self.attn_softcap = cfg.attn_logit_softcap
         self.residual_scale = cfg.residual_scale
         q_size = cfg.num_heads * cfg.head_dim
         kv_size = cfg.num_kv_heads * cfg.head_dim
@@ -158,8 +159,10 @@ class DecoderLayer(nn.Module):
             else:  # a NoPE layer: the query as the attention kernels take it
                 q = q.contiguous()
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)  # (T, KVH, D)
-        if self.sliding_window is not None:
-            attn = windowed_attention(q, k, v, kv_cache, meta, self.scale, self.sliding_window)
+        if self.sliding_window is not None or self.attn_softcap is not None:
+            attn = windowed_attention(
+                q, k, v, kv_cache, meta, self.scale, self.sliding_window, self.attn_softcap
+            )
         else:
             attn = attention.forward(q, k, v, kv_cache, meta, self.scale)  # (T, H, D)
         hidden = self.o_proj(attn.reshape(num_tokens, -1))

@@ -30,27 +30,40 @@ LOCAL_ROPE_THETA = 10000.0
 
 
 def arch_config(config: dict[str, Any]) -> ModelArchConfig:
+    local = dict((config.get("rope_parameters") or {}).get(SLIDING_ATTENTION) or {})
+    local_theta = config.get("rope_local_base_freq", local.get("rope_theta", LOCAL_ROPE_THETA))
+    return gemma_config(
+        config,
+        pattern=config.get("sliding_window_pattern") or SLIDING_WINDOW_PATTERN,
+        layers_of_27b=62,
+        qk_norm=True,
+        local_rope_theta=float(local_theta),
+        local_rope_scaling=local if local.get("rope_type", "default") != "default" else None,
+    )
+
+
+def gemma_config(
+    config: dict[str, Any], *, pattern: int, layers_of_27b: int, **family: Any
+) -> ModelArchConfig:
+    """What Gemma 2 and 3 share: sandwich norms of 1 + w, GeGLU, sqrt(hidden) embeddings,
+    tied output, local layers (all but every `pattern`-th) and query_pre_attn_scalar."""
     fields = common_fields(config)
     num_layers = fields["num_layers"]
-    pattern = config.get("sliding_window_pattern") or SLIDING_WINDOW_PATTERN
     layer_types = tuple(
         config.get("layer_types")
         or (SLIDING_ATTENTION if (i + 1) % pattern else FULL_ATTENTION for i in range(num_layers))
     )
-    local = dict((config.get("rope_parameters") or {}).get(SLIDING_ATTENTION) or {})
-    local_theta = config.get("rope_local_base_freq", local.get("rope_theta", LOCAL_ROPE_THETA))
-    local_scaling = local if local.get("rope_type", "default") != "default" else None
-    # transformers' default is 256 (the 1B-12B head_dim); llama.cpp's rule for a GGUF (which
-    # stores no scalar): head_dim, but hidden / heads for the 27B (62 layers).
+    # transformers' default is 256 (the small models' head_dim); llama.cpp's rule for a GGUF
+    # (which stores no scalar): head_dim, but hidden / heads for the 27B.
     default_scalar = fields["head_dim"]
-    if num_layers == 62:
+    if num_layers == layers_of_27b:
         default_scalar = fields["hidden_size"] // fields["num_heads"]
     scalar = config.get("query_pre_attn_scalar") or default_scalar
     return ModelArchConfig(
         **{
             **fields,
             "tie_word_embeddings": config.get("tie_word_embeddings", True),
-            "qk_norm": True,
+            "qk_norm": family.pop("qk_norm", False),
         },
         norm_layout="sandwich",
         norm_offset=1.0,
@@ -60,8 +73,7 @@ def arch_config(config: dict[str, Any]) -> ModelArchConfig:
         final_logit_softcap=config.get("final_logit_softcapping"),
         layer_types=layer_types,
         sliding_window=config.get("sliding_window"),
-        local_rope_theta=float(local_theta),
-        local_rope_scaling=local_scaling,
+        **family,
     )
 
 

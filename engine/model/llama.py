@@ -79,6 +79,7 @@ class LlamaForCausalLM(DecoderForCausalLM):
             and all(cfg.rope_layers)
             and cfg.attention_scale is None
             and cfg.final_logit_softcap is None
+            and cfg.attn_logit_softcap is None
             and not cfg.layer_types
             and not cfg.qk_norm
             and not cfg.qkv_bias

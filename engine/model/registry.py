@@ -114,6 +114,14 @@ FAMILIES: tuple[ModelFamily, ...] = (
         },
     ),
     ModelFamily(
+        "gemma2",
+        "gemma2",
+        ("Gemma2ForCausalLM",),
+        ("gemma2",),
+        gguf_tensor_names={**LLAMA_BLOCK_NAMES, **SANDWICH_NORM_NAMES},
+        gguf_norm_shift=1.0,
+    ),
+    ModelFamily(
         "gemma3",
         "gemma3",
         ("Gemma3ForCausalLM",),
@@ -132,6 +140,7 @@ MODEL_TYPE_TO_ARCHITECTURE: dict[str, str] = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
     "phi3": "Phi3ForCausalLM",
     "smollm3": "SmolLM3ForCausalLM",
     "granite": "GraniteForCausalLM",

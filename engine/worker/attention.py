@@ -161,19 +161,23 @@ def windowed_attention(
     kv_cache: torch.Tensor,  # (NB, 2, BS, KVH, D)
     meta: AttentionMetadata,
     scale: float,
-    window: int,
+    window: int | None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Sliding-window attention of a step (any backend's cache layout): the query at
     position p sees the keys at positions p - window < j <= p (transformers' sliding
-    window). Writes the step's K/V, then one SDPA call per request over the blocks that
-    hold its window only: blocks wholly before it are never read, so the KV manager may
-    free them (engine/core/kv_cache_manager.py). The pure-torch path: the C and Triton
-    kernels take no window yet."""
+    window; None: every earlier key). Writes the step's K/V, then one attention call per
+    request over the blocks that hold its window only: blocks wholly before it are never
+    read, so the KV manager may free them. `softcap` (Gemma 2): the scores become
+    softcap * tanh(scores / softcap) before the softmax, which SDPA cannot do, so they are
+    computed as matrix products (transformers' eager attention). The pure-torch path: the
+    C and Triton kernels take neither yet."""
     if meta.key_rows is None:  # the triton backend derives none
         meta.key_rows = meta.key_cache_rows()
     write_kv(kv_cache, key, value, meta)
     out = torch.empty_like(query)
     bs, kv_heads, head_dim = meta.block_size, kv_cache.shape[3], kv_cache.shape[4]
+    window = window or meta.max_seq_len + 1  # no window: every key
     start = 0
     for row, num_queries in enumerate(meta.query_lens):
         seq_len = meta.context_lens[row] + num_queries
@@ -184,10 +188,25 @@ def windowed_attention(
         k = kv_cache[:, 0].index_select(0, blocks).view(-1, kv_heads, head_dim)[lo:hi]
         v = kv_cache[:, 1].index_select(0, blocks).view(-1, kv_heads, head_dim)[lo:hi]
         q = query[start : start + num_queries].transpose(0, 1)  # (H, Tq, D)
-        o = _sdpa(q, k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale)
+        k, v = k.transpose(0, 1), v.transpose(0, 1)  # (KVH, L, D)
+        if softcap is None:
+            o = _sdpa(q, k, v, attn_mask=mask, scale=scale)
+        else:
+            o = _softcapped(q, k, v, mask, scale, softcap)
         out[start : start + num_queries] = o.transpose(0, 1)
         start += num_queries
     return out
+
+
+def _softcapped(q, k, v, mask, scale: float, softcap: float) -> torch.Tensor:
+    """q (H, Tq, D) over k, v (KVH, L, D) with soft-capped scores, as transformers' eager
+    attention: scores * scale, capped, masked, softmax in fp32, times v."""
+    group = q.shape[0] // k.shape[0]
+    k, v = k.repeat_interleave(group, dim=0), v.repeat_interleave(group, dim=0)  # (H, L, D)
+    scores = torch.matmul(q, k.transpose(1, 2)) * scale  # (H, Tq, L)
+    scores = torch.tanh(scores / softcap) * softcap + mask
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, v)  # (H, Tq, D)
 
 
 def _window_mask(

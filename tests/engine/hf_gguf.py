@@ -105,6 +105,17 @@ def hf_config(family: str) -> Any:
                 "original_max_position_embeddings": 64,
             },
         )
+    if family == "gemma2":  # sliding and global layers alternate; scores and logits capped
+        return transformers.Gemma2Config(
+            **_COMMON,
+            num_hidden_layers=4,
+            sliding_window=8,
+            query_pre_attn_scalar=16,
+            rope_theta=10000.0,
+            attn_logit_softcapping=50.0,
+            final_logit_softcapping=30.0,
+            tie_word_embeddings=True,
+        )
     if family == "gemma3":
         # Six layers: five sliding-window ones, then a global one (the family's pattern); a
         # window of 8 so prompts and decodes run past it.
@@ -115,7 +126,8 @@ def hf_config(family: str) -> Any:
             query_pre_attn_scalar=16,  # = head_dim: what llama.cpp assumes for a GGUF
             rope_parameters={
                 "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-                "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+                # Gemma 3 4B and up scale the global layers' rope (llama.cpp: in metadata).
+                "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
             },
             tie_word_embeddings=True,
         )
@@ -159,10 +171,14 @@ def write_family_gguf(
     writer.add_rope_dimension_count(config.head_dim)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_vocab_size(config.vocab_size)
+    if family == "gemma2":
+        writer.add_sliding_window(config.sliding_window)
     if family == "gemma3":
         writer.add_rope_freq_base(config.rope_parameters["full_attention"]["rope_theta"])
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(config.rope_parameters["full_attention"]["factor"])
         writer.add_sliding_window(config.sliding_window)
-    else:
+    if family != "gemma3":
         writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
     _add_tokenizer(writer)
     if family == "granite":

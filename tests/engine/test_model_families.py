@@ -54,6 +54,7 @@ def family_files(tmp_path_factory):
             ("smollm3", Q.Q8_0),
             ("granite", Q.Q8_0),
             ("olmo2", Q.Q8_0),
+            ("gemma2", Q.F32),
             ("gemma3", Q.Q8_0),
             ("gemma3", Q.F32),
         )
@@ -69,6 +70,7 @@ def family_files(tmp_path_factory):
         ("smollm3", Q.Q8_0, {}),  # NoPE layers
         ("granite", Q.Q8_0, {}),  # embedding, residual, attention and logit multipliers
         ("olmo2", Q.Q8_0, {}),  # norms after attention and the MLP only; q/k norms over heads
+        ("gemma2", Q.F32, {}),  # alternating windows; soft-capped scores and logits
         ("gemma3", Q.Q8_0, {}),
         ("gemma3", Q.F32, {"attention_backend": "torch"}),
         ("gemma3", Q.F32, {"max_num_batched_tokens": 7}),  # chunks across the window
