@@ -302,3 +302,22 @@ def test_config_keys_are_transformers_own() -> None:
         assert gguf_file.CONFIG_KEYS[section] == {
             k: v for k, v in theirs.items() if v not in (None, -1)
         }, section
+
+
+def test_template_helpers_render_as_transformers_renders_them(smollm2_dir: Path) -> None:
+    """`{% generation %}` blocks, `tojson` of non-ASCII text, loop controls, and
+    `raise_exception` (a jinja2 TemplateError, as in transformers) in a chat template."""
+    import jinja2
+
+    ours = load_gguf_tokenizer(smollm2_dir)
+    template = (
+        "{% for m in messages %}{% if m.role == 'system' %}{% continue %}{% endif %}"
+        "{% generation %}{{ m.content | tojson }}{% endgeneration %}{% endfor %}"
+        "{% if add_generation_prompt %}{{ raise_exception('no prompt here') }}{% endif %}"
+    )
+    text = ours.apply_chat_template(MESSAGES[:2], chat_template=template, tokenize=False)
+    assert text == json.dumps(MESSAGES[1]["content"], ensure_ascii=False)
+    with pytest.raises(jinja2.TemplateError, match="no prompt here"):
+        ours.apply_chat_template(
+            MESSAGES, chat_template=template, tokenize=False, add_generation_prompt=True
+        )
