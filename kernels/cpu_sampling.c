@@ -15,11 +15,11 @@
 #include <stdint.h>
 #include <stdlib.h>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
-#define LANES 16 // values a step of the scans (one AVX-512 register)
+#define LANES 16 // values a step of the scans (one AVX-512 register, two AVX2 ones)
 
 // The largest value of x[0 .. n) ignoring NaNs (-inf when none), and whether a NaN occurs.
 static float max_of(const float *x, int64_t n, int *has_nan) {
@@ -36,6 +36,18 @@ static float max_of(const float *x, int64_t n, int *has_nan) {
     }
     best = _mm512_reduce_max_ps(m);
     nan = unordered != 0;
+#elif defined(__AVX2__)
+    __m256 m0 = _mm256_set1_ps(best), m1 = m0, unordered = _mm256_setzero_ps();
+    for (; i + LANES <= n; i += LANES) {
+        const __m256 v0 = _mm256_loadu_ps(x + i), v1 = _mm256_loadu_ps(x + i + 8);
+        m0 = _mm256_max_ps(v0, m0); // a NaN v keeps m
+        m1 = _mm256_max_ps(v1, m1);
+        unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(v0, v1, _CMP_UNORD_Q));
+    }
+    float lanes[8];
+    _mm256_storeu_ps(lanes, _mm256_max_ps(m0, m1));
+    for (int j = 0; j < 8; j++) best = lanes[j] > best ? lanes[j] : best;
+    nan = _mm256_movemask_ps(unordered) != 0;
 #endif
     for (; i < n; i++) {
         best = x[i] > best ? x[i] : best;
@@ -51,6 +63,12 @@ static int64_t find(const float *x, int64_t n, float v) {
 #if defined(__AVX512F__)
     for (; i + LANES <= n; i += LANES) {
         const __mmask16 eq = _mm512_cmp_ps_mask(_mm512_loadu_ps(x + i), _mm512_set1_ps(v), _CMP_EQ_OQ);
+        if (eq) return i + __builtin_ctz(eq);
+    }
+#elif defined(__AVX2__)
+    for (; i + 8 <= n; i += 8) {
+        const int eq = _mm256_movemask_ps(
+            _mm256_cmp_ps(_mm256_loadu_ps(x + i), _mm256_set1_ps(v), _CMP_EQ_OQ));
         if (eq) return i + __builtin_ctz(eq);
     }
 #endif
@@ -71,6 +89,15 @@ static int64_t count_at_least(const float *x, int64_t n, float t) {
         unordered |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
     }
     nan = unordered != 0;
+#elif defined(__AVX2__)
+    __m256 unordered = _mm256_setzero_ps();
+    for (; i + 8 <= n; i += 8) {
+        const __m256 v = _mm256_loadu_ps(x + i);
+        count += __builtin_popcount(
+            _mm256_movemask_ps(_mm256_cmp_ps(v, _mm256_set1_ps(t), _CMP_GE_OQ)));
+        unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    }
+    nan = _mm256_movemask_ps(unordered) != 0;
 #endif
     for (; i < n; i++) {
         count += x[i] >= t;
@@ -83,6 +110,10 @@ static int64_t count_at_least(const float *x, int64_t n, float t) {
 static inline int any_above(const float *x, float t) {
 #if defined(__AVX512F__)
     return _mm512_cmp_ps_mask(_mm512_loadu_ps(x), _mm512_set1_ps(t), _CMP_GT_OQ) != 0;
+#elif defined(__AVX2__)
+    const __m256 b = _mm256_set1_ps(t);
+    return _mm256_movemask_ps(_mm256_or_ps(_mm256_cmp_ps(_mm256_loadu_ps(x), b, _CMP_GT_OQ),
+                                           _mm256_cmp_ps(_mm256_loadu_ps(x + 8), b, _CMP_GT_OQ))) != 0;
 #else
     int any = 0;
     for (int j = 0; j < LANES; j++) any |= x[j] > t;
