@@ -375,6 +375,12 @@ CONFIG_KEYS = {
     # what the family adds.
     "smollm3": _ARCH_CONFIG_KEYS,
     "olmo2": _ARCH_CONFIG_KEYS,
+    "qwen3moe": {
+        **_ARCH_CONFIG_KEYS,
+        "expert_count": "num_experts",
+        "expert_used_count": "num_experts_per_tok",
+        "expert_feed_forward_length": "moe_intermediate_size",
+    },
     "granite": {
         **_ARCH_CONFIG_KEYS,
         "embedding_scale": "embedding_multiplier",

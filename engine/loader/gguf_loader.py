@@ -41,37 +41,60 @@ _DENSE_TYPES = {F32: torch.float32, F16: torch.float16, BF16: torch.bfloat16}
 class GGUFLoader:
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.file: GGUFFile = open_gguf(path)
+        # A sparse MoE's 3-D expert tensors (GGUF shape (K, N, experts): one expert's N rows
+        # after another) served as one (N, K) matrix per expert under HF's per-expert
+        # names: "...mlp.experts.gate_proj.weight" -> "...mlp.experts.{e}.gate_proj.weight".
+        self._experts: dict[str, tuple[str, int]] = {}
+        for name, tensor in self.file.tensors.items():
+            if len(tensor.shape) == 3 and ".experts." in name:
+                head, _, tail = name.partition(".experts.")
+                for e in range(int(tensor.shape[2])):
+                    self._experts[f"{head}.experts.{e}.{tail}"] = (name, e)
+        self._stacked = {base for base, _ in self._experts.values()}
 
     def names(self) -> set[str]:
-        return set(self.file.tensors)
+        return (set(self.file.tensors) - self._stacked) | set(self._experts)
 
     def tensor_table(self) -> dict[str, tuple[int, int, int | None]]:
-        return {
-            name: (
-                int(t.n_elements),
-                int(t.n_bytes),
-                None if int(t.tensor_type) in _DENSE_TYPES else int(t.tensor_type),
-            )
-            for name, t in self.file.tensors.items()
-        }
+        table = {}
+        for name, t in self.file.tensors.items():
+            qtype = None if int(t.tensor_type) in _DENSE_TYPES else int(t.tensor_type)
+            table[name] = (int(t.n_elements), int(t.n_bytes), qtype)
+        for name, (base, _) in self._experts.items():
+            numel, stored, qtype = table[base]
+            experts = int(self.file.tensors[base].shape[2])
+            table[name] = (numel // experts, stored // experts, qtype)
+        for base in self._stacked:
+            del table[base]
+        return table
 
-    def read(self, name: str, split: Split, shard: Shard) -> Part:
-        tensor = self._tensor(name)
-        qtype = int(tensor.tensor_type)
+    def _source(self, name: str) -> tuple[np.ndarray, int, tuple[int, ...]]:
+        """(data, GGML type, shape (N, K) or (K,)) of tensor `name`, an expert's a slice of
+        its stacked tensor's rows (a view of the map)."""
+        stacked = self._experts.get(name)
+        tensor = self._tensor(name if stacked is None else stacked[0])
         # gguf shapes list ne0 (the elements of a row) first: (K, N) for a matrix.
         shape = tuple(int(n) for n in reversed(tensor.shape))
+        if stacked is None:
+            return tensor.data, int(tensor.tensor_type), shape
+        rows = shape[1]
+        data = tensor.data.reshape(-1, tensor.data.shape[-1])  # (experts * N, row)
+        return data[stacked[1] * rows : (stacked[1] + 1) * rows], int(tensor.tensor_type), shape[1:]
+
+    def read(self, name: str, split: Split, shard: Shard) -> Part:
+        data, qtype, shape = self._source(name)
         if qtype in _DENSE_TYPES:
-            dense = _dense_view(tensor.data, qtype, shape)
+            dense = _dense_view(data, qtype, shape)
             shift = self.file.family.gguf_norm_shift
             if shift and name.endswith("norm.weight"):  # llama.cpp stored Gemma's 1 + w
                 dense = dense.float() - shift
             part = slice_dense(dense, shape, split, shard)
             return self._unpermute(name, part) if split is not Split.ROW else part
         if qtype not in QUANTIZED_TYPES:
-            dense = _dequantized_fallback(name, tensor.data, qtype, shape)
+            dense = _dequantized_fallback(name, data, qtype, shape)
             part = slice_dense(dense, shape, split, shard)
             return self._unpermute(name, part) if split is not Split.ROW else part
-        rows = torch.from_numpy(tensor.data)  # (N, row bytes) uint8, the map itself
+        rows = torch.from_numpy(data)  # (N, row bytes) uint8, the map itself
         blocks = GGMLWeight(rows, qtype, shape[1])
         if split is Split.NONE or shard.size == 1:
             return self._unpermute(name, blocks)

@@ -129,9 +129,8 @@ def parameter_specs(arch: ModelArchConfig) -> list[ParamSpec]:
             *_norm_specs(arch, p, m),
             ParamSpec(f"{m}qkv_proj.weight", qkv_parts, Split.COLUMN),
             ParamSpec(f"{m}o_proj.weight", (f"{p}self_attn.o_proj.weight",), Split.ROW),
-            ParamSpec(f"{m}gate_up_proj.weight", gate_up_parts, Split.COLUMN),
-            ParamSpec(f"{m}down_proj.weight", (f"{p}mlp.down_proj.weight",), Split.ROW),
         ]
+        specs += _mlp_specs(arch, p, m, gate_up_parts)
         if arch.qkv_bias:
             specs.append(
                 ParamSpec(f"{m}qkv_proj.bias", tuple(f"{n}.bias" for n in attn), Split.COLUMN)
@@ -141,6 +140,27 @@ def parameter_specs(arch: ModelArchConfig) -> list[ParamSpec]:
                 ParamSpec(f"{m}q_norm.weight", (f"{p}self_attn.q_norm.weight",), Split.NONE),
                 ParamSpec(f"{m}k_norm.weight", (f"{p}self_attn.k_norm.weight",), Split.NONE),
             ]
+    return specs
+
+
+def _mlp_specs(
+    arch: ModelArchConfig, p: str, m: str, gate_up_parts: tuple[str, ...]
+) -> list[ParamSpec]:
+    """A layer's MLP: the dense gate_up / down, or a sparse MoE's router and each expert's
+    (HF's per-expert names; a GGUF's 3-D expert tensors are read one expert at a time)."""
+    if not arch.num_experts:
+        return [
+            ParamSpec(f"{m}gate_up_proj.weight", gate_up_parts, Split.COLUMN),
+            ParamSpec(f"{m}down_proj.weight", (f"{p}mlp.down_proj.weight",), Split.ROW),
+        ]
+    specs = [ParamSpec(f"{m}mlp.gate.weight", (f"{p}mlp.gate.weight",), Split.NONE)]
+    for e in range(arch.num_experts):
+        hf, ours = f"{p}mlp.experts.{e}.", f"{m}mlp.experts.{e}."
+        gate_up = (f"{hf}gate_proj.weight", f"{hf}up_proj.weight")
+        specs += [
+            ParamSpec(f"{ours}gate_up_proj.weight", gate_up, Split.COLUMN),
+            ParamSpec(f"{ours}down_proj.weight", (f"{hf}down_proj.weight",), Split.ROW),
+        ]
     return specs
 
 

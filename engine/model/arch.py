@@ -60,6 +60,11 @@ class ModelArchConfig:
     sliding_window: int | None = None
     local_rope_theta: float | None = None
     local_rope_scaling: dict | None = None
+    # A sparse MoE MLP in every layer when num_experts > 0 (model/moe.py).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
     # Per layer whether it rotates q and k (empty: every layer): SmolLM3's NoPE layers.
     rope_layers: tuple[bool, ...] = ()
 

@@ -22,6 +22,7 @@ from torch import nn
 import agentrt.kernels as kernels
 from agentrt.engine.model.arch import ModelArchConfig
 from agentrt.engine.model.ggml_linear import GGMLLinear
+from agentrt.engine.model.moe import SparseMoE
 from agentrt.engine.model.rope import RotaryEmbedding, Rotate
 from agentrt.engine.worker.attention import AttentionMetadata, windowed_attention
 
@@ -116,8 +117,20 @@ class DecoderLayer(nn.Module):
         self.qk_norm_per_head = per_head
         self.attn_output_norm = norm(cfg.hidden_size) if post else None
         self.post_attention_layernorm = norm(cfg.hidden_size) if pre else None
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.mlp: SparseMoE | None = None
+        if cfg.num_experts:  # a sparse MoE MLP in place of the dense one
+            self.gate_up_proj = self.down_proj = None
+            self.mlp = SparseMoE(
+                cfg.hidden_size,
+                cfg.moe_intermediate_size,
+                cfg.num_experts,
+                cfg.num_experts_per_tok,
+                cfg.norm_topk_prob,
+                self.act,
+            )
+        else:
+            self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+            self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
         self.mlp_output_norm = norm(cfg.hidden_size) if post else None
 
     def forward(
@@ -176,8 +189,11 @@ class DecoderLayer(nn.Module):
             hidden = residual = hidden + residual
         else:
             hidden, residual = self.post_attention_layernorm(hidden, residual)
-        gate, up = self.gate_up_proj(hidden).chunk(2, dim=-1)
-        hidden = self.down_proj(self.act(gate) * up)
+        if self.mlp is not None:
+            hidden = self.mlp(hidden)
+        else:
+            gate, up = self.gate_up_proj(hidden).chunk(2, dim=-1)
+            hidden = self.down_proj(self.act(gate) * up)
         if self.tp is not None:
             self.tp.all_reduce(hidden)
         if self.residual_scale != 1.0:
@@ -186,7 +202,10 @@ class DecoderLayer(nn.Module):
             hidden = self.mlp_output_norm(hidden)
         return hidden, residual
 
-    def projections(self) -> tuple[nn.Module, nn.Module, nn.Module, nn.Module]:
+    def projections(self) -> tuple[nn.Module, ...]:
+        if self.mlp is not None:
+            experts = [p for e in self.mlp.experts for p in (e.gate_up_proj, e.down_proj)]
+            return self.qkv_proj, self.o_proj, *experts
         return self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj
 
 

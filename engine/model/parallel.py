@@ -41,6 +41,11 @@ def check_tensor_parallel(arch: ModelArchConfig, size: int) -> None:
             f"tensor_parallel_size={size}: {arch.architecture} stores q/k/v and gate/up as one "
             "matrix each, which agentrt does not split between ranks yet; use 1."
         )
+    if arch.num_experts:
+        raise ConfigError(
+            f"tensor_parallel_size={size}: {arch.architecture}'s experts are not split "
+            "between ranks yet; use 1."
+        )
     if arch.qk_norm and not arch.qk_norm_per_head:
         raise ConfigError(
             f"tensor_parallel_size={size}: {arch.architecture} normalises q and k over all "

@@ -52,6 +52,16 @@ SANDWICH_NORM_NAMES: Mapping[str, str] = {
 }
 
 
+# A sparse MoE's router and its 3-D expert tensors (one expert's rows after another): the
+# GGUF loader serves them under HF's per-expert names (`mlp.experts.{e}.gate_proj`, ...).
+MOE_NAMES: Mapping[str, str] = {
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
+}
+
+
 @dataclass(frozen=True, slots=True)
 class ModelFamily:
     """One family of decoder models. `gguf_permutes_qk`: llama.cpp stores the family's Q/K
@@ -86,6 +96,18 @@ FAMILIES: tuple[ModelFamily, ...] = (
         ("Qwen3ForCausalLM",),
         ("qwen3",),
         gguf_tensor_names={**LLAMA_BLOCK_NAMES, **QK_NORM_NAMES},
+    ),
+    ModelFamily(
+        "qwen3moe",
+        "qwen3moe",
+        ("Qwen3MoeForCausalLM",),
+        ("qwen3moe",),
+        gguf_tensor_names={
+            **{k: v for k, v in LLAMA_BLOCK_NAMES.items() if not k.startswith("ffn_")},
+            "ffn_norm": "post_attention_layernorm",
+            **QK_NORM_NAMES,
+            **MOE_NAMES,
+        },
     ),
     ModelFamily(
         "phi3",
@@ -145,6 +167,7 @@ MODEL_TYPE_TO_ARCHITECTURE: dict[str, str] = {
     "smollm3": "SmolLM3ForCausalLM",
     "granite": "GraniteForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
 }
 
 

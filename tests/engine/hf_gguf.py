@@ -88,6 +88,17 @@ def hf_config(family: str) -> Any:
             attention_multiplier=0.2,
             logits_scaling=8.0,
         )
+    if family == "qwen3moe":  # 4 experts, top 2, renormalised
+        return transformers.Qwen3MoeConfig(
+            **_COMMON,
+            num_hidden_layers=2,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            norm_topk_prob=True,
+            rope_theta=1000000.0,
+            tie_word_embeddings=False,
+        )
     if family == "phi3":
         # LongRoPE: positions within the original context (64) turn with the short factors,
         # past it with the long ones; cos and sin scaled by sqrt(1 + ln 8 / ln 64).
@@ -181,6 +192,10 @@ def write_family_gguf(
     if family != "gemma3":
         writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
     _add_tokenizer(writer)
+    if family == "qwen3moe":
+        writer.add_expert_count(config.num_experts)
+        writer.add_expert_used_count(config.num_experts_per_tok)
+        writer.add_expert_feed_forward_length(config.moe_intermediate_size)
     if family == "granite":
         writer.add_embedding_scale(config.embedding_multiplier)
         writer.add_residual_scale(config.residual_multiplier)
@@ -199,7 +214,7 @@ def write_family_gguf(
             writer.add_tensor(f"rope_factors_{kind}.weight", factors)
     block_names = {hf: name for name, hf in entry.gguf_tensor_names.items()}
     global_names = {hf: name for name, hf in GLOBAL_NAMES.items()}
-    for hf_name, tensor in model.state_dict().items():
+    for hf_name, tensor in _gguf_order(model.state_dict()).items():
         if hf_name == "lm_head.weight" and config.tie_word_embeddings:
             continue
         base, _, suffix = hf_name.rpartition(".")
@@ -216,7 +231,7 @@ def write_family_gguf(
             values = llama_cpp_permute(values, heads)
         if entry.gguf_norm_shift and hf_name.endswith("norm.weight"):
             values = values + entry.gguf_norm_shift
-        if values.ndim == 2 and qtype != Q.F32:
+        if values.ndim >= 2 and qtype != Q.F32:  # 3-D: a MoE's stacked experts
             blocks = gguf.quants.quantize(np.ascontiguousarray(values), qtype)
             writer.add_tensor(f"{name}.{suffix}", blocks, raw_shape=blocks.shape, raw_dtype=qtype)
         else:
@@ -247,6 +262,40 @@ def llama3_rope_factors(config: Any) -> np.ndarray:
             smooth = (old_context / wavelen - low) / (high - low)
             factors.append(1 / ((1 - smooth) / factor + smooth))
     return np.array(factors, dtype=np.float32)
+
+
+def _gguf_order(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The state dict with transformers' fused 3-D expert tensors (experts, 2I, H) split as
+    llama.cpp stores them: gate_proj (experts, I, H), up_proj, down_proj (experts, H, I)."""
+    out = {}
+    for name, tensor in state.items():
+        if name.endswith(".mlp.experts.gate_up_proj"):
+            gate, up = tensor.chunk(2, dim=1)
+            out[name.replace("gate_up_proj", "gate_proj.weight")] = gate
+            out[name.replace("gate_up_proj", "up_proj.weight")] = up
+        elif name.endswith(".mlp.experts.down_proj"):
+            out[f"{name}.weight"] = tensor
+        else:
+            out[name] = tensor
+    return out
+
+
+def hf_state(state: dict[str, torch.Tensor], config: Any) -> dict[str, torch.Tensor]:
+    """agentrt's HF-named state (load_state_dict: per-expert names) in transformers' own
+    layout (each layer's experts stacked into 3-D tensors)."""
+    experts = getattr(config, "num_experts", 0)
+    if not experts:
+        return state
+    out = {k: v for k, v in state.items() if ".mlp.experts." not in k}
+    for layer in range(config.num_hidden_layers):
+        p = f"model.layers.{layer}.mlp.experts."
+
+        def stack(part: str, p=p) -> torch.Tensor:
+            return torch.stack([state[f"{p}{e}.{part}.weight"] for e in range(experts)])
+
+        out[f"{p}gate_up_proj"] = torch.cat((stack("gate_proj"), stack("up_proj")), dim=1)
+        out[f"{p}down_proj"] = stack("down_proj")
+    return out
 
 
 def _model_arch(name: str) -> gguf.MODEL_ARCH:

@@ -17,7 +17,7 @@ from agentrt.engine.sampling_params import SamplingParams
 from tests.engine.conftest import hf_greedy_batch
 
 from .gguf_files import Q
-from .hf_gguf import family_of, write_family_gguf
+from .hf_gguf import family_of, hf_state, write_family_gguf
 
 NUM_TOKENS = 12
 # Prompt lengths around Gemma's tiny window (8) and the block size (8): inside one window,
@@ -35,7 +35,7 @@ def _hf_reference(path, config) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    keys = model.load_state_dict(load_state_dict(path), strict=False)
+    keys = model.load_state_dict(hf_state(load_state_dict(path), config), strict=False)
     assert not keys.unexpected_keys
     assert keys.missing_keys in ([], ["lm_head.weight"])
     return model.eval()
@@ -55,6 +55,7 @@ def family_files(tmp_path_factory):
             ("granite", Q.Q8_0),
             ("olmo2", Q.Q8_0),
             ("gemma2", Q.F32),
+            ("qwen3moe", Q.Q8_0),
             ("gemma3", Q.Q8_0),
             ("gemma3", Q.F32),
         )
@@ -71,6 +72,7 @@ def family_files(tmp_path_factory):
         ("granite", Q.Q8_0, {}),  # embedding, residual, attention and logit multipliers
         ("olmo2", Q.Q8_0, {}),  # norms after attention and the MLP only; q/k norms over heads
         ("gemma2", Q.F32, {}),  # alternating windows; soft-capped scores and logits
+        ("qwen3moe", Q.Q8_0, {}),  # 3-D expert tensors, top-2 routing
         ("gemma3", Q.Q8_0, {}),
         ("gemma3", Q.F32, {"attention_backend": "torch"}),
         ("gemma3", Q.F32, {"max_num_batched_tokens": 7}),  # chunks across the window
@@ -113,19 +115,19 @@ def _teacher_forced(llm: LLM, text: list[int]) -> torch.Tensor:
     return llm.engine.runner.execute(SchedulerOutput([chunk], len(text)))[:-1].float()
 
 
-def test_gemma3_in_its_block_formats_stays_off_the_llama_fused_path(family_files):
-    """The one-call C decoder and the fused glue compute Llama's layer: Gemma's Q8_0 file in
-    its own blocks (the default for a GGUF: every projection a GGMLLinear, which the glue
-    would run) stays on the layer-by-layer path, and agrees with its fp32 model as the
-    Llama file does (int8 activations move near-ties only)."""
-    for family in ("llama", "phi3", "gemma3"):
+def test_block_formats_run_close_to_fp32_and_off_the_llama_fused_path(family_files):
+    """Each family's Q8_0 file in its own blocks (the default for a GGUF: every projection
+    a GGMLLinear, a MoE's experts too) agrees with its fp32 model as the Llama file does
+    (int8 activations move near-ties only). The one-call C decoder and the fused glue
+    compute Llama's layer: Phi-3 takes them, Gemma and the MoE stay layer by layer."""
+    for family in ("llama", "phi3", "gemma3", "qwen3moe"):
         path = str(family_files[(family, Q.Q8_0)][0])
         quantized, exact = LLM(path, kv_cache_memory_gb=0.02), LLM(path, dtype="float32")
         model = quantized.engine.runner.model
         assert quantized.engine.model_config.quantization == "gguf"
         assert model.quantized_layers()
-        assert (model.cpu_ops is not None) == (family != "gemma3")  # Phi-3: Llama's math
-        if family == "gemma3":
+        assert (model.cpu_ops is not None) == (family in ("llama", "phi3"))  # Llama's math
+        if family not in ("llama", "phi3"):
             assert model.cpu_decoder is None
         text = _prompts(1)[2]
         got, want = _teacher_forced(quantized, text), _teacher_forced(exact, text)

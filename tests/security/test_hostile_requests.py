@@ -184,3 +184,15 @@ def test_a_body_of_a_quarter_million_messages_is_refused_before_validating_them(
         lambda c: c.post("/v1/chat/completions", json={"model": MODEL, "messages": messages})
     )
     assert_client_error(result.response, "at most 4096")
+
+
+def test_one_request_cannot_fill_the_engine_with_choices(attack) -> None:
+    # 16 prompts x n=16 queued 256 engine requests from one HTTP request ahead of everyone
+    # (the victim's 2-token completion timed out after 60 s); 64 prompts slowed it to 1.9 s.
+    flood = {"prompt": ["Tell me a story."] * 16, "n": 16, "max_tokens": 64, "ignore_eos": True}
+    result = attack(lambda c: complete(c, **flood))
+    assert_client_error(result.response, "at most 16")
+    most = {"prompt": ["Tell me a story."] * 16, "max_tokens": 64, "ignore_eos": True}
+    result = attack(lambda c: complete(c, **most))
+    assert result.response is not None and result.response.status_code == 200
+    assert len(result.response.json()["choices"]) == 16
