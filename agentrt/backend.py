@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import AsyncIterator
-from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -18,23 +17,14 @@ from agentrt.engine.sampling_params import SamplingParams
 from agentrt.formats import OutputFormat
 from agentrt.reasoning import (
     REASONING_OPTIONS,
-    ReasoningRequest,
     ReasoningText,
-    constrain,
-    count_reasoning_tokens,
-    plan_request,
-    resolve_spec,
-    split,
-    template_kwargs,
 )
-from agentrt.reply_tokens import REASONING, ReplySplitter, reply_markers
+from agentrt.reply import Reply
 from agentrt.tool_calls import (
     ReplyCalls,
-    read_call_blocks,
-    read_tool_calls,
-    render_messages,
     tool_call_style,
 )
+from agentrt.turn import prepare_turn, reasoning_mode
 
 # The SDK decodes greedily unless told otherwise: structured replies from small models are
 # most reliable that way, and runs are reproducible.
@@ -118,15 +108,6 @@ def reasoning_options(sampling: dict[str, Any]) -> tuple[dict[str, Any], dict[st
     return {k: v for k, v in sampling.items() if k not in names}, options
 
 
-def reasoning_mode(options: dict[str, Any]) -> Any:
-    """`reasoning` (True, False, "auto"), from `reasoning_effort` when it is not given."""
-    mode = options.get("reasoning", "auto")
-    effort = options.get("reasoning_effort")
-    if mode == "auto" and effort is not None:
-        return effort not in ("none", "minimal")
-    return mode
-
-
 def check_sampling(sampling: dict[str, Any]) -> dict[str, Any]:
     """SDK defaults overlaid with the caller's options; unknown names are rejected."""
     unknown = sorted(set(sampling) - SAMPLING_OPTIONS)
@@ -149,148 +130,65 @@ class LocalBackend:
         (True, False, "auto"), `max_reasoning_tokens`, `reasoning_parser`, and OpenAI's
         `reasoning_effort` ("none" / "minimal": off; any other: on)."""
         sampling, options = reasoning_options(sampling)
-        mode = reasoning_mode(options)
-        max_reasoning = options.get("max_reasoning_tokens")
-        parser = options.get("reasoning_parser")
         tokenizer = self.engine.tokenizer
-        tools = None
-        if fmt.kind == "tools":
-            tools = list(fmt.tools)
+        tools = fmt.kind == "tools"
+        if tools:
             fmt = dataclasses.replace(fmt, tool_style=tool_call_style(tokenizer))
-        rendered, template_tools = render_messages(
-            messages, tools, tokenizer, parallel=fmt.parallel_tool_calls
+        turn = prepare_turn(
+            tokenizer,
+            messages,
+            fmt,
+            mode=reasoning_mode(options.get("reasoning", "auto"), options.get("reasoning_effort")),
+            max_reasoning_tokens=options.get("max_reasoning_tokens"),
+            reasoning_parser=options.get("reasoning_parser"),
         )
-        think = resolve_spec(tokenizer, mode, parser)
-        prompt_text = tokenizer.apply_chat_template(
-            rendered,
-            tools=template_tools,
-            tokenize=False,
-            add_generation_prompt=True,
-            **template_kwargs(tokenizer, mode),
-        )
-        plan = plan_request(tokenizer, think, prompt_text, mode, max_reasoning)
-        params = SamplingParams(
-            **check_sampling(sampling), structured_outputs=constrain(fmt.structured_outputs(), plan)
-        )
-        prompt_ids = tokenizer.encode(prompt_text, add_special_tokens=False)
-        markers = reply_markers(tokenizer, plan.spec, fmt.tool_style if tools else None)
-        if markers is not None:  # the markers are tokens: read the reply from its ids
-            reader = ReplySplitter(
-                tokenizer,
-                markers,
-                opened=plan.opened,
-                prompt_token_ids=prompt_ids,
-                skip_special_tokens=params.skip_special_tokens,
-                stop=params.stop,
-                include_stop_str_in_output=params.include_stop_str_in_output,
-            )
-            replies = self._stream_tokens(prompt_ids, params, reader, fmt if tools else None)
-        else:
-            replies = self._stream_text(prompt_ids, params, plan, fmt if tools else None)
-        async with aclosing(replies):
-            async for item in replies:
-                yield item
-
-    async def _stream_tokens(
-        self,
-        prompt_ids: list[int],
-        params: SamplingParams,
-        reader: ReplySplitter,
-        tools: OutputFormat | None,
-    ) -> AsyncIterator[str | Completion]:
+        params = turn.sampling_params(**check_sampling(sampling))
+        prompt_ids = turn.prompt_ids
+        reader = turn.reader(tokenizer, params)
         async with self.engine.add_request(prompt_ids, params) as stream:
             async for delta in stream:
-                pieces = reader.feed(delta.token_ids)
+                read = reader.feed(delta.text, delta.token_ids)
                 if delta.output is not None:
-                    pieces += reader.finish()
-                for piece in pieces:
-                    yield ReasoningText(piece.text) if piece.kind == REASONING else piece.text
+                    end = reader.finish()
+                    read.reasoning, read.answer = (
+                        read.reasoning + end.reasoning,
+                        read.answer + end.answer,
+                    )
+                if read.reasoning:
+                    yield ReasoningText(read.reasoning)
+                if read.answer:
+                    yield read.answer
                 if delta.output is not None:
-                    yield split_completion(delta.output, reader, tools)
-
-    async def _stream_text(
-        self,
-        prompt_ids: list[int],
-        params: SamplingParams,
-        plan: ReasoningRequest,
-        tools: OutputFormat | None,
-    ) -> AsyncIterator[str | Completion]:
-        """The reply read from its text: the reasoning split at its markers' text, tool
-        calls parsed from the answer."""
-        tokenizer = self.engine.tokenizer
-        splitter = plan.stream()
-        async with self.engine.add_request(prompt_ids, params) as stream:
-            async for delta in stream:
-                if delta.text and splitter is None:
-                    yield delta.text
-                elif delta.text:
-                    reasoning, answer = splitter.feed(delta.text)
-                    if reasoning:
-                        yield ReasoningText(reasoning)
-                    if answer:
-                        yield answer
-                if delta.output is not None:
-                    if splitter is not None:
-                        reasoning, answer = splitter.finish()
-                        if reasoning:
-                            yield ReasoningText(reasoning)
-                        if answer:
-                            yield answer
-                    completion = to_completion(delta.output, plan, tokenizer)
-                    if tools is not None:
-                        content, calls = read_tool_calls(
-                            completion.text,
-                            tools.tool_style,
-                            max_calls=tools.max_parallel_tool_calls,
-                        )
-                        completion.content = completion.text if calls is None else content
-                        _end_calls(completion, calls)
-                    yield completion
+                    reply = turn.read(tokenizer, params, delta.output.outputs[0])
+                    yield reply_completion(delta.output, reply, tools)
 
     async def stats(self):
         return await self.engine.stats()
 
 
-def to_completion(
-    output: RequestOutput, plan: ReasoningRequest | None = None, tokenizer: Any = None
-) -> Completion:
+def reply_completion(output: RequestOutput, reply: Reply, tools: bool) -> Completion:
+    """The `Completion` of a finished reply (`read_reply`): the answer, reasoning and calls
+    are the reader's, and `raw_text` (what the history re-sends) is the reply with its
+    markers spelled, also where the detokenizer skipped them as special."""
     completion = output.outputs[0]
     usage = Usage(len(output.prompt_token_ids), output.num_cached_tokens, len(completion.token_ids))
-    text, reasoning = completion.text, None
-    if plan is not None and plan.spec is not None:
-        reasoning, text = split(completion.text, plan)
-        usage.reasoning_tokens = count_reasoning_tokens(tokenizer, completion.token_ids, plan)
-    return Completion(
-        text,
+    usage.reasoning_tokens = reply.num_reasoning_tokens
+    result = Completion(
+        reply.text,
         completion.finish_reason,
         usage,
         error=output.error,
         error_code=output.error_code,
         structured_errors=completion.structured_errors,
         num_steered_tokens=completion.num_steered_tokens,
-        reasoning=reasoning,
-        raw_text=completion.text,
+        reasoning=reply.reasoning,
+        raw_text=reply.raw_text,
     )
-
-
-def split_completion(
-    output: RequestOutput, reader: ReplySplitter, tools: OutputFormat | None
-) -> Completion:
-    """`to_completion` of a reply read from its token ids: the answer, reasoning and calls
-    are the reader's, and `raw_text` (what the history re-sends) is the reply with its
-    markers spelled, also where the detokenizer skipped them as special."""
-    completion = to_completion(output)
-    completion.text, completion.raw_text = reader.text, reader.raw_text
-    completion.reasoning = reader.reasoning
-    completion.usage.reasoning_tokens = reader.num_reasoning_tokens
-    if tools is not None:
-        completion.content, completion.calls = reader.content, list(reader.calls)
-        calls = read_call_blocks(
-            reader.calls, cut=reader.in_call, max_calls=tools.max_parallel_tool_calls
-        )
-        if _end_calls(completion, calls):
-            completion.calls = completion.calls[: len(calls.calls)]
-    return completion
+    if tools:
+        result.content, result.calls = reply.content, reply.call_blocks
+        if _end_calls(result, reply.calls) and result.calls is not None:
+            result.calls = result.calls[: len(reply.calls.calls)]
+    return result
 
 
 def _end_calls(completion: Completion, calls: ReplyCalls | None) -> bool:

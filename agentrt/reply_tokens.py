@@ -179,6 +179,16 @@ class ReplySplitter:
         self._take(pieces, self._part.decoder.get_delta(streaming=True))
 
     @property
+    def in_reasoning(self) -> bool:
+        """The reply is inside its reasoning (it has not reached the end marker yet)."""
+        return self._part.kind == REASONING
+
+    @property
+    def may_start_reasoning(self) -> bool:
+        """A start marker would still open the reasoning (nothing else was written yet)."""
+        return self._may_start_reasoning()
+
+    @property
     def in_call(self) -> bool:
         """The reply is (after `finish`: ended) inside a call: its last call never closed."""
         return self._part.kind == CALL

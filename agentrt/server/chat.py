@@ -3,7 +3,6 @@ outputs and tool calls, as one JSON body or as a stream of `chat.completion.chun
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 from fastapi import Request
@@ -15,13 +14,8 @@ from agentrt.reasoning import (
     ReasoningRequest,
     constrain,
     count_reasoning_tokens,
-    plan_request,
-    resolve_spec,
-    split,
-    template_kwargs,
 )
-from agentrt.reply_tokens import CALL, REASONING, ReplyMarkers, ReplySplitter, reply_markers
-from agentrt.server.calls_or_answer import CallsOrAnswerStreamer, ReplyKind, tool_names
+from agentrt.reply import ReplyReader, read_reply
 from agentrt.server.errors import bad_request
 from agentrt.server.generation import Generation, respond
 from agentrt.server.offload import check_text_length, off_loop
@@ -29,16 +23,11 @@ from agentrt.server.params import ChatConstraint, chat_constraint, choice_params
 from agentrt.server.protocol import ChatCompletionRequest, ChatMessage
 from agentrt.server.responses import chat_logprobs, kv_transfer, new_id, now, usage
 from agentrt.server.state import ServerState
-from agentrt.server.tagged_stream import TextThenCallsStreamer
-from agentrt.server.tool_stream import ToolCallStreamer
 from agentrt.tool_calls import (
-    MAX_PARALLEL_TOOL_CALLS,
     ReplyCalls,
-    read_call_blocks,
-    read_tool_calls,
-    render_messages,
     tool_call_style,
 )
+from agentrt.turn import decoding, reasoning_mode, render_prompt, reply_shape
 
 
 async def create_chat_completion(
@@ -102,23 +91,20 @@ def chat_prompt_and_reasoning(
     does), and the rendered prompt tells whether it opened the reasoning block."""
     messages = [_message_dict(i, m) for i, m in enumerate(request.messages)]
     tokenizer = state.engine.tokenizer
-    parallel = request.parallel_tool_calls is not False
     kwargs = dict(request.chat_template_kwargs or {})
-    mode = bool(kwargs["enable_thinking"]) if "enable_thinking" in kwargs else "auto"
-    if mode == "auto" and request.reasoning_effort is not None:
-        mode = request.reasoning_effort not in ("none", "minimal")
-    # A model without markers does not reason, whatever the request asks.
-    spec = resolve_spec(tokenizer, "auto", request.reasoning_parser)
+    thinking = bool(kwargs["enable_thinking"]) if "enable_thinking" in kwargs else "auto"
     try:
-        rendered, template_tools = render_messages(
-            messages, constraint.tools_in_prompt, tokenizer, parallel=parallel
-        )
-        text = tokenizer.apply_chat_template(
-            rendered,
-            tools=template_tools,
-            tokenize=False,
+        text, plan = render_prompt(
+            tokenizer,
+            messages,
+            constraint.tools_in_prompt,
+            mode=reasoning_mode(thinking, request.reasoning_effort),
+            max_reasoning_tokens=request.max_reasoning_tokens,
+            reasoning_parser=request.reasoning_parser,
+            template_vars=kwargs,
+            parallel=request.parallel_tool_calls is not False,
             add_generation_prompt=request.add_generation_prompt is not False,
-            **template_kwargs(tokenizer, mode, kwargs),
+            require_markers=False,  # a model without markers does not reason, whatever asked
         )
     except InvalidRequestError:  # it names its field; the error handler reports it
         raise
@@ -126,7 +112,6 @@ def chat_prompt_and_reasoning(
         raise bad_request(
             f"the chat template cannot render these messages: {exc}", param="messages"
         ) from None
-    plan = plan_request(tokenizer, spec, text, mode, request.max_reasoning_tokens)
     check_text_length(text, state.max_model_len, state.max_token_chars)
     return tokenizer.encode(text, add_special_tokens=False), plan
 
@@ -175,38 +160,18 @@ class _ChatView:
         self.include_reasoning = include_reasoning
         self.tokenizer = tokenizer
         self.model = model
-        self.tool_style = tool_style
-        self.tools_active = constraint.tools is not None
-        # Tools with a response_format: calls or the answer (agentrt.server.calls_or_answer).
-        self.answer_too = constraint.answer_too
-        self.tool_names = tool_names(list(constraint.tools.tools)) if constraint.tools else set()
-        # The most calls one reply returns (agentrt.tool_calls.ReplyCalls).
-        self.max_calls = (
-            constraint.tools.max_parallel_tool_calls
-            if constraint.tools
-            else MAX_PARALLEL_TOOL_CALLS
-        )
+        # What a reply may hold, read by agentrt.reply: tools with a response_format are
+        # calls or the answer (agentrt.server.calls_or_answer).
+        self.shape = reply_shape(self.reasoning, constraint.tools, answer_too=constraint.answer_too)
         self.top_n = top_n
         self.id = new_id("chatcmpl")
         self.created = now()
-        self.markers: ReplyMarkers | None = None
-        self._reader_options: dict[str, Any] = {}
+        self._decoding: dict[str, Any] = {}
 
     def read_tokens(self, prompt_ids: list[int], params: Any) -> None:
-        """Read replies from their token ids where the reasoning and call markers are single
-        tokens (agentrt.reply_tokens), decoding as `params` (a choice's SamplingParams) do."""
-        tools_style = self.tool_style if self.tools_active else None
-        self.markers = reply_markers(self.tokenizer, self.reasoning.spec, tools_style)
-        self._reader_options = {
-            "opened": self.reasoning.opened,
-            "prompt_token_ids": prompt_ids,
-            "skip_special_tokens": params.skip_special_tokens,
-            "stop": params.stop,
-            "include_stop_str_in_output": params.include_stop_str_in_output,
-        }
-
-    def _reader(self) -> ReplySplitter:
-        return ReplySplitter(self.tokenizer, self.markers, **self._reader_options)
+        """Decode replies as `params` (a choice's SamplingParams) do, after `prompt_ids`
+        (where they are read from their token ids: agentrt.reply)."""
+        self._decoding = decoding(prompt_ids, params)
 
     def completion(self, outputs: list[RequestOutput]) -> dict[str, Any]:
         choices = []
@@ -235,104 +200,31 @@ class _ChatView:
         }
 
     def _message(self, completion: CompletionOutput) -> tuple[dict[str, Any], str | None]:
-        if self.markers is not None:
-            return self._message_from_tokens(completion)
-        reasoning, text = split(completion.text, self.reasoning)
-        message, finish = self._answer(dataclasses.replace(completion, text=text))
-        if reasoning is not None and self.include_reasoning:
-            message["reasoning_content"] = reasoning
+        reply = read_reply(
+            self.tokenizer, self.shape, completion.text, completion.token_ids, **self._decoding
+        )
+        message, finish = _reply_message(reply.text, reply.content, reply.calls, completion)
+        if reply.reasoning is not None and self.include_reasoning:
+            message["reasoning_content"] = reply.reasoning
         return message, finish
 
-    def _message_from_tokens(
-        self, completion: CompletionOutput
-    ) -> tuple[dict[str, Any], str | None]:
-        reader = self._reader()
-        reader.feed(completion.token_ids)
-        reader.finish()
-        calls = None
-        if reader.calls:
-            calls = read_call_blocks(reader.calls, cut=reader.in_call, max_calls=self.max_calls)
-        message, finish = _reply_message(reader.text, reader.content, calls, completion)
-        if reader.reasoning is not None and self.include_reasoning:
-            message["reasoning_content"] = reader.reasoning
-        return message, finish
-
-    def _answer(self, completion: CompletionOutput) -> tuple[dict[str, Any], str | None]:
-        content, calls = completion.text, None
-        if self.tools_active and not self._is_answer(completion.text):
-            content, calls = read_tool_calls(
-                completion.text, self.tool_style, max_calls=self.max_calls
-            )
-        return _reply_message(completion.text, content, calls, completion)
-
-    def _is_answer(self, text: str) -> bool:
-        """With an answer format too: whether the reply is the answer, not calls."""
-        if not self.answer_too:
-            return False
-        kind = ReplyKind(self.tool_style, self.tool_names)
-        kind.feed(text)
-        return kind.finish() == "answer"
-
-    def _streamer(self) -> ToolCallStreamer | CallsOrAnswerStreamer | TextThenCallsStreamer | None:
-        """What turns a streamed reply into deltas (None: plain text)."""
-        if self.answer_too:
-            return CallsOrAnswerStreamer(self.tool_style, self.tool_names, max_calls=self.max_calls)
-        if self.tools_active and self.tool_style == "hermes":  # text may precede the calls
-            return TextThenCallsStreamer(max_calls=self.max_calls)
-        if self.tools_active:
-            return ToolCallStreamer(self.tool_style, max_calls=self.max_calls)
-        return None
-
-    def _text_delta(
-        self,
-        splitter: Any,
-        streamer: ToolCallStreamer | CallsOrAnswerStreamer | None,
-        delta: RequestDelta,
-    ) -> dict[str, Any]:
-        """The chunk delta of a reply read from its text: the reasoning split at its
-        markers' text (`splitter`, a ReasoningStream or None), the answer as content or
-        tool-call deltas (`streamer`)."""
-        body: dict[str, Any] = {}
-        text = delta.text
-        if splitter is not None:
-            thought, text = splitter.feed(text)
-            if delta.output is not None:
-                more_thought, more_text = splitter.finish()
-                thought, text = thought + more_thought, text + more_text
-            if thought and self.include_reasoning:
-                body["reasoning_content"] = thought
-        if streamer is not None:
-            content, calls = streamer.feed(text)
-            if content:
-                body["content"] = content
-            if calls:
-                body["tool_calls"] = calls
-        elif text:
-            body["content"] = text
-        return body
-
-    def _token_delta(
-        self, reader: ReplySplitter, streamer: ToolCallStreamer, delta: RequestDelta
-    ) -> dict[str, Any]:
-        """The chunk delta of a reply read from its token ids: reasoning, content and the
-        calls' deltas (the calls' text, tags spelled, through `ToolCallStreamer`)."""
-        pieces = reader.feed(delta.token_ids)
+    def _delta(self, reader: ReplyReader, delta: RequestDelta) -> dict[str, Any]:
+        """The chunk delta of what `delta` added: reasoning, content and call deltas."""
+        read = reader.feed(delta.text, delta.token_ids)
         if delta.output is not None:
-            pieces += reader.finish()
+            end = reader.finish()
+            read.reasoning, read.content = (
+                read.reasoning + end.reasoning,
+                read.content + end.content,
+            )
+            read.calls += end.calls
         body: dict[str, Any] = {}
-        call_text = ""
-        for piece in pieces:
-            if piece.kind == REASONING:
-                if self.include_reasoning:
-                    body["reasoning_content"] = body.get("reasoning_content", "") + piece.text
-            elif piece.kind == CALL:
-                call_text += piece.text
-            else:
-                body["content"] = body.get("content", "") + piece.text
-        if call_text:
-            _, calls = streamer.feed(call_text)
-            if calls:
-                body["tool_calls"] = calls
+        if read.reasoning and self.include_reasoning:
+            body["reasoning_content"] = read.reasoning
+        if read.content:
+            body["content"] = read.content
+        if read.calls:
+            body["tool_calls"] = read.calls
         return body
 
     def _usage(self, outputs: list[RequestOutput]) -> dict[str, Any]:
@@ -367,18 +259,10 @@ class _ChatView:
         include_usage: bool,
     ) -> None:
         extra = {"usage": None} if include_usage else {}
-        if self.markers is not None:  # read from the token ids; calls streamed as text
-            readers = [self._reader() for _ in firsts]
-            streamers = [ToolCallStreamer("hermes", max_calls=self.max_calls) for _ in firsts]
-        else:
-            splitters = [self.reasoning.stream() for _ in firsts]
-            streamers = [self._streamer() for _ in firsts]
+        readers = [ReplyReader(self.tokenizer, self.shape, **self._decoding) for _ in firsts]
 
         async def on_delta(index: int, delta: RequestDelta) -> None:
-            if self.markers is not None:
-                body = self._token_delta(readers[index], streamers[index], delta)
-            else:
-                body = self._text_delta(splitters[index], streamers[index], delta)
+            body = self._delta(readers[index], delta)
             logprobs = None
             if self.top_n is not None and delta.logprobs:
                 logprobs = {"content": chat_logprobs(delta.logprobs, self.top_n)}
@@ -386,13 +270,7 @@ class _ChatView:
                 await emit(self.chunk([_choice(index, body, logprobs)], **extra))
 
         async def on_finish(index: int, output: RequestOutput) -> None:
-            streamer = streamers[index]
-            held = streamer.finish() if streamer is not None else ""
-            if held:
-                await emit(self.chunk([_choice(index, {"content": held})], **extra))
-            finish = output.outputs[0].finish_reason
-            if streamer is not None:
-                finish = streamer.finish_reason(finish)
+            finish = readers[index].finish_reason(output.outputs[0].finish_reason)
             await emit(self.chunk([_choice(index, {}, None, finish)], **extra))
 
         for index in range(len(firsts)):

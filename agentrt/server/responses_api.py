@@ -45,7 +45,7 @@ from sse_starlette import EventSourceResponse, ServerSentEvent
 
 from agentrt.engine.client.outputs import CompletionOutput, RequestDelta, RequestOutput
 from agentrt.reasoning import ReasoningRequest, constrain, count_reasoning_tokens
-from agentrt.server.calls_or_answer import tool_names
+from agentrt.reply import ReplyReader
 from agentrt.server.chat import chat_prompt_and_reasoning
 from agentrt.server.errors import APIError, bad_request, failed_output, from_exception
 from agentrt.server.generation import Generation
@@ -61,14 +61,14 @@ from agentrt.server.responses_items import (
 )
 from agentrt.server.responses_output import (
     OutputItems,
-    ReplyShape,
-    ReplySplit,
+    ReplyItems,
     discard,
     dump,
     item_id,
 )
 from agentrt.server.state import ServerState
 from agentrt.tool_calls import tool_call_style
+from agentrt.turn import decoding, reply_shape
 
 _PARAM_NAMES = {"prompt": "input", "prompt_token_ids": "input", "max_tokens": "max_output_tokens"}
 
@@ -140,6 +140,7 @@ async def create_response(
     view = ResponseView(
         state.model_name, request, chat, constraint, tool_style, reasoning, state.engine.tokenizer
     )
+    view.decoding = decoding(prompt_ids, params[0])
 
     def keep(body: dict[str, Any], output: list[BaseModel]) -> None:
         if request.store is not False:
@@ -199,15 +200,11 @@ class ResponseView:
         self.tokenizer = tokenizer
         self.id = item_id("resp")
         self.created_at = time.time()
-        tools_active = constraint.tools is not None
-        chat_tools = [t.model_dump() for t in chat.tools] if chat.tools else None
-        self.shape = ReplyShape(
-            tool_style=tool_style,
-            tools_active=tools_active,
-            answer_too=constraint.answer_too,  # calls or the answer of `text.format`
-            tool_names=frozenset(tool_names(chat_tools)),
-            top_n=chat.top_logprobs if chat.logprobs else None,
-        )
+        # What the reply may hold, read by agentrt.reply (as chat reads it): with
+        # `text.format` too, calls or the answer.
+        self.shape = reply_shape(reasoning, constraint.tools, answer_too=constraint.answer_too)
+        self.top_n = chat.top_logprobs if chat.logprobs else None
+        self.decoding: dict[str, Any] = {}
 
     # -- bodies ---------------------------------------------------------------------------
 
@@ -298,15 +295,15 @@ class ResponseView:
             total_tokens=input_tokens + len(output_ids),
         )
 
-    def _split(self, items: OutputItems) -> ReplySplit:
-        return ReplySplit(items, self.reasoning, self.tokenizer)
+    def _split(self, items: OutputItems) -> ReplyItems:
+        return ReplyItems(items, ReplyReader(self.tokenizer, self.shape, **self.decoding))
 
     async def items(self, completion: CompletionOutput) -> tuple[list[BaseModel], str]:
         """The output items of a finished reply (its reasoning, then its function calls or
         one message) and the response's status. They are read as a stream is
         (`OutputItems`, sending nothing), so a reply streamed and one answered in full have
         the same items."""
-        items = OutputItems(self.shape, discard)
+        items = OutputItems(self.top_n, discard)
         reply = self._split(items)
         await reply.feed(completion.text, completion.token_ids, completion.logprobs)
         return await reply.close(completion.finish_reason), items.status
@@ -317,7 +314,7 @@ class ResponseView:
         """Emit the events of the response as the reply streams; `keep(body, output)` the
         finished response before its last event. A failure after the first event is a
         `response.failed`."""
-        events = OutputItems(self.shape, emit)
+        events = OutputItems(self.top_n, emit)
         reply = self._split(events)
         await events.send(ResponseCreatedEvent, response=self.response("in_progress", []))
         await events.send(ResponseInProgressEvent, response=self.response("in_progress", []))

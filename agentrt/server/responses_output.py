@@ -4,19 +4,18 @@ that announce them (`openai.types.responses`): a message (`output_item.added`,
 (`output_item.added`, `function_call_arguments.delta`..., then the `.done` events). A
 reasoning model's reasoning comes first, as a `reasoning` item (`output_item.added`,
 `content_part.added`, `reasoning_text.delta`..., then the `.done` events) whose `content`
-is the reasoning text (`ReplySplit` tells it from the answer).
+is the reasoning text.
 
-A whole reply goes through the same `OutputItems`, its events discarded, so a streamed
-reply and a whole one have the same items. Which a reply is comes from the chat
-constraint: calls in the model's style (`ToolCallStreamer`), plain text, or, with tools and
-an answer format together, whichever `ReplyKind` tells.
+The reply is read by agentrt.reply (`ReplyReader`: from its token ids where the markers are
+single tokens, else from its text): `ReplyItems` feeds what each delta adds (reasoning,
+content, call deltas) to `OutputItems`. A whole reply goes through the same path, its events
+discarded, so a streamed reply and a whole one have the same items.
 """
 
 from __future__ import annotations
 
 import json
 import uuid
-from dataclasses import dataclass
 from typing import Any, get_args
 
 from openai.types.responses import (
@@ -43,10 +42,8 @@ from pydantic import BaseModel
 from sse_starlette import ServerSentEvent
 
 from agentrt.engine.client.outputs import Logprob
-from agentrt.reasoning import ReasoningRequest, count_reasoning_tokens
-from agentrt.server.calls_or_answer import CallsOrAnswerStreamer
+from agentrt.reply import ReplyDelta, ReplyReader
 from agentrt.server.responses import chat_logprobs
-from agentrt.server.tool_stream import ToolCallStreamer
 
 
 def dump(model: BaseModel) -> dict[str, Any]:
@@ -79,36 +76,19 @@ def reasoning_item(reasoning_id: str, text: str, status: str) -> ResponseReasoni
     )
 
 
-@dataclass(frozen=True, slots=True)
-class ReplyShape:
-    """What a reply can be, from the chat constraint: calls in `tool_style` when
-    `tools_active` (else text), or, with `answer_too`, calls or the answer in its format."""
-
-    tool_style: str
-    tools_active: bool
-    answer_too: bool
-    tool_names: frozenset[str]
-    top_n: int | None  # top logprobs per token (None: no logprobs)
-
-
 class OutputItems:
     """The output items of one reply as its text arrives, and the typed events that open,
     grow and close them, numbered in the order they are sent (`emit`: an async callable
     taking a `ServerSentEvent`)."""
 
-    def __init__(self, shape: ReplyShape, emit) -> None:
-        self.shape = shape
+    def __init__(self, top_n: int | None, emit) -> None:
+        self.top_n = top_n  # top logprobs per token (None: no logprobs)
         self.emit = emit
         self.sequence_number = 0
         self.output: list[BaseModel] = []  # the items done so far
         self.reasoning: dict[str, Any] | None = None  # the open reasoning item: id, text
         self.message: dict[str, Any] | None = None  # the open message: id, text, logprobs
         self.call: dict[str, Any] | None = None  # the open call: id, call_id, name, arguments
-        self.calls: ToolCallStreamer | CallsOrAnswerStreamer | None = None
-        if shape.answer_too:
-            self.calls = CallsOrAnswerStreamer(shape.tool_style, set(shape.tool_names))
-        elif shape.tools_active:
-            self.calls = ToolCallStreamer(shape.tool_style)
         self.logprobs: list = []  # of text not yet sent (held until the reply's kind shows)
         self.status: str | None = None  # "completed" or "incomplete", once closed
 
@@ -154,13 +134,18 @@ class OutputItems:
         await self.send(ResponseOutputItemDoneEvent, output_index=self._index, item=item)
         self.output.append(item)
 
-    async def feed(self, text: str, entries: list[dict[int, Logprob]] | None) -> None:
-        """What the reply's answer adds: its text and the logprobs of its tokens."""
-        if text:
+    async def feed(
+        self,
+        content: str,
+        call_deltas: list[dict[str, Any]],
+        entries: list[dict[int, Logprob]] | None,
+    ) -> None:
+        """What the reply's answer adds: its content, its calls' deltas (chat's, from
+        agentrt.reply) and the logprobs of its tokens."""
+        if content or call_deltas:
             await self.end_reasoning()
-        if self.shape.top_n is not None and entries:
-            self.logprobs += chat_logprobs(entries, self.shape.top_n)
-        content, call_deltas = (text, []) if self.calls is None else self.calls.feed(text)
+        if self.top_n is not None and entries:
+            self.logprobs += chat_logprobs(entries, self.top_n)
         if content:
             await self._text(content)
         for call_delta in call_deltas:
@@ -243,23 +228,19 @@ class OutputItems:
 
     async def close(self, finish_reason: str | None) -> list[BaseModel]:
         """Close the open items at the end of the reply (a reply that is nothing yet is an
-        empty message); returns the output."""
-        if self.calls is not None:  # calls ended by a repeat or the cap are complete
-            finish_reason = self.calls.finish_reason(finish_reason)
+        empty message); returns the output. `finish_reason` is the reply's (calls that
+        ended at a repeat or the cap are complete: `ReplyReader.finish_reason`)."""
         status = "incomplete" if finish_reason == "length" else "completed"
         self.status = status
         await self.end_reasoning(status)  # the reply ended in its reasoning
-        held = self.calls.finish() if self.calls is not None else ""
-        if self.call is not None:  # a call cut off (the held text is after it)
+        if self.call is not None:  # a call cut off
             await self._close_call(status)
-        if held:
-            await self._text(held)
         if self.message is None and not self.output:
             await self._text("")
         if self.message is not None:
             message = self.message
             message["logprobs"] += self.logprobs  # of tokens without text (the end token)
-            logprobs = message["logprobs"] if self.shape.top_n is not None else None
+            logprobs = message["logprobs"] if self.top_n is not None else None
             item = message_item(message["id"], message["text"], status, logprobs)
             fields = {"item_id": message["id"], "output_index": self._index, "content_index": 0}
             await self.send(
@@ -281,17 +262,14 @@ def event_type(cls: type[BaseModel]) -> str:
     return event_type
 
 
-class ReplySplit:
-    """Feeds a reply's deltas to `OutputItems`: a reasoning reply's reasoning to its reasoning
-    item, the answer (with the logprobs of the answer's tokens only) to the rest. Without
-    reasoning (`reasoning.spec` None) everything is the answer."""
+class ReplyItems:
+    """Feeds a reply's deltas through its `ReplyReader` to `OutputItems`: the reasoning to
+    its reasoning item, the answer (with the logprobs of the answer's tokens only) to the
+    rest."""
 
-    def __init__(self, items: OutputItems, reasoning: ReasoningRequest, tokenizer: Any) -> None:
+    def __init__(self, items: OutputItems, reader: ReplyReader) -> None:
         self.items = items
-        self.reasoning = reasoning
-        self.tokenizer = tokenizer
-        self.splitter = reasoning.stream()
-        self.token_ids: list[int] = []
+        self.reader = reader
         self.entries: list[dict[int, Logprob]] = []  # held while the reasoning runs
         self.num_sent_entries = 0
         self.first_answer_token: int | None = None  # known once the answer starts
@@ -299,30 +277,23 @@ class ReplySplit:
     async def feed(
         self, text: str, token_ids: list[int], entries: list[dict[int, Logprob]] | None
     ) -> None:
-        if self.splitter is None:
-            await self.items.feed(text, entries)
-            return
-        self.token_ids += token_ids
         self.entries += entries or []
-        await self._forward(*self.splitter.feed(text))
+        await self._forward(self.reader.feed(text, token_ids))
 
     async def close(self, finish_reason: str | None) -> list[BaseModel]:
-        """The text still held back, then `OutputItems.close`."""
-        if self.splitter is not None:
-            await self._forward(*self.splitter.finish())
-        return await self.items.close(finish_reason)
+        """What the reader still held, then `OutputItems.close`."""
+        await self._forward(self.reader.finish())
+        return await self.items.close(self.reader.finish_reason(finish_reason))
 
-    async def _forward(self, thought: str, answer: str) -> None:
-        if thought:
-            await self.items.reason(thought)
-        if self.splitter.saw_end:
+    async def _forward(self, read: ReplyDelta) -> None:
+        if read.reasoning:
+            await self.items.reason(read.reasoning)
+        if self.reader.reasoning_done:
             await self.items.end_reasoning()
         entries = None
-        if self.splitter.mode == "answer":  # the answer's tokens follow the reasoning's
+        if self.reader.in_answer:  # the answer's tokens follow the reasoning's
             if self.first_answer_token is None:
-                self.first_answer_token = count_reasoning_tokens(
-                    self.tokenizer, self.token_ids, self.reasoning
-                )
+                self.first_answer_token = self.reader.num_reasoning_tokens
             entries = self.entries[max(self.first_answer_token, self.num_sent_entries) :]
             self.num_sent_entries = len(self.entries)
-        await self.items.feed(answer, entries)
+        await self.items.feed(read.content, read.calls, entries)
