@@ -24,7 +24,7 @@ it is released when more content follows, or at the end of a reply that made no 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from agentrt.engine.client.detokenizer import IncrementalDetokenizer
@@ -253,32 +253,3 @@ class ReplySplitter:
             self._answered = True
         self.content += text
         pieces.append(ReplyPiece(CONTENT, text))
-
-
-@dataclass(slots=True)
-class SplitReply:
-    """A finished reply's parts (`ReplySplitter`'s results)."""
-
-    reasoning: str | None
-    content: str
-    calls: list[str] = field(default_factory=list)
-    text: str = ""
-    raw_text: str = ""
-    num_reasoning_tokens: int = 0
-
-
-def split_reply(
-    tokenizer: Any, markers: ReplyMarkers, token_ids: Sequence[int], **options: Any
-) -> SplitReply:
-    """The parts of a finished reply (`options`: those of `ReplySplitter`)."""
-    splitter = ReplySplitter(tokenizer, markers, **options)
-    splitter.feed(token_ids)
-    splitter.finish()
-    return SplitReply(
-        splitter.reasoning,
-        splitter.content,
-        splitter.calls,
-        splitter.text,
-        splitter.raw_text,
-        splitter.num_reasoning_tokens,
-    )

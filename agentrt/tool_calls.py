@@ -166,19 +166,10 @@ def starts_tool_calls(text: str, style: str = "json") -> bool:
 
 
 def parse_tool_calls(text: str, style: str = "json") -> list[ToolCall] | None:
-    """The calls in a constrained reply, or None when it is plain text (see
-    `split_tool_calls`, which also returns the text before them)."""
-    return split_tool_calls(text, style)[1]
-
-
-def split_tool_calls(text: str, style: str = "json") -> tuple[str, list[ToolCall] | None]:
-    """(content, calls) of a constrained reply read from its text: calls None when it made
-    none (content is then the whole text, or the text before a call cut off). See
-    `read_tool_calls`."""
-    content, calls = read_tool_calls(text, style)
-    if calls is None or not calls.calls:
-        return (text, None) if calls is None else (content, None)
-    return content, calls.calls
+    """The calls of a constrained reply read from its text (`read_tool_calls`), or None
+    when it made none."""
+    calls = read_tool_calls(text, style)[1]
+    return calls.calls if calls is not None and calls.calls else None
 
 
 def read_tool_calls(

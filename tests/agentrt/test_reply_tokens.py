@@ -8,7 +8,7 @@ import pytest
 
 from agentrt.engine.model.checkpoint import load_tokenizer
 from agentrt.grammar.reasoning import REASONING_PARSERS
-from agentrt.reply_tokens import CALL, CONTENT, REASONING, ReplySplitter, reply_markers, split_reply
+from agentrt.reply_tokens import CALL, CONTENT, REASONING, ReplySplitter, reply_markers
 from agentrt.tool_calls import parse_tool_calls
 
 OPEN_ID, CLOSE_ID = 151657, 151658
@@ -22,6 +22,14 @@ def think_tok(qwen_tokenizer_dir):
     tokenizer = load_tokenizer(qwen_tokenizer_dir)
     tokenizer.add_tokens(["<think>", "</think>"], special_tokens=False)
     return tokenizer
+
+
+def split_reply(tokenizer, markers, token_ids: list[int], **options) -> ReplySplitter:
+    """A finished reply read whole: fed at once, then finished."""
+    splitter = ReplySplitter(tokenizer, markers, **options)
+    splitter.feed(token_ids)
+    splitter.finish()
+    return splitter
 
 
 def _ids(tokenizer, text: str) -> list[int]:

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from agentrt.server.tagged_stream import TextThenCallsStreamer
-from agentrt.tool_calls import split_tool_calls
+from agentrt.tool_calls import read_tool_calls
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 
@@ -34,7 +34,8 @@ def _stream(text: str, size: int) -> tuple[str, list[dict], bool]:
 )
 def test_streamed_text_then_calls_match_the_whole_reply(text, size):
     content, calls, is_calls = _stream(text, size)
-    whole_content, whole_calls = split_tool_calls(text, "hermes")
+    whole_content, whole = read_tool_calls(text, "hermes")
+    whole_calls = whole.calls if whole is not None else None
     assert is_calls is (whole_calls is not None)
     if whole_calls is None:
         assert content == text  # plain text, held tails released at the end
