@@ -12,7 +12,7 @@ format. It is read two ways, by one rule:
   decoder that skips special tokens loses no tag;
 - from its text otherwise: the reasoning split at its markers' text
   (grammar.reasoning.ReasoningStream), the calls scanned from the answer's text by the tool
-  streams (agentrt.server.tool_stream, tagged_stream, calls_or_answer).
+  streams (agentrt.reply_calls).
 
 Either way the calls follow `agentrt.tool_calls.ReplyCalls` (an exact repeat or the cap ends
 them; a call cut off is dropped, never passed off as text), streamed as OpenAI tool-call
@@ -26,10 +26,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agentrt.reasoning import ReasoningRequest, count_reasoning_tokens, split
+from agentrt.reply_calls import (
+    CallsOrAnswerStreamer,
+    ReplyKind,
+    TextThenCallsStreamer,
+    ToolCallStreamer,
+)
 from agentrt.reply_tokens import CALL, REASONING, ReplySplitter, reply_markers
-from agentrt.server.calls_or_answer import CallsOrAnswerStreamer, ReplyKind
-from agentrt.server.tagged_stream import TextThenCallsStreamer
-from agentrt.server.tool_stream import ToolCallStreamer
 from agentrt.tool_calls import (
     MAX_PARALLEL_TOOL_CALLS,
     ReplyCalls,

@@ -5,9 +5,8 @@ and its tools on every turn).
 Under `tool_choice="auto"` the grammar is the union of the two: the calls in the served
 model's style (`agentrt.tool_calls`) or one JSON value of the answer's schema. Under
 "required" or a named tool the calls alone (this turn gives no answer); under "none" the
-answer alone. `ReplyKind` tells the two apart as a reply streams (one that starts like a
-call of the tools is calls, any other is the answer); `CallsOrAnswerStreamer` streams such a
-reply as content or tool-call deltas. `answer_possible` says when a reply may be the answer.
+answer alone. `answer_possible` says when a reply may be the answer; agentrt.reply_calls
+(`ReplyKind`, `CallsOrAnswerStreamer`) tells the two apart as a reply streams.
 """
 
 from __future__ import annotations
@@ -19,8 +18,7 @@ from agentrt.engine.sampling_params import StructuredOutputsParams
 from agentrt.formats import OutputFormat
 from agentrt.grammar import GrammarSpec
 from agentrt.grammar.tools import compact, tool_call_spec_text, tool_calls_schema
-from agentrt.server.tool_stream import ToolCallStreamer
-from agentrt.tool_calls import MAX_PARALLEL_TOOL_CALLS, hermes_spec
+from agentrt.tool_calls import hermes_spec
 
 # A compact call in the "json" style starts with exactly this (`COMPACT_JSON` separators).
 _CALL_HEAD = '{"name": "'
@@ -71,94 +69,6 @@ def calls_or_answer(
         raise AssertionError(f"a tagged calls grammar starts with its start rule: {tagged!r}")
     grammar = "start: tagged | answer\ntagged:" + tagged[len("start:") :] + answer_rule
     return StructuredOutputsParams(spec=GrammarSpec.from_ebnf(grammar))
-
-
-class ReplyKind:
-    """Tells, as a reply streams, whether it is calls or the answer: `feed(text)` returns
-    "calls", "answer", or None while the text so far could be either."""
-
-    def __init__(self, tool_style: str, tool_names: set[str]) -> None:
-        self.tool_style = tool_style
-        self.tool_names = tool_names
-        self.text = ""
-
-    def feed(self, text: str) -> str | None:
-        self.text += text
-        head = self.text.lstrip()
-        if not head:
-            return None
-        if self.tool_style != "json":
-            return "calls" if head[0] == "<" else "answer"
-        if head[0] == "[":
-            return "calls"
-        if not head.startswith(_CALL_HEAD):
-            return None if _CALL_HEAD.startswith(head) else "answer"
-        name = _closed_string(head[len(_CALL_HEAD) - 1 :])
-        if name is None:
-            return None
-        return "calls" if name in self.tool_names else "answer"
-
-    def finish(self) -> str:
-        """The kind of a reply that ended before `feed` could tell."""
-        return self.feed("") or "answer"
-
-
-class CallsOrAnswerStreamer:
-    """`ToolCallStreamer`'s interface for a reply that is calls or the answer: `feed(text)`
-    returns (content delta, tool-call deltas); the text is held until `ReplyKind` tells,
-    then the answer streams as content and calls as tool-call deltas. `finish()` releases
-    text still held when the reply ends (a reply cut before it could tell: the answer)."""
-
-    def __init__(
-        self,
-        tool_style: str,
-        tool_names: set[str],
-        *,
-        max_calls: int | None = MAX_PARALLEL_TOOL_CALLS,
-    ) -> None:
-        self._kind = ReplyKind(tool_style, tool_names)
-        self._calls = ToolCallStreamer(tool_style, max_calls=max_calls)
-        self.kind: str | None = None  # "calls" or "answer", once told
-        self._held = ""
-
-    def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
-        if self.kind is None:
-            self._held += text
-            self.kind = self._kind.feed(text)
-            if self.kind is None:
-                return "", []
-            text, self._held = self._held, ""
-        if self.kind == "answer":
-            return text, []
-        return self._calls.feed(text)
-
-    def finish(self) -> str:
-        """At the reply's end: the content still held back, as `ToolCallStreamer.finish`."""
-        if self.kind is None:
-            self.kind = "answer"
-            held, self._held = self._held, ""
-            return held
-        return self._calls.finish() if self.kind == "calls" else ""
-
-    @property
-    def is_tool_calls(self) -> bool:
-        return self.kind == "calls" and self._calls.is_tool_calls
-
-    def finish_reason(self, reason: str | None) -> str | None:
-        return self._calls.finish_reason(reason) if self.kind == "calls" else reason
-
-
-def _closed_string(text: str) -> str | None:
-    """The JSON string `text` starts with, once its closing quote is in; else None."""
-    escaped = False
-    for i, ch in enumerate(text[1:], start=1):
-        if escaped:
-            escaped = False
-        elif ch == "\\":
-            escaped = True
-        elif ch == '"':
-            return json.loads(text[: i + 1])
-    return None
 
 
 def tool_names(tools: list[dict[str, Any]] | None) -> set[str]:

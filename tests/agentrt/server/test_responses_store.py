@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from agentrt.server.calls_or_answer import CallsOrAnswerStreamer, ReplyKind
+from agentrt.reply_calls import CallsOrAnswerStreamer, ReplyKind
 from agentrt.server.response_store import ResponseStore
 
 

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from agentrt.server.tagged_stream import TextThenCallsStreamer
+from agentrt.reply_calls import TextThenCallsStreamer
 from agentrt.tool_calls import read_tool_calls
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'

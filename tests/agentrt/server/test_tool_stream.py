@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from agentrt.server.tool_stream import ToolCallStreamer
+from agentrt.reply_calls import ToolCallStreamer
 from agentrt.tool_calls import parse_tool_calls, read_tool_calls
 
 CALLS = [
