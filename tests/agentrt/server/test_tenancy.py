@@ -180,3 +180,21 @@ async def test_prompt_work_runs_off_the_loop_within_a_time_limit(
                 server.stop()
     finally:
         tokenizer.chat_template = saved
+
+
+def test_isolation_by_key_derives_one_salt_per_api_key() -> None:
+    from agentrt.server.state import ServerState
+
+    state = ServerState(ServerConfig(cache_isolation="key"), engine=None)
+    alice = {"authorization": "Bearer key-of-alice"}
+    bob = {"authorization": "Bearer key-of-bob"}
+    assert state.cache_salt(None, None, alice) == state.cache_salt(None, "anyone", alice)
+    assert state.cache_salt(None, None, alice) != state.cache_salt(None, None, bob)
+    # A client's own salt splits its tenant further, and cannot name another tenant's.
+    own = state.cache_salt("project-1", None, alice)
+    assert own != state.cache_salt(None, None, alice)
+    assert state.cache_salt(state.cache_salt(None, None, alice), None, bob) not in (
+        own,
+        state.cache_salt(None, None, alice),
+    )
+    assert ServerState(ServerConfig(), engine=None).cache_salt("s", "u", alice) == "s"
