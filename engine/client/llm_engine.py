@@ -7,7 +7,6 @@ drive one of these. It is not thread-safe: exactly one thread calls its methods.
 from __future__ import annotations
 
 import weakref
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -82,15 +81,10 @@ class LLMEngine:
         if threads:
             torch.set_num_threads(threads)
         torch.manual_seed(config.model.seed)
-        # The tokenizer loads on a thread while the weights load here (they share nothing,
-        # and the Rust tokenizer's reading releases the GIL): Qwen's 152k vocabulary is about
-        # as long to read as a 0.5B model's weights are to lay out.
-        with ThreadPoolExecutor(1, thread_name_prefix="agentrt-tokenizer") as pool:
-            tokenizer = pool.submit(load_tokenizer, config.model.path)
-            num_blocks = config.cache.num_blocks
-            self._check_fit(tp_size, num_blocks)
-            self.runner = self._start_runner(tp_size)
-            self.tokenizer = tokenizer.result()
+        self.tokenizer = load_tokenizer(config.model.path)
+        num_blocks = config.cache.num_blocks
+        self._check_fit(tp_size, num_blocks)
+        self.runner = self._start_runner(tp_size)
         self.kv_manager = KVCacheManager(
             num_blocks,
             config.cache.block_size,

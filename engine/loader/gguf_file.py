@@ -359,6 +359,12 @@ _ARCH_CONFIG_KEYS = {
     "attention.layer_norm_rms_epsilon": "rms_norm_eps",
     "vocab_size": "vocab_size",
 }
+_EXPERT_CONFIG_KEYS = {
+    "expert_count": "num_experts",
+    "expert_used_count": "num_experts_per_tok",
+}
+# Keys transformers' table lacks that a family needs: a llama file with experts is Mixtral.
+EXTRA_CONFIG_KEYS = {"llama": _EXPERT_CONFIG_KEYS}
 CONFIG_KEYS = {
     "general": {"architecture": "model_type", "name": "_model_name_or_path"},
     "tokenizer": {
@@ -377,8 +383,7 @@ CONFIG_KEYS = {
     "olmo2": _ARCH_CONFIG_KEYS,
     "qwen3moe": {
         **_ARCH_CONFIG_KEYS,
-        "expert_count": "num_experts",
-        "expert_used_count": "num_experts_per_tok",
+        **_EXPERT_CONFIG_KEYS,
         "expert_feed_forward_length": "moe_intermediate_size",
     },
     "granite": {
@@ -418,6 +423,8 @@ def hf_config_fields(reader: GGUFContainer) -> dict[str, Any]:
     for key, value in fields.items():
         prefix, _, config_key = key.replace(architecture, renamed).partition(".")
         name = mapping.get(prefix, {}).get(config_key)
+        if name is None and prefix == renamed:
+            name = EXTRA_CONFIG_KEYS.get(renamed, {}).get(config_key)
         if name is None or name == -1:
             continue
         if isinstance(value, str) and architecture in value:

@@ -1,7 +1,7 @@
 """Gemma 2: Gemma 3's layer (model/gemma3.py) without q/k norms, sliding-window and global
 layers alternating (one rope for both), and soft-capped attention scores (50) and logits
 (30). A GGUF stores neither cap where transformers reads it, so the family's values are
-the defaults; the capped scores run through attention.windowed_attention's matrix products
+the defaults; the capped scores run through worker/windowed_attention.py's matrix products
 (SDPA has no cap)."""
 
 from __future__ import annotations

@@ -26,8 +26,20 @@ from agentrt.kernels.ggml_library import default_kernels
 
 def arch_config(config: dict[str, Any]) -> ModelArchConfig:
     """A Llama / Mistral config.json. (Mistral's sliding window is not read: its released
-    checkpoints set none, or one past their context.)"""
-    return ModelArchConfig(**common_fields(config))
+    checkpoints set none, or one past their context.) A llama GGUF with experts is Mixtral:
+    a sparse MoE MLP in every layer (model/moe.py), its experts of `intermediate_size`,
+    the top k renormalised."""
+    fields = common_fields(config)
+    num_experts = config.get("num_experts") or config.get("num_local_experts") or 0
+    if not num_experts:
+        return ModelArchConfig(**fields)
+    return ModelArchConfig(
+        **fields,
+        num_experts=num_experts,
+        num_experts_per_tok=config["num_experts_per_tok"],
+        moe_intermediate_size=config.get("moe_intermediate_size") or fields["intermediate_size"],
+        norm_topk_prob=True,
+    )
 
 
 class FusedStep(NamedTuple):
@@ -80,6 +92,7 @@ class LlamaForCausalLM(DecoderForCausalLM):
             and cfg.attention_scale is None
             and cfg.final_logit_softcap is None
             and cfg.attn_logit_softcap is None
+            and not cfg.num_experts
             and not cfg.layer_types
             and not cfg.qk_norm
             and not cfg.qkv_bias

@@ -86,7 +86,8 @@ FAMILIES: tuple[ModelFamily, ...] = (
         "llama",
         "llama",
         ("LlamaForCausalLM", "MistralForCausalLM"),
-        ("llama",),  # llama.cpp stores Mistral models as llama
+        ("llama",),  # llama.cpp stores Mistral and Mixtral models as llama
+        gguf_tensor_names={**LLAMA_BLOCK_NAMES, **MOE_NAMES},  # MoE: Mixtral
         gguf_permutes_qk=True,
     ),
     ModelFamily("qwen2", "qwen2", ("Qwen2ForCausalLM",), ("qwen2",)),

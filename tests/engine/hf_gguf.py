@@ -42,7 +42,7 @@ _COMMON: dict[str, Any] = {
 
 def family_of(name: str) -> str:
     """The registry family of a tiny config's name ("llama3": llama with llama3 rope)."""
-    return {"llama3": "llama"}.get(name, name)
+    return {"llama3": "llama", "mixtral": "llama"}.get(name, name)
 
 
 def hf_config(family: str) -> Any:
@@ -87,6 +87,15 @@ def hf_config(family: str) -> Any:
             residual_multiplier=0.22,
             attention_multiplier=0.2,
             logits_scaling=8.0,
+        )
+    if family == "mixtral":  # llama.cpp's llama with 4 experts, top 2
+        return transformers.MixtralConfig(
+            **{**_COMMON, "intermediate_size": 32},
+            num_hidden_layers=2,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            rope_theta=1000000.0,
+            tie_word_embeddings=False,
         )
     if family == "qwen3moe":  # 4 experts, top 2, renormalised
         return transformers.Qwen3MoeConfig(
@@ -196,6 +205,9 @@ def write_family_gguf(
         writer.add_expert_count(config.num_experts)
         writer.add_expert_used_count(config.num_experts_per_tok)
         writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+    if family == "mixtral":
+        writer.add_expert_count(config.num_local_experts)
+        writer.add_expert_used_count(config.num_experts_per_tok)
     if family == "granite":
         writer.add_embedding_scale(config.embedding_multiplier)
         writer.add_residual_scale(config.residual_multiplier)
@@ -283,7 +295,7 @@ def _gguf_order(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def hf_state(state: dict[str, torch.Tensor], config: Any) -> dict[str, torch.Tensor]:
     """agentrt's HF-named state (load_state_dict: per-expert names) in transformers' own
     layout (each layer's experts stacked into 3-D tensors)."""
-    experts = getattr(config, "num_experts", 0)
+    experts = getattr(config, "num_experts", 0) or getattr(config, "num_local_experts", 0)
     if not experts:
         return state
     out = {k: v for k, v in state.items() if ".mlp.experts." not in k}

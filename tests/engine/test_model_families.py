@@ -56,6 +56,7 @@ def family_files(tmp_path_factory):
             ("olmo2", Q.Q8_0),
             ("gemma2", Q.F32),
             ("qwen3moe", Q.Q8_0),
+            ("mixtral", Q.Q8_0),
             ("gemma3", Q.Q8_0),
             ("gemma3", Q.F32),
         )
@@ -73,6 +74,7 @@ def family_files(tmp_path_factory):
         ("olmo2", Q.Q8_0, {}),  # norms after attention and the MLP only; q/k norms over heads
         ("gemma2", Q.F32, {}),  # alternating windows; soft-capped scores and logits
         ("qwen3moe", Q.Q8_0, {}),  # 3-D expert tensors, top-2 routing
+        ("mixtral", Q.Q8_0, {}),  # the same experts in a llama GGUF
         ("gemma3", Q.Q8_0, {}),
         ("gemma3", Q.F32, {"attention_backend": "torch"}),
         ("gemma3", Q.F32, {"max_num_batched_tokens": 7}),  # chunks across the window

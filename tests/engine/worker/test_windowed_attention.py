@@ -1,4 +1,4 @@
-"""attention.windowed_attention: sliding-window attention over the paged cache (Gemma's
+"""windowed_attention.py: sliding-window attention over the paged cache (Gemma's
 local layers) and soft-capped scores (Gemma 2), against a direct computation; it never
 reads a block wholly before the window (what lets the KV manager free such blocks)."""
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from agentrt.engine.records import ScheduledChunk
-from agentrt.engine.worker.attention import windowed_attention
 from agentrt.engine.worker.model_runner import attention_metadata, prepare_input
+from agentrt.engine.worker.windowed_attention import windowed_attention
 
 BLOCK, HEADS, KV_HEADS, DIM = 4, 4, 2, 8
 SCALE = DIM**-0.5
