@@ -17,7 +17,7 @@ from typing import NamedTuple
 import torch
 
 from .cpu_attention import CpuAttention
-from .cpu_ops import CpuOps
+from .cpu_ops import CpuOps, check_qkv_extras
 from .errors import KernelInputError
 from .ggml_library import GGMLKernels
 from .ggml_linear import DENSE_DTYPES, GGMLWeight, type_name
@@ -39,6 +39,7 @@ class _Projection(ctypes.Structure):
 class _Layer(ctypes.Structure):
     _fields_ = [("input_norm", _PTR), ("post_norm", _PTR), ("kv_cache", _PTR)]
     _fields_ += [(name, _Projection) for name in ("qkv", "o", "gate_up", "down")]
+    _fields_ += [(name, _PTR) for name in ("qkv_bias", "q_norm", "k_norm")]
 
 
 _SHAPES = ("tokens", "hidden", "intermediate", "heads", "kv_heads", "head_dim", "block_size")
@@ -58,7 +59,8 @@ class _Step(ctypes.Structure):
 
 class LayerWeights(NamedTuple):
     """One decoder layer as the C loop reads it: RMSNorm weights (hidden,) fp32 and each
-    projection's block-format parts, stacked by output rows."""
+    projection's block-format parts, stacked by output rows; a qkv bias ((H + 2 KVH) D,)
+    fp32 (Qwen2) and per-head q/k norm weights (D,) fp32 (Qwen3), or None (Llama)."""
 
     input_norm: torch.Tensor
     post_norm: torch.Tensor
@@ -66,6 +68,9 @@ class LayerWeights(NamedTuple):
     o: list[GGMLWeight]
     gate_up: list[GGMLWeight]
     down: list[GGMLWeight]
+    qkv_bias: torch.Tensor | None = None
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
 
 
 def block_format(weight: object) -> bool:
@@ -132,6 +137,11 @@ class CpuDecoder:
             slot.o = _projection("o", layer.o, q_size, hidden)
             slot.gate_up = _projection("gate_up", layer.gate_up, hidden, 2 * inter)
             slot.down = _projection("down", layer.down, inter, hidden)
+            extras = (layer.qkv_bias, layer.q_norm, layer.k_norm)
+            check_qkv_extras(q_size + 2 * kv_size, self.head_dim, *extras)
+            slot.qkv_bias, slot.q_norm, slot.k_norm = (
+                None if t is None else t.data_ptr() for t in extras
+            )
         self._layer_weights = layers
         self.kv_caches, self.cos_sin = kv_caches, cos_sin
         self._ops, self._attention = ops, attention

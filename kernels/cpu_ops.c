@@ -7,7 +7,8 @@
 //   add_rms_norm   residual += x (the previous projection's bf16 output), then the RMSNorm of
 //                  the sum, rounded to bf16: the next projection's input
 //   rope_qkv       the qkv projection's bf16 output -> the rotated query (fp32), the rotated
-//                  key and the value written into their KV-cache rows (fp32)
+//                  key and the value written into their KV-cache rows (fp32); with a qkv
+//                  bias (Qwen2) added and q/k RMSNorm per head (Qwen3) first, when given
 //   silu_mul       silu(gate) * up of the gate/up projection's bf16 output, rounded to bf16
 //
 // The arithmetic is the model's fp32 arithmetic (HF Llama's order of operations): the values
@@ -63,24 +64,64 @@ static inline void rotate(const uint16_t *x, const float *cos, const float *sin,
     }
 }
 
+// One head of the bias-or-norm path into `out` fp32: x (bf16) + bias (NULL: none), then with
+// `norm` (NULL: none) HF's per-head RMSNorm in fp32, norm * (h * 1 / sqrt(mean(h^2) + eps)),
+// then rotated in place (each pair i, i + half read before it is written).
+static inline void head_f32(const uint16_t *x, const float *bias, const float *norm, float eps,
+                            const float *cos, const float *sin, float *out, int64_t dim) {
+    const int64_t half = dim / 2;
+    for (int64_t d = 0; d < dim; d++) out[d] = bf16_to_f32(x[d]);
+    if (bias)
+        for (int64_t d = 0; d < dim; d++) out[d] += bias[d];
+    if (norm) {
+        float sum = 0.0f;
+        for (int64_t d = 0; d < dim; d++) sum += out[d] * out[d];
+        const float inv = 1.0f / __builtin_sqrtf(sum / (float)dim + eps);
+        for (int64_t d = 0; d < dim; d++) out[d] = norm[d] * (out[d] * inv);
+    }
+    for (int64_t i = 0; i < half; i++) {
+        const float a = out[i], b = out[i + half];
+        out[i] = a * cos[i] + -b * sin[i];
+        out[i + half] = b * cos[i] + a * sin[i];
+    }
+}
+
 // qkv (tokens, (heads + 2 kv_heads) * dim) bf16 -> query (tokens, heads, dim) fp32 rotated; the
 // rotated key and the value of token t into the cache viewed as rows (.., kv_heads, dim) fp32:
 // key at row key_rows[t], value at key_rows[t] + block_size. cos_sin (positions, dim): the
-// cos of each angle, then its sin.
+// cos of each angle, then its sin. `bias` ((heads + 2 kv_heads) * dim fp32, Qwen2's) is added
+// to q, k and v; `q_norm` / `k_norm` ((dim,) fp32, Qwen3's; both or neither) normalise each
+// query / key head before it turns. All three NULL (Llama): the bf16 values turn directly,
+// the same bits as the fp32 path would give, with no pass over a copy.
 void rope_qkv(const uint16_t *qkv, float *query, float *cache_rows, const int64_t *key_rows,
               const int64_t *positions, const float *cos_sin, int64_t tokens, int64_t heads,
-              int64_t kv_heads, int64_t dim, int64_t block_size, int num_threads) {
+              int64_t kv_heads, int64_t dim, int64_t block_size, const float *bias,
+              const float *q_norm, const float *k_norm, float eps, int num_threads) {
     const int64_t half = dim / 2, width = (heads + 2 * kv_heads) * dim, row = kv_heads * dim;
+    const int plain = !bias && !q_norm && !k_norm;
 #pragma omp parallel for num_threads(num_threads) if (tokens >= PARALLEL_ROWS)
     for (int64_t t = 0; t < tokens; t++) {
         const uint16_t *src = qkv + t * width;
         const float *cos = cos_sin + positions[t] * dim, *sin = cos + half;
-        for (int64_t h = 0; h < heads; h++)
-            rotate(src + h * dim, cos, sin, query + (t * heads + h) * dim, half);
         float *key = cache_rows + key_rows[t] * row, *value = key + block_size * row;
+        const uint16_t *v = src + (heads + kv_heads) * dim;
+        if (plain) {
+            for (int64_t h = 0; h < heads; h++)
+                rotate(src + h * dim, cos, sin, query + (t * heads + h) * dim, half);
+            for (int64_t h = 0; h < kv_heads; h++)
+                rotate(src + (heads + h) * dim, cos, sin, key + h * dim, half);
+            for (int64_t d = 0; d < row; d++) value[d] = bf16_to_f32(v[d]);
+            continue;
+        }
+        for (int64_t h = 0; h < heads; h++)
+            head_f32(src + h * dim, bias ? bias + h * dim : NULL, q_norm, eps, cos, sin,
+                     query + (t * heads + h) * dim, dim);
         for (int64_t h = 0; h < kv_heads; h++)
-            rotate(src + (heads + h) * dim, cos, sin, key + h * dim, half);
-        for (int64_t d = 0; d < row; d++) value[d] = bf16_to_f32(src[(heads + kv_heads) * dim + d]);
+            head_f32(src + (heads + h) * dim, bias ? bias + (heads + h) * dim : NULL, k_norm, eps,
+                     cos, sin, key + h * dim, dim);
+        const float *v_bias = bias ? bias + (heads + kv_heads) * dim : NULL;
+        for (int64_t d = 0; d < row; d++)
+            value[d] = v_bias ? bf16_to_f32(v[d]) + v_bias[d] : bf16_to_f32(v[d]);
     }
 }
 
@@ -117,8 +158,8 @@ void silu_mul(const uint16_t *gate_up, uint16_t *out, int64_t rows, int64_t size
 //
 // decoder_forward runs every layer of a step as LlamaForCausalLM's forward_fused does, layer
 // after layer, with the same operations in the same order (so the same bits): add_rms_norm,
-// the qkv projection, rope_qkv, attention, the output projection of its bf16 rounding,
-// add_rms_norm, gate_up, silu_mul, down. The products and attention are the other libraries'
+// the qkv projection, rope_qkv (with the layer's qkv bias and q/k norms, if any), attention,
+// the output projection of its bf16 rounding, add_rms_norm, gate_up, silu_mul, down. The products and attention are the other libraries'
 // (ggml_quants.c's ggml_linear_packed, cpu_attention.c's paged_attention), called through
 // pointers. From Python the same layer is ~10 calls of ~10 us each: a quarter of a decoded
 // token's time on a small model (cpu_decoder.py has the figures).
@@ -148,6 +189,9 @@ typedef struct {
     const float *input_norm, *post_norm; // (hidden,) fp32
     float *kv_cache;                     // (NB, 2, BS, kv_heads, head_dim) fp32
     Projection qkv, o, gate_up, down;
+    // rope_qkv's: the qkv bias ((heads + 2 kv_heads) * head_dim) and the per-head q/k norms
+    // ((head_dim,)), all fp32; NULL for a layer without them (Llama).
+    const float *qkv_bias, *q_norm, *k_norm;
 } Layer;
 
 // The step's shapes, metadata and buffers. `residual` (T, hidden) fp32 holds the embeddings
@@ -208,7 +252,8 @@ int decoder_forward(Step *s, const Layer *layers, int64_t num_layers) {
                      s->eps, nt);
         if ((rc = project(s, &layer->qkv, s->normed, s->qkv))) return failed(s, l, 1, rc);
         rope_qkv(s->qkv, s->query, layer->kv_cache, s->key_rows, s->positions, s->cos_sin, rows,
-                 s->heads, s->kv_heads, s->head_dim, s->block_size, nt);
+                 s->heads, s->kv_heads, s->head_dim, s->block_size, layer->qkv_bias,
+                 layer->q_norm, layer->k_norm, s->eps, nt);
         rc = s->attention(s->query, layer->kv_cache, s->attn, 0, s->query_start_loc,
                           s->seq_lens, s->block_tables, s->table_stride, s->num_requests,
                           s->heads, s->kv_heads, s->head_dim, s->block_size, s->scale, nt);

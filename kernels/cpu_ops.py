@@ -47,7 +47,8 @@ class CpuOps:
         lib = ctypes.CDLL(str(path))
         ptr, i64, f32, cint = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
         lib.add_rms_norm.argtypes = [ptr, ptr, ptr, ptr, i64, i64, f32, cint]
-        lib.rope_qkv.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, cint]
+        lib.rope_qkv.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64]
+        lib.rope_qkv.argtypes += [ptr, ptr, ptr, f32, cint]
         lib.silu_mul.argtypes = [ptr, ptr, i64, i64, cint]
         for fn in (lib.add_rms_norm, lib.rope_qkv, lib.silu_mul):
             fn.restype = None
@@ -93,16 +94,23 @@ class CpuOps:
         positions: torch.Tensor,
         cos_sin: torch.Tensor,
         num_heads: int,
+        bias: torch.Tensor | None = None,
+        q_norm: torch.Tensor | None = None,
+        k_norm: torch.Tensor | None = None,
+        eps: float = 0.0,
     ) -> torch.Tensor:
         """qkv (T, (H + 2 KVH) D) bf16 -> the rotated query (T, H, D) fp32; the rotated key and
         the value of token t are written into `kv_cache` (NB, 2, BS, KVH, D) fp32 at its row
         key_rows[t] (the cache viewed as (NB * 2 * BS, KVH, D) rows) and that row plus BS.
         positions (T,) int64 index the rows of cos_sin (P, D) fp32 (each angle's cos, then
-        its sin)."""
+        its sin). `bias` ((H + 2 KVH) D,) fp32 is added to q, k and v first (Qwen2's);
+        `q_norm` / `k_norm` (D,) fp32, both or neither, RMSNorm each query / key head with
+        `eps` before it turns (Qwen3's)."""
         _, _, block_size, kv_heads, dim = kv_cache.shape
-        tokens = qkv.shape[0]
-        if not _ok(qkv, _BF16, (tokens, (num_heads + 2 * kv_heads) * dim)):
-            raise _bad("qkv", qkv, f"bfloat16 (T, {(num_heads + 2 * kv_heads) * dim})")
+        tokens, width = qkv.shape[0], (num_heads + 2 * kv_heads) * dim
+        if not _ok(qkv, _BF16, (tokens, width)):
+            raise _bad("qkv", qkv, f"bfloat16 (T, {width})")
+        check_qkv_extras(width, dim, bias, q_norm, k_norm)
         self.check_rope(kv_cache, key_rows, positions, cos_sin, tokens)
         query = torch.empty((tokens, num_heads, dim), dtype=_F32)
         self._lib.rope_qkv(
@@ -117,6 +125,8 @@ class CpuOps:
             kv_heads,
             dim,
             block_size,
+            *(None if t is None else t.data_ptr() for t in (bias, q_norm, k_norm)),
+            eps,
             torch.get_num_threads(),
         )
         return query
@@ -166,6 +176,24 @@ class CpuOps:
         return out
 
 
+def check_qkv_extras(
+    width: int,
+    dim: int,
+    bias: torch.Tensor | None,
+    q_norm: torch.Tensor | None,
+    k_norm: torch.Tensor | None,
+) -> None:
+    """Raise KernelInputError unless rope_qkv can read `bias` ((width,) fp32, or None) and
+    `q_norm` / `k_norm` ((dim,) fp32, both or neither)."""
+    if bias is not None and not _ok(bias, _F32, (width,)):
+        raise _bad("bias", bias, f"float32 ({width},)")
+    if (q_norm is None) != (k_norm is None):
+        raise KernelInputError("q_norm and k_norm: both or neither.", arg="q_norm")
+    for name, norm in (("q_norm", q_norm), ("k_norm", k_norm)):
+        if norm is not None and not _ok(norm, _F32, (dim,)):
+            raise _bad(name, norm, f"float32 ({dim},)")
+
+
 @functools.cache
 def load_cpu_ops(build_dir: Path) -> CpuOps:
     """Build (once per source, flags and CPU) and load the library. Raises KernelBuildError
@@ -181,14 +209,36 @@ def add_rms_norm_ref(x, residual, weight, eps):
     return (weight * h).to(_BF16)
 
 
-def rope_qkv_ref(qkv, kv_cache, key_rows, positions, cos_sin, num_heads):
-    """What CpuOps.rope_qkv computes, in torch ops (the cache written in place)."""
+def rope_qkv_ref(
+    qkv,
+    kv_cache,
+    key_rows,
+    positions,
+    cos_sin,
+    num_heads,
+    bias=None,
+    q_norm=None,
+    k_norm=None,
+    eps=0.0,
+):
+    """What CpuOps.rope_qkv computes, in torch ops (the cache written in place); the q/k norms
+    as HF's per-head RMSNorm in fp32."""
     kv_heads, dim = kv_cache.shape[3], kv_cache.shape[4]
-    x = qkv.float().view(qkv.shape[0], -1, dim)  # (T, H + 2 KVH, D)
+    x = qkv.float()
+    if bias is not None:
+        x = x + bias
+    x = x.view(qkv.shape[0], -1, dim)  # (T, H + 2 KVH, D)
     cos, sin = cos_sin[positions].chunk(2, dim=-1)  # (T, D / 2) each
     cos, sin = cos.repeat(1, 2)[:, None], sin.repeat(1, 2)[:, None]
     half = dim // 2
     qk = x[:, : num_heads + kv_heads]
+    if q_norm is not None:
+        q, k = qk.split((num_heads, kv_heads), dim=1)
+
+        def norm(h, weight):
+            return weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps))
+
+        qk = torch.cat((norm(q, q_norm), norm(k, k_norm)), dim=1)
     qk = qk * cos + torch.cat((-qk[..., half:], qk[..., :half]), dim=-1) * sin
     rows = kv_cache.view(-1, kv_heads, dim)
     rows[key_rows] = qk[:, num_heads:]

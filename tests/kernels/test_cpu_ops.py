@@ -40,11 +40,21 @@ def test_add_rms_norm(ops, rows, with_x):
     _close_bf16(out, expected)
 
 
+@pytest.mark.parametrize("extras", ["none", "bias", "qk_norm", "both"])
 @pytest.mark.parametrize("tokens", [1, 9])
-def test_rope_qkv_rotates_and_writes_the_cache(ops, tokens):
+def test_rope_qkv_rotates_and_writes_the_cache(ops, tokens, extras):
+    """Llama's rotation; with Qwen2's qkv bias and / or Qwen3's per-head q/k RMSNorm first."""
     heads, kv_heads, dim, block_size, num_blocks = 9, 3, 64, 16, 4
     g = torch.Generator().manual_seed(tokens)
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=g).bfloat16()
+    kw = {}
+    if extras in ("bias", "both"):
+        kw["bias"] = torch.randn(qkv.shape[1], generator=g) * 2
+    if extras in ("qk_norm", "both"):
+        kw["q_norm"] = torch.rand(dim, generator=g) + 0.5
+        kw["k_norm"] = torch.rand(dim, generator=g) + 0.5
+        kw["eps"] = 1e-6
+        qkv[0, :dim] *= 50  # a head far from unit scale: normalised all the same
     angles = torch.rand(100, dim // 2, generator=g) * 6
     cos_sin = torch.cat((angles.cos(), angles.sin()), dim=-1)
     positions = torch.randperm(100, generator=g)[:tokens]
@@ -53,11 +63,20 @@ def test_rope_qkv_rotates_and_writes_the_cache(ops, tokens):
     key_rows = slots // block_size * 2 * block_size + slots % block_size
     cache = torch.zeros(num_blocks, 2, block_size, kv_heads, dim)
     expected_cache = cache.clone()
-    expected = rope_qkv_ref(qkv, expected_cache, key_rows, positions, cos_sin, heads)
-    query = ops.rope_qkv(qkv, cache, key_rows, positions, cos_sin, heads)
+    expected = rope_qkv_ref(qkv, expected_cache, key_rows, positions, cos_sin, heads, **kw)
+    query = ops.rope_qkv(qkv, cache, key_rows, positions, cos_sin, heads, **kw)
     assert query.shape == (tokens, heads, dim) and query.dtype == torch.float32
     torch.testing.assert_close(query, expected, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(cache, expected_cache, rtol=1e-6, atol=1e-6)
+    if extras == "none":
+        return
+    # The bias or the norms change every head (the reference without them is far off).
+    plain = rope_qkv_ref(qkv, cache.clone(), key_rows, positions, cos_sin, heads)
+    assert ((query - plain).abs().amax(-1) > 1e-3).all()
+    if "q_norm" in kw:  # each rotated head's RMS is its weight's (rotation keeps pairs' norms)
+        rms = query.pow(2).mean(-1).sqrt()
+        bound = float(kw["q_norm"].max()) + 1e-4
+        assert (rms < bound).all() and (rms > float(kw["q_norm"].min()) - 1e-4).all()
     assert int((cache != 0).any(-1).any(-1).sum()) == 2 * tokens  # only the step's rows
 
 
@@ -89,4 +108,12 @@ def test_bad_input_is_refused(ops):
     with pytest.raises(KernelInputError, match="positions"):
         ops.rope_qkv(
             qkv, cache, torch.tensor([0]), torch.tensor([3], dtype=torch.int32), cos_sin, 1
+        )
+    with pytest.raises(KernelInputError, match="bias"):
+        ops.rope_qkv(qkv, cache, *ok, cos_sin, 1, bias=torch.zeros(3 * 16 - 1))
+    with pytest.raises(KernelInputError, match="both or neither"):
+        ops.rope_qkv(qkv, cache, *ok, cos_sin, 1, q_norm=torch.ones(16))
+    with pytest.raises(KernelInputError, match="k_norm"):
+        ops.rope_qkv(
+            qkv, cache, *ok, cos_sin, 1, q_norm=torch.ones(16), k_norm=torch.ones(16).double()
         )
