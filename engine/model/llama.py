@@ -5,8 +5,10 @@ On the CPU with quantized fp32 layers the model runner sets `cpu_ops`: the glue 
 layer's products then runs in three fused C calls (kernels/cpu_ops.c, `forward_fused`), and
 when every projection is in block formats all layers run in one C call (`build_cpu_decoder`,
 kernels/cpu_decoder.py). Both compute Llama's layer exactly: pre-norms, SiLU, RoPE on every
-layer, no q/k norm or bias; `runs_fused_glue` checks that before the runner may set them,
-so a family of other math (its own module on the same skeleton) never takes them.
+layer, and optionally a qkv bias (Qwen2) and q/k RMSNorm per head (Qwen3), which rope_qkv
+applies in fp32 to the qkv product's bf16 output; `runs_fused_glue` checks that before the
+runner may set them, so a family of other math (its own module on the same skeleton) never
+takes them.
 """
 
 from __future__ import annotations
@@ -65,9 +67,16 @@ def forward_fused(
     unsummed."""
     ops, eps = step.ops, layer.input_layernorm.eps
     normed = ops.add_rms_norm(hidden, residual, layer.input_layernorm.weight, eps)
-    qkv = layer.qkv_proj.forward_bf16(normed)
+    qkv = layer.qkv_proj.forward_bf16(normed)  # the bias, if any, is rope_qkv's
     query = ops.rope_qkv(
-        qkv, kv_cache, step.meta.key_rows, step.positions, step.cos_sin, layer.num_heads
+        qkv,
+        kv_cache,
+        step.meta.key_rows,
+        step.positions,
+        step.cos_sin,
+        layer.num_heads,
+        *qkv_extras(layer),
+        eps,
     )
     attn = step.attention.forward_query(query, kv_cache, step.meta, layer.scale)
     hidden = layer.o_proj.forward_bf16(attn.view(query.shape[0], -1).to(torch.bfloat16))
@@ -75,11 +84,19 @@ def forward_fused(
     return layer.down_proj.forward_bf16(ops.silu_mul(layer.gate_up_proj.forward_bf16(normed)))
 
 
+def qkv_extras(layer: DecoderLayer) -> tuple[torch.Tensor | None, ...]:
+    """rope_qkv's qkv bias and per-head q/k norm weights of `layer`, None where it has none."""
+    bias = layer.qkv_proj.bias
+    norms = (None, None) if layer.q_norm is None else (layer.q_norm.weight, layer.k_norm.weight)
+    return (None if bias is None else bias.data, *(n if n is None else n.data for n in norms))
+
+
 class LlamaForCausalLM(DecoderForCausalLM):
     """The skeleton plus the fused CPU paths (module docstring)."""
 
     def runs_fused_glue(self) -> bool:
-        """Llama's math exactly, every projection a GGMLLinear (the C glue's products)."""
+        """Llama's math exactly (a qkv bias and per-head q/k norms allowed: rope_qkv's), every
+        projection a GGMLLinear (the C glue's products)."""
         cfg = self.cfg
         llama_math = (
             cfg.norm_layout == "pre"
@@ -94,8 +111,7 @@ class LlamaForCausalLM(DecoderForCausalLM):
             and cfg.attn_logit_softcap is None
             and not cfg.num_experts
             and not cfg.layer_types
-            and not cfg.qk_norm
-            and not cfg.qkv_bias
+            and (not cfg.qk_norm or cfg.qk_norm_per_head)
         )
         return llama_math and self.quantized_layers()
 
@@ -139,7 +155,8 @@ class LlamaForCausalLM(DecoderForCausalLM):
             if not all(block_format(w) for p in projections for w in p.weights):
                 return None
             norms = (layer.input_layernorm.weight.data, layer.post_attention_layernorm.weight.data)
-            layers.append(LayerWeights(*norms, *(p.weights for p in projections)))
+            weights = (p.weights for p in projections)
+            layers.append(LayerWeights(*norms, *weights, *qkv_extras(layer)))
         return CpuDecoder(
             self.cpu_ops,
             attention.kernel,

@@ -12,5 +12,5 @@ def arch_config(config: dict[str, Any]) -> ModelArchConfig:
     return ModelArchConfig(**{**common_fields(config), "qkv_bias": True})
 
 
-# Llama's math with a bias, which `runs_fused_glue` keeps off the fused C paths.
+# Llama's math with a bias, which the fused C paths add (rope_qkv, in fp32).
 MODEL_CLASS = LlamaForCausalLM

@@ -13,5 +13,5 @@ def arch_config(config: dict[str, Any]) -> ModelArchConfig:
     return ModelArchConfig(**{**common_fields(config), "qk_norm": True})
 
 
-# Llama's math with q/k norms, which `runs_fused_glue` keeps off the fused C paths.
+# Llama's math with q/k norms per head, which the fused C paths apply (rope_qkv, in fp32).
 MODEL_CLASS = LlamaForCausalLM

@@ -157,7 +157,7 @@ class ModelRunner:
             )
             model.build_rotary(max_model_len, device)
             self.model = model.eval()
-            if model.runs_fused_glue() and fused_cpu_glue(arch, dtype, self.attention.name, tp):
+            if model.runs_fused_glue() and fused_cpu_glue(dtype, self.attention.name, tp):
                 self.model.cpu_ops = kernels.load_cpu_ops(envs.cache_dir() / "kernels")
             shape = (num_blocks, 2, block_size, arch.num_kv_heads, arch.head_dim)
             self.kv_caches = [allocate_zeros(shape, dtype, device) for _ in range(arch.num_layers)]
@@ -259,19 +259,11 @@ def decode_kv_setup(data: bytes) -> tuple[KVTransferConfig, KVLayout]:
     return KVTransferConfig(**config), KVLayout.decode(fields["layout"])
 
 
-def fused_cpu_glue(
-    arch: ModelArchConfig, dtype: torch.dtype, attention: str, tp: TensorParallelGroup | None
-) -> bool:
+def fused_cpu_glue(dtype: torch.dtype, attention: str, tp: TensorParallelGroup | None) -> bool:
     """Whether quantized layers run their glue fused (LlamaForCausalLM.cpu_ops): fp32
-    activations on the CPU attention backend (which builds C kernels, so these build too),
-    one rank, and layers without q/k norms or a qkv bias (the fused path has neither)."""
-    return (
-        attention == "cpu"
-        and dtype == torch.float32
-        and tp is None
-        and not arch.qk_norm
-        and not arch.qkv_bias
-    )
+    activations on the CPU attention backend (which builds C kernels, so these build too)
+    and one rank. The layers' math is the model's `runs_fused_glue()` to judge."""
+    return attention == "cpu" and dtype == torch.float32 and tp is None
 
 
 def prepare_input(

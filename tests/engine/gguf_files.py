@@ -74,7 +74,7 @@ def write_tiny_gguf(
     tied: bool = True,
     seed: int = 0,
 ) -> Path:
-    """A GGUF file of a random `arch` ("llama" or "qwen2") model; its projections in
+    """A GGUF file of a random `arch` ("llama", "qwen2" or "qwen3") model; its projections in
     `projection_type` (attn_v in `v_type` if given, as Q4_K_M mixes Q4_K and Q6_K), the
     embedding (and untied output) in `vocab_type`, norms and biases F32."""
     rng = np.random.default_rng(seed)
@@ -122,6 +122,9 @@ def write_tiny_gguf(
         if arch == "qwen2":
             for part, rows in (("attn_q", q_rows), ("attn_k", kv_rows), ("attn_v", kv_rows)):
                 vector(f"{p}{part}.bias", rows, 0.0)
+        if arch == "qwen3":  # RMSNorm weights of each query and key head
+            vector(p + "attn_q_norm.weight", head_dim, 1.0)
+            vector(p + "attn_k_norm.weight", head_dim, 1.0)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -97,6 +97,17 @@ def hf_config(family: str) -> Any:
             rope_theta=1000000.0,
             tie_word_embeddings=False,
         )
+    if family == "qwen2":  # q/k/v biases
+        return transformers.Qwen2Config(
+            **_COMMON, num_hidden_layers=2, rope_theta=1000000.0, tie_word_embeddings=True
+        )
+    if family == "qwen3":  # q/k RMSNorm per head; head_dim not hidden / heads (as 0.6B's)
+        return transformers.Qwen3Config(
+            **{**_COMMON, "head_dim": 32},
+            num_hidden_layers=2,
+            rope_theta=1000000.0,
+            tie_word_embeddings=False,
+        )
     if family == "qwen3moe":  # 4 experts, top 2, renormalised
         return transformers.Qwen3MoeConfig(
             **_COMMON,
@@ -155,7 +166,8 @@ def hf_config(family: str) -> Any:
 
 
 def hf_model(family: str, seed: int = 0) -> torch.nn.Module:
-    """The family's tiny HF model, fp32, random weights (norms around their init)."""
+    """The family's tiny HF model, fp32, random weights (norms around their init, biases
+    random: transformers initialises them to zero)."""
     from transformers import AutoModelForCausalLM
 
     config = hf_config(family)
@@ -166,6 +178,8 @@ def hf_model(family: str, seed: int = 0) -> torch.nn.Module:
             for name, param in model.named_parameters():
                 if name.endswith("norm.weight"):
                     param.add_(torch.randn_like(param), alpha=0.1)
+                elif name.endswith(".bias"):
+                    param.normal_(0.0, 0.2)
     return model.eval()
 
 

@@ -1,7 +1,8 @@
 """All of a quantized model's layers in one C call (kernels/cpu_decoder.py) against the same
 layers run one fused call at a time from Python (llama.py's forward_fused): the same bits
-for every step, prefills, chunks and decodes mixed, on one and two threads; its checks
-before the call; and the fallback when a projection is dense."""
+for every step, prefills, chunks and decodes mixed, on one and two threads, for Llama's
+layer and for Qwen2's (a qkv bias) and Qwen3's (q/k RMSNorm per head); its checks before
+the call; and the fallback when a projection is dense."""
 
 from __future__ import annotations
 
@@ -47,15 +48,20 @@ def files(tmp_path_factory) -> dict[str, Path]:
         "Q4_0": {"projection_type": Q.Q4_0},  # interleaved on AVX2 and AVX-512 builds
         "Q4_K+Q6_K": {"projection_type": Q.Q4_K, "v_type": Q.Q6_K},  # qkv of two types
         "Q5_0": {"projection_type": Q.Q5_0},  # the file's layout
+        "qwen2": {"arch": "qwen2", "projection_type": Q.Q4_K, "v_type": Q.Q6_K},  # qkv bias
+        "qwen3": {"arch": "qwen3", "projection_type": Q.Q5_0},  # q/k norms per head
     }
     return {name: write_tiny_gguf(root / f"{name}.gguf", **kw) for name, kw in kinds.items()}
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_K+Q6_K", "Q5_0"])
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_K+Q6_K", "Q5_0", "qwen2", "qwen3"])
 def test_one_call_equals_the_layer_by_layer_path_bit_for_bit(files, kind, threads):
     one_call, by_layer = runner(files[kind]), runner(files[kind])
     assert one_call.model.cpu_decoder is not None
+    layer = one_call.model.layers[0]
+    assert (layer.qkv_proj.bias is not None) == (kind == "qwen2")
+    assert (layer.q_norm is not None) == (kind == "qwen3")
     by_layer.model.cpu_decoder = None
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -97,11 +103,13 @@ def test_bad_step_input_is_refused_before_anything_is_written(files):
     assert any(cache.any() for cache in r.kv_caches)
 
 
-def test_a_dense_part_keeps_the_layer_by_layer_path(tmp_path):
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_a_dense_part_keeps_the_layer_by_layer_path(tmp_path, arch):
     """An F32 attn_v beside Q4_0 q and k: the fused qkv holds an fp32 matrix part, which the
     one-call loop does not take, so the layers run forward_fused (that part through torch),
-    as close to the dequantized fp32 model as the all-block file is."""
-    path = write_tiny_gguf(tmp_path / "mixed.gguf", projection_type=Q.Q4_0, v_type=Q.F32)
+    as close to the dequantized fp32 model as the all-block file is. (Qwen2: the bias is
+    added once, by rope_qkv, not by the torch product too.)"""
+    path = write_tiny_gguf(tmp_path / "mixed.gguf", arch=arch, projection_type=Q.Q4_0, v_type=Q.F32)
     r = runner(path)
     assert r.model.cpu_ops is not None and r.model.cpu_decoder is None
     assert any(isinstance(w, torch.Tensor) for w in r.model.layers[0].qkv_proj.weights)
@@ -119,3 +127,32 @@ def test_a_file_of_dense_projections_runs_without_the_fused_glue(tmp_path):
     assert r.model.cpu_ops is None and r.model.cpu_decoder is None
     for step in steps():
         assert torch.equal(r.execute(step), dense.execute(step))
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3"])
+def test_the_fused_paths_apply_the_bias_and_the_qk_norms(files, kind):
+    """Qwen2's bias and Qwen3's norms are in the fused path's arithmetic: with them it stays
+    as close to the dequantized fp32 model's layer-by-layer torch path as Llama's file does
+    (the other tests' bound); without them (the bias zeroed, the norm weights made ones)
+    its logits move."""
+    fused, dense = runner(files[kind]), runner(files[kind], "none")
+    assert fused.model.cpu_ops is not None and fused.model.cpu_decoder is not None
+    for step in steps():
+        got, want = fused.execute(step), dense.execute(step)
+        assert (got - want).abs().max() < 0.06 * want.abs().max()
+    # New tensors (the file's are views of its memory map, shared by both runners), and the
+    # one-call decoder rebuilt over them.
+    without = runner(files[kind])
+    model = without.model
+    for layer in model.layers:
+        if kind == "qwen2":
+            layer.qkv_proj.bias = torch.nn.Parameter(torch.zeros_like(layer.qkv_proj.bias))
+        else:
+            layer.q_norm.weight = torch.nn.Parameter(torch.ones_like(layer.q_norm.weight))
+            layer.k_norm.weight = torch.nn.Parameter(torch.ones_like(layer.k_norm.weight))
+    model.cpu_decoder = model.build_cpu_decoder(without.attention, without.kv_caches)
+    first = steps()[0]
+    got, want = without.execute(first), runner(files[kind]).execute(first)
+    # (The step runs bit for bit the same twice, so any difference is theirs; the tiny
+    # qwen2's biases, N(0, 0.1), move the logits by ~1% of their range.)
+    assert (got - want).abs().max() > 1e-3 * want.abs().max()
