@@ -122,7 +122,7 @@ QWEN3_STYLE_TEMPLATE = (
 def tiny_think_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random Qwen3 checkpoint whose tokenizer (Qwen2.5's) has Qwen3's `<think>` and
     `</think>` as single tokens and a Qwen3-style template that takes enable_thinking."""
-    from agentrt.engine.model.checkpoint import load_tokenizer
+    from agentrt.engine.loader.tokenizer import load_tokenizer
 
     root = tmp_path_factory.mktemp("tiny-think")
     tokenizer = load_tokenizer(QWEN_TOKENIZER_DIR)

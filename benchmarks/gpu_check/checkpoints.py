@@ -43,7 +43,8 @@ DRY_BIG_SHAPE = {
 def export_tokenizer(dest: Path) -> Path:
     """Write the embedded model's tokenizer files into `dest` (read from the embedded GGUF's
     metadata). Run here, where the embedded model is installed."""
-    from agentrt.engine.model.checkpoint import load_tokenizer, resolve_model
+    from agentrt.engine.loader.tokenizer import load_tokenizer
+    from agentrt.engine.model.checkpoint import resolve_model
 
     source = resolve_model(None)
     dest.mkdir(parents=True, exist_ok=True)
@@ -70,7 +71,7 @@ def build_big(path: Path, tokenizer_dir: Path, shape: dict, device: str, seed: i
     initialised on `device` (fast on a GPU) with HF's own initialisation (std 0.02)."""
     from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig
 
-    from agentrt.engine.model.checkpoint import load_tokenizer
+    from agentrt.engine.loader.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(tokenizer_dir)
     config = LlamaConfig(

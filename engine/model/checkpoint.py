@@ -12,7 +12,6 @@ metadata, cached as small files). Everything else reads from what it returns:
     load_hf_config(path)                  -> config.json as a dict (architecture validated)
     load_state_dict(path, torch.bfloat16) -> {HF parameter name: tensor}, shards merged
                                              (a GGUF dequantized in memory)
-    load_tokenizer(path)                  -> transformers tokenizer with its chat template
 """
 
 from __future__ import annotations
@@ -27,14 +26,12 @@ from agentrt.engine.loader.gguf_file import (
     embedded_gguf_path,
     gguf_metadata,
     is_gguf,
-    load_gguf_tokenizer,
 )
 from agentrt.engine.model.registry import SUPPORTED_ARCHITECTURES as SUPPORTED_ARCHITECTURES
 from agentrt.engine.model.registry import family_for_hf
 
 if TYPE_CHECKING:
     import torch
-    from transformers import PreTrainedTokenizerBase
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 
@@ -199,23 +196,6 @@ def hf_pretrained_args(path: str | os.PathLike[str]) -> tuple[str, dict[str, str
     if is_gguf(path):
         return str(path.parent), {"gguf_file": path.name}
     return str(path), {}
-
-
-def load_tokenizer(path: str | os.PathLike[str]) -> PreTrainedTokenizerBase:
-    """The checkpoint's tokenizer (fast, with chat template), read offline from `path` (a
-    GGUF's from its cached metadata)."""
-    from transformers import AutoTokenizer
-
-    if is_gguf(path):
-        return load_gguf_tokenizer(path)
-
-    try:
-        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-    except (OSError, ValueError) as exc:
-        raise ModelLoadError(
-            f"no usable tokenizer in {path} (expected tokenizer.json / tokenizer_config.json "
-            f"as written by `save_pretrained`): {exc}"
-        ) from exc
 
 
 def _validated(path: Path) -> Path:

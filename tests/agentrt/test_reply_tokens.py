@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from agentrt.engine.model.checkpoint import load_tokenizer
+from agentrt.engine.loader.tokenizer import load_tokenizer
 from agentrt.grammar.reasoning import REASONING_PARSERS
 from agentrt.reply_tokens import CALL, CONTENT, REASONING, ReplySplitter, reply_markers
 from agentrt.tool_calls import parse_tool_calls

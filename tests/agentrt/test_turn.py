@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from agentrt.engine.model.checkpoint import load_tokenizer
+from agentrt.engine.loader.tokenizer import load_tokenizer
 from agentrt.formats import tools_format
 from agentrt.grammar.reasoning import REASONING_PARSERS
 from agentrt.reasoning import ReasoningRequest

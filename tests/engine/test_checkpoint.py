@@ -12,11 +12,11 @@ from safetensors.torch import save_file
 
 from agentrt.engine.errors import ModelLoadError
 from agentrt.engine.loader.gguf_file import embedded_gguf_path
+from agentrt.engine.loader.tokenizer import load_tokenizer
 from agentrt.engine.model.checkpoint import (
     SUPPORTED_ARCHITECTURES,
     load_hf_config,
     load_state_dict,
-    load_tokenizer,
     resolve_model,
 )
 from agentrt.engine.model.tiny import TINY_ARCHS, make_tiny_checkpoint

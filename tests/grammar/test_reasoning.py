@@ -108,7 +108,7 @@ def test_draft_rows_and_rollback_cross_the_end_marker(real_compiler, smollm2_tok
 @pytest.fixture(scope="module")
 def think_tok(qwen_tokenizer_dir):
     """Qwen2.5's tokenizer with Qwen3's `<think>` / `</think>` added as single tokens."""
-    from agentrt.engine.model.checkpoint import load_tokenizer
+    from agentrt.engine.loader.tokenizer import load_tokenizer
 
     tok = load_tokenizer(qwen_tokenizer_dir)
     tok.add_tokens(["<think>", "</think>"], special_tokens=False)

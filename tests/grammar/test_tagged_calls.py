@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from agentrt.engine.model.checkpoint import load_tokenizer
+from agentrt.engine.loader.tokenizer import load_tokenizer
 from agentrt.grammar import GenerationBounds, GrammarCompiler, GrammarSpec, allocate_bitmask
 from agentrt.grammar.tools import CallTags, tagged_calls_lark, tool_call_spec_text
 

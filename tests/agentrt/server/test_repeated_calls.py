@@ -16,7 +16,7 @@ import pytest
 
 from agentrt.backend import LocalBackend
 from agentrt.engine.client.outputs import CompletionOutput, RequestDelta, RequestOutput
-from agentrt.engine.model.checkpoint import load_tokenizer
+from agentrt.engine.loader.tokenizer import load_tokenizer
 from agentrt.formats import tools_format
 from agentrt.server.chat import create_chat_completion
 from agentrt.server.protocol import ChatCompletionRequest

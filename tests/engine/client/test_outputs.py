@@ -12,7 +12,7 @@ import pytest
 from agentrt.engine.client import outputs as outputs_module
 from agentrt.engine.client.outputs import Logprob, OutputProcessor, RequestDelta
 from agentrt.engine.errors import ErrorCode
-from agentrt.engine.model.checkpoint import load_tokenizer
+from agentrt.engine.loader.tokenizer import load_tokenizer
 from agentrt.engine.records import EngineCoreOutput, SampledToken
 from agentrt.engine.sampling_params import SamplingParams
 

@@ -112,7 +112,7 @@ def test_drafts_are_the_draft_models_greedy_continuation(tiny_checkpoint, draft_
 
 
 def test_the_embedded_model_drafts_its_own_greedy_continuation(smollm2_dir, hf_smollm2):
-    from agentrt.engine.model.checkpoint import load_tokenizer
+    from agentrt.engine.loader.tokenizer import load_tokenizer
 
     prompt = load_tokenizer(smollm2_dir).encode("The history of Rome begins with")
     proposer = make_proposer(smollm2_dir)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from agentrt.engine.config import SpeculativeConfig
-from agentrt.engine.model.checkpoint import load_tokenizer
+from agentrt.engine.loader.tokenizer import load_tokenizer
 from agentrt.engine.spec_decode.base import DraftContext
 from agentrt.engine.spec_decode.ngram import NgramProposer
 from agentrt.engine.spec_decode.suffix import SuffixProposer
