@@ -27,6 +27,7 @@ from agentrt.server.errors import (
     install_error_handlers,
 )
 from agentrt.server.generation import ClientDisconnected
+from agentrt.server.messages_api import add_messages_routes
 from agentrt.server.metrics import CONTENT_TYPE
 from agentrt.server.middleware import GuardMiddleware
 from agentrt.server.offload import check_text_length, off_loop
@@ -81,6 +82,7 @@ def create_app(config: ServerConfig, *, llm_engine: LLMEngine | None = None) -> 
         config.max_stored_response_bytes,
     )
     add_response_routes(app, store)
+    add_messages_routes(app)
 
     def count_status(status: int) -> None:
         if "state" in holder:

@@ -1,5 +1,7 @@
 """OpenAI error objects: `{"error": {"message", "type", "param", "code"}}` with the status that
-says who is at fault. Client input gets 4xx; 500/503 are kept for real engine faults.
+says who is at fault. Client input gets 4xx; 500/503 are kept for real engine faults. Under
+Anthropic's Messages API (`/v1/messages...`) the same error is written in Anthropic's shape,
+`{"type": "error", "error": {"type", "message"}}`, its type read from the status.
 
 `APIError` is what the server's own code raises; the handlers installed by
 `install_error_handlers` turn it, every error with an `ErrorCode` (engine and SDK) and
@@ -29,6 +31,23 @@ logger = logging.getLogger("agentrt.server")
 
 # Seconds a client should wait after a 429 before retrying.
 RETRY_AFTER_S = 1
+
+# Paths answered in Anthropic's error shape, and its error type of each status (a 429 here
+# is always a full queue: overloaded; any other 5xx is an api_error).
+ANTHROPIC_PATH = "/v1/messages"
+_ANTHROPIC_TYPES = {
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "overloaded_error",
+    529: "overloaded_error",
+}
+
+
+def anthropic_shaped(path: str) -> bool:
+    """Whether errors on `path` take Anthropic's shape (the Messages API's routes)."""
+    return path == ANTHROPIC_PATH or path.startswith(ANTHROPIC_PATH + "/")
 
 
 class APIError(Exception):
@@ -62,8 +81,17 @@ class APIError(Exception):
             }
         }
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+    def anthropic_body(self) -> dict[str, Any]:
+        """The error in Anthropic's shape (what the `anthropic` client reads)."""
+        kind = _ANTHROPIC_TYPES.get(self.status)
+        if kind is None:
+            kind = "api_error" if self.status >= 500 else "invalid_request_error"
+        return {"type": "error", "error": {"type": kind, "message": self.message}}
+
+    def response(self, path: str = "") -> JSONResponse:
+        """The response for a request to `path` (Anthropic's shape under its routes)."""
+        body = self.anthropic_body() if anthropic_shaped(path) else self.body()
+        return JSONResponse(body, status_code=self.status, headers=self.headers)
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
@@ -162,21 +190,21 @@ def _field_path(loc: list[str]) -> list[str]:
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
-        return exc.response()
+        return exc.response(request.url.path)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = _validation_message(exc)
-        return bad_request(message, param=param).response()
+        return bad_request(message, param=param).response(request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-        return APIError(exc.status_code, str(exc.detail), code=code).response()
+        return APIError(exc.status_code, str(exc.detail), code=code).response(request.url.path)
 
     # Errors with a code, and the rest: a bug still answers with an error object (500).
     for cls in (EngineError, AgentrtError, Exception):
 
         @app.exception_handler(cls)
         async def _engine(request: Request, exc: Exception) -> JSONResponse:
-            return from_exception(exc).response()
+            return from_exception(exc).response(request.url.path)

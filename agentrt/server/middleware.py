@@ -1,5 +1,9 @@
 """The guard in front of every route: the API key (401) and the body size limit (413).
 
+The key comes as `Authorization: Bearer KEY` (OpenAI's clients) or, without that header, as
+`x-api-key: KEY` (Anthropic's); `request_api_key` reads it for both the check and the
+per-key cache isolation (ServerState.cache_salt).
+
 It is plain ASGI, not `BaseHTTPMiddleware`, so streamed responses pass through untouched.
 The body is read in full here (up to the limit) and replayed to the app: an oversized body
 is refused before any route parses it, whether it came with a Content-Length or chunked.
@@ -9,9 +13,9 @@ from __future__ import annotations
 
 import hmac
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
-from agentrt.server.errors import APIError
+from agentrt.server.errors import APIError, anthropic_shaped
 
 # Routes that answer without the API key (load balancers probe them).
 OPEN_PATHS = frozenset({"/health"})
@@ -39,12 +43,12 @@ class GuardMiddleware:
             send = _observed(send, self.on_status)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         if self.api_key is not None and scope["path"] not in OPEN_PATHS:
-            if not self._authorized(headers.get("authorization", "")):
-                await _send_error(send, _unauthorized())
+            if not self._authorized(headers):
+                await _send_error(send, _unauthorized(), scope["path"])
                 return
         length = headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > self.max_request_bytes:
-            await _send_error(send, self._too_large())
+            await _send_error(send, self._too_large(), scope["path"])
             return
         body = bytearray()
         while True:
@@ -53,17 +57,15 @@ class GuardMiddleware:
                 return
             body += message.get("body", b"")
             if len(body) > self.max_request_bytes:
-                await _send_error(send, self._too_large())
+                await _send_error(send, self._too_large(), scope["path"])
                 return
             if not message.get("more_body", False):
                 break
         await self.app(scope, _replay(bytes(body), receive), send)
 
-    def _authorized(self, header: str) -> bool:
-        scheme, _, token = header.partition(" ")
-        return scheme.lower() == "bearer" and hmac.compare_digest(
-            token.strip().encode(), self.api_key.encode()
-        )
+    def _authorized(self, headers: dict[str, str]) -> bool:
+        token = request_api_key(headers)
+        return token is not None and hmac.compare_digest(token.encode(), self.api_key.encode())
 
     def _too_large(self) -> APIError:
         return APIError(
@@ -74,11 +76,22 @@ class GuardMiddleware:
         )
 
 
+def request_api_key(headers: Mapping[str, str]) -> str | None:
+    """The API key a request sent (`headers` with lower-case names): the bearer token of
+    its `Authorization` header when it has one, else its `x-api-key`; None: neither."""
+    header = headers.get("authorization")
+    if header is not None:
+        scheme, _, token = header.partition(" ")
+        return token.strip() if scheme.lower() == "bearer" else None
+    key = headers.get("x-api-key")
+    return key.strip() if key is not None else None
+
+
 def _unauthorized() -> APIError:
     return APIError(
         401,
-        "Incorrect or missing API key: send 'Authorization: Bearer <key>' with the key the "
-        "server was started with (--api-key).",
+        "Incorrect or missing API key: send 'Authorization: Bearer <key>' (or 'x-api-key: "
+        "<key>') with the key the server was started with (--api-key).",
         code="invalid_api_key",
     )
 
@@ -106,8 +119,9 @@ def _replay(body: bytes, receive):
     return replayed
 
 
-async def _send_error(send, error: APIError) -> None:
-    body = json.dumps(error.body()).encode()
+async def _send_error(send, error: APIError, path: str) -> None:
+    shaped = error.anthropic_body() if anthropic_shaped(path) else error.body()
+    body = json.dumps(shaped).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     if error.status == 401:
         headers.append((b"www-authenticate", b"Bearer"))

@@ -15,6 +15,7 @@ from agentrt.engine.client.async_engine import AsyncEngine
 from agentrt.server.cli import CACHE_ISOLATION
 from agentrt.server.errors import APIError
 from agentrt.server.metrics import ServerMetrics
+from agentrt.server.middleware import request_api_key
 from agentrt.server.offload import max_token_chars, new_limiter
 from agentrt.server.response_store import MAX_AGE_S, MAX_BYTES, MAX_RESPONSES
 
@@ -103,8 +104,7 @@ class ServerState:
         if mode == "user":
             tenant = b"user\0" + (user or "").encode()
         else:
-            _, _, token = headers.get("authorization", "").partition(" ")
-            tenant = b"key\0" + token.strip().encode()
+            tenant = b"key\0" + (request_api_key(headers) or "").encode()
         if client_salt is not None:
             tenant += b"\0salt\0" + client_salt.encode()
         return hmac.new(self._salt_key, tenant, hashlib.sha256).hexdigest()

@@ -141,3 +141,44 @@ async def test_the_remote_backend_reasons_as_the_local_one(think_server, tiny_th
         session = remote.session()
         await session.generate("A code?", schema=Code, **sampling)
         assert session.last.reasoning and session.last.usage.reasoning_tokens == 8
+
+
+def test_anthropic_thinking_blocks_whole_and_streamed(think_server):
+    """The Messages API's `thinking` turns the reasoning on and caps it; the reasoning is a
+    thinking block before the answer, streamed as thinking_delta events."""
+    import anthropic
+
+    claude = anthropic.Anthropic(base_url=think_server.url, api_key="none", max_retries=0)
+    options = dict(
+        model=claude.models.list().data[0].id,
+        max_tokens=60,
+        messages=[{"role": "user", "content": "A code, please."}],
+        thinking={"type": "enabled", "budget_tokens": 6},
+        extra_body={
+            "temperature": 0,
+            "output_config": {"format": {"type": "json_schema", "schema": SCHEMA}},
+        },
+    )
+    whole = claude.messages.create(**options)
+    assert [block.type for block in whole.content] == ["thinking", "text"]
+    thinking, text = whole.content
+    assert thinking.thinking and "</think>" not in thinking.thinking
+    assert json.loads(text.text)["ok"] is True and whole.stop_reason == "end_turn"
+
+    with claude.messages.stream(**options) as stream:
+        deltas = [e.delta.type for e in stream if e.type == "content_block_delta"]
+        streamed = stream.get_final_message()
+    assert deltas[0] == "thinking_delta" and deltas[-1] == "text_delta"
+    assert [(b.type, getattr(b, "thinking", None) or b.text) for b in streamed.content] == [
+        ("thinking", thinking.thinking),
+        ("text", text.text),
+    ]
+
+    omitted = claude.messages.create(
+        **{**options, "thinking": {"type": "enabled", "budget_tokens": 6, "display": "omitted"}}
+    )
+    assert [block.type for block in omitted.content] == ["text"]
+    off = claude.messages.create(**{**options, "thinking": {"type": "disabled"}})
+    assert [block.type for block in off.content] == ["text"]
+    assert json.loads(off.content[0].text)["ok"] is True
+    assert off.usage.output_tokens < whole.usage.output_tokens
