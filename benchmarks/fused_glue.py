@@ -37,7 +37,7 @@ def cpu_model() -> str:
         return next((line.split(":", 1)[1].strip() for line in f if "model name" in line), "?")
 
 
-def worker(path: str, mode: str, threads: int) -> dict:
+def worker(path: str, mode: str, threads: int, num_tokens: int) -> dict:
     import torch
 
     from agentrt.engine.client.llm import LLM
@@ -50,24 +50,30 @@ def worker(path: str, mode: str, threads: int) -> dict:
         model.cpu_decoder = None
     if mode == "layers":
         model.cpu_ops = None
-    params = SamplingParams(temperature=0.0, max_tokens=DECODE_TOKENS, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=num_tokens, ignore_eos=True)
     prompt = llm.tokenizer.encode(PROMPT)
     llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=8))  # warm-up
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     out = llm.generate([prompt], params)[0]
-    wall = time.perf_counter() - start
+    wall, cpu = time.perf_counter() - start, time.process_time() - cpu
     return {
         "decode_tok_s": 1 / out.metrics.time_per_output_token,
-        "e2e_tok_s": DECODE_TOKENS / wall,
+        "e2e_tok_s": num_tokens / wall,
+        # CPU time of the request (all threads): less moved by other load than the wall time
+        "cpu_ms_per_token": 1e3 * cpu / num_tokens,
         "token_ids": out.outputs[0].token_ids,
         "one_call": model.cpu_decoder is not None,
         "fused_glue": model.cpu_ops is not None,
     }
 
 
-def run(path: str, mode: str, threads: int) -> dict:
+def run(path: str, mode: str, threads: int, num_tokens: int) -> dict:
     cmd = [sys.executable, __file__, path, "--worker", mode, "--threads", str(threads)]
-    done = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    cmd += ["--tokens", str(num_tokens)]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode:  # say why, and run it again (once)
+        print(f"{mode} worker failed ({done.returncode}):\n{done.stderr[-3000:]}", flush=True)
+        done = subprocess.run(cmd, capture_output=True, text=True, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -79,20 +85,26 @@ def main() -> None:
     parser.add_argument(
         "--threads", type=int, default=int(os.environ.get("AGENTRT_NUM_THREADS", 2))
     )
+    parser.add_argument("--tokens", type=int, default=DECODE_TOKENS)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        print(json.dumps(worker(args.file, args.worker, args.threads)))
+        print(json.dumps(worker(args.file, args.worker, args.threads, args.tokens)))
         return
     modes = args.paths.split(",")
     print(f"CPU: {cpu_model()}, {args.threads} threads; {os.path.basename(args.file)}")
     results: dict[str, list[dict]] = {m: [] for m in modes}
     for r in range(args.rounds):
         for mode in modes:
-            res = run(args.file, mode, args.threads)
+            res = run(args.file, mode, args.threads, args.tokens)
             results[mode].append(res)
-            print(f"round {r + 1} {mode:9s} {res['decode_tok_s']:6.2f} tok/s decode", flush=True)
+            print(
+                f"round {r + 1} {mode:9s} {res['decode_tok_s']:6.2f} tok/s decode, "
+                f"{res['cpu_ms_per_token']:6.1f} CPU ms/token",
+                flush=True,
+            )
     medians = {m: statistics.median(x["decode_tok_s"] for x in results[m]) for m in modes}
+    cpu_ms = {m: statistics.median(x["cpu_ms_per_token"] for x in results[m]) for m in modes}
     base = medians[modes[0]]
     for mode in modes:
         ids = [x["token_ids"] for x in results[mode]]
@@ -102,15 +114,20 @@ def main() -> None:
             (i for i, (a, b) in enumerate(zip(first, ids[0], strict=True)) if a != b), len(first)
         )
         print(
-            f"{mode:9s} median {medians[mode]:6.2f} tok/s  x{medians[mode] / base:.2f}  "
+            f"{mode:9s} median {medians[mode]:6.2f} tok/s  x{medians[mode] / base:.2f}, "
+            f"{cpu_ms[mode]:6.1f} CPU ms/token  x{cpu_ms[modes[0]] / cpu_ms[mode]:.2f}  "
             f"greedy: same every round {same}, equal to {modes[0]}'s for {agree} tokens"
         )
         ratios = [
             x["decode_tok_s"] / y["decode_tok_s"]
             for x, y in zip(results[mode], results[modes[0]], strict=True)
         ]
-        print(f"{'':9s} per-round ratios {', '.join(f'{r:.2f}' for r in ratios)}")
-    summary = {m: {"median_tok_s": medians[m], "rounds": results[m]} for m in modes}
+        listed = ", ".join(f"{r:.2f}" for r in ratios)
+        print(f"{'':9s} per-round ratios {listed}; median {statistics.median(ratios):.2f}")
+    summary = {
+        m: {"median_tok_s": medians[m], "median_cpu_ms": cpu_ms[m], "rounds": results[m]}
+        for m in modes
+    }
     print(json.dumps({"cpu": cpu_model(), "file": args.file, "paths": summary}))
 
 

@@ -58,9 +58,6 @@ class EngineCore:
         self._grammar_thread = (
             ThreadPoolExecutor(1, thread_name_prefix="agentrt-bitmask") if overlap_grammar else None
         )
-        # The grammar compiler builds in the background from now on (seconds; never on this
-        # thread), so that the first grammar usually finds it ready.
-        structured.prepare()
 
     def add_request(self, core_request: EngineCoreRequest) -> None:
         """Queue a validated request; with a grammar it first waits for compilation."""
