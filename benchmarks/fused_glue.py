@@ -70,11 +70,15 @@ def worker(path: str, mode: str, threads: int, num_tokens: int) -> dict:
 def run(path: str, mode: str, threads: int, num_tokens: int) -> dict:
     cmd = [sys.executable, __file__, path, "--worker", mode, "--threads", str(threads)]
     cmd += ["--tokens", str(num_tokens)]
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    if done.returncode:  # say why, and run it again (once)
+    for _ in range(2):
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        lines = done.stdout.strip().splitlines()
+        if lines and lines[-1].startswith("{"):  # measured (even if the exit then failed)
+            if done.returncode:
+                print(f"{mode} worker exited {done.returncode} after its result", flush=True)
+            return json.loads(lines[-1])
         print(f"{mode} worker failed ({done.returncode}):\n{done.stderr[-3000:]}", flush=True)
-        done = subprocess.run(cmd, capture_output=True, text=True, check=True)
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    raise RuntimeError(f"the {mode} worker failed twice")
 
 
 def main() -> None:
