@@ -1,12 +1,21 @@
-"""Structured outputs in the engine: each request's grammar compiles off the engine thread
-(the request waits in WAITING_FOR_GRAMMAR without blocking others), the batch bitmask is
+"""Structured outputs in the engine: the grammar compiler (the tokenizer's analysis: seconds)
+is built on a background thread from engine start, and each request's grammar compiles off
+the engine thread once it is ready (the request waits in WAITING_FOR_GRAMMAR, through both,
+without blocking others), the batch bitmask is
 filled on the CPU for the sampled rows, matchers advance with every accepted token (and,
 with jump-forward, take the tokens the grammar forces next), and a finished output is
 validated against everything the token grammar did not enforce."""
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
+import importlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
 from concurrent.futures import Future
 
 import torch
@@ -16,6 +25,7 @@ from agentrt.engine.errors import ErrorCode
 from agentrt.engine.records import EngineCoreOutput, GrammarBitmask, SamplerStepOutput
 from agentrt.grammar import (
     GenerationBounds,
+    GrammarCompileError,
     GrammarCompiler,
     GrammarError,
     GrammarMatcher,
@@ -24,17 +34,33 @@ from agentrt.grammar import (
 )
 
 DEFAULT_BOUNDS = GenerationBounds()
+logger = logging.getLogger(__name__)
+
+
+class CompilerUnavailableError(GrammarCompileError):
+    """The grammar compiler could not be built for the model's tokenizer: no grammar can
+    compile, whatever the request (the request fails with ErrorCode.INTERNAL)."""
+
+    def __init__(self, cause: BaseException) -> None:
+        super().__init__(
+            "structured outputs are unavailable on this engine: building the grammar compiler "
+            f"for the model's tokenizer failed ({type(cause).__name__}: {cause}); requests "
+            "without a grammar are served as usual",
+            reason="unavailable",
+        )
 
 
 class StructuredRequest:
-    """One request's grammar: a compile future, then a matcher (or the compile error)."""
+    """One request's grammar: a compile future, then a matcher (or the compile error and
+    the code the request fails with)."""
 
-    __slots__ = ("future", "matcher", "error")
+    __slots__ = ("future", "matcher", "error", "error_code")
 
     def __init__(self, future: Future) -> None:
         self.future = future
         self.matcher: GrammarMatcher | None = None
         self.error: str | None = None
+        self.error_code = ErrorCode.INVALID_SCHEMA
 
     def poll(self) -> bool:
         """True once compilation finished, successfully (`matcher`) or not (`error`)."""
@@ -44,6 +70,8 @@ class StructuredRequest:
             return False
         try:
             self.matcher = self.future.result().matcher()
+        except CompilerUnavailableError as exc:  # not the request's fault
+            self.error, self.error_code = str(exc), ErrorCode.INTERNAL
         except GrammarError as exc:  # the request fails with ErrorCode.INVALID_SCHEMA
             self.error = str(exc)
         return True
@@ -59,6 +87,14 @@ class StructuredOutputManager:
     with tokens_left; the matcher's `num_steered` counts the steered steps).
     With `jump_forward`, the tokens a grammar forces after a sampled one are appended
     without sampling them (not for requests that ask for logprobs).
+
+    The compiler (xgrammar's tokenizer info, the token tables, the first backend: 5 s for
+    the embedded model's 49k tokens, 12-22 s on a loaded machine) is built once, on a
+    background thread at the lowest CPU priority, started by `prepare()` (the engine calls
+    it once built) or by the first grammar. Never on the engine thread: a grammar that
+    arrives before it is ready waits with its request in WAITING_FOR_GRAMMAR while the
+    others decode, and a failed build fails each grammar request (CompilerUnavailableError).
+    `compiler_factory` builds it (tests slow it down to watch the wait).
     """
 
     def __init__(
@@ -70,6 +106,7 @@ class StructuredOutputManager:
         bounds: GenerationBounds | None = DEFAULT_BOUNDS,
         steer_to_budget: bool = True,
         jump_forward: bool = False,
+        compiler_factory: Callable[[], GrammarCompiler] | None = None,
     ):
         self._tokenizer = tokenizer
         self.vocab_size = vocab_size
@@ -78,23 +115,71 @@ class StructuredOutputManager:
         self.bounds = bounds
         self.steer_to_budget = steer_to_budget
         self.jump_forward = jump_forward
-        self._compiler: GrammarCompiler | None = None
+        self._compiler_factory = compiler_factory or self._make_compiler
+        self._compiler_ready: Future | None = None  # Future[GrammarCompiler], once started
+        self._lock = threading.Lock()
+
+    def prepare(self) -> Future:
+        """Start building the compiler on a background thread (once; later calls return the
+        same Future[GrammarCompiler]). Never blocks."""
+        with self._lock:
+            if self._compiler_ready is None:
+                self._compiler_ready = Future()
+                thread = threading.Thread(
+                    target=self._build, name="agentrt-grammar-init", daemon=True
+                )
+                _BUILDERS.add(thread)
+                thread.start()
+            return self._compiler_ready
 
     @property
     def compiler(self) -> GrammarCompiler:
-        """Built on first use: plain-text workloads never pay for tokenizer analysis."""
-        if self._compiler is None:
-            self._compiler = GrammarCompiler(
-                self._tokenizer,
-                vocab_size=self.vocab_size,
-                stop_token_ids=self._stop_token_ids,
-                timeout_s=self._timeout_s,
-                bounds=self.bounds,
-            )
-        return self._compiler
+        """The compiler, waiting for its build (not for the engine thread: `start` never
+        waits); raises CompilerUnavailableError if the build failed."""
+        return self.prepare().result()
 
     def start(self, request: Request, spec: GrammarSpec) -> None:
-        request.structured = StructuredRequest(self.compiler.compile_async(spec))
+        """Start compiling the request's grammar; never blocks. Before the compiler is
+        ready, the compile starts on the builder's thread as soon as it is."""
+        ready = self.prepare()
+        if ready.done():
+            future = _compile_with(ready, spec)
+        else:
+            future = Future()
+            ready.add_done_callback(lambda done: _chain(_compile_with(done, spec), future))
+        request.structured = StructuredRequest(future)
+
+    def _make_compiler(self) -> GrammarCompiler:
+        _import_transformers()
+        _check_not_exiting()
+        compiler = GrammarCompiler(
+            self._tokenizer,
+            vocab_size=self.vocab_size,
+            stop_token_ids=self._stop_token_ids,
+            timeout_s=self._timeout_s,
+            bounds=self.bounds,
+        )
+        _check_not_exiting()
+        compiler.warm()  # the first backend's tokenizer state, outside any grammar's budget
+        return compiler
+
+    def _build(self) -> None:
+        """The builder thread: lowest CPU priority, so that on a machine with few cores the
+        engine's steps (the first token at start-up too) keep the CPU."""
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        except (AttributeError, OSError):  # not Linux: a thread has no priority of its own
+            pass
+        try:
+            compiler = self._compiler_factory()
+        except BaseException as exc:  # every grammar request fails with it; others run
+            if not _EXITING.is_set():
+                logger.exception("building the grammar compiler failed")
+            self._compiler_ready.set_exception(CompilerUnavailableError(exc))
+        else:
+            self._compiler_ready.set_result(compiler)
+        finally:
+            _BUILDERS.discard(threading.current_thread())
 
     def bitmask(
         self, requests: list[Request], drafts: list[list[int]] | None = None
@@ -193,6 +278,67 @@ class StructuredOutputManager:
                     output = dataclasses.replace(output, error=why + "; ".join(problems))
             finished.append(output)
         return finished
+
+
+_IMPORT_LOCK = threading.Lock()
+# Builders still running, and whether the interpreter is exiting. A daemon thread still in
+# C++ (xgrammar's tokenizer info, llguidance's) when Python finalizes aborts the process
+# ("terminate called without an active exception", exit status 134): at exit the builders
+# stop at their next stage and are waited for (one stage: seconds).
+_BUILDERS: set[threading.Thread] = set()
+_EXITING = threading.Event()
+
+
+def _check_not_exiting() -> None:
+    if _EXITING.is_set():
+        raise RuntimeError("the process is exiting")
+
+
+@atexit.register
+def _wait_for_builders() -> None:
+    _EXITING.set()
+    for thread in list(_BUILDERS):
+        thread.join(timeout=120)
+
+
+def _import_transformers(attempts: int = 5) -> None:
+    """Import what xgrammar and llguidance read a tokenizer with (transformers: ~5 s). Two
+    threads importing it for the first time at once can fail one of them ("cannot import
+    name ..." from its lazy modules, circular across threads): builders take turns, and
+    one that raced another thread tries again once that import has gone further."""
+    with _IMPORT_LOCK:
+        for attempt in range(attempts):
+            try:
+                importlib.import_module("transformers.tokenization_utils_fast")
+                return
+            except ImportError:
+                if attempt == attempts - 1:
+                    raise
+                time.sleep(0.5 * (attempt + 1))
+
+
+def _compile_with(ready: Future, spec: GrammarSpec) -> Future:
+    """The compile Future of `spec` on the compiler `ready` holds (done), or one failed
+    with the build's error."""
+    try:
+        return ready.result().compile_async(spec)
+    except GrammarError as exc:
+        failed: Future = Future()
+        failed.set_exception(exc)
+        return failed
+
+
+def _chain(source: Future, target: Future) -> None:
+    """Settle `target` as `source` settles."""
+
+    def copy(done: Future) -> None:
+        exc = done.exception()
+        if exc is not None:
+            target.set_exception(exc)
+        else:
+            target.set_result(done.result())
+
+    source.add_done_callback(copy)
 
 
 def _accept(matcher: GrammarMatcher, token_ids: list[int]) -> int:
