@@ -192,7 +192,8 @@ class SchedulerConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
     policy: str
-    # Cap on one request's prefill tokens per step (0 = only the step budget caps it).
+    # Cap on one request's prefill tokens per step while other requests run (0 = only the
+    # step budget caps it); a request alone always gets the whole budget.
     long_prefill_token_threshold: int
     # Jump-forward decoding: tokens a grammar forces after a sampled token (a JSON object's
     # next key, say) are appended at once and computed with the request's next chunk.

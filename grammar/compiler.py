@@ -98,6 +98,15 @@ class GrammarCompiler:
     def vocab_size(self) -> int:
         return self.tok.vocab_size
 
+    def warm(self) -> None:
+        """Build the first backend's tokenizer state now (llguidance's: ~1 s for a 49k
+        vocabulary), so that the first grammar's time budget is spent on the grammar. A
+        backend that cannot be built is left to fail (or be passed over) at compile time."""
+        try:
+            self._backend(self.order[0])
+        except GrammarError:
+            pass
+
     def compile(self, spec: GrammarSpec, *, timeout_s: float | None = None) -> Grammar:
         """Compile in the calling thread (or fetch from cache); raises GrammarCompileError.
 

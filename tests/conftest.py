@@ -53,6 +53,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     items[:] = [item for path in sorted(by_file, key=order) for item in by_file[path]]
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _transformers_imported() -> None:
+    """Every engine builds its grammar compiler on a background thread from its start, which
+    imports transformers (engine/core/structured_output.py). A test that first imports it
+    on its own thread meanwhile (a tiny checkpoint, an HF tokenizer) can fail on
+    transformers' lazy modules ("cannot import name ..."): imported once here first."""
+    import transformers.tokenization_utils_fast  # noqa: F401
+
+
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     """The embedded SmolLM2-135M-Instruct's .gguf file (what resolve_model(None) gives)."""

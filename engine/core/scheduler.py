@@ -140,10 +140,13 @@ class Scheduler:
 
         # Running requests first, in order; victims are taken from the end of the list,
         # which holds requests not yet scheduled this step (or the current one).
+        # One request's prefill is capped only while others could run (shared: every
+        # request alone gets the whole budget).
+        shared = len(self.running) + sum(map(_ready, self.waiting)) > 1
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = self._num_new_tokens(request, request.num_computed_tokens, budget)
+            num_new = self._num_new_tokens(request, request.num_computed_tokens, budget, shared)
             num_drafts = self._num_drafts(request, num_new, budget)
             num_new += num_drafts
             while self.kv.allocate_slots(request, num_new) is None:
@@ -190,7 +193,7 @@ class Scheduler:
                 if num_external:
                     position += 1
                     continue
-            num_new = self._num_new_tokens(request, num_cached, budget)
+            num_new = self._num_new_tokens(request, num_cached, budget, shared)
             if self.kv.allocate_slots(request, num_new, hits) is None:
                 break
             del self.waiting[position]
@@ -239,9 +242,8 @@ class Scheduler:
             self.waiting.remove(request)
             request.status = RequestStatus.FINISHED_ERROR
             self._free(request)
-            self.errored.append(
-                _error_output(request, ErrorCode.INVALID_SCHEMA, request.structured.error)
-            )
+            structured = request.structured
+            self.errored.append(_error_output(request, structured.error_code, structured.error))
             return False
         request.status = RequestStatus.WAITING
         return True
@@ -251,12 +253,16 @@ class Scheduler:
         errored, self.errored = self.errored, []
         return errored
 
-    def _num_new_tokens(self, request: Request, num_computed: int, budget: int) -> int:
-        """Tokens to compute this step: all that are behind, within the step budget and the
-        per-request prefill cap (so one long prompt cannot starve the decodes)."""
+    def _num_new_tokens(
+        self, request: Request, num_computed: int, budget: int, shared: bool
+    ) -> int:
+        """Tokens to compute this step: all that are behind, within the step budget and,
+        when the step is `shared` with other requests, the per-request prefill cap
+        (`long_prefill_token_threshold`: one long prompt cannot make every step as long as
+        its prefill while others wait for their next token; alone it runs at full speed)."""
         num_new = min(request.num_tokens - num_computed, budget)
         threshold = self.config.long_prefill_token_threshold
-        if threshold:
+        if threshold and shared:
             num_new = min(num_new, threshold)
         return num_new
 
@@ -353,6 +359,11 @@ class Scheduler:
             prefix_cache_queried_tokens=self.kv.stats.num_queried_tokens,
             prefix_cache_hit_tokens=self.kv.stats.num_hit_tokens,
         )
+
+
+def _ready(request: Request) -> bool:
+    """Whether a waiting request could be admitted (not waiting for its grammar or KV)."""
+    return request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
 
 
 def _error_output(

@@ -90,10 +90,12 @@ class StructuredOutputManager:
 
     The compiler (xgrammar's tokenizer info, the token tables, the first backend: 5 s for
     the embedded model's 49k tokens, 12-22 s on a loaded machine) is built once, on a
-    background thread at the lowest CPU priority, started by `prepare()` (the engine calls
-    it once built) or by the first grammar. Never on the engine thread: a grammar that
-    arrives before it is ready waits with its request in WAITING_FOR_GRAMMAR while the
-    others decode, and a failed build fails each grammar request (CompilerUnavailableError).
+    background thread at the lowest CPU priority, started by the first grammar (or
+    `prepare()`). Not at engine start: an engine that never sees a grammar never imports
+    transformers, xgrammar or llguidance (start-up and memory, issue 39). Never on the engine
+    thread: a grammar that arrives before it is ready waits with its request in
+    WAITING_FOR_GRAMMAR while the others decode, and a failed build fails each grammar
+    request (CompilerUnavailableError).
     `compiler_factory` builds it (tests slow it down to watch the wait).
     """
 

@@ -25,12 +25,8 @@ from agentrt.engine.loader.gguf_file import (
     metadata_dir,
 )
 from agentrt.engine.loader.gguf_reader import GGUFContainer, LazyStrings
-from agentrt.engine.model.checkpoint import (
-    load_hf_config,
-    load_state_dict,
-    load_tokenizer,
-    resolve_model,
-)
+from agentrt.engine.loader.tokenizer import load_tokenizer
+from agentrt.engine.model.checkpoint import load_hf_config, load_state_dict, resolve_model
 
 from .gguf_files import TINY_VOCAB, Q, write_tiny_gguf
 

@@ -80,6 +80,16 @@ def assert_client_error(response: httpx.Response | None, *words: str) -> None:
         assert word in message, message
 
 
+def test_the_first_structured_request_does_not_stall_others(attack) -> None:
+    """The first in the server's life (this file's first test; test_defaults.py sends none):
+    the grammar compiler, built in the background from engine start, is ready or still
+    building, never built on the engine thread while the victim waits."""
+    choice = {"choice": ["yes", "no"]}
+    result = attack(lambda c: complete(c, structured_outputs=choice, max_tokens=2))
+    assert result.response is not None and result.response.status_code == 200
+    assert result.response.json()["choices"][0]["text"] in ("yes", "no")
+
+
 def test_a_schema_whose_final_check_explodes_gets_a_bounded_answer(attack) -> None:
     response_format = {
         "type": "json_schema",

@@ -196,10 +196,12 @@ def test_randomized_stress_keeps_invariants():
 def test_drafts_follow_only_a_chunk_that_reaches_the_known_end():
     """Drafts follow the request's last known token: while its known tokens (a sampled token
     and those jump-forward appended after it) take several chunks, they are dropped, not
-    computed as if they were known tokens."""
+    computed as if they were known tokens. (Another request runs beside it: the prefill cap
+    applies only then.)"""
     kv = KVCacheManager(64, 4)
     args = EngineArgs(max_num_batched_tokens=32, long_prefill_token_threshold=2)
     scheduler = Scheduler(args.create_engine_config().scheduler, kv, 1024)
+    scheduler.add_request(make_request("b", 1, 20))
     request = make_request("a", 6, 20)
     scheduler.add_request(request)
     run_step(scheduler)  # the prompt, 2 tokens per step
@@ -209,12 +211,13 @@ def test_drafts_follow_only_a_chunk_that_reaches_the_known_end():
     request.append_output_token(9)
     request.spec_token_ids = [10, 11]
     out = scheduler.schedule()
-    (chunk,) = out.chunks
+    chunk = next(c for c in out.chunks if c.req_id == "a")
     assert chunk.num_draft_tokens == 0 and not chunk.sample
     assert chunk.token_ids == request.all_token_ids[6:8] and request.spec_token_ids == []
     scheduler.update_from_output(out, SamplerStepOutput({}))
     request.spec_token_ids = [10, 11]
-    (chunk,) = scheduler.schedule().chunks  # now the chunk reaches the end: drafts follow
+    # Now the chunk reaches the end: drafts follow.
+    chunk = next(c for c in scheduler.schedule().chunks if c.req_id == "a")
     assert chunk.sample and chunk.num_draft_tokens == 2
     assert chunk.token_ids == [9, 10, 11] and chunk.start_pos == 8
 
@@ -230,3 +233,32 @@ def test_drafts_are_dropped_before_anyone_is_preempted():
     first.spec_token_ids = [1, 2, 3, 4, 5, 6]  # would need two more blocks
     out = scheduler.schedule()
     assert not out.preempted_req_ids and [c.num_draft_tokens for c in out.chunks] == [0, 0]
+
+
+def test_long_prefill_is_capped_only_while_others_run():
+    """long_prefill_token_threshold (vLLM's): alone, a long prompt gets the whole budget;
+    once a decode runs beside it, its chunks are capped and the decode gets a token every
+    step, ahead of the prompt that arrived first; alone again, full chunks."""
+    kv = KVCacheManager(200, 4)
+    args = EngineArgs(max_num_batched_tokens=32, long_prefill_token_threshold=8)
+    s = Scheduler(args.create_engine_config().scheduler, kv, max_model_len=1024)
+    s.add_request(make_request("long", 300, 2))
+    out, _ = run_step(s)
+    assert [(c.req_id, len(c.token_ids)) for c in out.chunks] == [("long", 32)]
+    s.add_request(make_request("short", 3, 6))
+    out, _ = run_step(s)
+    assert [(c.req_id, len(c.token_ids)) for c in out.chunks] == [("long", 8), ("short", 3)]
+    for _ in range(5):  # the short request's 5 remaining tokens: one every step
+        out, results = run_step(s)
+        assert [(c.req_id, len(c.token_ids)) for c in out.chunks] == [("long", 8), ("short", 1)]
+        assert [r.req_id for r in results] == ["short"]
+    assert "short" not in s.requests and s.requests["long"].num_computed_tokens == 32 + 6 * 8
+    out, _ = run_step(s)
+    assert [(c.req_id, len(c.token_ids)) for c in out.chunks] == [("long", 32)]
+    run_to_completion(s)
+
+
+def test_default_prefill_cap_depends_on_the_device():
+    assert EngineArgs().create_engine_config().scheduler.long_prefill_token_threshold == 64
+    config = EngineArgs(long_prefill_token_threshold=0).create_engine_config()
+    assert config.scheduler.long_prefill_token_threshold == 0

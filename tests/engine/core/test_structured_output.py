@@ -246,3 +246,83 @@ def test_bitmask_filled_while_the_model_runs_gives_the_same_outputs(
     overlapped = [o.outputs[0].token_ids for o in smollm2_default_llm.chat(prompts, params)]
     assert overlapped == sequential
     assert threads and all(name.startswith("agentrt-bitmask") for name in threads)
+
+
+def _slow_compiler_manager(core, build):
+    """A fresh StructuredOutputManager like the engine's (its compiler not built yet) whose
+    compiler is built by `build`."""
+    from agentrt.engine.core.structured_output import StructuredOutputManager
+
+    old = core.structured
+    return StructuredOutputManager(
+        old._tokenizer,
+        old.vocab_size,
+        old._stop_token_ids,
+        old._timeout_s,
+        jump_forward=old.jump_forward,
+        compiler_factory=build,
+    )
+
+
+def test_others_decode_while_the_grammar_compiler_is_built(smollm2_default_llm, monkeypatch):
+    """The compiler (tokenizer analysis: seconds) is built off the engine thread: a structured
+    request submitted first waits for it in WAITING_FOR_GRAMMAR while an unconstrained one
+    submitted after it decodes to its end; then the build completes and both are right."""
+    from agentrt.engine.core.request import RequestStatus
+
+    core = smollm2_default_llm.engine.engine_core
+    real = core.structured.compiler  # built already: the slow build hands it over
+    gate, builder_threads, seen = threading.Event(), [], []
+
+    def build():
+        builder_threads.append(threading.current_thread().name)
+        assert gate.wait(120), "the plain request never finished while the build waited"
+        return real
+
+    monkeypatch.setattr(core, "structured", _slow_compiler_manager(core, build))
+    step = core.step
+
+    def recording_step():
+        outputs = step()
+        for output in outputs:
+            if output.finished and not gate.is_set():  # the first to finish: the build waits
+                statuses = {r.req_id: r.status for r in core.scheduler.requests.values()}
+                seen.append((output.req_id, output.finish_reason, statuses))
+                gate.set()
+        return outputs
+
+    monkeypatch.setattr(core, "step", recording_step)
+    structured = _params(Address, 0.0, max_tokens=80)
+    plain = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    outs = smollm2_default_llm.generate(
+        ["An address as JSON:", "Once upon a time"], [structured, plain]
+    )
+    ((first_id, reason, statuses),) = seen
+    assert first_id == outs[1].request_id and reason == "length"
+    assert list(statuses.values()) == [RequestStatus.WAITING_FOR_GRAMMAR]
+    assert builder_threads == ["agentrt-grammar-init"]
+    assert len(outs[1].outputs[0].token_ids) == 12
+    completion = outs[0].outputs[0]
+    assert completion.finish_reason == "stop" and completion.structured_errors == []
+    Address.model_validate_json(completion.text)
+    assert not core.has_unfinished_requests()
+
+
+def test_a_failed_compiler_build_fails_only_grammar_requests(smollm2_default_llm, monkeypatch):
+    core = smollm2_default_llm.engine.engine_core
+
+    def build():
+        raise RuntimeError("no token tables for this tokenizer")
+
+    monkeypatch.setattr(core, "structured", _slow_compiler_manager(core, build))
+    structured = _params(Address, 0.0, max_tokens=40)
+    plain = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    for _ in range(2):  # the build is not retried: every grammar request gets the error
+        outs = smollm2_default_llm.generate(["An address as JSON:", "Hi"], [structured, plain])
+        assert outs[0].outputs[0].finish_reason == "error"
+        assert outs[0].error_code is ErrorCode.INTERNAL
+        assert "structured outputs are unavailable" in outs[0].error
+        assert "no token tables for this tokenizer" in outs[0].error
+        assert len(outs[1].outputs[0].token_ids) == 4 and outs[1].error_code is None
+    assert not core.has_unfinished_requests()
+    smollm2_default_llm.kv_manager.check_invariants()
