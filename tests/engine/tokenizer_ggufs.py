@@ -81,6 +81,20 @@ def write_qwen_tokenizer_gguf(path: Path, vocab_size: int = QWEN_FILE_VOCAB) -> 
     writer.add_rope_freq_base(1_000_000.0)
     writer.add_layer_norm_rms_eps(1e-6)
     add_qwen_tokenizer(writer, vocab_size)
+    head_dim = hidden // heads
+    _write_one_layer(writer, vocab_size, hidden, (hidden, head_dim, head_dim), qkv_bias=True)
+    return path
+
+
+def _write_one_layer(
+    writer: gguf.GGUFWriter,
+    vocab_size: int,
+    hidden: int,
+    qkv_rows: tuple[int, int, int],
+    qkv_bias: bool,
+) -> None:
+    """One tiny random F16 layer (FFN 128, tied embedding; q/k/v of `qkv_rows` rows, zero
+    biases with `qkv_bias`), then the file written and closed."""
     rng = np.random.default_rng(0)
 
     def add(name: str, *shape: int) -> None:
@@ -88,10 +102,10 @@ def write_qwen_tokenizer_gguf(path: Path, vocab_size: int = QWEN_FILE_VOCAB) -> 
 
     add("token_embd.weight", vocab_size, hidden)
     writer.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
-    head_dim = hidden // heads
-    for part, rows in (("attn_q", hidden), ("attn_k", head_dim), ("attn_v", head_dim)):
+    for part, rows in zip(("attn_q", "attn_k", "attn_v"), qkv_rows, strict=True):
         add(f"blk.0.{part}.weight", rows, hidden)
-        writer.add_tensor(f"blk.0.{part}.bias", np.zeros(rows, np.float32))
+        if qkv_bias:
+            writer.add_tensor(f"blk.0.{part}.bias", np.zeros(rows, np.float32))
     add("blk.0.attn_output.weight", hidden, hidden)
     add("blk.0.ffn_gate.weight", 128, hidden)
     add("blk.0.ffn_up.weight", 128, hidden)
@@ -102,7 +116,6 @@ def write_qwen_tokenizer_gguf(path: Path, vocab_size: int = QWEN_FILE_VOCAB) -> 
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    return path
 
 
 SP_WORDS = ("hello", "world", "the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog")
@@ -156,22 +169,5 @@ def write_sentencepiece_gguf(path: Path) -> Path:
         "{{ bos_token }}{% for m in messages %}[{{ m.role }}] {{ m.content }}{{ eos_token }}"
         "{% endfor %}"
     )
-    rng = np.random.default_rng(0)
-
-    def add(name: str, *shape: int) -> None:
-        writer.add_tensor(name, (rng.standard_normal(shape) * 0.05).astype(np.float16))
-
-    add("token_embd.weight", vocab, hidden)
-    writer.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
-    for part in ("attn_q", "attn_k", "attn_v", "attn_output"):
-        add(f"blk.0.{part}.weight", hidden, hidden)
-    add("blk.0.ffn_gate.weight", 128, hidden)
-    add("blk.0.ffn_up.weight", 128, hidden)
-    add("blk.0.ffn_down.weight", hidden, 128)
-    for norm in ("attn_norm", "ffn_norm"):
-        writer.add_tensor(f"blk.0.{norm}.weight", np.ones(hidden, np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    _write_one_layer(writer, vocab, hidden, (hidden, hidden, hidden), qkv_bias=False)
     return path
