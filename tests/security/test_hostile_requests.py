@@ -14,18 +14,10 @@ import json
 import httpx
 import pytest
 
+# The schema that froze the server: jsonschema checks each level of these arrays twice.
+from tests.grammar.test_validate import SELF_ANY_OF
 from tests.security.victim import MODEL, Attack, Victim
 
-# The schema that froze the server: jsonschema checks each level of these arrays twice.
-SELF_ANY_OF = {
-    "$defs": {
-        "a": {
-            "type": "array",
-            "items": {"anyOf": [{"$ref": "#/$defs/a", "maxItems": 0}, {"$ref": "#/$defs/a"}]},
-        }
-    },
-    "$ref": "#/$defs/a",
-}
 MESSAGES = [{"role": "user", "content": "Write nested JSON arrays."}]
 REFERENCE = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 8, "temperature": 0}
 
