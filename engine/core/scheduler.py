@@ -316,6 +316,11 @@ class Scheduler:
                 request.status = RequestStatus.FINISHED_ERROR
                 self._free(request)
                 code, why = ErrorCode.STRUCTURED_OUTPUT_FAILED, "its grammar allows no next token"
+                if not request.num_output_tokens:
+                    # No first token at all: the client's constraint cannot be met with this
+                    # model's vocabulary (a regex of a byte it has no token for), a 400.
+                    code = ErrorCode.INVALID_SCHEMA
+                    why = "its constraint allows no first token in this model's vocabulary"
                 outputs.append(_error_output(request, code, why, new_token_ids))
                 continue
             kv_transfer_params = None

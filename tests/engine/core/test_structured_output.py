@@ -326,3 +326,15 @@ def test_a_failed_compiler_build_fails_only_grammar_requests(smollm2_default_llm
         assert len(outs[1].outputs[0].token_ids) == 4 and outs[1].error_code is None
     assert not core.has_unfinished_requests()
     smollm2_default_llm.kv_manager.check_invariants()
+
+
+def test_a_constraint_with_no_first_token_is_an_invalid_schema(smollm2_default_llm):
+    # U+40000 starts with byte 0xF1, which SmolLM2's byte-level vocabulary has no token for:
+    # no output can begin, so the client's constraint is at fault (a 400), not the model's
+    # output (the fuzz test drew it: it was a 500 structured_output_failed).
+    constraint = StructuredOutputsParams(regex="\U00040000")
+    params = SamplingParams(max_tokens=6, structured_outputs=constraint)
+    out = smollm2_default_llm.generate(["0"], params)[0]
+    assert out.error_code is ErrorCode.INVALID_SCHEMA
+    assert out.outputs[0].token_ids == [] and out.outputs[0].finish_reason == "error"
+    smollm2_default_llm.kv_manager.check_invariants()
