@@ -184,14 +184,16 @@ def result_record(result: ExtractResult) -> dict[str, Any]:
 @dataclass(slots=True)
 class OutputState:
     """What an existing output already holds: the keys of its results, and of the failed
-    ones among them."""
+    ones among them. `key`: the field of a record that names its input (a batch output's
+    is `custom_id`)."""
 
     done: set[str] = field(default_factory=set)
     failed: set[str] = field(default_factory=set)
     num_torn: int = 0  # torn last lines cut off (0 or 1 a file)
+    key: str = "id"
 
     def add(self, record: dict) -> None:
-        key = id_key(record["id"])
+        key = id_key(record[self.key])
         self.done.add(key)
         if record.get("error") is not None:
             self.failed.add(key)
@@ -205,7 +207,7 @@ def scan_jsonl(path: Path, state: OutputState, *, repair: bool) -> None:
     good_end = 0
     with open(path, "rb") as f:
         for number, line in enumerate(f, 1):
-            record = _parse_record(line) if line.endswith(b"\n") else None
+            record = _parse_record(line, state.key) if line.endswith(b"\n") else None
             if record is None:
                 if f.read(1):
                     raise InvalidRequestError(
@@ -221,12 +223,12 @@ def scan_jsonl(path: Path, state: OutputState, *, repair: bool) -> None:
         os.truncate(path, good_end)
 
 
-def _parse_record(line: bytes) -> dict | None:
+def _parse_record(line: bytes, key: str = "id") -> dict | None:
     try:
         record = json.loads(line)
     except (json.JSONDecodeError, UnicodeDecodeError):
         return None
-    if not isinstance(record, dict) or "id" not in record or "error" not in record:
+    if not isinstance(record, dict) or key not in record or "error" not in record:
         return None
     return record
 

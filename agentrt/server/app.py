@@ -18,6 +18,8 @@ from fastapi.responses import JSONResponse, Response
 from agentrt.engine.client.async_engine import AsyncEngine
 from agentrt.engine.client.llm_engine import LLMEngine
 from agentrt.engine.errors import ErrorCode, InvalidRequestError
+from agentrt.server.batches import BatchManager
+from agentrt.server.batches_api import add_batch_routes
 from agentrt.server.chat import chat_prompt, create_chat_completion
 from agentrt.server.completions import create_completion
 from agentrt.server.errors import (
@@ -26,6 +28,8 @@ from agentrt.server.errors import (
     from_exception,
     install_error_handlers,
 )
+from agentrt.server.file_store import FileStore
+from agentrt.server.files_api import FILES_PATH, StateDir, add_file_routes
 from agentrt.server.generation import ClientDisconnected
 from agentrt.server.messages_api import add_messages_routes
 from agentrt.server.metrics import CONTENT_TYPE
@@ -46,6 +50,7 @@ from agentrt.server.state import ServerConfig, ServerState
 logger = logging.getLogger("agentrt.server")
 
 _SUPERVISOR_PERIOD_S = 0.05
+_MULTIPART_SLACK = 64 * 1024  # an upload's multipart headers and fields beside the file
 
 
 def create_app(config: ServerConfig, *, llm_engine: LLMEngine | None = None) -> FastAPI:
@@ -65,8 +70,10 @@ def create_app(config: ServerConfig, *, llm_engine: LLMEngine | None = None) -> 
             holder["state"] = state
             async with anyio.create_task_group() as tg:
                 tg.start_soon(_supervise, state)
+                await batches.start(tg, app, config.api_key, lambda: not state.healthy)
                 yield
                 tg.cancel_scope.cancel()
+        state_dir.close()
 
     app = FastAPI(
         title="agentrt",
@@ -83,6 +90,15 @@ def create_app(config: ServerConfig, *, llm_engine: LLMEngine | None = None) -> 
     )
     add_response_routes(app, store)
     add_messages_routes(app)
+    state_dir = StateDir(config.batch)
+    files = FileStore(
+        state_dir.path,
+        max_file_bytes=config.batch.max_file_bytes,
+        max_storage_bytes=config.batch.max_storage_bytes,
+    )
+    batches = BatchManager(files, config.batch.max_concurrency)
+    add_file_routes(app, files, config.api_key)
+    add_batch_routes(app, batches, config.api_key)
 
     def count_status(status: int) -> None:
         if "state" in holder:
@@ -92,6 +108,7 @@ def create_app(config: ServerConfig, *, llm_engine: LLMEngine | None = None) -> 
         GuardMiddleware,
         api_key=config.api_key,
         max_request_bytes=config.max_request_bytes,
+        max_upload_bytes={FILES_PATH: config.batch.max_file_bytes + _MULTIPART_SLACK},
         on_status=count_status,
     )
     return app

@@ -7,6 +7,7 @@ import argparse
 import os
 
 from agentrt.engine.args import EngineArgs
+from agentrt.server.batch_options import BatchConfig, add_batch_args
 from agentrt.server.response_store import MAX_AGE_S, MAX_BYTES, MAX_RESPONSES
 
 # --cache-isolation: whose requests may share prefix-cache hits (and see them in
@@ -68,6 +69,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         help="honour a request's `priority` (else ignored: any client could jump the queue)",
     )
     parser.add_argument("--log-level", default="info")
+    add_batch_args(parser)
     EngineArgs.add_cli_args(parser.add_argument_group("engine"))
 
 
@@ -92,6 +94,7 @@ def run_serve(args: argparse.Namespace) -> int:
         max_stored_response_bytes=args.max_stored_response_bytes,
         cache_isolation=args.cache_isolation,
         allow_client_priority=args.allow_client_priority,
+        batch=BatchConfig.from_cli_args(args),
     )
     return anyio.run(
         lambda: serve(config, host=args.host, port=args.port, log_level=args.log_level.lower())

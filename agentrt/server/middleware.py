@@ -28,11 +28,13 @@ class GuardMiddleware:
         *,
         api_key: str | None,
         max_request_bytes: int,
+        max_upload_bytes: Mapping[str, int] | None = None,
         on_status: Callable[[int], None] | None = None,
     ) -> None:
         self.app = app
         self.api_key = api_key
         self.max_request_bytes = max_request_bytes
+        self.max_upload_bytes = dict(max_upload_bytes or {})  # path -> its own body limit
         self.on_status = on_status
 
     async def __call__(self, scope, receive, send) -> None:
@@ -46,9 +48,10 @@ class GuardMiddleware:
             if not self._authorized(headers):
                 await _send_error(send, _unauthorized(), scope["path"])
                 return
+        limit = self.max_upload_bytes.get(scope["path"], self.max_request_bytes)
         length = headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > self.max_request_bytes:
-            await _send_error(send, self._too_large(), scope["path"])
+        if length is not None and length.isdigit() and int(length) > limit:
+            await _send_error(send, self._too_large(limit), scope["path"])
             return
         body = bytearray()
         while True:
@@ -56,8 +59,8 @@ class GuardMiddleware:
             if message["type"] == "http.disconnect":
                 return
             body += message.get("body", b"")
-            if len(body) > self.max_request_bytes:
-                await _send_error(send, self._too_large(), scope["path"])
+            if len(body) > limit:
+                await _send_error(send, self._too_large(limit), scope["path"])
                 return
             if not message.get("more_body", False):
                 break
@@ -67,11 +70,12 @@ class GuardMiddleware:
         token = request_api_key(headers)
         return token is not None and hmac.compare_digest(token.encode(), self.api_key.encode())
 
-    def _too_large(self) -> APIError:
+    def _too_large(self, limit: int) -> APIError:
+        flag = "--max-request-bytes" if limit == self.max_request_bytes else "--max-file-bytes"
         return APIError(
             413,
-            f"the request body is larger than {self.max_request_bytes} bytes; send a smaller "
-            "request (or start the server with a larger --max-request-bytes).",
+            f"the request body is larger than {limit} bytes; send a smaller "
+            f"request (or start the server with a larger {flag}).",
             code="request_too_large",
         )
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from agentrt.engine.args import EngineArgs
 from agentrt.engine.client.async_engine import AsyncEngine
+from agentrt.server.batch_options import BatchConfig
 from agentrt.server.cli import CACHE_ISOLATION
 from agentrt.server.errors import APIError
 from agentrt.server.metrics import ServerMetrics
@@ -41,6 +42,8 @@ class ServerConfig:
     cache_isolation: str = "none"
     # A client's `priority` reorders the queue only when the operator allows it.
     allow_client_priority: bool = False
+    # /v1/files and /v1/batches: where they are kept, and their bounds.
+    batch: BatchConfig = field(default_factory=BatchConfig)
 
     def __post_init__(self) -> None:
         if self.cache_isolation not in CACHE_ISOLATION:

@@ -1,0 +1,64 @@
+"""The options of the Files and Batch APIs (`agentrt serve --state-dir ...`): a frozen record
+and its command-line flags. Kept apart from the routes so the server's config and CLI can
+import it without FastAPI."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+MAX_FILE_BYTES = 200 * 2**20  # OpenAI's cap on one batch input file
+MAX_STORAGE_BYTES = 2 * 2**30
+MAX_CONCURRENCY = 32
+
+
+@dataclass(frozen=True, slots=True)
+class BatchConfig:
+    """`state_dir`: where files and batches live; None keeps them in a temporary directory
+    removed when the server stops (no batch survives a restart). `max_storage_bytes` bounds
+    everything under it (uploads, batch journals, output files): past it uploads get a 413
+    and a running batch fails. `max_concurrency`: requests of all batches in flight at once."""
+
+    state_dir: str | None = None
+    max_file_bytes: int = MAX_FILE_BYTES
+    max_storage_bytes: int = MAX_STORAGE_BYTES
+    max_concurrency: int = MAX_CONCURRENCY
+
+    def __post_init__(self) -> None:
+        for name in ("max_file_bytes", "max_storage_bytes", "max_concurrency"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} is invalid: expected >= 1.")
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> BatchConfig:
+        return cls(
+            state_dir=args.state_dir,
+            max_file_bytes=args.max_file_bytes,
+            max_storage_bytes=args.max_storage_bytes,
+            max_concurrency=args.max_batch_concurrency,
+        )
+
+
+def add_batch_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("files and batches (/v1/files, /v1/batches)")
+    group.add_argument(
+        "--state-dir",
+        default=None,
+        help="keep uploaded files and batches here, and resume unfinished batches from it on "
+        "start (default: a temporary directory, gone when the server stops)",
+    )
+    group.add_argument(
+        "--max-file-bytes", type=int, default=MAX_FILE_BYTES, help="the largest upload"
+    )
+    group.add_argument(
+        "--max-storage-bytes",
+        type=int,
+        default=MAX_STORAGE_BYTES,
+        help="bytes the state directory may hold (uploads, journals, outputs)",
+    )
+    group.add_argument(
+        "--max-batch-concurrency",
+        type=int,
+        default=MAX_CONCURRENCY,
+        help="requests of all batches in flight at once",
+    )
