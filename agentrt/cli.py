@@ -1,5 +1,5 @@
 """`agentrt` command line: `agentrt generate "..."`, `agentrt chat`, `agentrt extract`,
-`agentrt serve`, `agentrt proxy`, `agentrt bench`, `agentrt tune`."""
+`agentrt run-batch`, `agentrt serve`, `agentrt proxy`, `agentrt bench`, `agentrt tune`."""
 
 from __future__ import annotations
 
@@ -102,6 +102,12 @@ def _extract(args) -> int:
     return status
 
 
+def _run_batch(args) -> int:
+    from agentrt.server.run_batch import run_batch
+
+    return run_batch(args)
+
+
 def _serve(args) -> int:
     from agentrt.server.cli import run_serve
 
@@ -181,6 +187,14 @@ def build_parser() -> argparse.ArgumentParser:
     ray.add_argument("--num-actors", type=int, default=1, help="engines (Ray actors), one each")
     ray.add_argument("--batch-size", type=int, default=16, help="documents per Ray batch")
     _add_engine_args(extract)
+    from agentrt.server.batch_options import add_run_batch_args
+
+    add_run_batch_args(
+        commands.add_parser(
+            "run-batch",
+            help="run an OpenAI batch file (chat completions, responses) on a local engine",
+        )
+    )
     from agentrt.server.cli import add_serve_args
 
     add_serve_args(commands.add_parser("serve", help="an OpenAI-compatible HTTP server"))
@@ -211,6 +225,7 @@ def main(argv: list[str] | None = None) -> int:
         "generate": _generate,
         "chat": _chat,
         "extract": _extract,
+        "run-batch": _run_batch,
         "serve": _serve,
         "proxy": _proxy,
         "bench": _bench,

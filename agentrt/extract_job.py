@@ -197,7 +197,7 @@ def run_job(job: ExtractJob) -> tuple[JobReport, int]:
 async def _run(job, schema, instructions, pending, on_result, stop: StopFlag) -> None:
     async with anyio.create_task_group() as tg:
         work = anyio.CancelScope()
-        await tg.start(_watch_signals, stop, work, job.drain_timeout_s)
+        await tg.start(watch_signals, stop, work, job.drain_timeout_s)
         try:
             if job.ray_address is not None:
                 from agentrt.ray import connect, run_on_ray
@@ -230,7 +230,7 @@ async def _run_local(job, schema, instructions, pending, on_result, work) -> Non
                     on_result(result)
 
 
-async def _watch_signals(
+async def watch_signals(
     stop: StopFlag,
     work: anyio.CancelScope,
     drain_timeout_s: float,

@@ -1,11 +1,13 @@
-"""The options of the Files and Batch APIs (`agentrt serve --state-dir ...`): a frozen record
-and its command-line flags. Kept apart from the routes so the server's config and CLI can
-import it without FastAPI."""
+"""The options of the Files and Batch APIs (`agentrt serve --state-dir ...`, a frozen record
+and its flags) and of `agentrt run-batch`. Kept apart from the routes so the server's config
+and the CLI import them without FastAPI."""
 
 from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
+
+from agentrt.engine.args import EngineArgs
 
 MAX_FILE_BYTES = 200 * 2**20  # OpenAI's cap on one batch input file
 MAX_STORAGE_BYTES = 2 * 2**30
@@ -62,3 +64,20 @@ def add_batch_args(parser: argparse.ArgumentParser) -> None:
         default=MAX_CONCURRENCY,
         help="requests of all batches in flight at once",
     )
+
+
+def add_run_batch_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("-i", "--input-file", required=True, help="OpenAI batch input (.jsonl)")
+    parser.add_argument("-o", "--output-file", required=True, help="batch output (.jsonl)")
+    parser.add_argument("--resume", action="store_true", help="skip the lines already in -o")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing output")
+    parser.add_argument("--concurrency", type=int, default=32, help="lines in flight at once")
+    parser.add_argument("--served-model-name", default=None, help="the model lines name")
+    parser.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        help="seconds in-flight lines may finish after SIGINT/SIGTERM before being aborted",
+    )
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    EngineArgs.add_cli_args(parser.add_argument_group("engine"))
