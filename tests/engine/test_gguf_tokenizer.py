@@ -125,6 +125,36 @@ def test_built_from_fields_equals_the_cached_one(smollm2_dir: Path) -> None:
         assert built.encode(text) == cached.encode(text)
 
 
+def test_first_start_builds_the_tokenizer_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a new file the tokenizer the metadata writer built is the one loaded: its JSON is
+    not read back (one parse of the vocabulary, not two); later starts read the cache."""
+    import tokenizers
+
+    monkeypatch.setenv("AGENTRT_CACHE_DIR", str(tmp_path / "cache"))
+    path = write_sentencepiece_gguf(tmp_path / "sp.gguf")
+    from_str = tokenizers.Tokenizer.from_str
+    parsed = []
+
+    def counting_from_str(text: str) -> Any:
+        parsed.append(len(text))
+        return from_str(text)
+
+    monkeypatch.setattr(tokenizers.Tokenizer, "from_str", counting_from_str)
+    gguf_file.gguf_metadata(path)  # the config is read first, as the engine does
+    fresh = load_tokenizer(path)
+    assert parsed == []
+    cached = load_tokenizer(path)
+    assert len(parsed) == 1
+    assert fresh.backend_tokenizer.to_str() == cached.backend_tokenizer.to_str()
+    assert fresh.special_tokens_map == cached.special_tokens_map
+    assert fresh.chat_template == cached.chat_template
+    assert fresh.model_max_length == cached.model_max_length == 4096
+    for text in (" ".join(SP_WORDS), "hello world ü"):
+        assert fresh.encode(text) == cached.encode(text)
+
+
 def test_a_copy_has_its_own_settings_and_shares_the_vocabulary(smollm2_dir: Path) -> None:
     """The engine deep-copies the tokenizer for its front-end thread: the copy's settings are
     its own, the Rust tokenizer (never changed after construction) is shared."""
