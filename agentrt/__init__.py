@@ -23,6 +23,7 @@ _EXPORTS = {
     "Tool": "agentrt.tools",
     "Agent": "agentrt.agent",
     "AgentResult": "agentrt.agent",
+    "mcp_server": "agentrt.mcp",
     "ExtractResult": "agentrt.extract",
     "AsyncEngine": "agentrt.engine.client.async_engine",
     # errors
@@ -32,6 +33,7 @@ _EXPORTS = {
     "EngineOverloadedError": "agentrt.errors",
     "GenerationError": "agentrt.errors",
     "InvalidRequestError": "agentrt.errors",
+    "MCPServerError": "agentrt.errors",
     "OutputValidationError": "agentrt.errors",
     "SchemaError": "agentrt.errors",
     "TruncatedOutputError": "agentrt.errors",

@@ -8,7 +8,11 @@ text (tool_choice "auto").
 
 Two rules keep a small model from looping, both enforced by the grammar, not by asking:
 a call whose result is already in the history (same tool, same arguments) cannot be made
-again, and the last step (`max_steps`) can only be the final answer."""
+again, and the last step (`max_steps`) can only be the final answer.
+
+Tools may come from a `ToolSource` too (an MCP server: `agentrt.mcp_server(...)`): its tools
+join the agent's when it opens (`async with agent`, or the first `run`), and it closes with
+the agent (`close()`)."""
 
 from __future__ import annotations
 
@@ -26,7 +30,7 @@ from agentrt.formats import resolve_format, tools_format
 from agentrt.grammar.tools import EXCLUDED_ARGUMENTS
 from agentrt.session import check_completion, collect_completion
 from agentrt.tool_calls import MAX_PARALLEL_TOOL_CALLS, ToolCall
-from agentrt.tools import Tool
+from agentrt.tools import Tool, ToolSource
 
 FINAL_ANSWER = "final_answer"
 
@@ -64,7 +68,8 @@ class AgentResult:
 
 class Agent:
     """`Agent(rt, tools=[...], system=..., output=Model | None, max_steps=8)`;
-    `await agent.run(task)`. `tool_choice` ("auto", "required" or a tool name) applies to the
+    `await agent.run(task)`. `tools` holds `@tool`s and tool sources (MCP servers), whose
+    sessions the agent opens on first use and closes with `close()` / `async with`. `tool_choice` ("auto", "required" or a tool name) applies to the
     first step only, then resets so the agent cannot loop on a forced call.
     `parallel_tool_calls=True` lets one reply call several tools (run concurrently); it is
     off by default because small models tend to repeat calls in an open-ended list (a
@@ -75,7 +80,7 @@ class Agent:
     def __init__(
         self,
         runtime: Any,
-        tools: Sequence[Tool],
+        tools: Sequence[Tool | ToolSource],
         *,
         system: str | None = None,
         output: Any = None,
@@ -86,11 +91,10 @@ class Agent:
         **sampling: Any,
     ) -> None:
         self.backend: Backend = getattr(runtime, "backend", runtime)
-        self.tools = {t.name: t for t in tools}
-        if len(self.tools) != len(tools) or FINAL_ANSWER in self.tools:
-            raise SchemaError(
-                f"tool names must be unique and not {FINAL_ANSWER!r}: {[t.name for t in tools]}"
-            )
+        self._own_tools = _by_name([t for t in tools if isinstance(t, Tool)])
+        self.tools = self._own_tools  # with the sources' once open
+        self._sources = [t for t in tools if not isinstance(t, Tool)]
+        self._opened = not self._sources
         if max_steps < 1:
             raise AgentError(f"max_steps={max_steps} is invalid: expected >= 1.")
         self.system = system
@@ -105,7 +109,37 @@ class Agent:
             self._final_answer_definition() if self._output_format is not None else None
         )
 
+    async def __aenter__(self) -> Agent:
+        await self.open()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    async def open(self) -> None:
+        """Open the tool sources and add their tools (names stay unique). Open and close
+        from the same task (their sessions are anyio context managers)."""
+        if self._opened:
+            return
+        tools = list(self.tools.values())
+        try:
+            for source in self._sources:
+                tools += await source.open()
+            self.tools = _by_name(tools)
+        except BaseException:
+            await self.close()
+            raise
+        self._opened = True
+
+    async def close(self) -> None:
+        """Close the tool sources (the last opened first); `run` opens them again."""
+        self._opened = not self._sources
+        self.tools = self._own_tools
+        for source in reversed(self._sources):
+            await source.close()
+
     async def run(self, task: str) -> AgentResult:
+        await self.open()
         messages = [{"role": "system", "content": self.system}] if self.system else []
         messages.append({"role": "user", "content": task})
         steps: list[Step] = []
@@ -209,6 +243,15 @@ class Agent:
 
     def _final_value(self, call: ToolCall) -> Any:
         return self._output_format.parse(json.dumps(call.arguments))
+
+
+def _by_name(tools: list[Tool]) -> dict[str, Tool]:
+    by_name = {t.name: t for t in tools}
+    if len(by_name) != len(tools) or FINAL_ANSWER in by_name:
+        raise SchemaError(
+            f"tool names must be unique and not {FINAL_ANSWER!r}: {[t.name for t in tools]}"
+        )
+    return by_name
 
 
 def _assistant_calls(calls: list[ToolCall], content: str | None = None) -> dict[str, Any]:

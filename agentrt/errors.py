@@ -32,6 +32,7 @@ __all__ = [
     "ErrorKind",
     "GenerationError",
     "InvalidRequestError",
+    "MCPServerError",
     "OutputValidationError",
     "SchemaError",
     "TruncatedOutputError",
@@ -96,6 +97,10 @@ class AgentError(AgentrtError):
     def __init__(self, message: str, *, trace=None) -> None:
         super().__init__(message)
         self.trace = trace
+
+
+class MCPServerError(AgentrtError):
+    """An MCP server (agentrt.mcp) could not be reached, or failed to list its tools."""
 
 
 @dataclass(frozen=True, slots=True)

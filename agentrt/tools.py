@@ -6,7 +6,11 @@ A call's arguments are checked once for the schema, by the grammar and the final
 the reply (agentrt.formats lists which check lives where); `Tool.call` then builds the typed
 values the function receives with the same Pydantic model. That is the conversion, not a
 second schema check: it only fails on what no JSON schema says (validators, custom types),
-or for arguments that did not come from a constrained reply."""
+or for arguments that did not come from a constrained reply.
+
+A `ToolSource` gives an Agent tools it only knows once open (an MCP server's, agentrt.mcp):
+they are called with the arguments object as it is (`arguments_model` None), their schema
+being the source's."""
 
 from __future__ import annotations
 
@@ -14,7 +18,7 @@ import functools
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import anyio
 import pydantic
@@ -28,7 +32,8 @@ class Tool:
     description: str
     parameters: dict[str, Any]  # JSON schema of the arguments object
     fn: Callable[..., Any]
-    arguments_model: type[pydantic.BaseModel]
+    # None: `fn` is async and takes the arguments object whole (a ToolSource's tool).
+    arguments_model: type[pydantic.BaseModel] | None
 
     def definition(self) -> dict[str, Any]:
         """The OpenAI-format tool definition."""
@@ -44,6 +49,8 @@ class Tool:
     async def call(self, arguments: dict[str, Any]) -> Any:
         """Build the typed arguments and run the function (a sync one in a worker thread).
         Raises pydantic's ValidationError for bad arguments, or what the function raises."""
+        if self.arguments_model is None:
+            return await self.fn(arguments)
         values = self.arguments_model.model_validate(arguments)
         kwargs = {name: getattr(values, name) for name in type(values).model_fields}
         if inspect.iscoroutinefunction(self.fn):
@@ -52,6 +59,15 @@ class Tool:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.fn(*args, **kwargs)  # the decorated function still works as before
+
+
+class ToolSource(Protocol):
+    """Tools known once open (agentrt.mcp.MCPSession). `open()` returns them (again if
+    already open); `close()` releases what open took (a no-op once closed)."""
+
+    async def open(self) -> list[Tool]: ...
+
+    async def close(self) -> None: ...
 
 
 def tool(
