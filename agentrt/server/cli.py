@@ -68,6 +68,15 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="honour a request's `priority` (else ignored: any client could jump the queue)",
     )
+    parser.add_argument(
+        "--allow-mcp-servers",
+        nargs="+",
+        default=[],
+        metavar="URL_OR_COMMAND",
+        help="MCP servers that Responses `mcp` tools may use: a streamable HTTP URL, or a "
+        "command that serves MCP on stdin/stdout (quoted); a request's `server_url` must be "
+        "one of these exactly (default: none, mcp tools are refused)",
+    )
     parser.add_argument("--log-level", default="info")
     add_batch_args(parser)
     EngineArgs.add_cli_args(parser.add_argument_group("engine"))
@@ -94,6 +103,7 @@ def run_serve(args: argparse.Namespace) -> int:
         max_stored_response_bytes=args.max_stored_response_bytes,
         cache_isolation=args.cache_isolation,
         allow_client_priority=args.allow_client_priority,
+        allow_mcp_servers=tuple(args.allow_mcp_servers),
         batch=BatchConfig.from_cli_args(args),
     )
     return anyio.run(

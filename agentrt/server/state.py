@@ -42,6 +42,9 @@ class ServerConfig:
     cache_isolation: str = "none"
     # A client's `priority` reorders the queue only when the operator allows it.
     allow_client_priority: bool = False
+    # The MCP servers (URLs or commands) a Responses `mcp` tool may name: a client must not
+    # make the server reach any other host (agentrt.server.responses_mcp).
+    allow_mcp_servers: tuple[str, ...] = ()
     # /v1/files and /v1/batches: where they are kept, and their bounds.
     batch: BatchConfig = field(default_factory=BatchConfig)
 
