@@ -1,0 +1,463 @@
+"""The Responses API's `{"type": "mcp", ...}` tools: this server connects to the MCP server,
+lists its tools, lets the model call them and runs the calls itself, as OpenAI's API does.
+
+A client must not make this server reach a host of its choosing: `server_url` must be one
+of `agentrt serve --allow-mcp-servers` exactly (a streamable HTTP URL, or a command that
+serves MCP on stdin/stdout), else the request is a 400 before any connection is made. With
+no allow-list, mcp tools are refused.
+
+One request runs as a loop of ordinary Responses turns (`respond`, the endpoint's own,
+non-streamed and unstored): the MCP tools are offered as function tools whose schemas are
+the server's, so calls are grammar-exact; a call the model makes is run on the MCP server
+(an `mcp_call` item, its output sent back to the model) and the model writes again, until
+it answers, calls a client's function tool, or a call needs approval. `require_approval`
+("always", the default as in OpenAI's API; "never"; or `{"always"|"never": {"tool_names"}}`)
+makes such a call an `mcp_approval_request` item that ends the response; the client answers
+with an `mcp_approval_response` input item (`approve`, after `previous_response_id` or with
+the request item echoed back), and the approved call runs at the start of the next response.
+The output begins with one `mcp_list_tools` item per server. After `MAX_MCP_STEPS` turns the
+last one is offered no MCP tool. Streamed, the finished response is sent as its events (items
+whole, the message text in one delta).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable
+from contextlib import AsyncExitStack
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+import pydantic
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+from sse_starlette import EventSourceResponse, ServerSentEvent
+
+from agentrt.errors import MCPServerError
+from agentrt.mcp import MCPSession, MCPToolError, is_url, mcp_server
+from agentrt.server.errors import APIError, bad_request
+from agentrt.server.protocol import InputItem, ResponsesRequest
+from agentrt.server.response_store import ResponseStore
+from agentrt.server.responses_items import item_messages
+from agentrt.server.responses_output import item_id
+from agentrt.server.state import ServerState
+from agentrt.tools import Tool
+
+MAX_MCP_STEPS = 4  # model turns in one response; the last is offered no MCP tool
+_ITEMS = pydantic.TypeAdapter(list[InputItem])
+Respond = Callable[[ServerState, ResponseStore, ResponsesRequest, Request], Awaitable[Response]]
+
+
+@dataclass(slots=True)
+class MCPServerTool:
+    """One checked `mcp` tool of a request, and its session once open."""
+
+    index: int  # in `tools`
+    label: str
+    target: str  # the allow-listed URL or command
+    headers: dict[str, str]
+    allowed_tools: list[str] | None
+    require_approval: Any
+    session: MCPSession | None = None
+    tools: list[Tool] = field(default_factory=list)
+
+    def needs_approval(self, name: str) -> bool:
+        policy = self.require_approval
+        if policy == "never":
+            return False
+        if isinstance(policy, dict):
+            never = (policy.get("never") or {}).get("tool_names") or ()
+            return name not in never
+        return True
+
+
+def has_mcp_tools(request: ResponsesRequest) -> bool:
+    return any(tool.type == "mcp" for tool in request.tools or ())
+
+
+def checked_servers(request: ResponsesRequest, allowed: tuple[str, ...]) -> list[MCPServerTool]:
+    """The request's mcp tools, each checked against the allow-list (400s; nothing is
+    contacted here)."""
+    servers: list[MCPServerTool] = []
+    for index, tool in enumerate(request.tools or ()):
+        if tool.type != "mcp":
+            continue
+        spec = tool.model_extra or {}
+        param = f"tools.{index}"
+        label = spec.get("server_label")
+        if not isinstance(label, str) or not label:
+            raise bad_request("an mcp tool needs a `server_label`.", param=f"{param}.server_label")
+        if any(s.label == label for s in servers):
+            raise bad_request(f"server_label {label!r} is used twice.", param=param)
+        url = spec.get("server_url")
+        if not isinstance(url, str):
+            raise bad_request(
+                "an mcp tool needs a `server_url` (connectors are OpenAI's hosted services).",
+                param=f"{param}.server_url",
+            )
+        if not allowed:
+            raise bad_request(
+                "mcp tools are off on this server: its operator turns them on for chosen "
+                "servers with `agentrt serve --allow-mcp-servers`.",
+                param=f"{param}.server_url",
+            )
+        if url not in allowed:
+            raise bad_request(
+                f"server_url {url!r} is not an MCP server this server may use (the operator "
+                "lists them with `agentrt serve --allow-mcp-servers`); nothing was contacted.",
+                param=f"{param}.server_url",
+            )
+        servers.append(
+            MCPServerTool(
+                index,
+                label,
+                url,
+                _headers(spec, url, param),
+                _allowed_tools(spec.get("allowed_tools"), param),
+                _approval_policy(spec.get("require_approval"), param),
+            )
+        )
+    return servers
+
+
+def _headers(spec: dict[str, Any], url: str, param: str) -> dict[str, str]:
+    headers = spec.get("headers") or {}
+    if not isinstance(headers, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in headers.items()
+    ):
+        raise bad_request("headers must map names to strings.", param=f"{param}.headers")
+    headers = dict(headers)
+    if isinstance(spec.get("authorization"), str):
+        headers["Authorization"] = f"Bearer {spec['authorization']}"
+    if headers and not is_url(url):
+        raise bad_request(
+            "headers and authorization are an HTTP server's: this server_url is a command.",
+            param=f"{param}.headers",
+        )
+    return headers
+
+
+def _allowed_tools(value: Any, param: str) -> list[str] | None:
+    if isinstance(value, dict):
+        value = value.get("tool_names")
+    if value is None or (isinstance(value, list) and all(isinstance(v, str) for v in value)):
+        return value
+    raise bad_request(
+        "allowed_tools must be a list of tool names or {'tool_names': [...]}.",
+        param=f"{param}.allowed_tools",
+    )
+
+
+def _approval_policy(value: Any, param: str) -> Any:
+    if value in (None, "always", "never"):
+        return value
+    if isinstance(value, dict) and set(value) <= {"always", "never"}:
+        return value
+    raise bad_request(
+        "require_approval must be 'always', 'never' or {'always'|'never': {'tool_names': [...]}}.",
+        param=f"{param}.require_approval",
+    )
+
+
+async def create_mcp_response(
+    state: ServerState,
+    store: ResponseStore,
+    request: ResponsesRequest,
+    raw: Request,
+    respond: Respond,
+) -> Response:
+    """Serve a Responses request that has mcp tools (see the module docstring)."""
+    servers = checked_servers(request, state.config.allow_mcp_servers)
+    previous = store.get(request.previous_response_id) if request.previous_response_id else None
+    async with AsyncExitStack() as stack:
+        output = [await _open(server, stack) for server in servers]
+        tools = _tools_by_name(request, servers)
+        inputs = await _input_items(request, previous, tools, output)
+        client_tools = [t.model_dump(exclude_none=True) for t in request.tools if t.type != "mcp"]
+        mcp_tools = [_function(tool) for _, tool in tools.values()]
+        choice = _first_choice(request.tool_choice)
+        usage: dict[str, Any] | None = None
+        for step in range(MAX_MCP_STEPS):
+            offered = client_tools + (mcp_tools if step < MAX_MCP_STEPS - 1 else [])
+            fields = request.model_dump(exclude_none=True, by_alias=True)
+            fields.update(input=inputs, tools=offered or None, tool_choice=choice)
+            fields.update(stream=False, store=False)
+            if not offered:
+                fields.pop("tool_choice")
+            body = json.loads((await respond(state, store, ResponsesRequest(**fields), raw)).body)
+            usage = _add_usage(usage, body.get("usage"))
+            calls = [
+                i for i in body["output"] if i["type"] == "function_call" and i["name"] in tools
+            ]
+            replied = [i for i in body["output"] if i not in calls]
+            output += replied
+            inputs += replied
+            if not calls:
+                break
+            pending = False
+            for call in calls:
+                server, _ = tools[call["name"]]
+                if server.needs_approval(call["name"]):
+                    output.append(_approval_request(server, call))
+                    pending = True
+                else:
+                    item = await _run(server, call["name"], call["arguments"])
+                    output.append(item)
+                    inputs += _call_items(item)
+            if pending or any(i["type"] == "function_call" for i in replied):
+                break
+            choice = "none" if request.tool_choice == "none" else "auto"
+    body.update(output=output, tools=_echoed_tools(request, body["tools"], tools), usage=usage)
+    body["tool_choice"] = request.tool_choice if request.tool_choice is not None else "auto"
+    if request.store is not False:
+        history = list(previous.conversation) if previous else []
+        messages = history + item_messages(_ITEMS.validate_python(inputs), history)
+        store.put(body["id"], body, messages, continues=previous)
+    if request.stream:
+        return _event_stream(body)
+    return JSONResponse(body)
+
+
+async def _open(server: MCPServerTool, stack: AsyncExitStack) -> dict[str, Any]:
+    """Connect and list the server's tools: the `mcp_list_tools` item. A server that cannot
+    be reached is a 424, as in OpenAI's API."""
+    session = mcp_server(server.target, headers=server.headers, allowed_tools=server.allowed_tools)
+    try:
+        server.tools = await session.open()
+    except MCPServerError as exc:
+        raise APIError(
+            424,
+            f"Error retrieving tool list from MCP server {server.label!r}: {exc}",
+            param=f"tools.{server.index}.server_url",
+            code="mcp_server_error",
+        ) from None
+    stack.push_async_callback(session.close)
+    server.session = session
+    return {
+        "id": item_id("mcpl"),
+        "type": "mcp_list_tools",
+        "server_label": server.label,
+        "tools": [
+            {"name": t.name, "description": t.description, "input_schema": t.parameters}
+            for t in server.tools
+        ],
+    }
+
+
+def _tools_by_name(
+    request: ResponsesRequest, servers: list[MCPServerTool]
+) -> dict[str, tuple[MCPServerTool, Tool]]:
+    names = {t.name for t in request.tools or () if t.type == "function"}
+    tools: dict[str, tuple[MCPServerTool, Tool]] = {}
+    for server in servers:
+        for tool in server.tools:
+            if tool.name in names or tool.name in tools:
+                raise bad_request(
+                    f"tool {tool.name!r} of MCP server {server.label!r} has the name of "
+                    "another tool: use allowed_tools to leave one out.",
+                    param=f"tools.{server.index}.allowed_tools",
+                )
+            tools[tool.name] = (server, tool)
+    return tools
+
+
+def _function(tool: Tool) -> dict[str, Any]:
+    return {
+        "type": "function",
+        "name": tool.name,
+        "description": tool.description,
+        "parameters": tool.parameters,
+    }
+
+
+def _first_choice(choice: Any) -> Any:
+    """The first turn's tool_choice: an mcp choice names a tool (or asks for any)."""
+    if choice is None or isinstance(choice, str):
+        return choice
+    if choice.type == "mcp":
+        return {"type": "function", "name": choice.name} if choice.name else "required"
+    return choice.model_dump(exclude_none=True)
+
+
+async def _input_items(
+    request: ResponsesRequest,
+    previous: Any,
+    tools: dict[str, tuple[MCPServerTool, Tool]],
+    output: list[dict[str, Any]],
+) -> list[dict[str, Any]]:
+    """The request's input as the items an ordinary turn reads: MCP items become the
+    function calls and outputs they stand for; an approved call runs now (its `mcp_call`
+    item joins `output`), a declined one tells the model so."""
+    if isinstance(request.input, str):
+        return [{"type": "message", "role": "user", "content": request.input}]
+    asked = {
+        item["id"]: item
+        for item in (previous.body["output"] if previous is not None else ())
+        if item.get("type") == "mcp_approval_request"
+    }
+    items: list[dict[str, Any]] = []
+    for index, item in enumerate(request.input):
+        data = item.model_dump(mode="json", by_alias=True, exclude_none=True)
+        kind = data.get("type", "message")
+        if kind == "mcp_approval_request":
+            asked[data.get("id")] = data
+        elif kind == "mcp_call":
+            items += _call_items(data)
+        elif kind == "mcp_approval_response":
+            approval = asked.get(data.get("approval_request_id"))
+            name = approval and approval.get("name")
+            if name not in tools or tools[name][0].label != approval.get("server_label"):
+                raise bad_request(
+                    f"approval_request_id {data.get('approval_request_id')!r} names no "
+                    "approval request of this conversation for the mcp tools of this request.",
+                    param=f"input.{index}.approval_request_id",
+                )
+            if data.get("approve") is True:
+                call = await _run(tools[name][0], name, approval["arguments"], approval["id"])
+                output.append(call)
+            else:
+                reason = data.get("reason")
+                call = {**approval, "id": item_id("mcp"), "type": "mcp_call", "output": None}
+                call["error"] = "The user declined this call" + (f": {reason}" if reason else ".")
+            items += _call_items(call)
+        elif kind != "mcp_list_tools":
+            items.append(data)
+    return items
+
+
+async def _run(
+    server: MCPServerTool, name: str, arguments: str, approval_request_id: str | None = None
+) -> dict[str, Any]:
+    """Run one call on its MCP server: the `mcp_call` item (a failure is its `error`)."""
+    item: dict[str, Any] = {
+        "id": item_id("mcp"),
+        "type": "mcp_call",
+        "server_label": server.label,
+        "name": name,
+        "arguments": arguments,
+        "output": None,
+        "error": None,
+        "status": "completed",
+    }
+    if approval_request_id is not None:
+        item["approval_request_id"] = approval_request_id
+    try:
+        item["output"] = await server.session.call(name, json.loads(arguments))
+    except MCPToolError as exc:
+        item["error"] = {
+            "type": "mcp_tool_execution_error",
+            "content": [{"type": "text", "text": str(exc)}],
+        }
+        item["status"] = "failed"
+    except Exception as exc:  # the server went away, timed out, or broke the protocol
+        item["error"] = {"type": "mcp_protocol_error", "code": -32603, "message": str(exc)}
+        item["status"] = "failed"
+    return item
+
+
+def _call_items(call: dict[str, Any]) -> list[dict[str, Any]]:
+    """The function call and output an `mcp_call` item stands for, for the model."""
+    output = call.get("output")
+    if output is None:
+        error = call.get("error")
+        if isinstance(error, dict):
+            error = error.get("message") or " ".join(
+                part.get("text", "") for part in error.get("content") or ()
+            )
+        output = f"error: {error}"
+    return [
+        {
+            "type": "function_call",
+            "call_id": call["id"],
+            "name": call["name"],
+            "arguments": call["arguments"],
+        },
+        {"type": "function_call_output", "call_id": call["id"], "output": output},
+    ]
+
+
+def _approval_request(server: MCPServerTool, call: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "id": item_id("mcpr"),
+        "type": "mcp_approval_request",
+        "server_label": server.label,
+        "name": call["name"],
+        "arguments": call["arguments"],
+    }
+
+
+def _echoed_tools(
+    request: ResponsesRequest,
+    functions: list[dict[str, Any]],
+    tools: dict[str, tuple[MCPServerTool, Tool]],
+) -> list[dict[str, Any]]:
+    """The response's `tools`: the client's function tools and its mcp tools as sent
+    (never their headers or authorization)."""
+    echoed = [t for t in functions if t.get("name") not in tools]
+    for tool in request.tools or ():
+        if tool.type == "mcp":
+            spec = tool.model_extra or {}
+            echoed.append(
+                {"type": "mcp"}
+                | {
+                    key: spec[key]
+                    for key in ("server_label", "server_url", "allowed_tools", "require_approval")
+                    if spec.get(key) is not None
+                }
+            )
+    return echoed
+
+
+def _add_usage(total: dict[str, Any] | None, usage: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Usage of several turns: every count summed (details too)."""
+    if total is None or usage is None:
+        return usage if total is None else total
+    return {
+        key: _add_usage(value, usage.get(key))
+        if isinstance(value, dict)
+        else value + usage.get(key, 0)
+        for key, value in total.items()
+    }
+
+
+def _event_stream(body: dict[str, Any]) -> EventSourceResponse:
+    """A finished response as the events a streamed one sends: created, in_progress, each
+    output item added and done (a message's text in one delta), then completed."""
+    events: list[dict[str, Any]] = []
+    start = {**body, "status": "in_progress", "output": []}
+    start.pop("usage", None)
+    events += [
+        {"type": "response.created", "response": start},
+        {"type": "response.in_progress", "response": start},
+    ]
+    for index, item in enumerate(body["output"]):
+        events.append({"type": "response.output_item.added", "output_index": index, "item": item})
+        if item["type"] == "message":
+            for part_index, part in enumerate(item["content"]):
+                where = {"item_id": item["id"], "output_index": index, "content_index": part_index}
+                empty = {**part, "text": ""}
+                events.append({"type": "response.content_part.added", **where, "part": empty})
+                if part["type"] == "output_text":
+                    text = part["text"]
+                    events.append(
+                        {
+                            "type": "response.output_text.delta",
+                            **where,
+                            "delta": text,
+                            "logprobs": [],
+                        }
+                    )
+                    events.append(
+                        {"type": "response.output_text.done", **where, "text": text, "logprobs": []}
+                    )
+                events.append({"type": "response.content_part.done", **where, "part": part})
+        events.append({"type": "response.output_item.done", "output_index": index, "item": item})
+    done = "response.completed" if body["status"] == "completed" else "response.incomplete"
+    events.append({"type": done, "response": body})
+    send, receive = anyio.create_memory_object_stream[ServerSentEvent](len(events))
+    for number, event in enumerate(events):
+        event["sequence_number"] = number
+        send.send_nowait(ServerSentEvent(json.dumps(event), event=event["type"]))
+    send.close()
+    return EventSourceResponse(receive, sep="\n")
