@@ -24,7 +24,7 @@ from agentrt.tool_calls import (
     ReplyCalls,
     tool_call_style,
 )
-from agentrt.turn import prepare_turn, reasoning_mode
+from agentrt.turn import ChatConstraint, prepare_turn, reasoning_mode
 
 # The SDK decodes greedily unless told otherwise: structured replies from small models are
 # most reliable that way, and runs are reproducible.
@@ -137,7 +137,7 @@ class LocalBackend:
         turn = prepare_turn(
             tokenizer,
             messages,
-            fmt,
+            ChatConstraint.of(fmt),
             mode=reasoning_mode(options.get("reasoning", "auto"), options.get("reasoning_effort")),
             max_reasoning_tokens=options.get("max_reasoning_tokens"),
             reasoning_parser=options.get("reasoning_parser"),

@@ -1,7 +1,8 @@
 """One chat turn: (messages, tools, format, reasoning options, tokenizer) -> the prompt's
 token ids, the constraint the engine enforces (reasoning first, then the format: the
 `SamplingParams` side), and how the reply is read (`agentrt.reply`). The SDK's
-`LocalBackend`, chat completions and the Responses endpoint all prepare a turn here.
+`LocalBackend`, chat completions, the Responses and the Messages endpoints all prepare a
+turn here (`prepare_turn`).
 
 - The messages (tool calls and results included) go through the model's chat template;
   tools go to the template, or into the system message of one that cannot render them
@@ -16,6 +17,7 @@ token ids, the constraint the engine enforces (reasoning first, then the format:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,6 +44,28 @@ def reasoning_mode(reasoning: Any = "auto", effort: str | None = None) -> Any:
     if reasoning == "auto" and effort is not None:
         return effort not in EFFORTS_OFF
     return reasoning
+
+
+@dataclass(frozen=True, slots=True)
+class ChatConstraint:
+    """What constrains a turn's reply: `structured` for the engine (None: free text);
+    `tools` when the reply is tool calls (or, under "auto", text: a "tools" `OutputFormat`
+    whose `tool_style` is the served model's); `tools_in_prompt` is what the prompt shows;
+    `answer_too`: with tools, the reply may instead be the answer in a format
+    (`agentrt.server.calls_or_answer`); `parallel`: the prompt shows parallel calls."""
+
+    structured: StructuredOutputsParams | None
+    tools: OutputFormat | None
+    tools_in_prompt: list[dict] | None
+    answer_too: bool = False
+    parallel: bool = True
+
+    @classmethod
+    def of(cls, fmt: OutputFormat) -> ChatConstraint:
+        """The constraint of the SDK's `fmt` (a "tools" format carries its tools)."""
+        if fmt.kind != "tools":
+            return cls(fmt.structured_outputs(), None, None)
+        return cls(fmt.structured_outputs(), fmt, list(fmt.tools), parallel=fmt.parallel_tool_calls)
 
 
 def render_prompt(
@@ -108,51 +132,57 @@ class Turn:
     def decoding(self, params: SamplingParams) -> dict[str, Any]:
         """How a reply read from its token ids is decoded: as `params` decode it, after the
         prompt (the reader's options)."""
-        return decoding(self.prompt_ids, params)
+        return {
+            "prompt_token_ids": self.prompt_ids,
+            "skip_special_tokens": params.skip_special_tokens,
+            "stop": params.stop,
+            "include_stop_str_in_output": params.include_stop_str_in_output,
+        }
 
     def reader(self, tokenizer: Any, params: SamplingParams) -> ReplyReader:
+        """A reader of the reply of a request of `params`, as it streams."""
         return ReplyReader(tokenizer, self.shape, **self.decoding(params))
 
     def read(self, tokenizer: Any, params: SamplingParams, completion: CompletionOutput) -> Reply:
+        """The finished reply of a request of `params`, read whole."""
         return read_reply(
             tokenizer, self.shape, completion.text, completion.token_ids, **self.decoding(params)
         )
 
 
-def decoding(prompt_ids: list[int], params: SamplingParams) -> dict[str, Any]:
-    """The reader's decoding options for a request of `params` after `prompt_ids`."""
-    return {
-        "prompt_token_ids": prompt_ids,
-        "skip_special_tokens": params.skip_special_tokens,
-        "stop": params.stop,
-        "include_stop_str_in_output": params.include_stop_str_in_output,
-    }
-
-
 def prepare_turn(
     tokenizer: Any,
     messages: list[dict[str, Any]],
-    fmt: OutputFormat,
+    constraint: ChatConstraint,
     *,
     mode: Any = "auto",
     max_reasoning_tokens: int | None = None,
     reasoning_parser: str | None = None,
+    template_vars: dict[str, Any] | None = None,
+    add_generation_prompt: bool = True,
+    require_markers: bool = True,
+    check_text: Callable[[str], None] | None = None,
 ) -> Turn:
-    """A turn of the SDK: `fmt` is the reply's format (a "tools" format carries the tools,
-    its style the served model's: `agentrt.tool_calls.tool_call_style`)."""
-    tools = list(fmt.tools) if fmt.kind == "tools" else None
+    """The turn of `messages` under `constraint` (`ChatConstraint.of(fmt)` for the SDK's
+    format). `check_text(prompt_text)` runs before tokenizing (the server's length check);
+    the other options are `render_prompt`'s."""
     text, plan = render_prompt(
         tokenizer,
         messages,
-        tools,
+        constraint.tools_in_prompt,
         mode=mode,
         max_reasoning_tokens=max_reasoning_tokens,
         reasoning_parser=reasoning_parser,
-        parallel=fmt.parallel_tool_calls,
+        template_vars=template_vars,
+        parallel=constraint.parallel,
+        add_generation_prompt=add_generation_prompt,
+        require_markers=require_markers,
     )
+    if check_text is not None:
+        check_text(text)
     return Turn(
         tokenizer.encode(text, add_special_tokens=False),
         plan,
-        constrain(fmt.structured_outputs(), plan),
-        reply_shape(plan, fmt if tools is not None else None),
+        constrain(constraint.structured, plan),
+        reply_shape(plan, constraint.tools, answer_too=constraint.answer_too),
     )

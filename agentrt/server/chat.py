@@ -10,24 +10,18 @@ from fastapi.responses import Response
 
 from agentrt.engine.client.outputs import CompletionOutput, RequestDelta, RequestOutput
 from agentrt.engine.errors import InvalidRequestError
-from agentrt.reasoning import (
-    ReasoningRequest,
-    constrain,
-    count_reasoning_tokens,
-)
-from agentrt.reply import ReplyReader, read_reply
+from agentrt.engine.sampling_params import SamplingParams
+from agentrt.reasoning import count_reasoning_tokens
+from agentrt.reply import ReplyReader
 from agentrt.server.errors import bad_request
 from agentrt.server.generation import Generation, respond
 from agentrt.server.offload import check_text_length, off_loop
-from agentrt.server.params import ChatConstraint, chat_constraint, choice_params
+from agentrt.server.params import chat_constraint, choice_params
 from agentrt.server.protocol import ChatCompletionRequest, ChatMessage
 from agentrt.server.responses import chat_logprobs, kv_transfer, new_id, now, usage
 from agentrt.server.state import ServerState
-from agentrt.tool_calls import (
-    ReplyCalls,
-    tool_call_style,
-)
-from agentrt.turn import decoding, reasoning_mode, render_prompt, reply_shape
+from agentrt.tool_calls import ReplyCalls, tool_call_style
+from agentrt.turn import ChatConstraint, Turn, prepare_turn, reasoning_mode
 
 
 async def create_chat_completion(
@@ -36,9 +30,7 @@ async def create_chat_completion(
     state.check_model(request.model)
     tool_style = tool_call_style(state.engine.tokenizer)
     constraint = chat_constraint(request, tool_style)
-    prompt_ids, reasoning = await off_loop(
-        state.prompt_limiter, chat_prompt_and_reasoning, state, request, constraint
-    )
+    turn = await off_loop(state.prompt_limiter, chat_turn, state, request, constraint)
     if request.top_logprobs is not None and not request.logprobs:
         raise bad_request("top_logprobs needs logprobs=true.", param="top_logprobs")
     top_n = request.top_logprobs or 0
@@ -51,27 +43,25 @@ async def create_chat_completion(
         max_tokens=max_tokens,
         max_tokens_field=max_field,
         logprobs=top_n if request.logprobs else None,
-        structured=constrain(constraint.structured, reasoning),
+        structured=turn.structured,
         cache_salt=state.cache_salt(request.cache_salt, request.user, raw.headers),
     )
     generation = Generation(
         state.engine,
         state.metrics,
-        [prompt_ids] * len(params),
+        [turn.prompt_ids] * len(params),
         params,
         priority=state.priority(request.priority),
         param_names={"prompt": "messages", "max_tokens": max_field},
     )
     view = _ChatView(
         state.model_name,
-        constraint,
+        turn,
+        params[0],
+        state.engine.tokenizer,
         top_n if request.logprobs else None,
-        tool_style,
-        reasoning=reasoning,
         include_reasoning=request.include_reasoning,
-        tokenizer=state.engine.tokenizer,
     )
-    view.read_tokens(prompt_ids, params[0])
     return await respond(generation, view, request, raw.receive)
 
 
@@ -80,40 +70,42 @@ def chat_prompt(
 ) -> list[int]:
     """The prompt token ids: messages (tool calls and tool results included) rendered by the
     model's chat template; tools go to the template, or into the system message."""
-    return chat_prompt_and_reasoning(state, request, constraint)[0]
+    return chat_turn(state, request, constraint).prompt_ids
 
 
-def chat_prompt_and_reasoning(
+def chat_turn(
     state: ServerState, request: ChatCompletionRequest, constraint: ChatConstraint
-) -> tuple[list[int], ReasoningRequest]:
-    """`chat_prompt`, and how the reply reasons (agentrt.reasoning): a reasoning model's
-    template gets `chat_template_kwargs` (`enable_thinking` decides, default as the template
-    does), and the rendered prompt tells whether it opened the reasoning block."""
+) -> Turn:
+    """The turn of a chat request (agentrt.turn): a reasoning model's template gets
+    `chat_template_kwargs` (`enable_thinking` decides, default as the template does, or
+    `reasoning_effort`); a model without reasoning markers does not reason, whatever asked.
+    A template that cannot render the messages is a 400 naming them."""
     messages = [_message_dict(i, m) for i, m in enumerate(request.messages)]
-    tokenizer = state.engine.tokenizer
     kwargs = dict(request.chat_template_kwargs or {})
     thinking = bool(kwargs["enable_thinking"]) if "enable_thinking" in kwargs else "auto"
+
+    def check_text(text: str) -> None:
+        check_text_length(text, state.max_model_len, state.max_token_chars)
+
     try:
-        text, plan = render_prompt(
-            tokenizer,
+        return prepare_turn(
+            state.engine.tokenizer,
             messages,
-            constraint.tools_in_prompt,
+            constraint,
             mode=reasoning_mode(thinking, request.reasoning_effort),
             max_reasoning_tokens=request.max_reasoning_tokens,
             reasoning_parser=request.reasoning_parser,
             template_vars=kwargs,
-            parallel=request.parallel_tool_calls is not False,
             add_generation_prompt=request.add_generation_prompt is not False,
-            require_markers=False,  # a model without markers does not reason, whatever asked
+            require_markers=False,
+            check_text=check_text,
         )
-    except InvalidRequestError:  # it names its field; the error handler reports it
+    except InvalidRequestError:  # it names its field (the length check's too)
         raise
     except Exception as exc:  # jinja2 errors and the like: the messages do not fit the template
         raise bad_request(
             f"the chat template cannot render these messages: {exc}", param="messages"
         ) from None
-    check_text_length(text, state.max_model_len, state.max_token_chars)
-    return tokenizer.encode(text, add_special_tokens=False), plan
 
 
 def _message_dict(index: int, message: ChatMessage) -> dict[str, Any]:
@@ -146,32 +138,25 @@ class _ChatView:
     def __init__(
         self,
         model: str,
-        constraint: ChatConstraint,
+        turn: Turn,
+        params: SamplingParams,
+        tokenizer: Any,
         top_n: int | None,
-        tool_style: str,
         *,
-        reasoning: ReasoningRequest | None = None,
         include_reasoning: bool = True,
-        tokenizer: Any = None,
     ) -> None:
         # A reasoning reply is split: its reasoning as `reasoning_content` (vLLM's name;
-        # left out with include_reasoning=false), its answer as content or tool calls.
-        self.reasoning = reasoning or ReasoningRequest(None)
+        # left out with include_reasoning=false), its answer as content or tool calls, read
+        # by agentrt.reply as the turn shapes it (tools with a response_format: calls or the
+        # answer) and as `params` (a choice's) decode it.
+        self.turn = turn
+        self.params = params
         self.include_reasoning = include_reasoning
         self.tokenizer = tokenizer
         self.model = model
-        # What a reply may hold, read by agentrt.reply: tools with a response_format are
-        # calls or the answer (agentrt.server.calls_or_answer).
-        self.shape = reply_shape(self.reasoning, constraint.tools, answer_too=constraint.answer_too)
         self.top_n = top_n
         self.id = new_id("chatcmpl")
         self.created = now()
-        self._decoding: dict[str, Any] = {}
-
-    def read_tokens(self, prompt_ids: list[int], params: Any) -> None:
-        """Decode replies as `params` (a choice's SamplingParams) do, after `prompt_ids`
-        (where they are read from their token ids: agentrt.reply)."""
-        self._decoding = decoding(prompt_ids, params)
 
     def completion(self, outputs: list[RequestOutput]) -> dict[str, Any]:
         choices = []
@@ -200,9 +185,7 @@ class _ChatView:
         }
 
     def _message(self, completion: CompletionOutput) -> tuple[dict[str, Any], str | None]:
-        reply = read_reply(
-            self.tokenizer, self.shape, completion.text, completion.token_ids, **self._decoding
-        )
+        reply = self.turn.read(self.tokenizer, self.params, completion)
         message, finish = _reply_message(reply.text, reply.content, reply.calls, completion)
         if reply.reasoning is not None and self.include_reasoning:
             message["reasoning_content"] = reply.reasoning
@@ -230,9 +213,9 @@ class _ChatView:
     def _usage(self, outputs: list[RequestOutput]) -> dict[str, Any]:
         """`usage`, with the reasoning's tokens apart (OpenAI's completion_tokens_details)."""
         body = usage(outputs, len(outputs))
-        if self.reasoning.spec is not None:
+        if self.turn.reasoning.spec is not None:
             num = sum(
-                count_reasoning_tokens(self.tokenizer, o.outputs[0].token_ids, self.reasoning)
+                count_reasoning_tokens(self.tokenizer, o.outputs[0].token_ids, self.turn.reasoning)
                 for o in outputs
             )
             body["completion_tokens_details"] = {"reasoning_tokens": num}
@@ -259,7 +242,7 @@ class _ChatView:
         include_usage: bool,
     ) -> None:
         extra = {"usage": None} if include_usage else {}
-        readers = [ReplyReader(self.tokenizer, self.shape, **self._decoding) for _ in firsts]
+        readers = [self.turn.reader(self.tokenizer, self.params) for _ in firsts]
 
         async def on_delta(index: int, delta: RequestDelta) -> None:
             body = self._delta(readers[index], delta)

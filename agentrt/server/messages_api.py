@@ -26,9 +26,8 @@ from fastapi.responses import JSONResponse, Response
 from sse_starlette import EventSourceResponse, ServerSentEvent
 
 from agentrt.engine.client.outputs import CompletionOutput, RequestOutput
-from agentrt.reasoning import constrain
-from agentrt.reply import ReplyReader, read_reply
-from agentrt.server.chat import chat_prompt_and_reasoning
+from agentrt.engine.sampling_params import SamplingParams
+from agentrt.server.chat import chat_turn
 from agentrt.server.errors import bad_request, failed_output, from_exception
 from agentrt.server.generation import Generation
 from agentrt.server.messages_protocol import (
@@ -38,11 +37,11 @@ from agentrt.server.messages_protocol import (
     MessagesRequest,
 )
 from agentrt.server.offload import off_loop
-from agentrt.server.params import ChatConstraint, chat_constraint, choice_params
+from agentrt.server.params import chat_constraint, choice_params
 from agentrt.server.protocol import ChatCompletionRequest
 from agentrt.server.state import ServerState
 from agentrt.tool_calls import tool_call_style
-from agentrt.turn import decoding, reply_shape
+from agentrt.turn import Turn
 
 # The engine's stop reasons -> Anthropic's (a matched stop string is "stop_sequence").
 _STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use", "stop": "end_turn"}
@@ -58,36 +57,34 @@ def add_messages_routes(app: FastAPI) -> None:
     async def count_tokens(body: CountTokensRequest, request: Request) -> dict:
         state: ServerState = request.app.state.server
         state.check_model(body.model)
-        _, _, prompt_ids, _ = await off_loop(state.prompt_limiter, _prepare, state, body)
-        return {"input_tokens": len(prompt_ids)}
+        _, turn = await off_loop(state.prompt_limiter, _prepare, state, body)
+        return {"input_tokens": len(turn.prompt_ids)}
 
 
 def _prepare(state: ServerState, request: CountTokensRequest):
-    """The chat request that serves `request`, its constraint, the prompt's token ids and
-    how the reply reasons: all of it the client controls, so it runs off the event loop."""
+    """The chat request that serves `request` and its turn (agentrt.turn): all of it the
+    client controls, so it runs off the event loop."""
     chat = chat_request(request, state.model_name)
     constraint = chat_constraint(chat, tool_call_style(state.engine.tokenizer))
-    return chat, constraint, *chat_prompt_and_reasoning(state, chat, constraint)
+    return chat, chat_turn(state, chat, constraint)
 
 
 async def create_message(state: ServerState, request: MessagesRequest, raw: Request) -> Response:
     state.check_model(request.model)
-    chat, constraint, prompt_ids, reasoning = await off_loop(
-        state.prompt_limiter, _prepare, state, request
-    )
+    chat, turn = await off_loop(state.prompt_limiter, _prepare, state, request)
     user = request.metadata.user_id if request.metadata else None
     params = choice_params(
         chat,
         max_tokens=request.max_tokens,
         max_tokens_field="max_tokens",
         logprobs=None,
-        structured=constrain(constraint.structured, reasoning),
+        structured=turn.structured,
         cache_salt=state.cache_salt(request.cache_salt, user, raw.headers),
     )
     generation = Generation(
-        state.engine, state.metrics, [prompt_ids], params, param_names={"prompt": "messages"}
+        state.engine, state.metrics, [turn.prompt_ids], params, param_names={"prompt": "messages"}
     )
-    view = MessageView(state, constraint, reasoning, decoding(prompt_ids, params[0]))
+    view = MessageView(state, turn, params[0])
     view.show_thinking = not (request.thinking and request.thinking.display == "omitted")
     if request.stream:
         firsts = await generation.first_deltas(raw.receive)
@@ -223,22 +220,19 @@ def _tool(index: int, tool) -> dict[str, Any]:
 class MessageView:
     """The message of one request: whole (`message`) or as events (`stream`)."""
 
-    def __init__(
-        self, state: ServerState, constraint: ChatConstraint, reasoning, decoding_: dict
-    ) -> None:
+    def __init__(self, state: ServerState, turn: Turn, params: SamplingParams) -> None:
         self.model = state.model_name
         self.tokenizer = state.engine.tokenizer
-        # With an output format too, the reply is calls or the answer (calls_or_answer).
-        self.shape = reply_shape(reasoning, constraint.tools, answer_too=constraint.answer_too)
+        # Read as the turn shapes the reply (with an output format too: calls or the
+        # answer) and as `params` decode it.
+        self.turn = turn
+        self.params = params
         self.show_thinking = True
-        self.decoding = decoding_
         self.id = f"msg_{uuid.uuid4().hex[:24]}"
 
     def message(self, output: RequestOutput) -> dict[str, Any]:
         completion = output.outputs[0]
-        reply = read_reply(
-            self.tokenizer, self.shape, completion.text, completion.token_ids, **self.decoding
-        )
+        reply = self.turn.read(self.tokenizer, self.params, completion)
         content: list[dict[str, Any]] = []
         if reply.reasoning and self.show_thinking:
             content.append({"type": "thinking", "thinking": reply.reasoning, "signature": ""})
@@ -272,7 +266,7 @@ class MessageView:
     async def stream(self, generation: Generation, first, emit) -> None:
         """Emit the message's events as the reply streams: each block opened when its first
         text comes, closed when another starts or the reply ends."""
-        reader = ReplyReader(self.tokenizer, self.shape, **self.decoding)
+        reader = self.turn.reader(self.tokenizer, self.params)
         blocks = _Blocks(emit, self.show_thinking)
         usage = _usage(generation.prompt_lens[0], first.num_cached_tokens, 0)
         start = self._body([], None, None, usage)

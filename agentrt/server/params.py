@@ -10,13 +10,12 @@ are the engine Processor's to check, when the request is queued.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 from typing import Any
 
 from agentrt.engine.errors import InvalidRequestError
 from agentrt.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from agentrt.errors import SchemaError
-from agentrt.formats import OutputFormat, resolve_format, tools_format
+from agentrt.formats import resolve_format, tools_format
 from agentrt.server.calls_or_answer import answer_possible, calls_or_answer
 from agentrt.server.errors import bad_request, from_exception
 from agentrt.server.protocol import (
@@ -27,6 +26,7 @@ from agentrt.server.protocol import (
     StructuredOutputsRequest,
 )
 from agentrt.tool_calls import MAX_PARALLEL_TOOL_CALLS
+from agentrt.turn import ChatConstraint
 
 _SEED_SPAN = MAX_SEED - MIN_SEED + 1
 
@@ -109,19 +109,6 @@ def vllm_structured(request: StructuredOutputsRequest) -> StructuredOutputsParam
     return StructuredOutputsParams(**given)  # InvalidRequestError names the field
 
 
-@dataclass(frozen=True, slots=True)
-class ChatConstraint:
-    """What constrains a chat reply: `structured` for the engine; `tools` when the reply is
-    tool calls (or, under "auto", text); `tools_in_prompt` is what the prompt shows;
-    `answer_too`: with tools, the reply may instead be the answer in `response_format`
-    (`calls_or_answer`)."""
-
-    structured: StructuredOutputsParams | None
-    tools: OutputFormat | None
-    tools_in_prompt: list[dict] | None
-    answer_too: bool = False
-
-
 def chat_constraint(request: ChatCompletionRequest, tool_style: str = "json") -> ChatConstraint:
     """`tool_style` is the served model's tool-call format (`agentrt.tool_calls`)."""
     tools = [t.model_dump(exclude_none=True) for t in request.tools] if request.tools else None
@@ -162,7 +149,8 @@ def chat_constraint(request: ChatCompletionRequest, tool_style: str = "json") ->
             param=names[1],
         )
     structured = constraints[0][1] if constraints else None
-    return ChatConstraint(structured, fmt, tools, answer_too)
+    parallel = request.parallel_tool_calls is not False
+    return ChatConstraint(structured, fmt, tools, answer_too, parallel)
 
 
 def _response_format(request: ChatCompletionRequest) -> StructuredOutputsParams:

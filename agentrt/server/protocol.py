@@ -397,6 +397,8 @@ class ResponsesRequest(_Closed):
     tools: Annotated[list[ResponsesTool] | None, _at_most(MAX_TOOLS)] = None
     tool_choice: Literal["none", "auto", "required"] | ResponsesToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # agentrt, as in chat: the most calls one reply makes (None: 8); a repeat also ends them.
+    max_parallel_tool_calls: Annotated[int, Field(ge=1, le=128)] | None = None
     text: TextConfig | None = None
     include: list[str] | None = None
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None

@@ -44,13 +44,13 @@ from pydantic import BaseModel
 from sse_starlette import EventSourceResponse, ServerSentEvent
 
 from agentrt.engine.client.outputs import CompletionOutput, RequestDelta, RequestOutput
-from agentrt.reasoning import ReasoningRequest, constrain, count_reasoning_tokens
-from agentrt.reply import ReplyReader
-from agentrt.server.chat import chat_prompt_and_reasoning
+from agentrt.engine.sampling_params import SamplingParams
+from agentrt.reasoning import count_reasoning_tokens
+from agentrt.server.chat import chat_turn
 from agentrt.server.errors import APIError, bad_request, failed_output, from_exception
 from agentrt.server.generation import Generation
 from agentrt.server.offload import off_loop
-from agentrt.server.params import ChatConstraint, chat_constraint, choice_params
+from agentrt.server.params import chat_constraint, choice_params
 from agentrt.server.protocol import ChatCompletionRequest, ResponsesRequest
 from agentrt.server.response_store import ResponseStore, StoredResponse
 from agentrt.server.responses_items import (
@@ -68,7 +68,7 @@ from agentrt.server.responses_output import (
 )
 from agentrt.server.state import ServerState
 from agentrt.tool_calls import tool_call_style
-from agentrt.turn import decoding, reply_shape
+from agentrt.turn import Turn
 
 _PARAM_NAMES = {"prompt": "input", "prompt_token_ids": "input", "max_tokens": "max_output_tokens"}
 
@@ -121,26 +121,21 @@ async def create_response(
     tool_style = tool_call_style(state.engine.tokenizer)
     try:
         constraint = chat_constraint(chat, tool_style)
-        prompt_ids, reasoning = await off_loop(
-            state.prompt_limiter, chat_prompt_and_reasoning, state, chat, constraint
-        )
+        turn = await off_loop(state.prompt_limiter, chat_turn, state, chat, constraint)
         params = choice_params(
             chat,
             max_tokens=chat.max_completion_tokens,
             max_tokens_field="max_output_tokens",
             logprobs=chat.top_logprobs if chat.logprobs else None,
-            structured=constrain(constraint.structured, reasoning),
+            structured=turn.structured,
             cache_salt=state.cache_salt(request.cache_salt, request.user, raw.headers),
         )
     except Exception as exc:
         raise renamed(exc) from None
     generation = Generation(
-        state.engine, state.metrics, [prompt_ids], params, param_names=_PARAM_NAMES
+        state.engine, state.metrics, [turn.prompt_ids], params, param_names=_PARAM_NAMES
     )
-    view = ResponseView(
-        state.model_name, request, chat, constraint, tool_style, reasoning, state.engine.tokenizer
-    )
-    view.decoding = decoding(prompt_ids, params[0])
+    view = ResponseView(state.model_name, request, chat, turn, params[0], state.engine.tokenizer)
 
     def keep(body: dict[str, Any], output: list[BaseModel]) -> None:
         if request.store is not False:
@@ -189,22 +184,20 @@ class ResponseView:
         model: str,
         request: ResponsesRequest,
         chat: ChatCompletionRequest,
-        constraint: ChatConstraint,
-        tool_style: str,
-        reasoning: ReasoningRequest,
+        turn: Turn,
+        params: SamplingParams,
         tokenizer: Any,
     ) -> None:
         self.model = model
         self.request = request
-        self.reasoning = reasoning  # how the reply reasons (spec None: it does not)
+        # The reply is read by agentrt.reply as the turn shapes it (as chat reads it: with
+        # `text.format` too, calls or the answer) and as `params` decode it.
+        self.turn = turn
+        self.params = params
         self.tokenizer = tokenizer
         self.id = item_id("resp")
         self.created_at = time.time()
-        # What the reply may hold, read by agentrt.reply (as chat reads it): with
-        # `text.format` too, calls or the answer.
-        self.shape = reply_shape(reasoning, constraint.tools, answer_too=constraint.answer_too)
         self.top_n = chat.top_logprobs if chat.logprobs else None
-        self.decoding: dict[str, Any] = {}
 
     # -- bodies ---------------------------------------------------------------------------
 
@@ -282,7 +275,7 @@ class ResponseView:
         input_tokens = len(result.prompt_token_ids)
         cached = result.num_cached_tokens
         output_ids = result.outputs[0].token_ids
-        reasoning = count_reasoning_tokens(self.tokenizer, output_ids, self.reasoning)
+        reasoning = count_reasoning_tokens(self.tokenizer, output_ids, self.turn.reasoning)
         return ResponseUsage(
             input_tokens=input_tokens,
             # The prompt tokens computed here enter the prefix cache (in full blocks).
@@ -296,7 +289,7 @@ class ResponseView:
         )
 
     def _split(self, items: OutputItems) -> ReplyItems:
-        return ReplyItems(items, ReplyReader(self.tokenizer, self.shape, **self.decoding))
+        return ReplyItems(items, self.turn.reader(self.tokenizer, self.params))
 
     async def items(self, completion: CompletionOutput) -> tuple[list[BaseModel], str]:
         """The output items of a finished reply (its reasoning, then its function calls or

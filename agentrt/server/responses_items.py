@@ -156,6 +156,7 @@ def chat_request(
         "temperature": request.temperature,
         "top_p": request.top_p,
         "parallel_tool_calls": request.parallel_tool_calls,
+        "max_parallel_tool_calls": request.max_parallel_tool_calls,
         "max_reasoning_tokens": request.max_reasoning_tokens,
         # A reasoning model's switch, as chat reads it ("none" / "minimal": off).
         "reasoning_effort": request.reasoning.effort if request.reasoning else None,

@@ -19,7 +19,7 @@ from agentrt.server.params import chat_constraint
 from agentrt.server.protocol import ChatCompletionRequest
 from agentrt.server.state import ServerConfig, ServerState
 from agentrt.tool_calls import tool_call_style
-from agentrt.turn import prepare_turn
+from agentrt.turn import ChatConstraint, prepare_turn
 from tests.agentrt.server.test_repeated_calls import _Engine
 
 TOOLS = [
@@ -70,7 +70,7 @@ def think_qwen(qwen_tokenizer_dir):
 def test_the_sdk_and_the_chat_endpoint_build_the_same_prompt(qwen):
     style = tool_call_style(qwen)
     fmt = dataclasses.replace(tools_format(TOOLS), tool_style=style)
-    turn = prepare_turn(qwen, MESSAGES, fmt)
+    turn = prepare_turn(qwen, MESSAGES, ChatConstraint.of(fmt))
     request = ChatCompletionRequest(model="qwen", messages=MESSAGES, tools=TOOLS)
     state = ServerState(ServerConfig(served_model_name="qwen"), _Engine(qwen, ""))
     assert chat_prompt(state, request, chat_constraint(request, style)) == turn.prompt_ids

@@ -19,7 +19,9 @@ from agentrt.engine.client.outputs import CompletionOutput, RequestDelta, Reques
 from agentrt.engine.loader.tokenizer import load_tokenizer
 from agentrt.formats import tools_format
 from agentrt.server.chat import create_chat_completion
-from agentrt.server.protocol import ChatCompletionRequest
+from agentrt.server.protocol import ChatCompletionRequest, ResponsesRequest
+from agentrt.server.response_store import ResponseStore
+from agentrt.server.responses_api import create_response
 from agentrt.server.state import ServerConfig, ServerState
 from agentrt.session import check_completion, collect_completion
 from agentrt.tool_calls import tool_call_style
@@ -228,3 +230,25 @@ async def test_the_sdk_reads_the_same_distinct_calls(qwen):
     fmt = tools_format(TOOLS, "required")
     calls = check_completion(completion, fmt, completion.usage)
     assert [(c.name, c.arguments) for c in calls] == DISTINCT
+
+
+@pytest.mark.anyio
+async def test_the_responses_endpoint_takes_max_parallel_tool_calls(qwen):
+    """Responses caps the calls as chat does: the grammar's cap, and the calls read past it
+    dropped (the reply below writes three distinct ones)."""
+    reply = "\n".join([CHAIR, DESK, _call("lamp")])
+    body = {"model": "qwen2.5", "input": MESSAGES[0]["content"], "tools": [_responses_tool()]}
+    body |= {"tool_choice": "required", "store": False}
+    for cap, expected in ((2, DISTINCT), (None, [*DISTINCT, ("unit_price", {"product": "lamp"})])):
+        engine = _Engine(qwen, reply, finish="stop")
+        request = ResponsesRequest(**body, max_parallel_tool_calls=cap)
+        response = await create_response(_State(engine), ResponseStore(), request, _Raw())
+        output = json.loads(response.body)["output"]
+        calls = [(o["name"], json.loads(o["arguments"])) for o in output]
+        assert all(o["type"] == "function_call" for o in output) and calls == expected
+        assert f"){{0,{(cap or 8) - 1}}}" in engine.params[0].structured_outputs.spec.text
+
+
+def _responses_tool() -> dict:
+    function = TOOLS[0]["function"]
+    return {"type": "function", **function}
