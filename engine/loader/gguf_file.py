@@ -360,7 +360,8 @@ def _transformers_tokenizer(
 
 
 # transformers' GGUF_CONFIG_MAPPING for the architectures read without it (the same keys for
-# each; qwen2/qwen3 skip `rope.dimension_count`); a test checks the two agree.
+# each; qwen2/qwen3/phi3/gemma skip `rope.dimension_count`, gemma adds its head_dim and
+# window); a test checks the two agree.
 _ARCH_CONFIG_KEYS = {
     "context_length": "max_position_embeddings",
     "block_count": "num_hidden_layers",
@@ -384,6 +385,11 @@ EXTRA_CONFIG_KEYS = {
     "llama": _EXPERT_CONFIG_KEYS,
     "qwen3": {"attention.key_length": "head_dim"},
 }
+_GEMMA_CONFIG_KEYS = {
+    **{k: v for k, v in _ARCH_CONFIG_KEYS.items() if k != "rope.dimension_count"},
+    "attention.key_length": "head_dim",
+    "attention.sliding_window": "sliding_window",
+}
 CONFIG_KEYS = {
     "general": {"architecture": "model_type", "name": "_model_name_or_path"},
     "tokenizer": {
@@ -396,6 +402,8 @@ CONFIG_KEYS = {
     "mistral": _ARCH_CONFIG_KEYS,
     "qwen2": {k: v for k, v in _ARCH_CONFIG_KEYS.items() if k != "rope.dimension_count"},
     "qwen3": {k: v for k, v in _ARCH_CONFIG_KEYS.items() if k != "rope.dimension_count"},
+    "phi3": {k: v for k, v in _ARCH_CONFIG_KEYS.items() if k != "rope.dimension_count"},
+    **dict.fromkeys(("gemma2", "gemma3"), _GEMMA_CONFIG_KEYS),
     # Families transformers reads no GGUF of (engine/model/registry.py): llama's keys and
     # what the family adds.
     "smollm3": _ARCH_CONFIG_KEYS,

@@ -11,13 +11,16 @@ transformers (about 1 s and 60+ MiB on a start-up that needs neither):
                                   `tokenizer.ggml.pre`, ByteLevel decoding
     tokenizer.ggml.model "llama"  SentencePiece BPE (Llama 2, Mistral v1, TinyLlama): Metaspace
                                   with a prefix `▁`, byte fallback, merges from the file or
-                                  recovered from the scores
+                                  recovered from the scores; by `general.architecture`:
+                                  gemma*  spaces made `▁` by a normalizer, split after each,
+                                          no prefix; tokens of spaces spelled in `▁`, merges
+                                          recovered in file order (Gemma's scores are not it)
+                                  phi3    the prefix `▁` from a normalizer, no pre-tokenizer
 
 Token types (llama.cpp's `TokenType`): CONTROL tokens become special added tokens, USER_DEFINED
 ones plain added tokens (matched whole, as llama.cpp does), so `<|im_end|>` or `<tool_call>`
-is never cut into pieces. Other tokenizer models (and the SentencePiece variants of families
-whose converter differs, such as Gemma's) raise `UnsupportedTokenizerError`: the caller falls
-back to transformers' own converter.
+is never cut into pieces. Other tokenizer models raise `UnsupportedTokenizerError`: the
+caller falls back to transformers' own converter.
 """
 
 from __future__ import annotations
@@ -72,9 +75,10 @@ PRE_TOKENIZER_SPLITS = {
     **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "megrez"), _QWEN2_SPLIT),
     **dict.fromkeys(("gpt-4o", "llama4", "minimax-m2"), _GPT4O_SPLIT),
 }
-# Architectures whose SentencePiece files transformers converts differently (Gemma's spelling
-# of space tokens, Phi-3's normalizer): not built here.
-_SENTENCEPIECE_ARCHITECTURES = ("llama",)
+# Architectures whose SentencePiece files transformers converts unlike Llama's
+# (`GGUF_SENTENCEPIECE_BUILDERS`).
+_GEMMA_ARCHITECTURES = ("gemma", "gemma2", "gemma3")
+_PHI3_ARCHITECTURES = ("phi3",)
 
 
 class UnsupportedTokenizerError(ValueError):
@@ -131,13 +135,16 @@ def build_tokenizer(fields: dict[str, Any], settings: TokenizerSettings) -> Any:
     if model == "gpt2":
         tokenizer, vocab = _byte_level(fields)
         default_specials: tuple[str, ...] = ("<|endoftext|>",)
-    elif model == "llama" and architecture in _SENTENCEPIECE_ARCHITECTURES:
-        tokenizer, vocab = _sentencepiece(fields)
+    elif model == "llama" and architecture in _GEMMA_ARCHITECTURES:
+        tokenizer, vocab = _gemma(fields)
+        default_specials = ("<unk>", "<bos>", "<eos>", "<pad>", "<mask>")
+    elif model == "llama":
+        tokenizer, vocab = _sentencepiece(fields, phi3=architecture in _PHI3_ARCHITECTURES)
         default_specials = ("<unk>", "<s>", "</s>")
     else:
         raise UnsupportedTokenizerError(
             f"GGUF tokenizer model {model!r} of architecture {architecture!r} is not built "
-            "natively (supported: 'gpt2', and 'llama' for the llama architecture)"
+            "natively (supported: 'gpt2' and 'llama')"
         )
     # CONTROL tokens as special added tokens, USER_DEFINED ones as plain added tokens; then
     # the tokenizer classes' default specials and the file's named ones, as special added
@@ -192,23 +199,31 @@ def _byte_level(fields: dict[str, Any]) -> tuple[Any, dict[str, int]]:
     return tokenizer, vocab
 
 
-def _sentencepiece(fields: dict[str, Any]) -> tuple[Any, dict[str, int]]:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+def _sentencepiece(fields: dict[str, Any], *, phi3: bool) -> tuple[Any, dict[str, int]]:
+    """transformers' LlamaTokenizer of the file's vocabulary; with `phi3`, the `▁` prefix and
+    spaces from a normalizer instead of Metaspace (a text that starts with spaces keeps one
+    more `▁`: "  hi" -> ▁▁▁hi)."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
 
     tokens = fields["tokenizer.ggml.tokens"]
     vocab = {token: index for index, token in enumerate(tokens)}
-    if "tokenizer.ggml.merges" in fields:
-        merges = [tuple(m.split(" ")) for m in fields["tokenizer.ggml.merges"]]
-    else:
+    merges = _file_merges(fields)
+    if merges is None:
         merges = _merges_from_scores(
             vocab, dict(zip(tokens, fields["tokenizer.ggml.scores"], strict=True))
         )
     tokenizer = Tokenizer(
         models.BPE(vocab=vocab, merges=merges, fuse_unk=True, byte_fallback=True, dropout=None)
     )
-    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(
-        replacement="▁", prepend_scheme="first", split=False
-    )
+    if phi3:
+        tokenizer.normalizer = normalizers.Sequence(
+            [normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")]
+        )
+        tokenizer.pre_tokenizer = None
+    else:
+        tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(
+            replacement="▁", prepend_scheme="first", split=False
+        )
     tokenizer.decoder = decoders.Sequence(
         [
             decoders.Replace("▁", " "),
@@ -218,6 +233,44 @@ def _sentencepiece(fields: dict[str, Any]) -> tuple[Any, dict[str, int]]:
         ]
     )
     return tokenizer, vocab
+
+
+def _gemma(fields: dict[str, Any]) -> tuple[Any, dict[str, int]]:
+    """transformers' GemmaTokenizer of the file's vocabulary: a token of two or more spaces,
+    stored as spaces, is spelled in `▁` (as the normalizer writes them), and missing merges are
+    recovered best-first in file order (Gemma's scores do not follow its merges)."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
+
+    tokens = [
+        "▁" * len(t) if " " in t and not t.strip() else t for t in fields["tokenizer.ggml.tokens"]
+    ]
+    vocab = {token: index for index, token in enumerate(tokens)}
+    merges = _file_merges(fields)
+    if merges is None:
+        merges = _merges_from_scores(vocab, {t: -i for i, t in enumerate(tokens)})
+    tokenizer = Tokenizer(
+        models.BPE(
+            vocab=vocab,
+            merges=merges,
+            fuse_unk=True,
+            unk_token="<unk>",
+            dropout=None,
+            byte_fallback=True,
+        )
+    )
+    tokenizer.normalizer = normalizers.Replace(" ", "▁")
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
+    tokenizer.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    )
+    return tokenizer, vocab
+
+
+def _file_merges(fields: dict[str, Any]) -> list[tuple[str, str]] | None:
+    """The file's merges; None when it has none (a SentencePiece vocabulary's are recovered)."""
+    if "tokenizer.ggml.merges" not in fields:
+        return None
+    return [tuple(m.split(" ")) for m in fields["tokenizer.ggml.merges"]]
 
 
 def _merges_from_scores(vocab: dict[str, int], scores: dict[str, float]) -> list[tuple[str, str]]:

@@ -29,6 +29,12 @@ from agentrt.engine.loader.tokenizer import load_tokenizer
 from agentrt.engine.model.checkpoint import load_hf_config, load_state_dict, resolve_model
 
 from .gguf_files import TINY_VOCAB, Q, write_tiny_gguf
+from .tokenizer_ggufs import (
+    gemma_fields,
+    sentencepiece_fields,
+    write_gemma_gguf,
+    write_sentencepiece_gguf,
+)
 
 # --- the embedded model -----------------------------------------------------------------
 
@@ -380,10 +386,18 @@ _HEAVY_CHECK = (
 )
 
 
-def test_gguf_metadata_and_tokenizer_import_no_transformers(tiny_ggufs, tmp_path) -> None:
+@pytest.mark.parametrize("kind", ["llama", "gemma3", "phi3"])
+def test_gguf_metadata_and_tokenizer_import_no_transformers(kind, tiny_ggufs, tmp_path) -> None:
     """Writing a file's metadata (its first load) and reading it back (every later load)
     import no transformers module at all: the config, the tokenizer and its chat template
-    come from our own parse of the file."""
+    come from our own parse of the file (Gemma's and Phi-3's SentencePiece tokenizers too)."""
+    if kind == "llama":
+        path, vocab = tiny_ggufs["llama"], TINY_VOCAB
+    elif kind == "gemma3":
+        path, vocab = write_gemma_gguf(tmp_path / "gemma.gguf"), len(gemma_fields()["tokens"])
+    else:
+        path = write_sentencepiece_gguf(tmp_path / "phi3.gguf", "phi3")
+        vocab = len(sentencepiece_fields()["tokens"])
     code = (
         "import sys\n"
         "from agentrt.engine.loader.gguf_file import gguf_metadata\n"
@@ -400,7 +414,7 @@ def test_gguf_metadata_and_tokenizer_import_no_transformers(tiny_ggufs, tmp_path
     env = dict(os.environ, AGENTRT_CACHE_DIR=str(tmp_path / "cache"))
     for load in ("first", "cached"):
         result = subprocess.run(
-            [sys.executable, "-c", code, str(tiny_ggufs["llama"]), ",".join(HEAVY_PACKAGES)],
+            [sys.executable, "-c", code, str(path), ",".join(HEAVY_PACKAGES)],
             capture_output=True,
             text=True,
             check=True,
@@ -408,9 +422,10 @@ def test_gguf_metadata_and_tokenizer_import_no_transformers(tiny_ggufs, tmp_path
             env=env,
         )
         sizes, heavy = result.stdout.splitlines()
-        assert sizes == f"{TINY_VOCAB} {TINY_VOCAB} True", load
+        assert sizes == f"{vocab} {vocab} True", load
         assert heavy == "[]", load
-        assert gguf_file.is_complete(next((tmp_path / "cache" / "models").iterdir()))
+        (entry,) = (e for e in (tmp_path / "cache" / "models").iterdir() if e.name[0] != ".")
+        assert gguf_file.is_complete(entry)  # (beside it: its lock file)
 
 
 @pytest.mark.slow

@@ -314,6 +314,44 @@ def test_sentencepiece_tokenizer_equals_transformers(tmp_path: Path, private_cac
     assert_same_chat(ours, reference)
 
 
+SP_TEXTS = [
+    " ".join(SP_WORDS),
+    "the  quick\nbrown",
+    "  hello   world    fox",  # leading spaces, runs of spaces (tokens of spaces in Gemma)
+    " hello",
+    "hello\n\nworld\n",
+    "hello world ü 😀",  # bytes by fallback
+    "<start_of_turn>user\nthe dog<end_of_turn>",
+    "",
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("architecture", ["gemma3", "phi3"])
+def test_gemma_and_phi3_tokenizers_equal_transformers(
+    architecture: str, tmp_path: Path, private_cache: Path
+) -> None:
+    """Gemma's and Phi-3's SentencePiece files are built without transformers (no fallback to
+    its converter), as transformers builds them: Gemma's spaces, tokens of spaces and merges in
+    file order, Phi-3's prefix from a normalizer."""
+    from transformers import AutoTokenizer
+
+    from .tokenizer_ggufs import write_gemma_gguf
+
+    if architecture == "gemma3":
+        path = write_gemma_gguf(tmp_path / "gemma.gguf")
+    else:
+        path = write_sentencepiece_gguf(tmp_path / "phi3.gguf", "phi3")
+    fields = open_gguf(path).reader.fields
+    built = build_tokenizer(fields, tokenizer_settings(fields, None))  # never falls back
+    reference = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    ours = load_tokenizer(path)
+    assert built.to_str() == ours.backend_tokenizer.to_str()
+    assert_same_tokenizer(ours, reference, SP_TEXTS, SP_TEXTS[2])
+    assert ours.encode("the dog")[0] == ours.bos_token_id == reference.bos_token_id
+    assert_same_chat(ours, reference)
+
+
 def test_unsupported_tokenizer_model_falls_back(smollm2_dir: Path) -> None:
     fields = dict(open_gguf(smollm2_dir).reader.fields, **{"tokenizer.ggml.model": "t5"})
     with pytest.raises(UnsupportedTokenizerError, match="'t5'"):

@@ -5,7 +5,8 @@ convert_hf_to_gguf.py writes them (`get_vocab_base` + `SpecialVocab`), for token
   file of `vocab_size` ids (151,936 as the released models: ids past the tokenizer's are
   `[PAD<id>]`, UNUSED), with one tiny layer of random weights so the engine loads it.
 - `write_sentencepiece_gguf`: a small SentencePiece-style ("llama" model) vocabulary with
-  scores and no merges, as Llama 2 / Mistral v1 files have.
+  scores and no merges, as Llama 2 / Mistral v1 files have (`architecture="phi3"`: a Phi-3
+  file); `write_gemma_gguf`: Gemma's SentencePiece vocabulary in a gemma3 file.
 """
 
 from __future__ import annotations
@@ -142,13 +143,54 @@ def sentencepiece_fields() -> dict:
     }
 
 
-def write_sentencepiece_gguf(path: Path) -> Path:
-    """A llama GGUF whose tokenizer is `sentencepiece_fields()` (no merges, BOS added), with
-    one tiny random F16 layer."""
-    fields = sentencepiece_fields()
+def gemma_fields() -> dict:
+    """A Gemma-style SentencePiece vocabulary as llama.cpp stores one: `<pad>`, `<eos>`,
+    `<bos>`, `<unk>`, `<mask>`, turn markers (CONTROL and USER_DEFINED), the byte tokens, then
+    pieces with and without `▁`, tokens of spaces stored as spaces and a newline run. Scores
+    rise with the id, against the merge order (the file order is it: Gemma's scores are not)."""
+    tokens = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<start_of_turn>", "<end_of_turn>"]
+    types = [TokenType.CONTROL] * 5 + [TokenType.CONTROL, TokenType.USER_DEFINED]
+    tokens += [f"<0x{b:02X}>" for b in range(256)]
+    types += [TokenType.BYTE] * 256
+    pieces: list[str] = ["▁", "\n", "\n\n", "  ", "   ", "    "] + sorted(set("".join(SP_WORDS)))
+    for word in SP_WORDS:
+        for spelled in (word, "▁" + word):
+            pieces += [spelled[:n] for n in range(2, len(spelled) + 1)]
+    for piece in dict.fromkeys(pieces):
+        tokens.append(piece)
+        types.append(TokenType.NORMAL)
+    return {"tokens": tokens, "types": types, "scores": [float(i) for i in range(len(tokens))]}
+
+
+def write_gemma_gguf(path: Path) -> Path:
+    """A gemma3 GGUF whose tokenizer is `gemma_fields()` (no merges, BOS added, `<eos>` the
+    end), with one tiny random F16 layer."""
+    template = (
+        "{{ bos_token }}{% for m in messages %}<start_of_turn>{{ m.role }}\n{{ m.content }}"
+        "<end_of_turn>\n{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n"
+        "{% endif %}"
+    )
+    return write_sentencepiece_gguf(
+        path, "gemma3", gemma_fields(), bos_eos_unk_pad=(2, 1, 3, 0), template=template
+    )
+
+
+def write_sentencepiece_gguf(
+    path: Path,
+    architecture: str = "llama",
+    fields: dict | None = None,
+    bos_eos_unk_pad: tuple[int, int, int, int | None] = (1, 2, 0, None),
+    template: str = (
+        "{{ bos_token }}{% for m in messages %}[{{ m.role }}] {{ m.content }}{{ eos_token }}"
+        "{% endfor %}"
+    ),
+) -> Path:
+    """An `architecture` GGUF whose tokenizer is `fields` (default `sentencepiece_fields()`;
+    no merges, BOS added), with one tiny random F16 layer."""
+    fields = fields or sentencepiece_fields()
     vocab = len(fields["tokens"])
     hidden = 64
-    writer = gguf.GGUFWriter(path, "llama")
+    writer = gguf.GGUFWriter(path, architecture)
     writer.add_name("tiny sentencepiece")
     writer.add_block_count(1)
     writer.add_context_length(4096)
@@ -162,12 +204,12 @@ def write_sentencepiece_gguf(path: Path) -> Path:
     writer.add_token_list(fields["tokens"])
     writer.add_token_types(fields["types"])
     writer.add_token_scores(fields["scores"])
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
-    writer.add_unk_token_id(0)
-    writer.add_chat_template(
-        "{{ bos_token }}{% for m in messages %}[{{ m.role }}] {{ m.content }}{{ eos_token }}"
-        "{% endfor %}"
-    )
+    bos, eos, unk, pad = bos_eos_unk_pad
+    writer.add_bos_token_id(bos)
+    writer.add_eos_token_id(eos)
+    writer.add_unk_token_id(unk)
+    if pad is not None:
+        writer.add_pad_token_id(pad)
+    writer.add_chat_template(template)
     _write_one_layer(writer, vocab, hidden, (hidden, hidden, hidden), qkv_bias=False)
     return path
