@@ -17,6 +17,7 @@ import logging
 import signal
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import anyio
@@ -27,6 +28,7 @@ from agentrt.extract_io import JsonlWriter
 from agentrt.extract_job import StopFlag, watch_signals
 from agentrt.server.batch_job import (
     AppDispatcher,
+    BatchLine,
     iter_lines,
     load_journal,
     run_lines,
@@ -56,6 +58,7 @@ def run_batch(args: argparse.Namespace) -> int:
     bar = None if args.quiet else _progress_bar(total - len(done))
     writer = JsonlWriter(output)
     start = time.perf_counter()
+    started: list[float] = []  # when the first line was read: the engine is up
 
     def on_record(record: dict) -> None:
         writer.write(record)
@@ -64,16 +67,20 @@ def run_batch(args: argparse.Namespace) -> int:
             bar.update(1)
 
     try:
-        anyio.run(_run, args, iter_lines(source, None, done), on_record, stop)
+        lines = _timed(iter_lines(source, None, done), started)
+        anyio.run(_run, args, lines, on_record, stop)
     finally:
         writer.close()
         if bar is not None:
             bar.close()
-    elapsed = time.perf_counter() - start
+    end = time.perf_counter()
+    first = started[0] if started else end
     num_run = counts["completed"] + counts["failed"]
+    rate = num_run / (end - first) if end > first else 0.0
     print(
         f"{counts['completed']}/{num_run} lines succeeded, {counts['failed']} failed, "
-        f"{len(done)} already done -> {output} ({elapsed:.1f} s)",
+        f"{len(done)} already done -> {output}\n{rate:.2f} lines/s over {end - first:.1f} s "
+        f"(after {first - start:.1f} s of start-up)",
         file=sys.stderr,
     )
     if stop.signal_name is not None:
@@ -101,6 +108,13 @@ async def _run(args, lines, on_record, stop: StopFlag) -> None:
         finally:
             await dispatcher.aclose()
             tg.cancel_scope.cancel()  # the watcher
+
+
+def _timed(lines: Iterator[BatchLine], started: list[float]) -> Iterator[BatchLine]:
+    for line in lines:
+        if not started:
+            started.append(time.perf_counter())
+        yield line
 
 
 def _progress_bar(total: int):

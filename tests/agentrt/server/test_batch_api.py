@@ -1,6 +1,7 @@
 """The OpenAI Files and Batch APIs against a real `agentrt serve` on the embedded model,
 driven by the official `openai` client: upload, batch, output and error files, validation,
-caps, cancel, and a SIGKILL mid-batch resumed by a restart with no line lost or run twice."""
+caps, cancel (a server in the test's process, on the session's fp32 engine), and a SIGKILL
+mid-batch resumed by a restart with no line lost or run twice (`agentrt serve` processes)."""
 
 from __future__ import annotations
 
@@ -8,12 +9,17 @@ import io
 import json
 import signal
 import time
+from contextlib import asynccontextmanager
 from pathlib import Path
 
+import anyio
 import openai
 import pytest
+from openai.types.chat import ChatCompletion
 
-from tests.agentrt.server.helpers import ServerProcess
+from agentrt.server.batch_options import BatchConfig
+from agentrt.server.state import ServerConfig
+from tests.agentrt.server.helpers import ServerProcess, in_process_server
 
 MODEL = "SmolLM2-135M-Instruct"
 KEY = "batch-key-a"
@@ -26,19 +32,16 @@ SCHEMA = {
 CITIES = ["Paris", "Rome", "Oslo", "Lima", "Cairo", "Tokyo", "Quito", "Accra"]
 
 
-def serve_args(state_dir: Path, key: str = KEY, *extra: str) -> list[str]:
+def serve_args(state_dir: Path) -> list[str]:
     return [
         "--state-dir",
         str(state_dir),
         "--api-key",
-        key,
+        KEY,
         "--kv-cache-memory-gb",
         "0.25",
         "--max-batch-concurrency",
         "4",
-        "--max-file-bytes",
-        "200000",
-        *extra,
     ]
 
 
@@ -60,152 +63,175 @@ def jsonl(lines: list[dict]) -> bytes:
     return b"".join(json.dumps(line).encode() + b"\n" for line in lines)
 
 
-def client_for(server: ServerProcess, key: str = KEY) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0, timeout=120)
+def sync_client(server: ServerProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
 
 
-def wait_for(client: openai.OpenAI, batch_id: str, statuses: set[str], timeout_s: float = 240):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        batch = client.batches.retrieve(batch_id)
-        if batch.status in statuses:
-            return batch
-        assert time.monotonic() < deadline, batch
-        time.sleep(0.2)
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
 
 
-def output_lines(client: openai.OpenAI, file_id: str | None) -> list[dict]:
+@asynccontextmanager
+async def batch_server(state_dir: Path, llm, key: str = KEY):
+    """`agentrt serve` in-process on the embedded model (fp32), with a small file cap and
+    batches run 4 lines at a time; yields an AsyncOpenAI client with `key`."""
+    config = ServerConfig(
+        api_key=key,
+        batch=BatchConfig(state_dir=str(state_dir), max_file_bytes=200_000, max_concurrency=4),
+    )
+    async with in_process_server(config, llm.engine) as server:
+        client = openai.AsyncOpenAI(
+            base_url=server.url + "/v1", api_key=key, max_retries=0, timeout=120
+        )
+        try:
+            yield client
+        finally:
+            await client.close()
+            server.stop()
+
+
+async def wait_for(client, batch_id: str, statuses: set[str], timeout_s: float = 240):
+    with anyio.fail_after(timeout_s):
+        while True:
+            batch = await client.batches.retrieve(batch_id)
+            if batch.status in statuses:
+                return batch
+            await anyio.sleep(0.1)
+
+
+async def output_lines(client, file_id: str | None) -> list[dict]:
     if file_id is None:
         return []
-    return [json.loads(line) for line in client.files.content(file_id).text.splitlines()]
+    content = await client.files.content(file_id)
+    return [json.loads(line) for line in content.text.splitlines()]
 
 
-@pytest.fixture(scope="module")
-def batch_server(tmp_path_factory, smollm2_dir):
-    with ServerProcess(*serve_args(tmp_path_factory.mktemp("state"))) as server:
-        yield server
+async def upload(client, lines: list[dict] | bytes, name: str = "in.jsonl"):
+    data = lines if isinstance(lines, bytes) else jsonl(lines)
+    return await client.files.create(file=(name, io.BytesIO(data)), purpose="batch")
 
 
-@pytest.fixture(scope="module")
-def client(batch_server) -> openai.OpenAI:
-    return client_for(batch_server)
-
-
-def test_file_round_trip(client: openai.OpenAI) -> None:
+@pytest.mark.anyio
+async def test_file_round_trip_and_limits(tmp_path, smollm2_llm) -> None:
     data = jsonl([chat_line("x", "Paris")])
-    uploaded = client.files.create(file=("in.jsonl", io.BytesIO(data)), purpose="batch")
-    assert (uploaded.bytes, uploaded.filename, uploaded.purpose) == (len(data), "in.jsonl", "batch")
-    assert client.files.retrieve(uploaded.id).id == uploaded.id
-    assert uploaded.id in [f.id for f in client.files.list(purpose="batch")]
-    assert client.files.content(uploaded.id).content == data
-    assert client.files.delete(uploaded.id).deleted
-    with pytest.raises(openai.NotFoundError):
-        client.files.retrieve(uploaded.id)
-    with pytest.raises(openai.NotFoundError):  # an id that is a path names no file
-        client.files.retrieve("..%2F..%2Fetc%2Fpasswd")
+    async with batch_server(tmp_path, smollm2_llm) as client:
+        uploaded = await upload(client, data)
+        assert (uploaded.bytes, uploaded.filename, uploaded.purpose) == (
+            len(data),
+            "in.jsonl",
+            "batch",
+        )
+        assert (await client.files.retrieve(uploaded.id)).id == uploaded.id
+        assert uploaded.id in [f.id for f in (await client.files.list(purpose="batch")).data]
+        assert (await client.files.content(uploaded.id)).content == data
+        assert (await client.files.delete(uploaded.id)).deleted
+        with pytest.raises(openai.NotFoundError):
+            await client.files.retrieve(uploaded.id)
+        with pytest.raises(openai.NotFoundError):  # a path names no file
+            await client.files.retrieve("..%2F..%2Fetc%2Fpasswd")
+
+        with pytest.raises(openai.APIStatusError) as too_large:
+            await upload(client, b"x" * 300_000)
+        assert too_large.value.status_code == 413
+        with pytest.raises(openai.BadRequestError) as purpose:
+            await client.files.create(file=("a.jsonl", io.BytesIO(b"{}\n")), purpose="fine-tune")
+        assert purpose.value.body["param"] == "purpose"
 
 
-def test_upload_limits(client: openai.OpenAI) -> None:
-    with pytest.raises(openai.APIStatusError) as too_large:
-        client.files.create(file=("big.jsonl", io.BytesIO(b"x" * 300_000)), purpose="batch")
-    assert too_large.value.status_code == 413
-    with pytest.raises(openai.BadRequestError) as purpose:
-        client.files.create(file=("a.jsonl", io.BytesIO(b"{}\n")), purpose="fine-tune")
-    assert purpose.value.body["param"] == "purpose"
-
-
-def test_batch_completes_with_output_and_error_files(client: openai.OpenAI) -> None:
+@pytest.mark.anyio
+async def test_batch_completes_with_output_and_error_files(tmp_path, smollm2_llm) -> None:
     lines = [chat_line(f"req-{i}", city) for i, city in enumerate(CITIES[:5])]
     lines.append(chat_line("wrong-model", "Rome", model="no-such-model"))
-    source = client.files.create(file=("in.jsonl", io.BytesIO(jsonl(lines))), purpose="batch")
-    created = client.batches.create(
-        input_file_id=source.id,
-        endpoint="/v1/chat/completions",
-        completion_window="24h",
-        metadata={"job": "cities"},
-    )
-    assert created.status == "validating" and created.metadata == {"job": "cities"}
-    batch = wait_for(client, created.id, {"completed", "failed"})
-    assert batch.status == "completed", batch.errors
-    assert batch.request_counts.model_dump() == {"total": 6, "completed": 5, "failed": 1}
-    assert batch.in_progress_at and batch.finalizing_at and batch.completed_at
+    async with batch_server(tmp_path, smollm2_llm) as client:
+        source = await upload(client, lines)
+        created = await client.batches.create(
+            input_file_id=source.id,
+            endpoint="/v1/chat/completions",
+            completion_window="24h",
+            metadata={"job": "cities"},
+        )
+        assert created.status == "validating" and created.metadata == {"job": "cities"}
+        batch = await wait_for(client, created.id, {"completed", "failed"})
+        assert batch.status == "completed", batch.errors
+        assert batch.request_counts.model_dump() == {"total": 6, "completed": 5, "failed": 1}
+        assert batch.in_progress_at and batch.finalizing_at and batch.completed_at
 
-    outputs = output_lines(client, batch.output_file_id)
-    assert sorted(o["custom_id"] for o in outputs) == [f"req-{i}" for i in range(5)]
-    for line in outputs:
-        assert line["id"].startswith("batch_req_") and line["error"] is None
-        assert line["response"]["status_code"] == 200
-        completion = openai.types.chat.ChatCompletion.model_validate(line["response"]["body"])
-        assert isinstance(json.loads(completion.choices[0].message.content)["city"], str)
-    (failed,) = output_lines(client, batch.error_file_id)
-    assert failed["custom_id"] == "wrong-model"
-    assert failed["response"]["status_code"] == 404
-    assert failed["response"]["body"]["error"]["code"] == "model_not_found"
-    assert client.files.retrieve(batch.output_file_id).purpose == "batch_output"
+        outputs = await output_lines(client, batch.output_file_id)
+        assert sorted(o["custom_id"] for o in outputs) == [f"req-{i}" for i in range(5)]
+        for line in outputs:
+            assert line["id"].startswith("batch_req_") and line["error"] is None
+            assert line["response"]["status_code"] == 200
+            completion = ChatCompletion.model_validate(line["response"]["body"])
+            assert isinstance(json.loads(completion.choices[0].message.content)["city"], str)
+        (failed,) = await output_lines(client, batch.error_file_id)
+        assert failed["custom_id"] == "wrong-model"
+        assert failed["response"]["status_code"] == 404
+        assert failed["response"]["body"]["error"]["code"] == "model_not_found"
+        assert (await client.files.retrieve(batch.output_file_id)).purpose == "batch_output"
+        listed = await client.batches.list(limit=100)
+        assert [b.id for b in listed.data] == [created.id]
+        with pytest.raises(openai.ConflictError):
+            await client.batches.cancel(created.id)
 
-    listed = client.batches.list(limit=100)
-    assert created.id in [b.id for b in listed.data]
 
-
-def test_invalid_input_file_fails_the_batch(client: openai.OpenAI) -> None:
-    lines = [chat_line("a", "Oslo"), chat_line("a", "Lima")]  # a repeated custom_id
-    data = jsonl(lines) + b"not json\n"
+@pytest.mark.anyio
+async def test_invalid_input_file_fails_the_batch(tmp_path, smollm2_llm) -> None:
+    data = jsonl([chat_line("a", "Oslo"), chat_line("a", "Lima")])  # a repeated custom_id
+    data += b"not json\n"
     data += json.dumps({**chat_line("b", "Rome"), "url": "/v1/embeddings"}).encode() + b"\n"
-    source = client.files.create(file=("bad.jsonl", io.BytesIO(data)), purpose="batch")
-    created = client.batches.create(
-        input_file_id=source.id, endpoint="/v1/chat/completions", completion_window="24h"
-    )
-    batch = wait_for(client, created.id, {"failed", "completed"})
-    assert batch.status == "failed" and batch.output_file_id is None
-    errors = [(e.line, e.code, e.param) for e in batch.errors.data]
-    assert errors == [
-        (2, "duplicate_custom_id", "custom_id"),
-        (3, "invalid_request", None),
-        (4, "invalid_request", "url"),
-    ]
-    with pytest.raises(openai.BadRequestError):
-        client.batches.create(
-            input_file_id=source.id, endpoint="/v1/embeddings", completion_window="24h"
+    async with batch_server(tmp_path, smollm2_llm) as client:
+        source = await upload(client, data)
+        created = await client.batches.create(
+            input_file_id=source.id, endpoint="/v1/chat/completions", completion_window="24h"
         )
-    with pytest.raises(openai.NotFoundError):
-        client.batches.create(
-            input_file_id="file-" + "0" * 32, endpoint="/v1/responses", completion_window="24h"
-        )
+        batch = await wait_for(client, created.id, {"failed", "completed"})
+        assert batch.status == "failed" and batch.output_file_id is None
+        errors = [(e.line, e.code, e.param) for e in batch.errors.data]
+        assert errors == [
+            (2, "duplicate_custom_id", "custom_id"),
+            (3, "invalid_request", None),
+            (4, "invalid_request", "url"),
+        ]
+        with pytest.raises(openai.BadRequestError):
+            await client.batches.create(
+                input_file_id=source.id, endpoint="/v1/embeddings", completion_window="24h"
+            )
+        with pytest.raises(openai.NotFoundError):
+            await client.batches.create(
+                input_file_id="file-" + "0" * 32, endpoint="/v1/responses", completion_window="24h"
+            )
 
 
-def test_cancel_keeps_the_lines_finished(client: openai.OpenAI) -> None:
+@pytest.mark.anyio
+async def test_cancel_keeps_the_lines_finished(tmp_path, smollm2_llm) -> None:
     lines = [chat_line(f"c-{i}", CITIES[i % 8], max_tokens=24) for i in range(48)]
-    source = client.files.create(file=("many.jsonl", io.BytesIO(jsonl(lines))), purpose="batch")
-    created = client.batches.create(
-        input_file_id=source.id, endpoint="/v1/chat/completions", completion_window="24h"
-    )
-    wait_for(client, created.id, {"in_progress"})
-    deadline = time.monotonic() + 120
-    while client.batches.retrieve(created.id).request_counts.completed < 4:
-        assert time.monotonic() < deadline
-        time.sleep(0.1)
-    assert client.batches.cancel(created.id).status in ("cancelling", "cancelled")
-    batch = wait_for(client, created.id, {"cancelled"})
-    outputs = output_lines(client, batch.output_file_id)
-    assert 4 <= len(outputs) < 48
-    assert len(outputs) == batch.request_counts.completed
-    assert len({o["custom_id"] for o in outputs}) == len(outputs)
-    with pytest.raises(openai.ConflictError):
-        client.batches.cancel(_a_completed_batch(client))
+    async with batch_server(tmp_path, smollm2_llm) as client:
+        source = await upload(client, lines)
+        created = await client.batches.create(
+            input_file_id=source.id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
+        with anyio.fail_after(120):
+            while (await client.batches.retrieve(created.id)).request_counts.completed < 4:
+                await anyio.sleep(0.05)
+        assert (await client.batches.cancel(created.id)).status in ("cancelling", "cancelled")
+        batch = await wait_for(client, created.id, {"cancelled"})
+        outputs = await output_lines(client, batch.output_file_id)
+        assert 4 <= len(outputs) < 48
+        assert len(outputs) == batch.request_counts.completed
+        assert len({o["custom_id"] for o in outputs}) == len(outputs)
 
 
-def _a_completed_batch(client: openai.OpenAI) -> str:
-    return next(b.id for b in client.batches.list(limit=100).data if b.status == "completed")
-
-
-def test_sigkill_mid_batch_resumes_without_loss_or_duplicates(tmp_path, smollm2_dir) -> None:
-    """SIGKILL while the batch runs (a few lines journaled), a torn last line added as a
-    kill mid-write leaves it, then a restart on the same --state-dir: the batch finishes
-    with every custom_id exactly once, and the lines journaled before the kill are kept as
-    they were (not run again). A server with another key then sees none of it."""
+@pytest.mark.anyio
+async def test_sigkill_mid_batch_resumes_without_loss_or_duplicates(tmp_path, smollm2_llm) -> None:
+    """`agentrt serve` (a subprocess) SIGKILLed while the batch runs (a few lines
+    journaled), a torn last line added as a kill mid-write leaves it, then a restart on the
+    same --state-dir: the batch finishes with every custom_id exactly once, and the lines
+    journaled before the kill are kept as they were (not run again). A server with another
+    key then sees none of it."""
     lines = [chat_line(f"k-{i}", CITIES[i % 8]) for i in range(40)]
     with ServerProcess(*serve_args(tmp_path)) as server:
-        client = client_for(server)
+        client = sync_client(server)
         source = client.files.create(file=("k.jsonl", io.BytesIO(jsonl(lines))), purpose="batch")
         batch_id = client.batches.create(
             input_file_id=source.id, endpoint="/v1/chat/completions", completion_window="24h"
@@ -223,21 +249,24 @@ def test_sigkill_mid_batch_resumes_without_loss_or_duplicates(tmp_path, smollm2_
         f.write(b'{"id": "batch_req_torn", "custom_id": "k-39", "resp')
 
     with ServerProcess(*serve_args(tmp_path)) as server:
-        client = client_for(server)
-        batch = wait_for(client, batch_id, {"completed", "failed"})
+        client = sync_client(server)
+        deadline = time.monotonic() + 240
+        while (batch := client.batches.retrieve(batch_id)).status not in ("completed", "failed"):
+            assert time.monotonic() < deadline, batch
+            time.sleep(0.2)
         assert batch.status == "completed", batch.errors
         assert batch.request_counts.model_dump() == {"total": 40, "completed": 40, "failed": 0}
-        outputs = output_lines(client, batch.output_file_id)
+        content = client.files.content(batch.output_file_id).text
+        outputs = [json.loads(line) for line in content.splitlines()]
         assert sorted(o["custom_id"] for o in outputs) == sorted(f"k-{i}" for i in range(40))
         by_id = {o["custom_id"]: o for o in outputs}
         assert all(by_id[record["custom_id"]] == record for record in before)
         assert not journal.exists()
 
-    other = "batch-key-b"
-    with ServerProcess(*serve_args(tmp_path, other)) as server:
-        client = client_for(server, other)
+    async with batch_server(tmp_path, smollm2_llm, key="batch-key-b") as client:
         with pytest.raises(openai.NotFoundError):
-            client.batches.retrieve(batch_id)
+            await client.batches.retrieve(batch_id)
         with pytest.raises(openai.NotFoundError):
-            client.files.content(batch.output_file_id)
-        assert client.files.list().data == [] and client.batches.list().data == []
+            await client.files.content(batch.output_file_id)
+        assert (await client.files.list()).data == []
+        assert (await client.batches.list()).data == []
