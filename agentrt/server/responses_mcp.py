@@ -209,7 +209,10 @@ async def create_mcp_response(
                 break
             choice = "none" if request.tool_choice == "none" else "auto"
     body.update(output=output, tools=_echoed_tools(request, body["tools"], tools), usage=usage)
-    body["tool_choice"] = request.tool_choice if request.tool_choice is not None else "auto"
+    choice = request.tool_choice or "auto"
+    body["tool_choice"] = (
+        choice if isinstance(choice, str) else choice.model_dump(exclude_none=True)
+    )
     if request.store is not False:
         history = list(previous.conversation) if previous else []
         messages = history + item_messages(_ITEMS.validate_python(inputs), history)
