@@ -1,0 +1,240 @@
+"""The OpenAI Batch API vs `agentrt extract` on the same lines, side by side in one run, on the
+embedded SmolLM2-135M-Instruct:
+
+  extract    `agentrt extract` JSONL -> JSONL (the baseline; benchmarks/pipeline.py's `cli`)
+  run-batch  `agentrt run-batch -i lines.jsonl -o out.jsonl` on the same documents as OpenAI
+             batch lines: chat completions with the same instruction (system message), the
+             same JSON schema (response_format) and sampling (greedy, --max-tokens)
+  serve      `agentrt serve --state-dir D`: the lines uploaded with the openai client
+             (files.create), one batch (batches.create), timed from create to completed
+  kill       the same batch, the server SIGKILLed once about half the lines are journaled,
+             restarted on the same state dir; counts the custom_ids lost and duplicated
+
+Rates count from the first request to the last result: the engine's start-up is apart
+(extract and run-batch report it; the server is up before its batch is created). Every side
+runs in its own process(es) with the same engine defaults and --concurrency lines in flight.
+
+Last lines: the ratios to extract (target >= 0.95), lost / duplicated after the kill
+(target 0 / 0), the machine (CPU model, load average), and a JSON object.
+
+    python benchmarks/batch_api.py                 # 2,000 lines
+    python benchmarks/batch_api.py --docs 200      # on a busy machine
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from pipeline import INSTRUCTIONS, ROOT, SCHEMA, documents, run_cli
+
+KEY = "bench-key"
+
+
+def batch_lines(rows: list[dict], max_tokens: int) -> list[dict]:
+    response_format = {"type": "json_schema", "json_schema": {"name": "contact", "schema": SCHEMA}}
+    return [
+        {
+            "custom_id": row["id"],
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {
+                "model": "SmolLM2-135M-Instruct",
+                "messages": [
+                    {"role": "system", "content": INSTRUCTIONS},
+                    {"role": "user", "content": row["text"]},
+                ],
+                "max_tokens": max_tokens,
+                "temperature": 0,
+                "response_format": response_format,
+            },
+        }
+        for row in rows
+    ]
+
+
+def run_batch_command(source: Path, work: Path, concurrency: int) -> dict:
+    output = work / "run-batch.jsonl"
+    done = subprocess.run(
+        [sys.executable, "-m", "agentrt", "run-batch", "-i", str(source), "-o", str(output)]
+        + ["--quiet", "--concurrency", str(concurrency)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    if done.returncode not in (0, 1):
+        raise SystemExit(f"run-batch failed:\n{done.stderr[-2000:]}")
+    rate = re.search(r"([\d.]+) lines/s over ([\d.]+) s \(after ([\d.]+) s", done.stderr)
+    records = [json.loads(line) for line in output.read_text().splitlines()]
+    return {
+        "docs_per_s": float(rate[1]),
+        "elapsed_s": float(rate[2]),
+        "startup_s": float(rate[3]),
+        "num_ok": sum(r["response"]["status_code"] == 200 for r in records),
+    }
+
+
+class Server:
+    def __init__(self, state_dir: Path, port: int, concurrency: int) -> None:
+        self.url = f"http://127.0.0.1:{port}"
+        args = ["--port", str(port), "--state-dir", str(state_dir), "--api-key", KEY]
+        args += ["--max-batch-concurrency", str(concurrency), "--log-level", "warning"]
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "agentrt", "serve", *args],
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        import httpx
+
+        while True:
+            if self.process.poll() is not None:
+                raise SystemExit("agentrt serve exited at start-up")
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        import openai
+
+        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key=KEY, max_retries=2)
+
+    def wait(self, batch_id: str):
+        while (batch := self.client.batches.retrieve(batch_id)).status not in (
+            "completed",
+            "failed",
+            "cancelled",
+        ):
+            time.sleep(0.1)
+        return batch
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        self.process.send_signal(sig)
+        self.process.wait()
+
+
+def output_ids(server: Server, batch) -> list[str]:
+    ids = []
+    for file_id in (batch.output_file_id, batch.error_file_id):
+        if file_id is not None:
+            text = server.client.files.content(file_id).text
+            ids += [json.loads(line)["custom_id"] for line in text.splitlines()]
+    return ids
+
+
+def run_serve(source: Path, work: Path, concurrency: int, port: int) -> dict:
+    server = Server(work / "state-serve", port, concurrency)
+    try:
+        file_id = server.client.files.create(file=source.open("rb"), purpose="batch").id
+        start = time.perf_counter()
+        batch = server.client.batches.create(
+            input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
+        batch = server.wait(batch.id)
+        elapsed = time.perf_counter() - start
+    finally:
+        server.stop()
+    counts = batch.request_counts
+    return {"docs_per_s": counts.total / elapsed, "elapsed_s": elapsed, "num_ok": counts.completed}
+
+
+def run_kill(source: Path, work: Path, concurrency: int, port: int, num_docs: int) -> dict:
+    state = work / "state-kill"
+    server = Server(state, port, concurrency)
+    file_id = server.client.files.create(file=source.open("rb"), purpose="batch").id
+    batch_id = server.client.batches.create(
+        input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h"
+    ).id
+    journal = state / "batches" / f"{batch_id}.jsonl"
+    while not journal.exists() or journal.read_bytes().count(b"\n") < num_docs // 2:
+        time.sleep(0.05)
+    server.stop(signal.SIGKILL)
+    journaled = journal.read_bytes().count(b"\n")
+    server = Server(state, port, concurrency)
+    try:
+        batch = server.wait(batch_id)
+        ids = output_ids(server, batch)
+    finally:
+        server.stop()
+    expected = {f"doc-{i}" for i in range(num_docs)}
+    return {
+        "journaled_at_kill": journaled,
+        "status": batch.status,
+        "lost": len(expected - set(ids)),
+        "duplicated": len(ids) - len(set(ids)),
+        "num_ok": batch.request_counts.completed,
+    }
+
+
+def cpu_model() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--docs", type=int, default=2000)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--sides", default="extract,run-batch,serve,kill")
+    parser.add_argument("--port", type=int, default=8765)
+    args = parser.parse_args()
+    figures: dict[str, dict] = {}
+    loads = [os.getloadavg()[0]]
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        rows = documents(args.docs)
+        docs = work / "docs.jsonl"
+        docs.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        source = work / "lines.jsonl"
+        lines = batch_lines(rows, args.max_tokens)
+        source.write_text("".join(json.dumps(line) + "\n" for line in lines))
+        for side in args.sides.split(","):
+            if side == "extract":
+                extra = ("--concurrency", str(args.concurrency))
+                figures[side] = run_cli(docs, work, side, args.max_tokens, *extra)
+            elif side == "run-batch":
+                figures[side] = run_batch_command(source, work, args.concurrency)
+            elif side == "serve":
+                figures[side] = run_serve(source, work, args.concurrency, args.port)
+            elif side == "kill":
+                figures[side] = run_kill(source, work, args.concurrency, args.port, args.docs)
+            else:
+                raise SystemExit(f"unknown side {side!r}")
+            loads.append(os.getloadavg()[0])
+            f = figures[side]
+            if "docs_per_s" in f:
+                print(
+                    f"{side:9s} {f['docs_per_s']:7.2f} docs/s over {f['elapsed_s']:.1f} s  "
+                    f"valid {f['num_ok']}/{args.docs}",
+                    flush=True,
+                )
+            else:
+                print(
+                    f"{side:9s} killed at {f['journaled_at_kill']} journaled lines: {f['status']}, "
+                    f"lost {f['lost']}, duplicated {f['duplicated']}, valid {f['num_ok']}",
+                    flush=True,
+                )
+    base = figures.get("extract", {}).get("docs_per_s")
+    for side in ("run-batch", "serve"):
+        if base and side in figures:
+            print(f"{side} / extract: {figures[side]['docs_per_s'] / base:.3f} (target >= 0.95)")
+    machine = f"{cpu_model()}, {os.cpu_count()} CPUs, 1-min load {min(loads):.1f}-{max(loads):.1f}"
+    print(f"machine: {machine}")
+    summary = {"docs": args.docs, "max_tokens": args.max_tokens, "machine": machine}
+    print(json.dumps({**summary, **figures}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,115 @@
+"""`agentrt run-batch -i in.jsonl -o out.jsonl` on the embedded model: chat-completions and
+responses lines in one file, OpenAI's output format, exit statuses, and --resume after a
+torn output; plus the pieces without a model (line checks, the file store's caps and
+owners)."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import pytest
+from openai.types.chat import ChatCompletion
+from openai.types.responses import Response
+
+from agentrt.cli import main
+from agentrt.server.batch_job import BatchLine, parse_line, validate
+from agentrt.server.errors import APIError
+from agentrt.server.file_store import FileStore, owner_of
+from tests.agentrt.server.test_batch_api import CITIES, chat_line, jsonl
+
+MODEL = "SmolLM2-135M-Instruct"
+
+
+def responses_line(custom_id: str, text: str) -> dict:
+    body = {"model": MODEL, "input": text, "max_output_tokens": 8, "temperature": 0}
+    return {"custom_id": custom_id, "method": "POST", "url": "/v1/responses", "body": body}
+
+
+def run_batch(source: Path, output: Path, *flags: str) -> int:
+    return main(
+        ["run-batch", "-i", str(source), "-o", str(output), "--quiet"]
+        + ["--kv-cache-memory-gb", "0.25", *flags]
+    )
+
+
+def read(output: Path) -> list[dict]:
+    return [json.loads(line) for line in output.read_text().splitlines()]
+
+
+def test_run_batch_mixed_endpoints_then_resume(tmp_path, smollm2_dir, capsys) -> None:
+    lines = [chat_line(f"chat-{i}", city) for i, city in enumerate(CITIES[:3])]
+    lines += [responses_line("resp-0", "Name a colour."), responses_line("resp-1", "Say hi.")]
+    lines.append(chat_line("wrong-model", "Oslo", model="no-such-model"))
+    source, output = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    source.write_bytes(jsonl(lines))
+
+    assert run_batch(source, output) == 1  # one line failed
+    records = {r["custom_id"]: r for r in read(output)}
+    assert sorted(records) == sorted(line["custom_id"] for line in lines)
+    for i in range(3):
+        body = records[f"chat-{i}"]["response"]["body"]
+        message = ChatCompletion.model_validate(body).choices[0].message
+        assert isinstance(json.loads(message.content)["city"], str)
+    for i in range(2):
+        response = Response.model_validate(records[f"resp-{i}"]["response"]["body"])
+        assert response.output_text
+    assert records["wrong-model"]["response"]["status_code"] == 404
+
+    assert run_batch(source, output) == 2  # an output exists: --resume or --overwrite
+    assert "--resume" in capsys.readouterr().err
+
+    # As a stopped run leaves it: two lines done, the third torn mid-write.
+    kept = [records["chat-0"], records["resp-1"]]
+    torn = json.dumps(records["chat-2"])[:40]
+    output.write_text("".join(json.dumps(r) + "\n" for r in kept) + torn)
+    assert run_batch(source, output, "--resume") == 1
+    resumed = read(output)
+    assert sorted(r["custom_id"] for r in resumed) == sorted(records)
+    assert resumed[:2] == kept  # not run again
+
+
+def test_run_batch_refuses_a_bad_input_file(tmp_path, capsys) -> None:
+    source = tmp_path / "in.jsonl"
+    source.write_bytes(jsonl([chat_line("a", "Rome")]) + b'{"custom_id": "b"}\n')
+    assert run_batch(source, tmp_path / "out.jsonl") == 2
+    assert "line 2: url None is not one of" in capsys.readouterr().err
+    assert not (tmp_path / "out.jsonl").exists()
+
+
+def test_parse_line_and_validate(tmp_path) -> None:
+    good = json.dumps(chat_line("a", "Rome")).encode()
+    assert parse_line(1, good, "/v1/chat/completions") == BatchLine(
+        "a", "/v1/chat/completions", chat_line("a", "Rome")["body"]
+    )
+    wrong_endpoint = parse_line(1, good, "/v1/responses")
+    assert wrong_endpoint.param == "url"
+    streamed = {**chat_line("a", "Rome")}
+    streamed["body"] = {**streamed["body"], "stream": True}
+    assert parse_line(7, json.dumps(streamed).encode(), None).param == "body.stream"
+    assert parse_line(3, b'{"custom_id": 5}', None).param == "custom_id"
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n\n")
+    assert validate(empty, None)[1][0].code == "empty_file"
+
+
+def test_file_store_caps_and_owners(tmp_path) -> None:
+    store = FileStore(tmp_path, max_file_bytes=100, max_storage_bytes=10_000)
+    alice, bob = owner_of("key-a"), owner_of("key-b")
+    first = store.upload(alice, "batch", "a.jsonl", io.BytesIO(b"x" * 100))
+    with pytest.raises(APIError) as too_large:
+        store.upload(alice, "batch", "b.jsonl", io.BytesIO(b"x" * 101))
+    assert (too_large.value.status, too_large.value.code) == (413, "file_too_large")
+    store.upload(bob, "batch", "c.jsonl", io.BytesIO(b"x" * 100))
+    store.max_storage_bytes = store.used_bytes() + 30  # data and metadata count
+    with pytest.raises(APIError) as full:
+        store.upload(alice, "batch", "d.jsonl", io.BytesIO(b"x" * 60))
+    assert full.value.code == "storage_limit_exceeded"
+    assert [f["id"] for f in store.list(alice)] == [first["id"]]
+    with pytest.raises(APIError) as hidden:
+        store.get(bob, first["id"])
+    assert hidden.value.status == 404
+    store.delete(alice, first["id"])
+    store.upload(alice, "batch", "d.jsonl", io.BytesIO(b"x" * 60))  # room again
+    assert sorted(p.name for p in (tmp_path / "files").iterdir() if p.suffix == ".tmp") == []
