@@ -28,8 +28,9 @@ from agentrt.server.protocol import (
 _ITEMS = pydantic.TypeAdapter(list[InputItem])
 _TEXT_PARTS = ("input_text", "output_text", "text")
 HOSTED_TOOLS_HINT = (
-    "this server runs function tools only (the client runs them); built-in tools such as web "
-    "search, file search, computer use, code interpreter or MCP are not available"
+    "this server runs function tools (the client runs them) and mcp tools (MCP servers its "
+    "operator allows); built-in tools such as web search, file search, computer use or code "
+    "interpreter are not available"
 )
 
 # The chat request's field names -> the Responses request's, for errors.
