@@ -100,7 +100,8 @@ class AgentError(AgentrtError):
 
 
 class MCPServerError(AgentrtError):
-    """An MCP server (agentrt.mcp) could not be reached, or failed to list its tools."""
+    """An MCP server (agentrt.mcp) is misnamed (an empty command, headers for a command),
+    could not be reached, or failed to list its tools."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -43,9 +43,12 @@ def is_url(target: str) -> bool:
 
 def command_argv(target: str | Sequence[str]) -> list[str]:
     """The argv of a stdio server's command (a string is split as a shell would)."""
-    argv = shlex.split(target) if isinstance(target, str) else list(target)
+    try:
+        argv = shlex.split(target) if isinstance(target, str) else list(target)
+    except ValueError as exc:  # unbalanced quotes
+        raise MCPServerError(f"MCP server command {target!r}: {exc}") from None
     if not argv:
-        raise ValueError("an MCP server command is empty: give a URL or a command to run.")
+        raise MCPServerError("an MCP server command is empty: give a URL or a command to run.")
     return argv
 
 
@@ -64,9 +67,9 @@ def mcp_server(
     these of the server's tools (None: all). `timeout_s` bounds each request's answer."""
     if isinstance(target, str) and is_url(target):
         if env is not None or cwd is not None:
-            raise ValueError("env and cwd are a stdio server's: this target is a URL.")
+            raise MCPServerError("env and cwd are a stdio server's: this target is a URL.")
     elif headers:
-        raise ValueError("headers are an HTTP server's: this target is a command.")
+        raise MCPServerError("headers are an HTTP server's: this target is a command.")
     else:
         command_argv(target)
     return MCPSession(target, headers, allowed_tools, env, cwd, timeout_s)

@@ -225,8 +225,10 @@ async def create_mcp_response(
 async def _open(server: MCPServerTool, stack: AsyncExitStack) -> dict[str, Any]:
     """Connect and list the server's tools: the `mcp_list_tools` item. A server that cannot
     be reached is a 424, as in OpenAI's API."""
-    session = mcp_server(server.target, headers=server.headers, allowed_tools=server.allowed_tools)
     try:
+        session = mcp_server(
+            server.target, headers=server.headers, allowed_tools=server.allowed_tools
+        )
         server.tools = await session.open()
     except MCPServerError as exc:
         raise APIError(

@@ -118,9 +118,11 @@ async def test_tool_names_stay_unique_across_sources(rt, tmp_path):
 
 
 def test_a_target_is_a_url_or_a_command():
-    with pytest.raises(ValueError, match="empty"):
+    with pytest.raises(agentrt.MCPServerError, match="empty"):
         agentrt.mcp_server("")
-    with pytest.raises(ValueError, match="headers"):
+    with pytest.raises(agentrt.MCPServerError, match="No closing quotation"):
+        agentrt.mcp_server("python 'server.py")
+    with pytest.raises(agentrt.MCPServerError, match="headers"):
         agentrt.mcp_server("python server.py", headers={"A": "b"})
-    with pytest.raises(ValueError, match="env and cwd"):
+    with pytest.raises(agentrt.MCPServerError, match="env and cwd"):
         agentrt.mcp_server("http://127.0.0.1:1/mcp", env={"A": "b"})
