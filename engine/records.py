@@ -43,6 +43,9 @@ class ScheduledChunk:
     # A sampling chunk then has 1 + num_draft_tokens logits rows (one per draft position and
     # one after the last draft); drafts are not part of the request's tokens until accepted.
     num_draft_tokens: int = 0
+    # The block tables of the KV cache groups after the first (core/kv_cache_groups.py: a
+    # model with sliding-window layers); empty when every layer is full attention.
+    group_block_ids: list[list[int]] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +75,10 @@ class ModelInput:
     query_lens: list[int]  # host copies, used to pick the attention path
     context_lens: list[int]  # tokens already in the cache before this step, per request
     max_seq_len: int
+    # The KV cache groups after the first (a model with sliding-window layers), as the two
+    # above are group 0's: each one's slot mapping (T,) and block tables (R, max_blocks).
+    group_slot_mappings: list[torch.Tensor] = field(default_factory=list)
+    group_block_tables: list[torch.Tensor] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)

@@ -286,6 +286,7 @@ class Scheduler:
             token_ids=request.all_token_ids[start : start + num_known] + request.spec_token_ids,
             start_pos=start,
             block_ids=self.kv.block_ids(request.req_id),
+            group_block_ids=self.kv.group_block_ids(request.req_id),
             sample=start + num_known == request.num_tokens,
             num_draft_tokens=num_drafts,
         )
