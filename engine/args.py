@@ -44,6 +44,7 @@ from agentrt.engine.config import (
     check_option_names,
     resolve_dtype,
 )
+from agentrt.engine.core.kv_cache_groups import check_kv_cache_layout
 from agentrt.engine.errors import ConfigError
 from agentrt.engine.loader.gguf_file import is_gguf
 from agentrt.engine.loader.quantization import resolve_quantization
@@ -254,6 +255,12 @@ class EngineArgs:
         draft = None
         if speculative is not None and speculative.method == "draft_model":
             draft = resolve_draft_model(speculative, model)  # one pool holds both models' KV
+        kv_transfer: KVTransferConfig | None = options["kv_transfer"]
+        check_kv_cache_layout(
+            model.arch,
+            kv_connector=kv_transfer.connector if kv_transfer is not None else None,
+            draft_arch=draft.arch if draft is not None else None,
+        )
         cache: CacheConfig = options.pop("cache")
         # Under tensor parallelism a block holds one rank's KV heads (a draft model runs
         # whole on rank 0): the pool's budget is per rank.

@@ -18,6 +18,7 @@ from agentrt.engine.client.outputs import OutputProcessor, RequestDelta
 from agentrt.engine.client.processor import Processor
 from agentrt.engine.config import EngineConfig, KVTransferConfig, SpeculativeConfig
 from agentrt.engine.core.engine_core import EngineCore
+from agentrt.engine.core.kv_cache_groups import kv_cache_layout
 from agentrt.engine.core.kv_cache_manager import KVCacheManager
 from agentrt.engine.core.scheduler import Scheduler, SchedulerStats
 from agentrt.engine.core.structured_output import StructuredOutputManager
@@ -89,6 +90,7 @@ class LLMEngine:
             num_blocks,
             config.cache.block_size,
             enable_prefix_caching=config.cache.enable_prefix_caching,
+            sliding_windows=kv_cache_layout(self.arch).sliding_windows,
         )
         self.connector = self._kv_connector(
             config.kv_transfer, config.model.path, config.model.hf_config, tp_size

@@ -10,6 +10,7 @@ import time
 from collections.abc import Iterable, Sequence
 
 from agentrt.engine.config import EngineConfig, KVTransferConfig
+from agentrt.engine.core.kv_cache_groups import kv_cache_layout, max_request_tokens
 from agentrt.engine.errors import ContextLengthError, InvalidRequestError
 from agentrt.engine.kv_transfer.auth import check_client_params
 from agentrt.engine.records import EngineCoreRequest
@@ -29,15 +30,19 @@ class Processor:
         num_kv_blocks: int,
         eos_token_ids: frozenset[int],
         kv_transfer: KVTransferConfig | None = None,
+        max_kv_tokens: int | None = None,
     ) -> None:
         """`kv_transfer`: the engine's KV connector config, which decides what
-        `kv_transfer_params` a request may carry (kv_transfer/auth.py)."""
+        `kv_transfer_params` a request may carry (kv_transfer/auth.py). `max_kv_tokens`:
+        the tokens one request can hold in the pool (None: every block's; a model with
+        sliding-window layers holds more, core/kv_cache_groups.py)."""
         self.kv_transfer = kv_transfer
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.block_size = block_size
         self.num_kv_blocks = num_kv_blocks
+        self.max_kv_tokens = num_kv_blocks * block_size if max_kv_tokens is None else max_kv_tokens
         self.eos_token_ids = eos_token_ids
 
     @classmethod
@@ -55,13 +60,19 @@ class Processor:
             num_kv_blocks=config.cache.num_blocks,
             eos_token_ids=frozenset(eos),
             kv_transfer=config.kv_transfer,
+            max_kv_tokens=max_request_tokens(
+                kv_cache_layout(config.model.arch),
+                config.cache.num_blocks,
+                config.cache.block_size,
+                config.scheduler.max_num_batched_tokens,
+            ),
         )
 
     @property
     def max_request_tokens(self) -> int:
         """Prompt plus output tokens one request may hold: the context length, or what the
         KV cache can hold if that is less (more could never be scheduled)."""
-        return min(self.max_model_len, self.num_kv_blocks * self.block_size)
+        return min(self.max_model_len, self.max_kv_tokens)
 
     def tokenize(self, prompt: Prompt) -> list[int]:
         """Text -> token ids (with the tokenizer's special tokens); token ids are checked."""

@@ -301,19 +301,24 @@ class DecoderForCausalLM(nn.Module):
         input_ids: torch.Tensor,  # (T,)
         positions: torch.Tensor,  # (T,)
         kv_caches: list[torch.Tensor],
-        meta: AttentionMetadata,
+        meta: AttentionMetadata | list[AttentionMetadata],
         attention,
     ) -> torch.Tensor:
+        """`meta`: the step's, or one per layer (KV cache groups: each layer's group's
+        block tables, core/kv_cache_groups.py)."""
+        metas = meta if isinstance(meta, list) else [meta] * len(self.layers)
         hidden = self.embed(input_ids)
         rotate = self.rotary.for_step(positions, hidden.dtype)
         local = self.local_rotary
         local_rotate = rotate if local is None else local.for_step(positions, hidden.dtype)
         residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+        for layer, kv_cache, layer_meta in zip(self.layers, kv_caches, metas, strict=True):
             layer_rotate = local_rotate if layer.sliding_window is not None else rotate
             if not layer.use_rope:
                 layer_rotate = None
-            hidden, residual = layer(hidden, residual, layer_rotate, kv_cache, meta, attention)
+            hidden, residual = layer(
+                hidden, residual, layer_rotate, kv_cache, layer_meta, attention
+            )
         return hidden + residual  # the final norm runs on the sampled rows only
 
     def quantized_layers(self) -> bool:

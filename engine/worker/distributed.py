@@ -86,6 +86,9 @@ class TensorParallelGroup:
         self.device = device
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.closed = False
+        # The model's KV cache groups (core/kv_cache_groups.py), which each step's input
+        # carries tables of: the model runner sets it.
+        self.num_kv_groups = 1
         self.control = dist.ProcessGroupGloo(
             dist.PrefixStore("control", store), rank, size, self.timeout
         )
@@ -133,6 +136,8 @@ class TensorParallelGroup:
                 inp.query_start_loc.long(),
                 inp.seq_lens.long(),
                 inp.block_tables.long().view(-1),
+                *inp.group_slot_mappings,
+                *(tables.long().view(-1) for tables in inp.group_block_tables),
             ]
         )
         self._broadcast(self.device_group, payload)
@@ -183,10 +188,14 @@ class TensorParallelGroup:
         return WorkerMessage(STEP, self._receive_input(num_tokens, num_requests, num_blocks), kv)
 
     def _receive_input(self, num_tokens: int, num_requests: int, num_blocks: int) -> ModelInput:
+        num_more = self.num_kv_groups - 1  # KV cache groups after the first
         sizes = [num_tokens] * 3 + [num_requests + 1, num_requests, num_requests * num_blocks]
+        sizes += [num_tokens] * num_more + [num_requests * num_blocks] * num_more
         payload = torch.empty(sum(sizes), dtype=torch.int64, device=self.device)
         self._broadcast(self.device_group, payload)
-        input_ids, positions, slot_mapping, cu, seq_lens, tables = payload.split(sizes)
+        parts = payload.split(sizes)
+        input_ids, positions, slot_mapping, cu, seq_lens, tables = parts[:6]
+        group_tables = [t.view(num_requests, num_blocks).int() for t in parts[6 + num_more :]]
         seq_lens_host = seq_lens.tolist()
         query_lens = torch.diff(cu).tolist()
         return ModelInput(
@@ -200,6 +209,8 @@ class TensorParallelGroup:
             query_lens=query_lens,
             context_lens=[s - q for s, q in zip(seq_lens_host, query_lens, strict=True)],
             max_seq_len=max(seq_lens_host),
+            group_slot_mappings=list(parts[6 : 6 + num_more]),
+            group_block_tables=group_tables,
         )
 
     # --------------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ import torch
 import agentrt.kernels as kernels
 from agentrt.engine import envs
 from agentrt.engine.config import CacheConfig
+from agentrt.engine.core.kv_cache_groups import kv_cache_layout
 from agentrt.engine.loader.load import load_weights
 from agentrt.engine.loader.safetensors_loader import StateDictLoader
 from agentrt.engine.loader.weights import Shard, WeightLoader
@@ -37,10 +38,11 @@ if TYPE_CHECKING:
 
 
 def kv_block_bytes(arch: ModelArchConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes one block costs across all layers: 2 (K and V) * block_size * kv heads *
-    head_dim * dtype size, per layer."""
+    """Bytes one block costs: 2 (K and V) * block_size * kv heads * head_dim * dtype size,
+    per layer, across all layers; with sliding-window layers across one KV cache group's
+    (core/kv_cache_groups.py: a block holds one group's layers)."""
     per_layer = 2 * block_size * arch.num_kv_heads * arch.head_dim * dtype.itemsize
-    return per_layer * arch.num_layers
+    return per_layer * kv_cache_layout(arch).group_size
 
 
 def kv_pool_blocks(
@@ -159,8 +161,18 @@ class ModelRunner:
             self.model = model.eval()
             if model.runs_fused_glue() and fused_cpu_glue(dtype, self.attention.name, tp):
                 self.model.cpu_ops = kernels.load_cpu_ops(envs.cache_dir() / "kernels")
+            # One tensor per layer; with KV cache groups one per layer of a group, shared by
+            # the groups' layers in the same place (core/kv_cache_groups.py).
+            self.kv_layout = kv_cache_layout(arch)
+            places = self.kv_layout.layer_places(arch.num_layers)
+            self.layer_groups = [group for group, _ in places]
             shape = (num_blocks, 2, block_size, arch.num_kv_heads, arch.head_dim)
-            self.kv_caches = [allocate_zeros(shape, dtype, device) for _ in range(arch.num_layers)]
+            tensors = [
+                allocate_zeros(shape, dtype, device) for _ in range(self.kv_layout.group_size)
+            ]
+            self.kv_caches = [tensors[slot] for _, slot in places]
+            if tp is not None:
+                tp.num_kv_groups = len(self.kv_layout.groups)
             if self.model.cpu_ops is not None:
                 self.model.cpu_decoder = self.model.build_cpu_decoder(
                     self.attention, self.kv_caches
@@ -238,7 +250,18 @@ class ModelRunner:
         """The model over one step's input: hidden states (T, hidden), KV cache written.
         Tensor-parallel workers call this with the input rank 0 sent."""
         meta = attention_metadata(inp, self.block_size)
-        self.attention.prepare(meta)
+        if inp.group_block_tables:  # KV cache groups: each layer reads its group's tables
+            metas = [meta] + [
+                dataclasses.replace(meta, slot_mapping=slots, block_tables=tables)
+                for slots, tables in zip(
+                    inp.group_slot_mappings, inp.group_block_tables, strict=True
+                )
+            ]
+            for group_meta in metas:
+                self.attention.prepare(group_meta)
+            meta = [metas[group] for group in self.layer_groups]
+        else:
+            self.attention.prepare(meta)
         return self.model(inp.input_ids, inp.positions, self.kv_caches, meta, self.attention)
 
 
@@ -274,6 +297,7 @@ def prepare_input(
     input_ids = list(itertools.chain.from_iterable(c.token_ids for c in chunks))
     positions: list[int] = []
     slot_mapping: list[int] = []
+    group_slots: list[list[int]] = [[] for _ in chunks[0].group_block_ids]
     query_lens, context_lens, seq_lens, logits_indices = [], [], [], []
     cu = [0]
     for chunk in chunks:
@@ -281,25 +305,39 @@ def prepare_input(
         span = range(chunk.start_pos, chunk.start_pos + n)
         positions.extend(span)
         slot_mapping.extend(chunk.block_ids[p // bs] * bs + p % bs for p in span)
+        for slots, block_ids in zip(group_slots, chunk.group_block_ids, strict=True):
+            slots.extend(block_ids[p // bs] * bs + p % bs for p in span)
         query_lens.append(n)
         context_lens.append(chunk.start_pos)
         seq_lens.append(chunk.start_pos + n)
         cu.append(cu[-1] + n)
         if chunk.sample:
             logits_indices.extend(range(cu[-1] - 1 - chunk.num_draft_tokens, cu[-1]))
+    # One width for every group's tables (a sliding group's are as long as group 0's: the
+    # entries before its window hold the null block).
     max_blocks = max(len(c.block_ids) for c in chunks)
-    block_tables = [c.block_ids + [0] * (max_blocks - len(c.block_ids)) for c in chunks]
+
+    def tables(group_ids: Sequence[list[int]]) -> torch.Tensor:
+        rows = [ids + [0] * (max_blocks - len(ids)) for ids in group_ids]
+        return torch.tensor(rows, dtype=torch.int32, device=device)
+
     return ModelInput(
         input_ids=torch.tensor(input_ids, dtype=torch.int64, device=device),
         positions=torch.tensor(positions, dtype=torch.int64, device=device),
         slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=device),
         query_start_loc=torch.tensor(cu, dtype=torch.int32, device=device),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-        block_tables=torch.tensor(block_tables, dtype=torch.int32, device=device),
+        block_tables=tables([c.block_ids for c in chunks]),
         logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=device),
         query_lens=query_lens,
         context_lens=context_lens,
         max_seq_len=max(seq_lens),
+        group_slot_mappings=[
+            torch.tensor(slots, dtype=torch.int64, device=device) for slots in group_slots
+        ],
+        group_block_tables=[
+            tables([c.group_block_ids[g] for c in chunks]) for g in range(len(group_slots))
+        ],
     )
 
 
