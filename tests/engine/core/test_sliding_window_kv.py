@@ -237,6 +237,19 @@ def test_preemption_and_recompute_stay_exact(gemma3):
     llm.kv_manager.check_invariants()
 
 
+def test_ngram_drafts_verified_across_the_window_stay_exact(gemma3):
+    path, hf = gemma3
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "adaptive": False}
+    llm = LLM(str(path), dtype="float32", speculative_config=spec, **ENGINE)
+    pattern = _prompts((10,), seed=3)[0]
+    prompts = [pattern * 4, pattern * 3 + pattern[:5]]  # repeats: prompt lookup drafts
+    got = [o.outputs[0].token_ids for o in _generate(llm, prompts, max_tokens=24)]
+    assert llm.stats().spec_decode.num_draft_tokens > 0
+    assert got == hf_greedy_batch(hf, prompts, 24)
+    llm.kv_manager.check_invariants()
+    assert llm.kv_manager.pool.num_free_blocks == llm.kv_manager.num_blocks
+
+
 def test_a_kv_connector_with_sliding_layers_is_refused_at_start(gemma3, tmp_path):
     path, _ = gemma3
     with pytest.raises(ConfigError, match="sliding-window layers"):
