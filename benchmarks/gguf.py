@@ -31,8 +31,14 @@ Per file, each engine in its own subprocess (its own memory), the file in the pa
             serves one request at a time: its figure is its decode rate
   quality   perplexity of latency.PPL_TEXT, teacher forced (the same token ids on every
             side; agentrt in steps of latency.PPL_CHUNK rows), and the share of positions
-            whose top token is the reference's; the reference is HF transformers on the
-            GGUF dequantized to fp32 (`from_pretrained(dir, gguf_file=..., dtype=float32)`)
+            whose top token is the reference's, and agentrt's whose top token is llama.cpp's;
+            the reference is the GGUF dequantized to fp32: by default agentrt's dense path
+            (`quantization="none"`, fp32: the blocks dequantized once in memory, torch's
+            fp32 products), --reference-engine transformers for HF's
+            (`from_pretrained(dir, gguf_file=..., dtype=float32)`). The two gave the same
+            perplexity to 1e-7 on the Qwen2.5-0.5B Q4_K_M (181,132.094 vs 181,132.108);
+            transformers' took 324 s and 3.3 GB there (its Python dequantization), ours a
+            quarter of the time: so the reference fits every file's run (1.5B: ~7 GB)
 Ratios are agentrt / llama.cpp measured in the same run, printed beside issue 39's targets
 (TARGETS). The CPU model is printed first; last line: JSON with every figure.
 
@@ -51,6 +57,7 @@ VM does not grant it). Then:
         --llama-cpp-dir ../llama-sdist/llama_cpp_python-0.3.36/vendor/llama.cpp
     .venv/bin/python benchmarks/gguf.py --llama-python ... --models qwen2.5-0.5b --no-embedded
     .venv/bin/python benchmarks/gguf.py --no-llama-cpp --no-reference    # agentrt alone
+    .venv/bin/python benchmarks/gguf.py --llama-python ... --quality-only  # quality alone
 A full run takes ~25 minutes on 2 cores with the files made (making them: ~15 more).
 """
 
@@ -203,6 +210,8 @@ def llama_worker(job: dict) -> dict:
 
     threads = job["threads"]
     options = dict(n_threads=threads, n_threads_batch=threads, verbose=False, seed=0)
+    if job.get("quality_only"):
+        return _llama_scores(job["file"], job["ppl_ids"], options)
     written, start = written_bytes(), time.perf_counter()
     llm = Llama(job["file"], n_ctx=LLAMA_N_CTX, **options)
     result = {
@@ -228,11 +237,16 @@ def llama_worker(job: dict) -> dict:
     result["batch_tok_s"] = result["decode_tok_s"]  # one request at a time
     result["peak_rss_mib"] = peak_rss_mib()
     del llm  # a second instance keeps every position's logits (the perplexity)
-    ppl_ids = job["ppl_ids"]
-    llm = Llama(job["file"], n_ctx=len(ppl_ids), n_batch=len(ppl_ids), logits_all=True, **options)
+    return result | _llama_scores(job["file"], job["ppl_ids"], options)
+
+
+def _llama_scores(file: str, ppl_ids: list[int], options: dict) -> dict:
+    from llama_cpp import Llama
+
+    llm = Llama(file, n_ctx=len(ppl_ids), n_batch=len(ppl_ids), logits_all=True, **options)
     llm.eval(ppl_ids)
     logits = np.array(llm.scores[: len(ppl_ids)], dtype=np.float32)  # (n, vocab)
-    return result | token_scores(logits, ppl_ids)
+    return token_scores(logits, ppl_ids)
 
 
 def _llama_tokens(llm, prompt_ids: list[int], num_tokens: int) -> list[float]:
@@ -252,6 +266,10 @@ def agentrt_worker(job: dict) -> dict:
     from agentrt.engine.sampling_params import SamplingParams
 
     torch.set_num_threads(job["threads"])
+    if job.get("quality_only"):
+        llm = LLM(job["file"], kv_cache_memory_gb=job["kv_cache_memory_gb"])
+        logits = teacher_forced_logits(llm, job["ppl_ids"]).float().numpy()
+        return token_scores(logits, job["ppl_ids"])
     models = Path(os.environ["AGENTRT_CACHE_DIR"]) / "models"
     written, start = written_bytes(), time.perf_counter()
     llm = LLM(job["file"], kv_cache_memory_gb=job["kv_cache_memory_gb"])
@@ -314,16 +332,26 @@ def start_worker(job: dict) -> dict:
 
 
 def reference_worker(job: dict) -> dict:
+    """The file dequantized to fp32: agentrt's dense path, or transformers' (module doc)."""
     import torch
-    from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(job["threads"])
-    path = Path(job["file"])
-    model = AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32
-    ).eval()
-    with torch.inference_mode():
-        logits = model(torch.tensor([job["ppl_ids"]])).logits[0].numpy()  # (n, vocab)
+    if job["reference_engine"] == "transformers":
+        from transformers import AutoModelForCausalLM
+
+        path = Path(job["file"])
+        model = AutoModelForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, dtype=torch.float32
+        ).eval()
+        with torch.inference_mode():
+            logits = model(torch.tensor([job["ppl_ids"]])).logits[0].numpy()  # (n, vocab)
+    else:
+        from latency import teacher_forced_logits
+
+        from agentrt.engine.client.llm import LLM
+
+        llm = LLM(job["file"], quantization="none", dtype="float32", kv_cache_memory_gb=0.05)
+        logits = teacher_forced_logits(llm, job["ppl_ids"]).float().numpy()
     return token_scores(logits, job["ppl_ids"])
 
 
@@ -360,14 +388,17 @@ def bench_file(path: Path, args: argparse.Namespace, ids: dict, env: dict) -> di
         while f.read(1 << 24):
             pass
     job = ids | {"file": str(path), "threads": args.threads}
+    job |= {"reference_engine": args.reference_engine}
     result: dict = {"file": str(path), "size_bytes": path.stat().st_size}
+    if args.quality_only:
+        return quality_file(job, result, args, env)
     if args.llama_python:
         result["llama_cpp"] = run_worker(args.llama_python, "llama", job)
     shutil.rmtree(args.agentrt_cache_dir / "models", ignore_errors=True)  # a first load
     job["kv_cache_memory_gb"] = args.kv_cache_memory_gb
     result["agentrt"] = run_worker(sys.executable, "agentrt", job, env)
     if args.reference:
-        result["reference"] = run_worker(sys.executable, "reference", job)
+        result["reference"] = run_worker(sys.executable, "reference", job, env)
     if args.llama_python:
         # One-request decode moves 15-30% between runs on a shared machine: more rounds,
         # each engine in a fresh process in turn; the ratio is the median round's.
@@ -382,6 +413,17 @@ def bench_file(path: Path, args: argparse.Namespace, ids: dict, env: dict) -> di
     if args.start_rounds:
         result["start"] = measure_start(args, job, env)
     return compare(result)
+
+
+def quality_file(job: dict, result: dict, args: argparse.Namespace, env: dict) -> dict:
+    """--quality-only: the teacher-forced scores of llama.cpp, agentrt and the reference."""
+    job = job | {"quality_only": True, "kv_cache_memory_gb": args.kv_cache_memory_gb}
+    if args.llama_python:
+        result["llama_cpp"] = run_worker(args.llama_python, "llama", job)
+    result["agentrt"] = run_worker(sys.executable, "agentrt", job, env)
+    result["reference"] = run_worker(sys.executable, "reference", job, env)
+    result["targets_met"] = compare_quality(result)
+    return result
 
 
 def measure_start(args: argparse.Namespace, job: dict, env: dict) -> dict:
@@ -405,7 +447,7 @@ def measure_start(args: argparse.Namespace, job: dict, env: dict) -> dict:
 
 def compare(result: dict) -> dict:
     """Ratios against llama.cpp, quality against the reference, each target met or not."""
-    ours, theirs, ref = (result.get(k) for k in ("agentrt", "llama_cpp", "reference"))
+    ours, theirs = result["agentrt"], result.get("llama_cpp")
     targets: dict[str, bool] = {}
     share = ours["written_bytes"] / result["size_bytes"]
     result["written_share"] = share
@@ -439,23 +481,42 @@ def compare(result: dict) -> dict:
             start["llama_cpp_median_s"] = float(np.median(start["llama_cpp"]))
             start["ratio"] = ours_s / start["llama_cpp_median_s"]
             targets["start"] = start["ratio"] <= TARGETS["start"]
+    result["targets_met"] = targets | compare_quality(result)
+    return result
+
+
+def compare_quality(result: dict) -> dict[str, bool]:
+    """Each side's perplexity against the reference's and its share of positions whose top
+    token is the reference's; agentrt's top tokens against llama.cpp's (`top1_vs_llama_cpp`).
+    The top-token lists are dropped once compared."""
+    ours, theirs, ref = (result.get(k) for k in ("agentrt", "llama_cpp", "reference"))
+    targets = {}
+
+    def agreement(a: dict, b: dict) -> float:  # nan without positions
+        same = sum(x == y for x, y in zip(a["top_ids"], b["top_ids"], strict=True))
+        return same / (len(b["top_ids"]) or math.nan)
+
     for side in (ours, theirs):
         if side and ref:
-            same = sum(a == b for a, b in zip(side["top_ids"], ref["top_ids"], strict=True))
-            side["top1_agreement"] = same / len(ref["top_ids"])
+            side["top1_agreement"] = agreement(side, ref)
             side["perplexity_vs_reference"] = side["perplexity"] / ref["perplexity"] - 1
+    if theirs:
+        ours["top1_vs_llama_cpp"] = agreement(ours, theirs)
     if ref:
         targets["perplexity"] = abs(ours["perplexity_vs_reference"]) <= TARGETS["perplexity"]
     for side in (ours, theirs, ref):
         if side:
             side.pop("top_ids")
-    result["targets_met"] = targets
-    return result
+    return targets
 
 
 def print_file(kind: str, r: dict) -> None:
     ours, theirs = r["agentrt"], r.get("llama_cpp") or {}
     ratios, met = r.get("vs_llama_cpp", {}), r["targets_met"]
+    if "load_s" not in ours:  # --quality-only
+        print(f"\n== {kind}: {Path(r['file']).name} ({r['size_bytes'] / 2**20:,.0f} MiB)")
+        print_quality(r)
+        return
 
     def row(label, key, fmt, ratio=None, target=""):
         a = format(theirs[key], fmt) if key in theirs else "-"
@@ -510,6 +571,11 @@ def print_file(kind: str, r: dict) -> None:
     row(f"prefill {PREFILL_TOKENS} (tok/s)", "prefill_tok_s", ".1f", "prefill", prefill_target)
     row(f"batch {BATCH} (out tok/s)", "batch_tok_s", ".2f", "batch", "(llama.cpp: 1 req)")
     print(f"  {'  peak RSS (MiB)':22s} {'':>12s} {ours['peak_rss_batch_mib']:>12,.0f}")
+    print_quality(r)
+
+
+def print_quality(r: dict) -> None:
+    ours, theirs, met = r["agentrt"], r.get("llama_cpp") or {}, r["targets_met"]
     ref = r.get("reference")
     if ref:
         for name, side in (("llama.cpp", theirs), ("agentrt", ours)):
@@ -520,6 +586,8 @@ def print_file(kind: str, r: dict) -> None:
                     f"agreement {side['top1_agreement']:.1%}"
                 )
         print(f"  {'':22s} agentrt target: within 1%: {'met' if met['perplexity'] else 'MISSED'}")
+    if "top1_vs_llama_cpp" in ours:
+        print(f"  top-1 agreement agentrt vs llama.cpp: {ours['top1_vs_llama_cpp']:.1%}")
     else:
         print(
             f"  perplexity: llama.cpp {theirs.get('perplexity', math.nan):.2f}, agentrt "
@@ -541,6 +609,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--llama-python", default=sys.executable, help="has llama_cpp")
     parser.add_argument("--no-llama-cpp", action="store_true", help="agentrt alone")
     parser.add_argument("--no-reference", dest="reference", action="store_false")
+    parser.add_argument(
+        "--reference-engine",
+        choices=("agentrt", "transformers"),
+        default="agentrt",
+        help="what runs the fp32 dequantized reference (module doc)",
+    )
+    parser.add_argument(
+        "--quality-only", action="store_true", help="perplexity and top-1 agreement alone"
+    )
     parser.add_argument(
         "--llama-cpp-dir", type=Path, help="vendor/llama.cpp of the sdist (makes the files)"
     )

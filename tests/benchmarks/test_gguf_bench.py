@@ -106,6 +106,29 @@ def test_decode_ratio_is_the_median_of_the_rounds(bench):
     assert "peak_rss" not in result["targets_met"]  # a file under 400 MiB
 
 
+def test_quality_against_the_reference_and_llama_cpp(bench):
+    """Perplexity within 1% of the fp32 reference's; top-1 agreement of each side with the
+    reference, and agentrt's with llama.cpp's top tokens (the lists dropped once compared)."""
+    result = {
+        "agentrt": {"perplexity": 10.05, "top_ids": [1, 2, 3, 4]},
+        "llama_cpp": {"perplexity": 10.3, "top_ids": [1, 2, 0, 0]},
+        "reference": {"perplexity": 10.0, "top_ids": [1, 2, 3, 0]},
+    }
+    met = bench.compare_quality(result)
+    ours, theirs = result["agentrt"], result["llama_cpp"]
+    assert met == {"perplexity": True}  # +0.5%
+    assert ours["perplexity_vs_reference"] == pytest.approx(0.005)
+    assert theirs["perplexity_vs_reference"] == pytest.approx(0.03)
+    assert (ours["top1_agreement"], theirs["top1_agreement"]) == (0.75, 0.75)
+    assert ours["top1_vs_llama_cpp"] == 0.5
+    assert all("top_ids" not in side for side in result.values())
+    result["agentrt"] |= {"perplexity": 10.2, "top_ids": [1]}
+    result["reference"] |= {"top_ids": [1]}
+    assert bench.compare_quality({k: result[k] for k in ("agentrt", "reference")}) == {
+        "perplexity": False  # +2%
+    }
+
+
 @pytest.mark.parametrize(
     ("options", "named"),
     [
