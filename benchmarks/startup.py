@@ -9,6 +9,14 @@ loaded machine), after `import torch` alone,
 after the engine is built, after the first token, and its peak; anonymous memory (the
 process's own: Python objects, the tokenizer, torch's allocations) apart from file-backed
 pages (the memory-mapped weights, shared libraries). And whether it imported transformers.
+The start is broken down by stage, CPU seconds and wall seconds (medians of the cached
+starts): `import torch`, importing agentrt's engine, the tokenizer, the weights
+(`load_weights`: read, interleaved, installed), the rest of the engine's build, the first
+token.
+
+The workers write and reuse bytecode (under --workdir, as an installed package has its .pyc
+files): with PYTHONDONTWRITEBYTECODE set, as in some shells, every start would compile
+agentrt's ~100 modules again (0.3-0.4 s of CPU) and measure that instead.
 
 Files: the embedded SmolLM2 (Q4_1), and a Qwen2.5-0.5B-shaped file (896 hidden, 24 layers,
 FFN 4,864, 14/2 heads, tied 151,936-row embedding, qkv biases; random Q8_0 weights) carrying
@@ -54,18 +62,40 @@ def cpu():
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return usage.ru_utime + usage.ru_stime
 job = json.loads(sys.argv[1])
+stages = {}  # stage -> [cpu s, wall s]
+def timed(stage, function):
+    def wrapper(*args, **kwargs):
+        cpu0, wall0 = cpu(), time.time()
+        try:
+            return function(*args, **kwargs)
+        finally:
+            stages[stage] = [cpu() - cpu0, time.time() - wall0]
+    return wrapper
 import torch
 torch_s, torch_mem, torch_cpu = time.time() - started, memory(), cpu()
+stages["import torch"] = [torch_cpu, torch_s]
 from agentrt.engine.client.llm import LLM
 from agentrt.engine.sampling_params import SamplingParams
+import agentrt.engine.client.llm_engine as llm_engine
+import agentrt.engine.worker.model_runner as model_runner
+stages["import agentrt"] = [cpu() - torch_cpu, time.time() - started - torch_s]
+llm_engine.load_tokenizer = timed("tokenizer", llm_engine.load_tokenizer)
+model_runner.load_weights = timed("weights", model_runner.load_weights)
+build_cpu, build_wall = cpu(), time.time()
 llm = LLM(job["file"], kv_cache_memory_gb=0.25)
+stages["engine (rest)"] = [
+    cpu() - build_cpu - stages["tokenizer"][0] - stages["weights"][0],
+    time.time() - build_wall - stages["tokenizer"][1] - stages["weights"][1],
+]
 loaded_s, loaded_mem = time.time() - started, memory()
+first_token_cpu = cpu()
 llm.generate([job["prompt"]], SamplingParams(temperature=0.0, max_tokens=1))
 first_s, first_mem, first_cpu = time.time() - started, memory(), cpu()
+stages["first token"] = [first_cpu - first_token_cpu, first_s - loaded_s]
 print(json.dumps({
     "start_s": time.time() - job["spawned_at"],
     "torch_s": torch_s, "loaded_s": loaded_s, "first_s": first_s,
-    "torch_cpu": torch_cpu, "first_cpu": first_cpu,
+    "torch_cpu": torch_cpu, "first_cpu": first_cpu, "stages": stages,
     "torch_mem": torch_mem, "loaded_mem": loaded_mem, "first_mem": first_mem,
     "transformers": any(m.split(".")[0] == "transformers" for m in sys.modules),
     "tokenizer": type(llm.engine.tokenizer).__name__,
@@ -153,10 +183,12 @@ def run(path_dir: Path, cache: Path, file: Path, threads: int) -> dict:
     env = dict(
         os.environ,
         PYTHONPATH=str(path_dir),
+        PYTHONPYCACHEPREFIX=str(cache.parent / "pycache"),
         AGENTRT_CACHE_DIR=str(cache),
         OMP_NUM_THREADS=str(threads),
         AGENTRT_NUM_THREADS=str(threads),
     )
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
     result = subprocess.run(
         [sys.executable, "-c", WORKER, json.dumps(job)],
         capture_output=True,
@@ -177,7 +209,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/agentrt-startup"))
-    parser.add_argument("--files", default="embedded,qwen2.5-0.5b")
+    parser.add_argument(
+        "--files",
+        default="embedded,qwen2.5-0.5b",
+        help="comma-separated: embedded, qwen2.5-0.5b (the Q8_0 file written here) or a .gguf path",
+    )
     args = parser.parse_args()
     args.workdir.mkdir(parents=True, exist_ok=True)
     sides = {
@@ -190,6 +226,8 @@ def main() -> None:
             from agentrt.engine.loader.gguf_file import embedded_gguf_path
 
             files[name] = embedded_gguf_path()
+        elif name.endswith(".gguf"):  # e.g. a real mix that benchmarks/gguf_models.py made
+            files[Path(name).stem] = Path(name).expanduser()
         else:
             target = args.workdir / "qwen2.5-0.5b-shaped.Q8_0.gguf"
             files[name] = target if target.exists() else write_qwen_shaped(target)
@@ -198,6 +236,7 @@ def main() -> None:
         "?",
     )
     print(f"CPU: {cpu}; {os.cpu_count()} cores, {args.threads} threads a process")
+    print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     report = {}
     for name, file in files.items():
         size = file.stat().st_size / 2**20
@@ -241,6 +280,18 @@ def main() -> None:
                 f"{mem('first_mem', 'VmHWM'):6.0f}  {str(cached[0]['transformers']):12}  "
                 f"{cached[0]['tokenizer']}"
             )
+        print("cached start by stage, CPU s / wall s (medians):")
+        print(f"  {'stage':15}" + "".join(f"{side:>16}" for side in sides))
+        for stage in cached[0]["stages"]:
+            cells = []
+            for side in sides:
+                runs = figures[side]["cached"]
+                cells.append(
+                    "{:7.2f} /{:6.2f}".format(
+                        *(statistics.median(r["stages"][stage][i] for r in runs) for i in (0, 1))
+                    )
+                )
+            print(f"  {stage:15}" + "".join(f"{c:>16}" for c in cells))
         for what, key in (("wall", "start_s"), ("CPU after torch", None)):
             before, after = (
                 statistics.median(
@@ -250,6 +301,7 @@ def main() -> None:
             )
             print(f"cached start, {what}: after/before {after / before:.2f}x")
         print("(seconds and MiB, medians; cpu: user + system of the whole process)")
+    print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     (args.workdir / "startup.json").write_text(json.dumps(report, indent=1))
 
 
