@@ -31,12 +31,10 @@ def _tool_calls(log: Path) -> list[dict]:
     return [event for event in read_log(log) if "tool" in event]
 
 
-async def _run_agent(rt, server) -> agentrt.AgentResult:
-    agent = agentrt.Agent(
+def _agent(rt, server) -> agentrt.Agent:
+    return agentrt.Agent(
         rt, tools=[server], system=SYSTEM, max_steps=2, tool_choice="warehouse_code", max_tokens=48
     )
-    async with agent:
-        return await agent.run(TASK)
 
 
 def _check_run(result: agentrt.AgentResult, log: Path) -> None:
@@ -55,7 +53,8 @@ def _check_run(result: agentrt.AgentResult, log: Path) -> None:
 async def test_agent_calls_a_stdio_mcp_server_and_answers_from_its_result(rt, tmp_path):
     log = tmp_path / "calls.jsonl"
     server = stdio_server(log)
-    result = await _run_agent(rt, server)
+    async with _agent(rt, server) as agent:
+        result = await agent.run(TASK)
     _check_run(result, log)
     assert not server.is_open  # closed with the agent
 
@@ -64,11 +63,14 @@ async def test_agent_calls_a_streamable_http_mcp_server_with_its_headers(rt, tmp
     log = tmp_path / "calls.jsonl"
     with HTTPServer(log) as http:
         server = agentrt.mcp_server(http.url, headers={"Authorization": "Bearer mcp-secret"})
-        result = await _run_agent(rt, server)
+        agent = _agent(rt, server)
+        result = await agent.run(TASK)  # opens the session
+        assert server.is_open
+        await agent.close()
+        assert not server.is_open
         _check_run(result, log)
         requests = [event for event in read_log(log) if "http" in event]
         assert requests and {r["authorization"] for r in requests} == {"Bearer mcp-secret"}
-        assert not server.is_open
 
 
 async def test_tools_are_listed_with_their_schemas_and_filtered(tmp_path):
