@@ -10,7 +10,11 @@ import pytest
 import torch
 
 from agentrt.engine.client.llm import LLM
-from agentrt.engine.core.kv_cache_groups import kv_cache_layout
+from agentrt.engine.core.kv_cache_groups import (
+    check_kv_cache_layout,
+    kv_cache_layout,
+    max_request_tokens,
+)
 from agentrt.engine.core.kv_cache_manager import KVCacheManager
 from agentrt.engine.errors import ConfigError
 from agentrt.engine.model.arch import FULL_ATTENTION, SLIDING_ATTENTION, ModelArchConfig
@@ -161,6 +165,32 @@ def test_layout_groups_full_and_sliding_layers_in_groups_of_one_size():
     assert plain.sliding_windows == (None,) and plain.group_size == 26
 
 
+def test_request_limit_counts_a_sliding_groups_window_and_the_pool_holds_it():
+    layout = kv_cache_layout(_gemma3_1b_shape())
+    limit = max_request_tokens(layout, 1000, 16, max_chunk_tokens=512)
+    assert limit > 1000 * 16 // len(layout.groups)  # more than every group keeping it all
+    kv = KVCacheManager(1000, 16, sliding_windows=layout.sliding_windows)
+    req = request("a", list(range(limit - 1)), max_tokens=1)
+    while req.num_computed_tokens < req.num_tokens:  # alone, in chunks of 512: it fits
+        num_new = min(512, req.num_tokens - req.num_computed_tokens)
+        assert kv.allocate_slots(req, num_new) is not None
+        req.num_computed_tokens += num_new
+    decode(kv, req, 1)
+    plain = kv_cache_layout(dataclasses.replace(_gemma3_1b_shape(), layer_types=()))
+    assert max_request_tokens(plain, 1000, 16, max_chunk_tokens=512) == 16000
+
+
+def test_what_cannot_run_with_sliding_groups_is_refused():
+    gemma = _gemma3_1b_shape()
+    plain = dataclasses.replace(gemma, layer_types=())
+    with pytest.raises(ConfigError, match="kv_connector='p2p'"):
+        check_kv_cache_layout(gemma, kv_connector="p2p", draft_arch=None)
+    with pytest.raises(ConfigError, match="draft"):
+        check_kv_cache_layout(plain, kv_connector=None, draft_arch=gemma)
+    check_kv_cache_layout(gemma, kv_connector=None, draft_arch=plain)  # group 0 keeps all
+    check_kv_cache_layout(plain, kv_connector="storage", draft_arch=plain)
+
+
 # -- the engine on a tiny Gemma 3 (five sliding layers of window 8, then a global one) --------
 
 NUM_TOKENS = 12
@@ -248,6 +278,17 @@ def test_ngram_drafts_verified_across_the_window_stay_exact(gemma3):
     assert got == hf_greedy_batch(hf, prompts, 24)
     llm.kv_manager.check_invariants()
     assert llm.kv_manager.pool.num_free_blocks == llm.kv_manager.num_blocks
+
+
+def test_tensor_parallel_ranks_get_every_groups_tables(gemma3):
+    path, hf = gemma3
+    llm = LLM(str(path), dtype="float32", tensor_parallel_size=2, **ENGINE)
+    try:
+        prompts = _prompts((13, 30), seed=4)
+        got = [o.outputs[0].token_ids for o in _generate(llm, prompts)]
+    finally:
+        llm.shutdown()
+    assert got == hf_greedy_batch(hf, prompts, NUM_TOKENS)
 
 
 def test_a_kv_connector_with_sliding_layers_is_refused_at_start(gemma3, tmp_path):
