@@ -59,6 +59,8 @@ from agentrt.server.responses_items import (
     output_messages,
     renamed,
 )
+from agentrt.server.responses_mcp import create_mcp_response
+from agentrt.server.responses_mcp_tools import has_mcp_tools
 from agentrt.server.responses_output import (
     OutputItems,
     ReplyItems,
@@ -79,6 +81,10 @@ def add_response_routes(app: FastAPI, store: ResponseStore | None = None) -> Non
 
     @app.post("/v1/responses")
     async def create(body: ResponsesRequest, request: Request) -> Response:
+        if has_mcp_tools(body):  # the MCP servers' tools run here, between turns
+            return await create_mcp_response(
+                request.app.state.server, store, body, request, create_response
+            )
         return await create_response(request.app.state.server, store, body, request)
 
     @app.get("/v1/responses/{response_id}")
