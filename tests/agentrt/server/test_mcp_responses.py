@@ -1,0 +1,203 @@
+"""Responses `mcp` tools through a real `agentrt serve` with the official openai client: the
+server lists an MCP server's tools (a real server written with the SDK,
+tests/agentrt/mcp_testserver.py, over streamable HTTP and over stdio), the embedded model
+(greedy) calls one, the server runs the call and the model answers from its result; approval
+requests and responses as in OpenAI's API; a server_url outside --allow-mcp-servers is
+refused before any connection."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+
+from tests.agentrt.mcp_testserver import HTTPServer, warehouse_code_of
+from tests.agentrt.server.helpers import API_KEY, ServerProcess
+
+STDIO_COMMAND = f"{sys.executable} {Path(__file__).parents[1] / 'mcp_testserver.py'} stdio"
+QUESTION = "What is the code of our warehouse in Oslo?"
+INSTRUCTIONS = "You answer questions about the company. Use the tools, then answer briefly."
+
+
+@pytest.fixture(scope="module")
+def mcp_http(tmp_path_factory) -> Iterator[HTTPServer]:
+    with HTTPServer(tmp_path_factory.mktemp("mcp") / "requests.jsonl") as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def mcp_client(mcp_http: HTTPServer, smollm2_dir) -> Iterator[openai.OpenAI]:
+    args = ("--kv-cache-memory-gb", "0.25", "--api-key", API_KEY)
+    with ServerProcess(*args, "--allow-mcp-servers", mcp_http.url, STDIO_COMMAND) as process:
+        yield openai.OpenAI(base_url=process.url + "/v1", api_key=API_KEY, max_retries=0)
+
+
+@pytest.fixture
+def log(mcp_http: HTTPServer) -> HTTPServer:
+    mcp_http.log.write_text("")
+    return mcp_http
+
+
+def _create(client: openai.OpenAI, **fields):
+    """A greedy request (the Responses API samples at temperature 1 by default)."""
+    return client.responses.create(model="SmolLM2-135M-Instruct", temperature=0, **fields)
+
+
+def _tool(url: str, **fields) -> dict:
+    return {"type": "mcp", "server_label": "company", "server_url": url, **fields}
+
+
+def _calls(server: HTTPServer) -> list[dict]:
+    return [event for event in server.requests() if "tool" in event]
+
+
+def _check_call(call, server: HTTPServer | None = None) -> str:
+    """The mcp_call item ran on the MCP server with the model's arguments: its code."""
+    city = json.loads(call.arguments)["city"]
+    assert call.name == "warehouse_code" and call.server_label == "company"
+    assert call.error is None
+    assert call.output == f"The warehouse code for {city} is {warehouse_code_of(city)}."
+    if server is not None:
+        assert _calls(server) == [{"tool": "warehouse_code", "arguments": {"city": city}}]
+    return warehouse_code_of(city)
+
+
+def test_the_server_runs_the_call_and_the_model_answers_from_it(mcp_client, log):
+    response = _create(
+        mcp_client,
+        instructions=INSTRUCTIONS,
+        input=QUESTION,
+        tools=[_tool(log.url, require_approval="never")],
+        tool_choice={"type": "mcp", "server_label": "company", "name": "warehouse_code"},
+        max_output_tokens=48,
+    )
+    assert [item.type for item in response.output] == ["mcp_list_tools", "mcp_call", "message"]
+    listed = response.output[0]
+    assert listed.server_label == "company"
+    assert [t.name for t in listed.tools] == ["warehouse_code", "broken_tool"]
+    assert listed.tools[0].input_schema["required"] == ["city"]
+    code = _check_call(response.output[1], log)
+    assert code in response.output_text  # the code is nowhere but in the call's output
+    assert response.usage.output_tokens > 0
+    assert response.tools[0].type == "mcp" and response.tools[0].server_url == log.url
+
+
+def test_a_call_waits_for_approval_and_runs_once_approved(mcp_client, log):
+    tools = [_tool(log.url, allowed_tools=["warehouse_code"])]  # approval: "always" by default
+    first = _create(
+        mcp_client,
+        instructions=INSTRUCTIONS,
+        input=QUESTION,
+        tools=tools,
+        tool_choice="required",
+        max_output_tokens=48,
+    )
+    assert [item.type for item in first.output] == ["mcp_list_tools", "mcp_approval_request"]
+    request = first.output[1]
+    assert request.name == "warehouse_code" and request.server_label == "company"
+    assert [t.name for t in first.output[0].tools] == ["warehouse_code"]
+    assert _calls(log) == []  # listed, never called
+    second = _create(
+        mcp_client,
+        previous_response_id=first.id,
+        input=[
+            {"type": "mcp_approval_response", "approval_request_id": request.id, "approve": True}
+        ],
+        tools=tools,
+        max_output_tokens=48,
+    )
+    types = [item.type for item in second.output]
+    assert types[:2] == ["mcp_list_tools", "mcp_call"]
+    call = second.output[1]
+    assert call.approval_request_id == request.id and call.arguments == request.arguments
+    _check_call(call, log)
+    assert types[-1] == "message"  # the model went on from the call's output
+
+
+def test_a_declined_call_never_reaches_the_mcp_server(mcp_client, log):
+    tools = [_tool(log.url, require_approval={"always": {"tool_names": ["warehouse_code"]}})]
+    first = _create(
+        mcp_client,
+        input=QUESTION,
+        tools=tools,
+        tool_choice="required",
+        max_output_tokens=32,
+        store=False,
+    )
+    request = first.output[-1]
+    assert request.type == "mcp_approval_request"
+    # store=False: the client sends the items back itself.
+    items = [item.model_dump(exclude_none=True) for item in first.output]
+    declined = {"type": "mcp_approval_response", "approval_request_id": request.id}
+    second = _create(
+        mcp_client,
+        input=[{"role": "user", "content": QUESTION}, *items, {**declined, "approve": False}],
+        tools=tools,
+        tool_choice="none",
+        max_output_tokens=16,
+    )
+    assert [item.type for item in second.output] == ["mcp_list_tools", "message"]
+    assert _calls(log) == []
+
+
+def test_a_stdio_server_streamed(mcp_client):
+    stream = _create(
+        mcp_client,
+        input=QUESTION,
+        instructions=INSTRUCTIONS,
+        tools=[_tool(STDIO_COMMAND, require_approval="never")],
+        tool_choice={"type": "mcp", "server_label": "company", "name": "warehouse_code"},
+        max_output_tokens=48,
+        stream=True,
+    )
+    events = list(stream)
+    assert events[0].type == "response.created" and events[-1].type == "response.completed"
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    done = [e.item for e in events if e.type == "response.output_item.done"]
+    assert [item.type for item in done] == ["mcp_list_tools", "mcp_call", "message"]
+    code = _check_call(done[1])
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert code in text
+    assert events[-1].response.output[1].id == done[1].id
+
+
+def test_a_url_outside_the_allow_list_is_refused_before_any_connection(mcp_client, log):
+    # The same MCP server by another name: only the exact allow-listed URL may be used.
+    alias = log.url.replace("127.0.0.1", "localhost")
+    for url in (alias, "http://169.254.169.254/latest/meta-data", "python -m http.server"):
+        with pytest.raises(openai.BadRequestError) as refused:
+            _create(mcp_client, input=QUESTION, tools=[_tool(url)])
+        assert refused.value.body["param"] == "tools.0.server_url"
+        assert "nothing was contacted" in refused.value.body["message"]
+    assert log.requests() == []  # no connection, not even a listing
+
+
+def test_mcp_tools_are_off_without_an_allow_list(client):
+    with pytest.raises(openai.BadRequestError, match="--allow-mcp-servers"):
+        client.responses.create(input=QUESTION, tools=[_tool("http://127.0.0.1:1/mcp")])
+
+
+def test_bad_mcp_tools_are_400s(mcp_client, log):
+    bad = [
+        ({"type": "mcp", "server_url": log.url}, "tools.0.server_label"),
+        (_tool(log.url, require_approval="sometimes"), "tools.0.require_approval"),
+        (_tool(STDIO_COMMAND, headers={"Authorization": "x"}), "tools.0.headers"),
+    ]
+    for tool, param in bad:
+        with pytest.raises(openai.BadRequestError) as refused:
+            _create(mcp_client, input=QUESTION, tools=[tool])
+        assert refused.value.body["param"] == param
+    with pytest.raises(openai.BadRequestError) as refused:
+        _create(
+            mcp_client,
+            input=[
+                {"type": "mcp_approval_response", "approval_request_id": "mcpr_x", "approve": True}
+            ],
+            tools=[_tool(log.url)],
+        )
+    assert refused.value.body["param"] == "input.0.approval_request_id"
+    assert _calls(log) == []
