@@ -66,6 +66,7 @@ def _check_call(call, server: HTTPServer | None = None) -> str:
     return warehouse_code_of(city)
 
 
+@pytest.mark.slow  # the module starts its own agentrt serve and MCP server processes
 def test_the_server_runs_the_call_and_the_model_answers_from_it(mcp_client, log):
     response = _create(
         mcp_client,
