@@ -72,7 +72,7 @@ def test_the_server_runs_the_call_and_the_model_answers_from_it(mcp_client, log)
         mcp_client,
         instructions=INSTRUCTIONS,
         input=QUESTION,
-        tools=[_tool(log.url, require_approval="never")],
+        tools=[_tool(log.url, require_approval="never", authorization="mcp-token")],
         tool_choice={"type": "mcp", "server_label": "company", "name": "warehouse_code"},
         max_output_tokens=48,
     )
@@ -85,6 +85,11 @@ def test_the_server_runs_the_call_and_the_model_answers_from_it(mcp_client, log)
     assert code in response.output_text  # the code is nowhere but in the call's output
     assert response.usage.output_tokens > 0
     assert response.tools[0].type == "mcp" and response.tools[0].server_url == log.url
+    # The token went to the MCP server with every request, and is neither echoed nor stored.
+    requests = [event for event in log.requests() if "http" in event]
+    assert requests and {r["authorization"] for r in requests} == {"Bearer mcp-token"}
+    assert "mcp-token" not in response.model_dump_json()
+    assert "mcp-token" not in mcp_client.responses.retrieve(response.id).model_dump_json()
 
 
 def test_a_call_waits_for_approval_and_runs_once_approved(mcp_client, log):
