@@ -25,9 +25,9 @@ from agentrt.engine.records import (
 )
 from agentrt.engine.spec_decode.manager import SpecDecodeManager
 from agentrt.engine.spec_decode.rejection_sampler import rejection_sample
+from agentrt.engine.worker.grammar_mask import apply_grammar_bitmask
 from agentrt.engine.worker.sampler import Sampler, SamplerOutput
 from agentrt.engine.worker.sampling_metadata import SamplingMetadata
-from agentrt.kernels import apply_token_bitmask
 
 
 class EngineCore:
@@ -164,7 +164,7 @@ class EngineCore:
             dead = grammar.dead_end_req_ids
             if len(grammar.rows):
                 device = logits.device  # the bitmask is filled on the CPU
-                apply_token_bitmask(
+                apply_grammar_bitmask(
                     logits,
                     grammar.bitmask.to(device, non_blocking=True),
                     grammar.rows.to(device, non_blocking=True),
