@@ -189,15 +189,14 @@ class KVCacheManager:
         if tables is not None and self.has_sliding_groups:
             for g, blocks in enumerate(tables):
                 self._free_skipped_blocks(blocks, self._num_skipped_blocks(g, num_computed))
+        # Every group's table has the same length (a sliding group's starts with null blocks).
+        num_held = len(tables[0]) if tables else 0
         num_needed = cdiv(num_computed + num_new_tokens + num_lookahead_tokens, self.block_size)
-        num_new_blocks = [
-            max(0, num_needed - (len(tables[g]) if tables else 0) - len(hits))
-            for g, hits in enumerate(computed_blocks)
-        ]
+        num_new_blocks = max(0, num_needed - num_held - len(computed_blocks[0]))
         # Hits sitting in the free queue stop being free once touched.
         hits = [b for group in computed_blocks for b in group if b is not self.null_block]
         num_evictable_hits = sum(1 for b in hits if b.ref_cnt == 0)
-        if sum(num_new_blocks) + num_evictable_hits > self.pool.num_free_blocks:
+        if num_new_blocks * self.num_groups + num_evictable_hits > self.pool.num_free_blocks:
             return None
         if tables is None and self.enable_prefix_caching:  # admission: count the lookup once
             self.stats.num_queried_tokens += request.num_tokens
@@ -206,11 +205,12 @@ class KVCacheManager:
         if tables is None:
             tables = self.req_to_blocks[request.req_id] = [[] for _ in self.sliding_windows]
         new_blocks = []
-        for blocks, group_hits, num in zip(tables, computed_blocks, num_new_blocks, strict=True):
+        for blocks, group_hits in zip(tables, computed_blocks, strict=True):
             blocks += group_hits
-            group_new = self.pool.get_new_blocks(num)
-            blocks += group_new
-            new_blocks += group_new
+            if num_new_blocks:
+                group_new = self.pool.get_new_blocks(num_new_blocks)
+                blocks += group_new
+                new_blocks += group_new
         if cache_blocks:
             self.cache_computed_blocks(request, num_computed + num_new_tokens)
         return new_blocks
@@ -218,8 +218,11 @@ class KVCacheManager:
     def _free_skipped_blocks(self, blocks: list[KVCacheBlock], num_skipped: int) -> None:
         """Give back a sliding group's blocks before `num_skipped` (latest first, as `free`
         gives back a table), leaving the null block in their places."""
+        num_skipped = min(num_skipped, len(blocks))
+        if not num_skipped or blocks[num_skipped - 1] is self.null_block:
+            return  # nothing more fell out of the window
         freed = []
-        for i in range(min(num_skipped, len(blocks)) - 1, -1, -1):
+        for i in range(num_skipped - 1, -1, -1):
             if blocks[i] is self.null_block:
                 break  # those before were given back already
             freed.append(blocks[i])
@@ -316,6 +319,7 @@ class KVCacheManager:
         head, and a full group's none. Raises AssertionError."""
         refs = [0] * self.pool.num_blocks
         for tables in self.req_to_blocks.values():
+            assert len({len(blocks) for blocks in tables}) == 1, "groups' tables differ in length"
             for g, blocks in enumerate(tables):
                 nulls = [b is self.null_block for b in blocks]
                 assert nulls == sorted(nulls, reverse=True), (
