@@ -13,7 +13,7 @@ the first token to compute, and the hit is the longest prefix every group can se
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 from agentrt.engine.core.block_hash import BlockHash, extend_block_hashes
@@ -80,7 +80,7 @@ class KVCacheManager:
         bs = self.block_size
         return tuple(request.all_token_ids[index * bs : (index + 1) * bs])
 
-    def _cache_key(self, group: int, block_hash: BlockHash):
+    def _cache_key(self, group: int, block_hash: BlockHash) -> Hashable:
         """A block's key in the pool's index: its hash in group 0, (group, hash) in the
         others (the same tokens' KV of other layers)."""
         return block_hash if group == 0 else (group, block_hash)
@@ -297,17 +297,6 @@ class KVCacheManager:
         """Blocks the request references now, over every group."""
         tables = self.req_to_blocks.get(req_id, ())
         return sum(1 for blocks in tables for b in blocks if b is not self.null_block)
-
-    def num_blocks_for(self, num_tokens: int) -> int:
-        """Blocks one request of `num_tokens` tokens holds at most at once (admission)."""
-        num_blocks = cdiv(num_tokens, self.block_size)
-        total = 0
-        for g in range(self.num_groups):
-            need = self._window_blocks(g)
-            # A sliding group holds its window's blocks, the block being written and those
-            # a step's new tokens fill after it.
-            total += num_blocks if need is None else min(num_blocks, need + 1)
-        return total
 
     def usage(self) -> float:
         return self.pool.usage()
