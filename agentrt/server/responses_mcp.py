@@ -74,7 +74,7 @@ async def create_mcp_response(
             fields.update(stream=False, store=False)
             if not offered:
                 fields.pop("tool_choice")
-            body = json.loads((await respond(state, store, ResponsesRequest(**fields), raw)).body)
+            body = json.loads((await respond(state, store, _turn(fields), raw)).body)
             usage = _add_usage(usage, body.get("usage"))
             calls = [
                 i for i in body["output"] if i["type"] == "function_call" and i["name"] in tools
@@ -194,8 +194,10 @@ async def _input_items(
     for index, item in enumerate(request.input):
         data = item.model_dump(mode="json", by_alias=True, exclude_none=True)
         kind = data.get("type", "message")
+        if kind in ("mcp_approval_request", "mcp_call"):
+            _check_strings(data, ("id", "server_label", "name", "arguments"), index)
         if kind == "mcp_approval_request":
-            asked[data.get("id")] = data
+            asked[data["id"]] = data
         elif kind == "mcp_call":
             items += _call_items(data)
         elif kind == "mcp_approval_response":
@@ -218,6 +220,24 @@ async def _input_items(
         elif kind != "mcp_list_tools":
             items.append(data)
     return items
+
+
+def _turn(fields: dict[str, Any]) -> ResponsesRequest:
+    """One turn's request; input items the client sent that make no valid turn are a 400."""
+    try:
+        return ResponsesRequest(**fields)
+    except pydantic.ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(part) for part in first["loc"])
+        raise bad_request(f"{where}: {first['msg']}", param="input") from None
+
+
+def _check_strings(data: dict[str, Any], fields: tuple[str, ...], index: int) -> None:
+    if not all(isinstance(data.get(key), str) for key in fields):
+        raise bad_request(
+            f"an {data['type']} item needs the strings {', '.join(fields)}.",
+            param=f"input.{index}",
+        )
 
 
 async def _run(

@@ -197,13 +197,15 @@ def test_bad_mcp_tools_are_400s(mcp_client, log):
         with pytest.raises(openai.BadRequestError) as refused:
             _create(mcp_client, input=QUESTION, tools=[tool])
         assert refused.value.body["param"] == param
-    with pytest.raises(openai.BadRequestError) as refused:
-        _create(
-            mcp_client,
-            input=[
-                {"type": "mcp_approval_response", "approval_request_id": "mcpr_x", "approve": True}
-            ],
-            tools=[_tool(log.url)],
-        )
-    assert refused.value.body["param"] == "input.0.approval_request_id"
+    call = {"type": "mcp_call", "id": "mcp_1", "server_label": "company", "name": "x"}
+    unknown = {"type": "mcp_approval_response", "approval_request_id": "mcpr_x", "approve": True}
+    bad_items = [
+        (unknown, "input.0.approval_request_id"),
+        (call, "input.0"),  # no arguments
+        ({**call, "arguments": "{}", "output": 7}, "input"),  # an output that is no text
+    ]
+    for item, param in bad_items:
+        with pytest.raises(openai.BadRequestError) as refused:
+            _create(mcp_client, input=[item], tools=[_tool(log.url)])
+        assert refused.value.body["param"] == param
     assert _calls(log) == []
