@@ -10,9 +10,9 @@ step. The C library is built on first use for the best instruction set of this C
 (AVX-512 VNNI, AVX2, or portable C); `AGENTRT_GGML_ISA=scalar|avx2|avx512` forces one
 (read once, on first use); every function also takes `kernels=load_ggml_kernels(build_dir,
 isa)` to run another build (ggml_library.py).
-On AVX-512, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and Q4_K run faster with the rows of a weight
-interleaved by 16 (on AVX2 the five legacy types; 1.3-1.8x streaming from memory, ~3x in
-cache)
+On AVX-512, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K and Q6_K run faster with the rows of a
+weight interleaved by 16 (on AVX2 the five legacy types; 1.3-1.8x streaming from memory, ~3x
+in cache)
 (`interleave`, done once at load; `GGMLWeight.interleaved`): each vector lane sums one row,
 so the scales of 16 rows are one vector and no lanes are summed at the end.
 Every step size takes the same kernel, so a row's result does not depend on the step it is
@@ -70,7 +70,7 @@ __all__ = [  # the library's names are re-exported for callers and tests
 ]
 # The types `interleave` lays out by ROWS_INTERLEAVED rows (GGMLKernels.interleaves: which
 # build runs which of them so).
-INTERLEAVED_TYPES = frozenset({_Q.Q4_0, _Q.Q4_1, _Q.Q5_0, _Q.Q5_1, _Q.Q8_0, _Q.Q4_K})
+INTERLEAVED_TYPES = frozenset({_Q.Q4_0, _Q.Q4_1, _Q.Q5_0, _Q.Q5_1, _Q.Q8_0, _Q.Q4_K, _Q.Q6_K})
 ROWS_INTERLEAVED = 16
 DENSE_DTYPES = {_Q.F32: torch.float32, _Q.F16: torch.float16, _Q.BF16: torch.bfloat16}
 SUPPORTED_TYPES = frozenset(QUANTIZED_TYPES | DENSE_DTYPES.keys())
@@ -240,10 +240,11 @@ def interleave(weight: GGMLWeight, kernels: GGMLKernels | None = None) -> GGMLWe
     library (`kernels`, default `default_kernels()`). Each group of 16 rows goes block by
     block; a block of the group holds the 16 rows' scale fields side by side (fp16 d; m of
     Q4_1 / Q5_1; dmin and the 8 sub-block scales and mins of Q4_K unpacked from their 6-bit
-    fields), Q5_0's / Q5_1's fifth bits as 8 masks of 64 bits (mask c, bits 4r .. 4r + 3: row
+    fields; Q6_K's 16 int8 scales), Q5_0's / Q5_1's fifth bits as 8 masks of 64 bits (mask c, bits 4r .. 4r + 3: row
     r's bits 4c .. 4c + 3 of qh), then the block's quants by 4-byte column: column c is the 16
     rows' quant bytes 4c .. 4c + 3 (64 bytes, row r at 4r), so one 64-byte register holds 4
-    bytes of each row. Q8_0's int8 quants are stored as u = q + 128. ggml_avx512.h spells out each layout. N
+    bytes of each row (Q6_K's ql and qh columns in the order its kernel reads them). Q8_0's
+    int8 quants are stored as u = q + 128. ggml_avx512.h spells out each layout. N
     must be a multiple of 16; `deinterleave` and `select_rows` give the file's rows back."""
     qtype, g = weight.qtype, ROWS_INTERLEAVED
     if weight.interleaved:

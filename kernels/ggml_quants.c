@@ -24,7 +24,7 @@
 // of T rows reads each weight byte from memory once. On AVX-512 the legacy types (blocks of
 // 32 with one fp16 scale each) skip the chunk: pairs of blocks are decoded into registers and
 // dotted with 8 activation rows at a time (ggml_avx512.h; on AVX2 one block and 4 rows,
-// ggml_avx2.h); the legacy types (and on AVX-512 Q4_K) interleaved by 16 rows
+// ggml_avx2.h); the legacy types (and on AVX-512 Q4_K, Q6_K) interleaved by 16 rows
 // at load (`ggml_interleave`) take kernels whose vector lanes are those rows (x16_type). On AVX-512 and AVX2, Q4_K, Q5_K
 // and Q6_K take their activations in blocks of 256 instead (ggml's Q8_K), which lets a
 // block's group scales be applied in integers (ggml_avx512.h, ggml_avx2.h,
@@ -60,6 +60,7 @@ enum {
 #define PARALLEL_WORK (1 << 16) // fewer weight elements than this run on one thread
 #define ACT_TILE_BYTES (1 << 18)  // quantized activation rows a pass over the weight rows
 #define X16K_BLOCK (64 + 128 + 128 + 2048) // a Q4_K block of 16 interleaved rows
+#define X16Q6_BLOCK (16 * 210)               // a Q6_K block of 16 interleaved rows
 
 static inline float fp16_to_f32(const uint8_t *p) {
     const uint32_t h = (uint32_t)p[0] | ((uint32_t)p[1] << 8);
@@ -642,13 +643,13 @@ static inline int q8k_type(int qtype) {
 int ggml_act_block(int qtype) { return q8k_type(qtype) ? 256 : 32; }
 
 // The types this build runs interleaved by 16 rows (ggml_linear.py's `interleave`): the
-// legacy types on AVX-512 and AVX2, Q4_K on AVX-512 (ggml_avx2.h says why not there). Each
-// was measured faster than the file's layout when streaming weights from memory; Q5_K and
-// Q6_K interleaved were slower (more decoding a column), so they are not.
+// legacy types on AVX-512 and AVX2, Q4_K and Q6_K on AVX-512 (ggml_avx2.h says why not
+// there). Each was measured faster than the file's layout when streaming weights from
+// memory; Q5_K interleaved was slower (more decoding a column), so it is not.
 static inline int x16_type(int qtype) {
     return AGENTRT_ISA >= 1 && (qtype == T_Q4_0 || qtype == T_Q4_1 || qtype == T_Q5_0 ||
                                 qtype == T_Q5_1 || qtype == T_Q8_0 ||
-                                (AGENTRT_ISA == 2 && qtype == T_Q4_K));
+                                (AGENTRT_ISA == 2 && (qtype == T_Q4_K || qtype == T_Q6_K)));
 }
 
 static inline void store_out(void *out, int out_bf16, int64_t at, float v) {
@@ -728,6 +729,8 @@ int ggml_linear(const void *x, int x_bf16, int64_t rows, int64_t k, const uint8_
 #if AGENTRT_ISA == 2
                     if (qtype == T_Q4_K)
                         x16k_group(row, row_blocks, at, k, tr, sums);
+                    else if (qtype == T_Q6_K)
+                        x16q6k_group(row, row_blocks, at, k, tr, sums);
                     else
 #endif
                         x16_group(qtype, row, row_blocks, at, kp, tr, sums);
@@ -792,7 +795,8 @@ int ggml_interleaves(int qtype) { return x16_type(qtype); }
 // masks of 64 bits (mask c, bits 4r .. 4r + 3: the row's bits 4c .. 4c + 3); then the quants by
 // 4-byte column (Q8_0's as u = q + 128). Q4_K: d, dmin, then the 8 scales and the 8 mins
 // unpacked from their 12 bytes of 6-bit fields (scales [8][16], mins by pairs [4][16][2]),
-// then the columns.
+// then the columns. Q6_K: each byte of the row's block moves (q6k_place; ggml_avx512.h's
+// x16q6k_rows has the layout).
 
 static int interleaved_block(int qtype, int *head) {
     *head = 0;
@@ -803,8 +807,19 @@ static int interleaved_block(int qtype, int *head) {
     case T_Q5_1: *head = 4; return 24;
     case T_Q8_0: *head = 2; return 34;
     case T_Q4_K: *head = 4; return 144;
+    case T_Q6_K: return 210;
     default: return 0;
     }
+}
+
+// Q6_K: byte `at` of row r's block -> its offset in the group's block.
+static inline int q6k_place(int at, int r) {
+    if (at >= 208) return 2 * r + at - 208;                                       // d
+    if (at >= 192) return 32 + 16 * (at - 192) + r;                              // scales
+    // ql[64n + 32 half + l] or qh[32n + l], l = 16h + 4i + j: step 2n + h, column 4 part + i
+    const int qh = at >= 128, q = qh ? at - 128 : at;
+    const int n = qh ? q / 32 : q / 64, part = qh ? 2 : q % 64 / 32, l = q % 32;
+    return 288 + 768 * (2 * n + l / 16) + 256 * part + 64 * (l % 16 / 4) + 4 * r + l % 4;
 }
 
 static inline int has_qh(int qtype) { return qtype == T_Q5_0 || qtype == T_Q5_1; }
@@ -812,6 +827,10 @@ static inline int has_qh(int qtype) { return qtype == T_Q5_0 || qtype == T_Q5_1;
 static void interleave_block(int qtype, const uint8_t *blk, uint8_t *o, int r) {
     int head;
     const int size = interleaved_block(qtype, &head);
+    if (qtype == T_Q6_K) {
+        for (int at = 0; at < size; at++) o[q6k_place(at, r)] = blk[at];
+        return;
+    }
     for (int f = 0; f < head; f += 2) memcpy(o + 16 * f + 2 * r, blk + f, 2);
     const uint8_t *q = blk + head;
     uint8_t *cols = o + 16 * head;
@@ -850,6 +869,10 @@ static void interleave_block(int qtype, const uint8_t *blk, uint8_t *o, int r) {
 static void deinterleave_block(int qtype, const uint8_t *o, int r, uint8_t *blk) {
     int head;
     const int size = interleaved_block(qtype, &head);
+    if (qtype == T_Q6_K) {
+        for (int at = 0; at < size; at++) blk[at] = o[q6k_place(at, r)];
+        return;
+    }
     for (int f = 0; f < head; f += 2) memcpy(blk + f, o + 16 * f + 2 * r, 2);
     uint8_t *q = blk + head;
     const uint8_t *cols = o + 16 * head;
@@ -896,8 +919,11 @@ static inline int64_t group_block_bytes(int qtype) {
 int ggml_interleave(const uint8_t *w, int64_t w_stride, int qtype, int64_t n, int64_t k,
                     uint8_t *out, int num_threads) {
     int head;
-    const int size = interleaved_block(qtype, &head), elems = qtype == T_Q4_K ? 256 : 32;
-    if (!size || k % elems || n % 16) return -1;
+    BlockType bt;
+    const int size = interleaved_block(qtype, &head);
+    if (!size || !block_type(qtype, &bt)) return -1;
+    const int elems = bt.block_elems;
+    if (k % elems || n % 16) return -1;
     const int64_t num_blocks = k / elems, block = group_block_bytes(qtype);
 #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int64_t g = 0; g < n / 16; g++)
@@ -913,8 +939,11 @@ int ggml_interleave(const uint8_t *w, int64_t w_stride, int qtype, int64_t n, in
 int ggml_deinterleave_rows(const uint8_t *w, int64_t w_stride, int qtype, const int64_t *index,
                            int64_t count, int64_t k, uint8_t *out, int64_t out_stride) {
     int head;
-    const int size = interleaved_block(qtype, &head), elems = qtype == T_Q4_K ? 256 : 32;
-    if (!size || k % elems) return -1;
+    BlockType bt;
+    const int size = interleaved_block(qtype, &head);
+    if (!size || !block_type(qtype, &bt)) return -1;
+    const int elems = bt.block_elems;
+    if (k % elems) return -1;
     const int64_t num_blocks = k / elems, block = group_block_bytes(qtype);
     for (int64_t i = 0; i < count; i++) {
         const uint8_t *group = w + index[i] / 16 * w_stride;

@@ -130,7 +130,7 @@ def test_out_as_a_column_slice_of_a_wider_tensor(kern, weights):
         assert out[:, 2 * N :].isnan().all()  # nothing written past the slices
 
 
-# --- Rows interleaved by 16 (AVX-512: Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q4_K; AVX2: the first five) ---
+# --- Rows interleaved by 16 (AVX-512: Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q4_K Q6_K; AVX2: the first five) ---
 
 INTERLEAVED = sorted(G.INTERLEAVED_TYPES)
 
@@ -140,6 +140,14 @@ def check_layout_at_one_place(x16: G.GGMLWeight, w: G.GGMLWeight, qtype: int) ->
     size = G.block_shape(qtype)[1]
     at = G.interleaved_row_bytes(qtype, K) // (K // G.block_shape(qtype)[0])  # block 1
     blk, place = w.data[5, size : 2 * size], x16.data[0, at:]  # the file's; the group's
+    if qtype == Q.Q6_K:  # d, sub-block 3's scale, then steps of ql / ql / qh columns
+        assert torch.equal(place[10:12], blk[208:210])
+        assert place[32 + 16 * 3 + 5] == blk[192 + 3]
+        # ql[64 + 32 + 20]: n 1, the second column set, l 20 (h 1, i 1, j 0): step 3
+        assert place[288 + 768 * 3 + 256 + 64 + 20] == blk[64 + 32 + 20]
+        # qh[7]: n 0, l 7 (h 0, i 1, j 3): step 0
+        assert place[288 + 512 + 64 + 20 + 3] == blk[128 + 7]
+        return
     assert torch.equal(place[10:12], blk[:2])  # d
     if qtype == Q.Q4_K:  # dmin; sub-block 2's 6-bit scale and min, unpacked; then columns
         assert torch.equal(place[42:44], blk[2:4])
@@ -179,7 +187,7 @@ def test_interleaved_layout_is_the_documented_one_and_gives_back_its_rows(qtype)
 
 @pytest.mark.parametrize("qtype", INTERLEAVED, ids=lambda t: Q(t).name)
 def test_interleaved_product_matches_gguf_reference(kern, qtype):
-    """Each build that runs the type interleaved (AVX-512: all six; AVX2: all but Q4_K); the
+    """Each build that runs the type interleaved (AVX-512: all seven; AVX2: the legacy five); the
     others refuse the layout rather than misread it."""
     w = G.random_weight(qtype, 48, K, seed=qtype)
     dense, x16 = G.dequantize_ref(w), G.interleave(w, kern)
@@ -207,20 +215,20 @@ def test_interleaved_product_matches_gguf_reference(kern, qtype):
 
 
 def test_interleaving_is_refused_where_there_is_no_such_layout_or_kernel():
-    for qtype, rows in ((Q.Q6_K, 48), (Q.Q5_K, 48), (Q.Q4_0, 40)):
+    for qtype, rows in ((Q.Q3_K, 48), (Q.Q5_K, 48), (Q.Q4_0, 40)):
         with pytest.raises(KernelInputError, match="no interleaved layout"):
             G.interleave(G.random_weight(qtype, rows, K))
     x16 = G.interleave(G.random_weight(Q.Q4_0, 48, K))
     with pytest.raises(KernelInputError, match="expected uint8"):
         G.GGMLWeight(x16.data[:, :-18], Q.Q4_0, K, interleaved=True)
     with pytest.raises(KernelInputError, match="no interleaved layout"):
-        G.GGMLWeight(G.random_weight(Q.Q6_K, 16, K).data.reshape(1, -1), Q.Q6_K, K, True)
+        G.GGMLWeight(G.random_weight(Q.Q5_K, 16, K).data.reshape(1, -1), Q.Q5_K, K, True)
     for isa in ISAS:  # which build runs which type interleaved
         kern = G.load_ggml_kernels(G.default_build_dir(), isa)
         for qtype in (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0):
             assert kern.interleaves(qtype) == (isa != "scalar")
-        assert kern.interleaves(Q.Q4_K) == (isa == "avx512")
-        assert not kern.interleaves(Q.Q6_K) and not kern.interleaves(Q.Q5_K)
+        assert kern.interleaves(Q.Q4_K) == kern.interleaves(Q.Q6_K) == (isa == "avx512")
+        assert not kern.interleaves(Q.Q5_K)
 
 
 def test_select_rows(weights):
