@@ -45,34 +45,33 @@ class GGMLLinear(nn.Module):
         flat = x.reshape(-1, self.in_features)  # (T, K)
         if flat.dtype not in (torch.float32, torch.bfloat16):
             flat = flat.float()
-        out = self._product(flat.contiguous())
+        out = torch.empty(flat.shape[0], self.out_features, dtype=torch.float32)
+        self.product_into(flat.contiguous(), out)
         if self.bias is not None:
             out += self.bias
         return out.to(x.dtype).view(*x.shape[:-1], self.out_features)
 
-    def _product(self, flat: torch.Tensor) -> torch.Tensor:
-        """flat (T, K) fp32 or bf16, contiguous -> x @ W.T (T, N) fp32, no bias."""
-        if len(self.weights) == 1 and not isinstance(self.weights[0], torch.Tensor):
-            return ggml_linear(flat, self.weights[0])
-        out = torch.empty(flat.shape[0], self.out_features, dtype=torch.float32)
-        for w, (start, stop) in zip(self.weights, self.spans, strict=True):
-            if isinstance(w, torch.Tensor):
-                out[:, start:stop] = F.linear(flat.float(), w)
-            else:
-                ggml_linear(flat, w, out=out[:, start:stop])
-        return out
-
     def forward_bf16(self, x: torch.Tensor) -> torch.Tensor:
         """x (T, K) bf16, contiguous -> (T, N) bf16, without the bias (the fused CPU path,
         llama.py, adds a qkv bias in fp32 in rope_qkv)."""
-        if len(self.weights) == 1 and not isinstance(self.weights[0], torch.Tensor):
-            return ggml_linear_bf16(x, self.weights[0])
-        if any(isinstance(w, torch.Tensor) for w in self.weights):
-            return self._product(x).to(torch.bfloat16)
         out = torch.empty(x.shape[0], self.out_features, dtype=torch.bfloat16)
-        for w, (start, stop) in zip(self.weights, self.spans, strict=True):
-            ggml_linear_bf16(x, w, out=out[:, start:stop])  # each part writes its columns
+        self.product_into(x, out)
         return out
+
+    def product_into(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        """out (T, N) = x (T, K) @ W.T, without the bias. x fp32 or bf16, contiguous; out
+        fp32, or bf16 for bf16 x (each sum rounded once from fp32), its rows contiguous (a
+        row range of a wider buffer: the MoE's experts write their runs of rows so)."""
+        bf16 = out.dtype == torch.bfloat16
+        product = ggml_linear_bf16 if bf16 else ggml_linear
+        if len(self.weights) == 1 and not isinstance(self.weights[0], torch.Tensor):
+            product(x, self.weights[0], out=out)
+            return
+        for w, (start, stop) in zip(self.weights, self.spans, strict=True):
+            if isinstance(w, torch.Tensor):
+                out[:, start:stop] = F.linear(x.float(), w)
+            else:
+                product(x, w, out=out[:, start:stop])  # each part writes its columns
 
 
 class GGMLEmbedding(nn.Module):

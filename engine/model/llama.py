@@ -81,6 +81,8 @@ def forward_fused(
     attn = step.attention.forward_query(query, kv_cache, step.meta, layer.scale)
     hidden = layer.o_proj.forward_bf16(attn.view(query.shape[0], -1).to(torch.bfloat16))
     normed = ops.add_rms_norm(hidden, residual, layer.post_attention_layernorm.weight, eps)
+    if layer.mlp is not None:  # experts (Qwen3-MoE, Mixtral): the same glue, by expert
+        return layer.mlp(normed, gated=ops.silu_mul)
     return layer.down_proj.forward_bf16(ops.silu_mul(layer.gate_up_proj.forward_bf16(normed)))
 
 
@@ -95,8 +97,9 @@ class LlamaForCausalLM(DecoderForCausalLM):
     """The skeleton plus the fused CPU paths (module docstring)."""
 
     def runs_fused_glue(self) -> bool:
-        """Llama's math exactly (a qkv bias and per-head q/k norms allowed: rope_qkv's), every
-        projection a GGMLLinear (the C glue's products)."""
+        """Llama's math exactly (a qkv bias and per-head q/k norms allowed: rope_qkv's; a
+        sparse MoE MLP of SiLU experts too, model/moe.py), every projection a GGMLLinear (the
+        C glue's products)."""
         cfg = self.cfg
         llama_math = (
             cfg.norm_layout == "pre"
@@ -109,7 +112,6 @@ class LlamaForCausalLM(DecoderForCausalLM):
             and cfg.attention_scale is None
             and cfg.final_logit_softcap is None
             and cfg.attn_logit_softcap is None
-            and not cfg.num_experts
             and not cfg.layer_types
             and (not cfg.qk_norm or cfg.qk_norm_per_head)
         )
@@ -148,7 +150,9 @@ class LlamaForCausalLM(DecoderForCausalLM):
     def build_cpu_decoder(self, attention, kv_caches: list[torch.Tensor]) -> CpuDecoder | None:
         """`forward_fused`'s layers as one C call (kernels/cpu_decoder.py) over `kv_caches`,
         for the 'cpu' attention backend `attention`; None when a projection has a dense part
-        (forward_fused then runs it through torch)."""
+        or the MLP has experts (forward_fused then runs them through torch)."""
+        if self.cfg.num_experts:
+            return None
         layers = []
         for layer in self.layers:
             projections = layer.projections()

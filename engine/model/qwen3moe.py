@@ -8,7 +8,7 @@ from typing import Any
 
 from agentrt.engine.errors import ModelLoadError
 from agentrt.engine.model.arch import ModelArchConfig, common_fields
-from agentrt.engine.model.decoder import DecoderForCausalLM
+from agentrt.engine.model.llama import LlamaForCausalLM
 
 
 def arch_config(config: dict[str, Any]) -> ModelArchConfig:
@@ -27,4 +27,6 @@ def arch_config(config: dict[str, Any]) -> ModelArchConfig:
     )
 
 
-MODEL_CLASS = DecoderForCausalLM
+# Qwen3's layer (Llama's math with q/k norms per head) with SiLU experts: the fused C glue
+# runs it on the CPU, its experts by model/moe.py (not the one-call decoder).
+MODEL_CLASS = LlamaForCausalLM

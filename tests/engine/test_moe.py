@@ -1,0 +1,114 @@
+"""The sparse MoE MLP (engine/model/moe.py): expert-batched, it computes transformers' MoE
+blocks bit for bit on dense weights; on block-format experts each chosen expert runs once a
+step over all its tokens, unchosen experts not at all, and a token's output does not depend
+on the tokens batched with it (beyond the router's fp32 rounding)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from agentrt.engine.model.ggml_linear import GGMLLinear
+from agentrt.engine.model.moe import ExpertGroups, SparseMoE
+from agentrt.kernels.ggml_linear import random_weight
+
+from .gguf_files import Q
+
+HIDDEN, INTERMEDIATE, EXPERTS, TOP_K = 64, 32, 8, 2
+
+
+def _hf_block(family: str):
+    import transformers
+
+    common = dict(
+        hidden_size=HIDDEN,
+        num_experts_per_tok=TOP_K,
+        initializer_range=0.2,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    if family == "qwen3moe":
+        config = transformers.Qwen3MoeConfig(
+            **common, num_experts=EXPERTS, moe_intermediate_size=INTERMEDIATE, norm_topk_prob=True
+        )
+        block = transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock(config)
+    else:
+        config = transformers.MixtralConfig(
+            **common, num_local_experts=EXPERTS, intermediate_size=INTERMEDIATE
+        )
+        block = transformers.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock(config)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for param in block.parameters():
+            param.copy_(torch.randn(param.shape, generator=generator) * 0.2)
+    return block.eval()
+
+
+@pytest.mark.parametrize("family", ["qwen3moe", "mixtral"])
+@pytest.mark.parametrize("num_tokens", [1, 13])
+def test_moe_equals_transformers_block_bit_for_bit(family, num_tokens):
+    hf = _hf_block(family)
+    ours = SparseMoE(HIDDEN, INTERMEDIATE, EXPERTS, TOP_K, True, F.silu)
+    with torch.no_grad():
+        ours.gate.weight.copy_(hf.gate.weight)
+        for e, expert in enumerate(ours.experts):
+            expert.gate_up_proj.weight.copy_(hf.experts.gate_up_proj[e])  # (2 I, hidden)
+            expert.down_proj.weight.copy_(hf.experts.down_proj[e])  # (hidden, I)
+    hidden = torch.randn(num_tokens, HIDDEN, generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        want = hf(hidden[None])[0]
+        got = ours(hidden)
+    assert torch.equal(got, want)
+
+
+def test_each_chosen_expert_runs_once_a_step_over_all_its_tokens(monkeypatch):
+    # Experts in block formats (Q8_0 gate_up, Q4_K down: an intermediate size of whole Q4_K
+    # blocks, 256), as a GGUF's are loaded.
+    intermediate = 256
+    moe = SparseMoE(HIDDEN, intermediate, EXPERTS, TOP_K, True, F.silu)
+    with torch.no_grad():
+        moe.gate.weight.copy_(
+            torch.randn(EXPERTS, HIDDEN, generator=torch.Generator().manual_seed(3)) * 0.5
+        )
+    for e, expert in enumerate(moe.experts):
+        expert.gate_up_proj = GGMLLinear([random_weight(Q.Q8_0, 2 * intermediate, HIDDEN, e)])
+        expert.down_proj = GGMLLinear([random_weight(Q.Q4_K, HIDDEN, intermediate, 100 + e)])
+    calls: list[tuple[int, str, int]] = []
+    for e, expert in enumerate(moe.experts):
+        for name in ("gate_up_proj", "down_proj"):
+            proj = getattr(expert, name)
+
+            def spy(x, out, e=e, name=name, inner=proj.product_into):
+                calls.append((e, name, x.shape[0]))
+                inner(x, out)
+
+            monkeypatch.setattr(proj, "product_into", spy)
+    hidden = torch.randn(9, HIDDEN, generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        _, chosen = moe.route(hidden)
+        batched = moe(hidden)
+        step_calls = list(calls)
+        calls.clear()
+        alone = torch.cat([moe(hidden[t : t + 1]) for t in range(len(hidden))])
+    # One product of each kind per chosen expert, over all the tokens that chose it.
+    tokens_of = {e: int((chosen == e).any(-1).sum()) for e in chosen.unique().tolist()}
+    assert sorted(step_calls) == sorted(
+        (e, name, n) for e, n in tokens_of.items() for name in ("gate_up_proj", "down_proj")
+    )
+    # One request's decode step reads its k experts only.
+    assert len(calls) == 2 * TOP_K * len(hidden)
+    assert all(n == 1 for _, _, n in calls)
+    # Batching does not change a token's output: the kernels' rows do not interact, only the
+    # router's fp32 product (BLAS) rounds differently for 9 rows than for 1.
+    torch.testing.assert_close(batched, alone, rtol=1e-5, atol=1e-5 * alone.abs().max().item())
+
+
+def test_expert_groups_sort_choices_by_expert_then_slot_then_token():
+    chosen = torch.tensor([[3, 1], [1, 0], [3, 0]])  # (T 3, k 2)
+    groups = ExpertGroups.of(chosen, 5)
+    assert groups.spans == [(0, 0, 2), (1, 2, 4), (3, 4, 6)]
+    # Expert 1: token 1's first choice before token 0's second (transformers' order).
+    assert groups.token_ids.tolist() == [1, 2, 1, 0, 0, 2]
+    assert chosen.t().reshape(-1)[groups.order].tolist() == [0, 0, 1, 1, 3, 3]
