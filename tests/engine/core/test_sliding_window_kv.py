@@ -280,6 +280,18 @@ def test_ngram_drafts_verified_across_the_window_stay_exact(gemma3):
     assert llm.kv_manager.pool.num_free_blocks == llm.kv_manager.num_blocks
 
 
+def test_a_full_attention_draft_model_keeps_the_output_exact(gemma3, tmp_path):
+    path, hf = gemma3
+    draft, _ = write_family_gguf("llama", tmp_path / "draft.gguf", qtype=Q.F32)
+    spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3}
+    llm = LLM(str(path), dtype="float32", speculative_config=spec, **ENGINE)
+    prompts = _prompts((13, 30), seed=5)
+    got = [o.outputs[0].token_ids for o in _generate(llm, prompts)]
+    assert llm.stats().spec_decode.num_draft_tokens > 0
+    assert got == hf_greedy_batch(hf, prompts, NUM_TOKENS)
+    llm.kv_manager.check_invariants()
+
+
 def test_tensor_parallel_ranks_get_every_groups_tables(gemma3):
     path, hf = gemma3
     llm = LLM(str(path), dtype="float32", tensor_parallel_size=2, **ENGINE)
