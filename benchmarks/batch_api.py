@@ -11,14 +11,17 @@ embedded SmolLM2-135M-Instruct:
              restarted on the same state dir; counts the custom_ids lost and duplicated
 
 Rates count from the first request to the last result: the engine's start-up is apart
-(extract and run-batch report it; the server is up before its batch is created). Every side
-runs in its own process(es) with the same engine defaults and --concurrency lines in flight.
+(extract and run-batch report it; the server is up before its batch is created, and its
+rate includes the batch's validation, finalizing and 0.1 s polls). Every side runs in its own
+process(es) with the same engine defaults and --concurrency lines in flight. The timed sides
+run --rounds times, in alternating order (the load of a shared machine drifts); the medians
+are compared.
 
-Last lines: the ratios to extract (target >= 0.95), lost / duplicated after the kill
+Last lines: the median ratios to extract (target >= 0.95), lost / duplicated after the kill
 (target 0 / 0), the machine (CPU model, load average), and a JSON object.
 
-    python benchmarks/batch_api.py                 # 2,000 lines
-    python benchmarks/batch_api.py --docs 200      # on a busy machine
+    python benchmarks/batch_api.py                          # 2,000 lines
+    python benchmarks/batch_api.py --docs 40 --rounds 2     # on a busy machine
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import os
 import platform
 import re
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -189,8 +193,9 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--sides", default="extract,run-batch,serve,kill")
     parser.add_argument("--port", type=int, default=8765)
+    parser.add_argument("--rounds", type=int, default=2, help="of each timed side, alternated")
     args = parser.parse_args()
-    figures: dict[str, dict] = {}
+    figures: dict[str, list[dict]] = {}
     loads = [os.getloadavg()[0]]
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
@@ -200,40 +205,53 @@ def main() -> None:
         source = work / "lines.jsonl"
         lines = batch_lines(rows, args.max_tokens)
         source.write_text("".join(json.dumps(line) + "\n" for line in lines))
-        for side in args.sides.split(","):
-            if side == "extract":
-                extra = ("--concurrency", str(args.concurrency))
-                figures[side] = run_cli(docs, work, side, args.max_tokens, *extra)
-            elif side == "run-batch":
-                figures[side] = run_batch_command(source, work, args.concurrency)
-            elif side == "serve":
-                figures[side] = run_serve(source, work, args.concurrency, args.port)
-            elif side == "kill":
-                figures[side] = run_kill(source, work, args.concurrency, args.port, args.docs)
-            else:
-                raise SystemExit(f"unknown side {side!r}")
-            loads.append(os.getloadavg()[0])
-            f = figures[side]
-            if "docs_per_s" in f:
+        sides = args.sides.split(",")
+        timed = [side for side in sides if side != "kill"]
+        for round_ in range(args.rounds):  # alternate the order: the load drifts
+            for side in timed if round_ % 2 == 0 else timed[::-1]:
+                f = run_side(side, docs, source, work / f"round{round_}", args)
+                figures.setdefault(side, []).append(f)
+                loads.append(os.getloadavg()[0])
                 print(
-                    f"{side:9s} {f['docs_per_s']:7.2f} docs/s over {f['elapsed_s']:.1f} s  "
-                    f"valid {f['num_ok']}/{args.docs}",
+                    f"round {round_} {side:9s} {f['docs_per_s']:7.3f} docs/s over "
+                    f"{f['elapsed_s']:.1f} s  valid {f['num_ok']}/{args.docs}  "
+                    f"(load {loads[-1]:.1f})",
                     flush=True,
                 )
-            else:
-                print(
-                    f"{side:9s} killed at {f['journaled_at_kill']} journaled lines: {f['status']}, "
-                    f"lost {f['lost']}, duplicated {f['duplicated']}, valid {f['num_ok']}",
-                    flush=True,
-                )
-    base = figures.get("extract", {}).get("docs_per_s")
+        if "kill" in sides:
+            f = run_kill(source, work, args.concurrency, args.port, args.docs)
+            figures["kill"] = [f]
+            print(
+                f"kill: SIGKILL at {f['journaled_at_kill']} journaled lines, then {f['status']}: "
+                f"lost {f['lost']}, duplicated {f['duplicated']}, valid {f['num_ok']}/{args.docs}",
+                flush=True,
+            )
+    rate = {
+        side: statistics.median(f["docs_per_s"] for f in runs)
+        for side, runs in figures.items()
+        if side != "kill"
+    }
+    for side, value in rate.items():
+        print(f"{side:9s} median {value:.3f} docs/s over {args.rounds} rounds")
     for side in ("run-batch", "serve"):
-        if base and side in figures:
-            print(f"{side} / extract: {figures[side]['docs_per_s'] / base:.3f} (target >= 0.95)")
+        if "extract" in rate and side in rate:
+            print(f"{side} / extract: {rate[side] / rate['extract']:.3f} (target >= 0.95)")
     machine = f"{cpu_model()}, {os.cpu_count()} CPUs, 1-min load {min(loads):.1f}-{max(loads):.1f}"
     print(f"machine: {machine}")
     summary = {"docs": args.docs, "max_tokens": args.max_tokens, "machine": machine}
-    print(json.dumps({**summary, **figures}))
+    print(json.dumps({**summary, "median_docs_per_s": rate, **figures}))
+
+
+def run_side(side: str, docs: Path, source: Path, work: Path, args) -> dict:
+    work.mkdir(exist_ok=True)
+    if side == "extract":
+        extra = ("--concurrency", str(args.concurrency))
+        return run_cli(docs, work, side, args.max_tokens, *extra)
+    if side == "run-batch":
+        return run_batch_command(source, work, args.concurrency)
+    if side == "serve":
+        return run_serve(source, work, args.concurrency, args.port)
+    raise SystemExit(f"unknown side {side!r}")
 
 
 if __name__ == "__main__":

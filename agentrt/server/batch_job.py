@@ -139,8 +139,9 @@ def load_journal(path: Path) -> OutputState:
 
 
 def succeeded(record: dict[str, Any]) -> bool:
+    """Whether an output record is a 2xx (else it goes to a batch's error file)."""
     response = record.get("response")
-    return record.get("error") is None and response is not None and response["status_code"] < 400
+    return response is not None and 200 <= response["status_code"] < 300
 
 
 class AppDispatcher:

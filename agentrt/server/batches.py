@@ -148,7 +148,7 @@ class BatchManager:
 
     def cancel(self, owner: str | None, batch_id: str) -> dict[str, Any]:
         batch = self._owned(owner, batch_id)
-        if batch["status"] in ENDED or batch["status"] == "cancelling":
+        if batch["status"] in ENDED or batch["status"] in ("cancelling", "finalizing"):
             if batch["status"] not in ("cancelled", "cancelling"):
                 raise APIError(
                     409,
@@ -184,15 +184,18 @@ class BatchManager:
                 await self._run_lines(batch)
             if batch["status"] in ("finalizing", "cancelling"):
                 await anyio.to_thread.run_sync(self._finalize, batch)
+        except OSError as exc:  # its input file deleted, the disk full: this batch fails
+            logger.error("batch %s failed: %s", batch["id"], exc)
+            batch |= {"status": "failed", "failed_at": int(time.time())}
+            error = LineError(None, f"the batch could not run: {exc.strerror or exc}")
+            batch["errors"] = {"object": "list", "data": [error.to_dict()]}
+            self._save(batch)
         finally:
             self._live.pop(batch["id"], None)
 
     async def _validate(self, batch: dict[str, Any]) -> None:
         path = self.files.data_path(batch["input_file_id"])
-        try:
-            total, errors = await anyio.to_thread.run_sync(validate, path, batch["endpoint"])
-        except OSError as exc:  # the input file was deleted meanwhile
-            total, errors = 0, [LineError(None, f"cannot read the input file: {exc.strerror}")]
+        total, errors = await anyio.to_thread.run_sync(validate, path, batch["endpoint"])
         now = int(time.time())
         batch["request_counts"]["total"] = total
         if batch["status"] == "cancelling":
