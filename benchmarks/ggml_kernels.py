@@ -19,8 +19,9 @@ sides of a ratio run interleaved in one process. The last line is one JSON objec
     python benchmarks/ggml_kernels.py --real --baseline HEAD~1 [--isa avx2] [--threads 1]
 
 `--real` runs the types and shapes of real Q4_K_M files instead (Qwen2.5-0.5B: Q5_0 896x896,
-4864x896, 896x4864 and its tied 151936x896 Q8_0 output; Qwen2.5-1.5B: Q6_K 151936x1536
-output and 1536x8960 ffn_down), one activation row (a decode step) and 16, the weights
+4864x896, 896x4864 and its tied 151936x896 Q8_0 output; Qwen2.5-1.5B: Q4_K 17920x1536
+gate_up, Q6_K 151936x1536 output and 1536x8960 ffn_down), one activation row (a decode
+step) and 16 by default (`--rows 1,4,16,64,512`: batches and a prefill), the weights
 streamed from memory as in a decode step (copies of each weight, ~`--stream-mib` MiB in all,
 each called once a pass), against the same source at another git revision (`--baseline`):
 the two builds' passes alternate, each in the layout its build holds the type in (rows
@@ -170,6 +171,7 @@ REAL = (
     ("qwen0.5b gate_up", "Q5_0", 9728, 896),
     ("qwen0.5b down", "Q5_0", 896, 4864),
     ("qwen0.5b output", "Q8_0", 151936, 896),
+    ("qwen1.5b gate_up", "Q4_K", 17920, 1536),
     ("qwen1.5b down", "Q6_K", 1536, 8960),
     ("qwen1.5b output", "Q6_K", 151936, 1536),
 )
