@@ -20,10 +20,8 @@ from agentrt.reasoning import (
     ReasoningText,
 )
 from agentrt.reply import Reply
-from agentrt.tool_calls import (
-    ReplyCalls,
-    tool_call_style,
-)
+from agentrt.tool_calls import ReplyCalls
+from agentrt.tool_formats import tool_call_style
 from agentrt.turn import ChatConstraint, prepare_turn, reasoning_mode
 
 # The SDK decodes greedily unless told otherwise: structured replies from small models are
@@ -149,18 +147,13 @@ class LocalBackend:
             async for delta in stream:
                 read = reader.feed(delta.text, delta.token_ids)
                 if delta.output is not None:
-                    end = reader.finish()
-                    read.reasoning, read.answer = (
-                        read.reasoning + end.reasoning,
-                        read.answer + end.answer,
-                    )
+                    read += reader.finish()
                 if read.reasoning:
                     yield ReasoningText(read.reasoning)
                 if read.answer:
                     yield read.answer
                 if delta.output is not None:
-                    reply = turn.read(tokenizer, params, delta.output.outputs[0])
-                    yield reply_completion(delta.output, reply, tools)
+                    yield reply_completion(delta.output, reader.reply(), tools)
 
     async def stats(self):
         return await self.engine.stats()

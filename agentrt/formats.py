@@ -30,18 +30,12 @@ import pydantic
 
 from agentrt.engine.sampling_params import StructuredOutputsParams, to_grammar_spec
 from agentrt.errors import OutputValidationError, SchemaError
-from agentrt.grammar import GrammarSpec, GrammarSpecError
+from agentrt.grammar import GrammarSpecError
 from agentrt.grammar.tools import allows_many, tool_call_spec_text
 from agentrt.grammar.validate import FinalValidator
-from agentrt.tool_calls import (
-    MAX_PARALLEL_TOOL_CALLS,
-    OPEN_TAG,
-    ToolCall,
-    hermes_spec,
-    read_call_blocks,
-    read_tool_calls,
-    starts_tool_calls,
-)
+from agentrt.reply import ReplyShape, read_reply
+from agentrt.tool_calls import MAX_PARALLEL_TOOL_CALLS, ToolCall, read_call_blocks
+from agentrt.tool_formats import call_format, calls_spec
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,7 +75,7 @@ class OutputFormat:
     tool_choice: str | dict = "auto"
     parallel_tool_calls: bool = True
     max_parallel_tool_calls: int | None = MAX_PARALLEL_TOOL_CALLS  # None: no cap
-    tool_style: str = "json"  # or "hermes" / "hermes_tokens" (see agentrt.tool_calls)
+    tool_style: str = "json"  # the served model's (agentrt.tool_formats: "hermes_tokens"...)
 
     def structured_outputs(self) -> StructuredOutputsParams | None:
         """The engine's constraint for this format (None for plain text)."""
@@ -104,18 +98,13 @@ class OutputFormat:
         except GrammarSpecError as exc:
             raise SchemaError(f"the tools are invalid: {exc}", field="tools") from None
         try:
-            if self.tool_style.startswith("hermes"):
-                spec = hermes_spec(
-                    tools,
-                    self.tool_choice,
-                    parallel=self.parallel_tool_calls,
-                    special=self.tool_style == "hermes_tokens",
-                    max_calls=self.max_parallel_tool_calls,
-                )
-            else:
-                spec = GrammarSpec.from_tools(
-                    tools, self.tool_choice, parallel_tool_calls=self.parallel_tool_calls
-                )
+            spec = calls_spec(
+                tools,
+                self.tool_choice,
+                self.tool_style,
+                parallel=self.parallel_tool_calls,
+                max_calls=self.max_parallel_tool_calls,
+            )
         except GrammarSpecError as exc:
             raise SchemaError(f"tool_choice is invalid: {exc}", field="tool_choice") from None
         return None if spec.kind == "text" else StructuredOutputsParams(spec=spec)
@@ -164,22 +153,26 @@ class OutputFormat:
             return self.tool_choice == "none" or not calls
         if self.tool_choice != "auto":
             return self.tool_choice == "none"
-        if self.tool_style.startswith("hermes"):
-            return OPEN_TAG not in text  # text may come before the first call
-        return not starts_tool_calls(text, self.tool_style)
+        tag = call_format(self.tool_style).open
+        if tag is not None:
+            return tag not in text  # text may come before the first call
+        return not text.lstrip().startswith(("{", "["))
 
     @property
     def allows_many_calls(self) -> bool:
         """Whether a tool reply may hold several calls (a named tool_choice: exactly one)."""
         _, choice = tool_call_spec_text(list(self.tools or ()), self.tool_choice)
-        return allows_many(choice, self.parallel_tool_calls)
+        return allows_many(
+            choice, self.parallel_tool_calls and call_format(self.tool_style).parallel
+        )
 
     def _parse_tool_calls(self, text: str, blocks: list[str] | None) -> list[ToolCall] | str:
         if self.tool_choice == "none":
             return text
-        if blocks is None:
-            read = read_tool_calls(text, self.tool_style, max_calls=self.max_parallel_tool_calls)
-            calls = read[1].calls if read[1] is not None else None
+        if blocks is None:  # a reply given as text: read as the reader reads it
+            shape = ReplyShape(tool_style=self.tool_style, max_calls=self.max_parallel_tool_calls)
+            read = read_reply(None, shape, text, ()).calls
+            calls = read.calls if read is not None else None
         elif blocks:
             reply_calls = read_call_blocks(blocks, max_calls=self.max_parallel_tool_calls)
             if reply_calls.invalid:

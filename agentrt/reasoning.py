@@ -1,5 +1,5 @@
 """Reasoning models in the SDK and the server: which requests reason, the chat template's
-switch, the constraint that starts after the reasoning, and the reply split in two.
+switch, and the constraint that starts after the reasoning (agentrt.reply reads the reply).
 
 `reasoning=True | False | "auto"` (SDK) and `chat_template_kwargs={"enable_thinking": ...}`
 (server) decide; the model family's markers come from the tokenizer and template
@@ -27,11 +27,9 @@ from agentrt.engine.sampling_params import StructuredOutputsParams, to_grammar_s
 from agentrt.grammar import GrammarSpec, GrammarSpecError
 from agentrt.grammar.reasoning import (
     ReasoningSpec,
-    ReasoningStream,
     detect_reasoning,
     reasoning_parser,
     single_token_id,
-    split_reasoning,
     template_opens_reasoning,
     with_reasoning,
 )
@@ -54,9 +52,6 @@ class ReasoningRequest:
     opened: bool = False
     forced: bool = False
     max_tokens: int | None = None
-
-    def stream(self) -> ReasoningStream | None:
-        return ReasoningStream(self.spec, opened=self.opened) if self.spec else None
 
 
 def resolve_spec(tokenizer: Any, mode: Any, parser: str | None) -> ReasoningSpec | None:
@@ -134,17 +129,6 @@ def constrain(
         max_reasoning_tokens=request.max_tokens,
     )
     return StructuredOutputsParams(spec=spec)
-
-
-def split(text: str, request: ReasoningRequest) -> tuple[str | None, str]:
-    """(reasoning, answer) of a finished reply."""
-    if request.spec is None:
-        return None, text
-    if request.opened:
-        stream = ReasoningStream(request.spec, opened=True)
-        parts = [stream.feed(text), stream.finish()]
-        return "".join(p[0] for p in parts), "".join(p[1] for p in parts)
-    return split_reasoning(text, request.spec)
 
 
 def count_reasoning_tokens(tokenizer: Any, token_ids: list[int], request: ReasoningRequest) -> int:

@@ -1,6 +1,8 @@
 """The reply reader: what one engine request wrote -> its reasoning, its text and its tool
-calls, as it streams (`ReplyReader`) or whole (`read_reply`). The SDK backend (and so the
-Agent), chat completions and the Responses endpoint all read replies here.
+calls, as it streams (`ReplyReader.feed`) or whole (`read_reply`: the same reader fed the
+whole reply at once, so a reply streamed and one read whole cannot differ). The SDK backend
+(and so the Agent), chat completions, the Responses and the Messages endpoints all read
+replies here, and only here.
 
 What a reply may hold comes from its turn (`ReplyShape`): reasoning (the request's
 `ReasoningRequest`), tool calls in the served model's style, or calls or an answer in a
@@ -10,9 +12,8 @@ format. It is read two ways, by one rule:
   `<think>` / `</think>`, Qwen's `<tool_call>` / `</tool_call>`: agentrt.reply_tokens): a
   marker is its id, so a tag's characters written as ordinary tokens are text, and a
   decoder that skips special tokens loses no tag;
-- from its text otherwise: the reasoning split at its markers' text
-  (grammar.reasoning.ReasoningStream), the calls scanned from the answer's text by the tool
-  streams (agentrt.reply_calls).
+- from its text otherwise: the reasoning split at its markers' text (`_ReasoningInText`), the
+  calls scanned from the answer's text (agentrt.reply_calls).
 
 Either way the calls follow `agentrt.tool_calls.ReplyCalls` (an exact repeat or the cap ends
 them; a call cut off is dropped, never passed off as text), streamed as OpenAI tool-call
@@ -25,20 +26,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from agentrt.reasoning import ReasoningRequest, count_reasoning_tokens, split
+from agentrt.grammar.reasoning import ReasoningSpec
+from agentrt.reasoning import ReasoningRequest, count_reasoning_tokens
 from agentrt.reply_calls import (
     CallsOrAnswerStreamer,
-    ReplyKind,
     TextThenCallsStreamer,
     ToolCallStreamer,
 )
 from agentrt.reply_tokens import CALL, REASONING, ReplySplitter, reply_markers
-from agentrt.tool_calls import (
-    MAX_PARALLEL_TOOL_CALLS,
-    ReplyCalls,
-    read_call_blocks,
-    read_tool_calls,
-)
+from agentrt.tool_calls import MAX_PARALLEL_TOOL_CALLS, ReplyCalls
+from agentrt.tool_formats import call_format
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,14 +63,22 @@ class ReplyDelta:
     calls: list[dict[str, Any]] = field(default_factory=list)
     reasoning_ended: bool = False
 
+    def __iadd__(self, other: ReplyDelta) -> ReplyDelta:
+        self.reasoning += other.reasoning
+        self.answer += other.answer
+        self.content += other.content
+        self.calls += other.calls
+        self.reasoning_ended = self.reasoning_ended or other.reasoning_ended
+        return self
+
 
 @dataclass(slots=True)
 class Reply:
-    """A finished reply read whole: `reasoning` (None: it did not reason), `text` (the answer
-    as written, call tags spelled), `content` (the answer apart from its calls), `calls`
+    """A finished reply: `reasoning` (None: it did not reason), `text` (the answer as
+    written, call tags spelled), `content` (the answer apart from its calls), `calls`
     (None: no tools, or plain text), `raw_text` (all it wrote, markers spelled: what a
     history re-sends), `num_reasoning_tokens` (markers included) and `call_blocks` (the
-    calls' JSON texts where read from token ids, a last one cut off included)."""
+    calls' JSON texts, a last one cut off included; None: no tools)."""
 
     reasoning: str | None
     text: str
@@ -92,9 +97,9 @@ class Reply:
 
 class ReplyReader:
     """Feed an engine request's deltas (`feed(text, token_ids)`), then `finish()`; each
-    returns a `ReplyDelta`. The detokenizer options are the request's
-    (`skip_special_tokens`, `stop`, `include_stop_str_in_output`); `prompt_token_ids` prime
-    the decoding of the first part (token ids only)."""
+    returns a `ReplyDelta`; after `finish`, `reply()` is the whole `Reply`. The detokenizer
+    options are the request's (`skip_special_tokens`, `stop`, `include_stop_str_in_output`);
+    `prompt_token_ids` prime the decoding of the first part (token ids only)."""
 
     def __init__(
         self,
@@ -109,10 +114,14 @@ class ReplyReader:
         self.tokenizer = tokenizer
         self.shape = shape
         self.token_ids: list[int] = []
+        self.text = ""  # all the reply wrote, as the engine decoded it
+        self.read = ReplyDelta()  # all the deltas so far, added up
         self.reasoning_done = False  # the reasoning's end came (or it did not reason)
         self.markers = reply_markers(tokenizer, shape.reasoning.spec, shape.tool_style)
         self.splitter: ReplySplitter | None = None
-        self._thinking = None  # the reasoning split from the text (ReasoningStream)
+        self._thinking: _ReasoningInText | None = None  # the reasoning split from the text
+        # What reads the answer's text as content and call deltas (None: all content).
+        self._calls = _answer_streamer(shape)
         if self.markers is not None:
             self.splitter = ReplySplitter(
                 tokenizer,
@@ -123,23 +132,20 @@ class ReplyReader:
                 stop=stop,
                 include_stop_str_in_output=include_stop_str_in_output,
             )
-            # The calls' text, tags spelled, read as deltas; where the call tags are no
-            # tokens (the reasoning's are), the calls are read from the answer's text.
-            self._calls = ToolCallStreamer("hermes", max_calls=shape.max_calls)
-            if self.markers.call_open is None:
-                self._calls = _answer_streamer(shape)
-        else:
-            self._thinking = shape.reasoning.stream()
-            self._calls = _answer_streamer(shape)
+            if self.markers.call_open is not None:  # the calls' text, tags spelled
+                self._calls = ToolCallStreamer(shape.tool_style, max_calls=shape.max_calls)
+        elif shape.reasoning.spec is not None:
+            self._thinking = _ReasoningInText(shape.reasoning.spec, opened=shape.reasoning.opened)
 
     def feed(self, text: str, token_ids: Sequence[int]) -> ReplyDelta:
         self.token_ids += token_ids
+        self.text += text
         if self.splitter is not None:
-            return self._from_pieces(self.splitter.feed(token_ids))
+            return self._add(self._from_pieces(self.splitter.feed(token_ids)))
         if self._thinking is None:
-            return self._answer(ReplyDelta(), text)
+            return self._add(self._answer(ReplyDelta(), text))
         thought, answer = self._thinking.feed(text)
-        return self._answer(ReplyDelta(reasoning=thought), answer)
+        return self._add(self._answer(ReplyDelta(reasoning=thought), answer))
 
     def finish(self) -> ReplyDelta:
         """The end of the reply: the text still held back."""
@@ -152,13 +158,33 @@ class ReplyReader:
             delta = ReplyDelta()
         held = self._calls.finish() if self._calls is not None else ""
         delta.content += held
-        return delta
+        return self._add(delta)
 
     def finish_reason(self, reason: str | None) -> str | None:
         """The reply's finish reason from the engine's, after `finish`."""
         if self._calls is None:
             return reason
         return self._calls.finish_reason(reason)
+
+    def reply(self) -> Reply:
+        """The whole reply, after `finish`: a reply that made no call (or whose calls are
+        not calls) is its text; one that did has the text before its calls as content."""
+        if self.splitter is not None:
+            reasoning, raw_text = self.splitter.reasoning, self.splitter.raw_text
+        else:
+            reasoning, raw_text = None, self.text
+            if self._thinking is not None and self._thinking.reasoned:
+                reasoning = self.read.reasoning
+        answer, content, calls, blocks = self.read.answer, self.read.answer, None, None
+        if self._calls is not None:
+            calls, blocks = self._calls.result()
+            if self.splitter is not None and self.markers.call_open is not None:
+                blocks = list(self.splitter.calls)
+            if calls is not None and not calls.invalid and (calls.calls or calls.cut):
+                content = self.read.content.strip()
+            else:  # plain text (or not calls after all): all of it is content
+                calls = None
+        return Reply(reasoning, answer, content, calls, raw_text, self.num_reasoning_tokens, blocks)
 
     @property
     def in_answer(self) -> bool:
@@ -173,6 +199,10 @@ class ReplyReader:
         if self.splitter is not None:
             return self.splitter.num_reasoning_tokens
         return count_reasoning_tokens(self.tokenizer, self.token_ids, self.shape.reasoning)
+
+    def _add(self, delta: ReplyDelta) -> ReplyDelta:
+        self.read += delta
+        return delta
 
     def _from_pieces(self, pieces: list) -> ReplyDelta:
         delta, call_text = ReplyDelta(), ""
@@ -219,8 +249,8 @@ def _answer_streamer(
         return CallsOrAnswerStreamer(
             shape.tool_style, set(shape.tool_names), max_calls=shape.max_calls
         )
-    if shape.tool_style == "hermes":  # text may precede the calls
-        return TextThenCallsStreamer(max_calls=shape.max_calls)
+    if call_format(shape.tool_style).tagged:  # text may precede the calls
+        return TextThenCallsStreamer(shape.tool_style, max_calls=shape.max_calls)
     return ToolCallStreamer(shape.tool_style, max_calls=shape.max_calls)
 
 
@@ -235,63 +265,70 @@ def read_reply(
     stop: Sequence[str] = (),
     include_stop_str_in_output: bool = False,
 ) -> Reply:
-    """A finished reply (`text`, `token_ids`: the engine's output) read whole."""
-    markers = reply_markers(tokenizer, shape.reasoning.spec, shape.tool_style)
-    if markers is not None:
-        splitter = ReplySplitter(
-            tokenizer,
-            markers,
-            opened=shape.reasoning.opened,
-            prompt_token_ids=prompt_token_ids,
-            skip_special_tokens=skip_special_tokens,
-            stop=stop,
-            include_stop_str_in_output=include_stop_str_in_output,
-        )
-        splitter.feed(token_ids)
-        splitter.finish()
-        if shape.tool_style is not None and markers.call_open is None:
-            # The reasoning's markers are tokens, the call tags not: calls from the text.
-            return _with_calls(
-                shape,
-                splitter.reasoning,
-                splitter.text,
-                splitter.raw_text,
-                splitter.num_reasoning_tokens,
-            )
-        calls = None
-        if shape.tool_style is not None and splitter.calls:
-            calls = read_call_blocks(
-                splitter.calls, cut=splitter.in_call, max_calls=shape.max_calls
-            )
-        return Reply(
-            splitter.reasoning,
-            splitter.text,
-            splitter.content,
-            calls,
-            splitter.raw_text,
-            splitter.num_reasoning_tokens,
-            list(splitter.calls) if shape.tool_style is not None else None,
-        )
-    reasoning, answer = split(text, shape.reasoning)
-    num_reasoning = count_reasoning_tokens(tokenizer, list(token_ids), shape.reasoning)
-    return _with_calls(shape, reasoning, answer, text, num_reasoning)
+    """A finished reply (`text`, `token_ids`: the engine's output) read whole: the reader
+    fed it in one delta. `tokenizer` may be None for a reply read from its text."""
+    reader = ReplyReader(
+        tokenizer,
+        shape,
+        prompt_token_ids=prompt_token_ids,
+        skip_special_tokens=skip_special_tokens,
+        stop=stop,
+        include_stop_str_in_output=include_stop_str_in_output,
+    )
+    reader.feed(text, token_ids)
+    reader.finish()
+    return reader.reply()
 
 
-def _with_calls(
-    shape: ReplyShape, reasoning: str | None, answer: str, raw_text: str, num_reasoning: int
-) -> Reply:
-    """The reply whose answer is `answer`, its calls read from that text."""
-    content, calls = answer, None
-    if shape.tool_style is not None and not _is_answer(shape, answer):
-        content, calls = read_tool_calls(answer, shape.tool_style, max_calls=shape.max_calls)
-        content = answer if calls is None else content
-    return Reply(reasoning, answer, content, calls, raw_text, num_reasoning)
+class _ReasoningInText:
+    """A reply's text deltas split into reasoning and answer deltas as they come (the
+    reader's way where the markers are not single tokens). `opened`: the reply starts
+    inside the reasoning (the template opened it); otherwise it reasons only if it starts
+    with the start marker. Text that may be the start of a marker is held back until the
+    next delta (or `finish`). The grammar keeps the end marker's text out of the reasoning,
+    so its first end marker ends it."""
+
+    def __init__(self, spec: ReasoningSpec, *, opened: bool) -> None:
+        self.spec = spec
+        self.mode = "reasoning" if opened else None  # None: not yet known
+        self.reasoned = opened  # the reply reasoned (the block was open at some point)
+        self.saw_end = False
+        self._held = ""
+
+    def feed(self, text: str) -> tuple[str, str]:
+        """Add a delta; returns (reasoning delta, answer delta)."""
+        text, self._held = self._held + text, ""
+        if self.mode is None:
+            stripped = text.lstrip()
+            if not stripped or self.spec.start.startswith(stripped):
+                self._held = text
+                return "", ""
+            if stripped.startswith(self.spec.start):
+                self.mode, self.reasoned = "reasoning", True
+                text = stripped[len(self.spec.start) :]
+            else:
+                self.mode = "answer"
+        if self.mode == "answer":
+            return "", text
+        at = text.find(self.spec.end)
+        if at >= 0:
+            self.mode, self.saw_end = "answer", True
+            return text[:at], text[at + len(self.spec.end) :]
+        keep = _partial_suffix(text, self.spec.end)
+        self._held = text[len(text) - keep :] if keep else ""
+        return text[: len(text) - keep], ""
+
+    def finish(self) -> tuple[str, str]:
+        """The held-back text, at the end of the reply."""
+        held, self._held = self._held, ""
+        if self.mode == "reasoning":
+            return held, ""
+        return "", held
 
 
-def _is_answer(shape: ReplyShape, text: str) -> bool:
-    """With an answer format too: whether the reply is the answer, not calls."""
-    if not shape.answer_too:
-        return False
-    kind = ReplyKind(shape.tool_style, set(shape.tool_names))
-    kind.feed(text)
-    return kind.finish() == "answer"
+def _partial_suffix(text: str, marker: str) -> int:
+    """The length of the longest end of `text` that is a proper start of `marker`."""
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-n:]):
+            return n
+    return 0

@@ -2,14 +2,15 @@
 content around them (the text parts of agentrt.reply's reader).
 
 The grammar makes a reply either plain text (under `tool_choice="auto"`) or calls, in one
-of the styles of `agentrt.tool_calls`: "json", one call `{"name": ..., "arguments":
-{...}}` or a list of them (text then never starts with `{` or `[`); "hermes" and
-"hermes_tokens", one `<tool_call>\n{...}\n</tool_call>` block per call (text never starts
-with `<tool_call>`; it may start with `<`, so the mode waits while the text so far could
-still become that tag).
+of the styles of `agentrt.tool_formats`: bare JSON ("json": one call `{"name": ...,
+"arguments": {...}}` or a list of them; "llama3": one call, its arguments under
+"parameters"; text then never starts with `{` or `[`), or tagged ("hermes", "phi4"), one
+`<tool_call>\n{...}\n</tool_call>` block per call (text never starts with the opening
+tag; it may start with `<`, so the mode waits while the text so far could still become the
+tag).
 
 - `ToolCallStreamer` scans the JSON incrementally (strings, escapes and nesting depth; the
-  tags between hermes blocks hold no JSON punctuation, so they pass through the same scan)
+  tags between blocks hold no JSON punctuation, so they pass through the same scan)
   and turns it into OpenAI's deltas: the first delta of a call carries its `id`, `type` and
   `name`; later ones append raw text to `function.arguments`, so the client's concatenation
   is the arguments' JSON text. The first call streams as it grows; each later one is held
@@ -31,7 +32,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from agentrt.tool_calls import MAX_PARALLEL_TOOL_CALLS, OPEN_TAG, ReplyCalls, new_call_id
+from agentrt.tool_calls import MAX_PARALLEL_TOOL_CALLS, ReplyCalls, new_call_id
+from agentrt.tool_formats import call_format
 
 # A compact call in the "json" style starts with exactly this (`COMPACT_JSON` separators).
 _CALL_HEAD = '{"name": "'
@@ -57,7 +59,9 @@ class ToolCallStreamer:
     def __init__(
         self, style: str = "json", *, max_calls: int | None = MAX_PARALLEL_TOOL_CALLS
     ) -> None:
-        self.opening = OPEN_TAG if style.startswith("hermes") else None
+        fmt = call_format(style)
+        self.opening = fmt.open  # None: bare JSON
+        self.arguments_key = fmt.arguments_key  # "parameters" in Llama 3's calls
         self.reply_calls = ReplyCalls(max_calls)
         self.text = ""
         self.mode: str | None = None  # None until the first non-space character: "text" / "json"
@@ -115,6 +119,21 @@ class ToolCallStreamer:
             return self.reply_calls.finish_reason(reason)
         return "tool_calls" if self.is_tool_calls and reason == "stop" else reason
 
+    def result(self) -> tuple[ReplyCalls | None, list[str]]:
+        """After `finish`: the reply's calls (None: it is text) and the JSON texts of the
+        calls it wrote (a last one cut off included). `cut`: a call never closed (inside
+        its JSON, or after its opening tag)."""
+        if self.mode != "json":
+            return None, []
+        num_closed = sum(call.end is not None for call in self.calls)
+        self.reply_calls.cut = self._depth > 0 or (
+            self.opening is not None and self.text.count(self.opening) > num_closed
+        )
+        blocks = [self.text[c.start : c.end or len(self.text)] for c in self.calls]
+        if self.arguments_key != "arguments":  # as OpenAI names the key
+            blocks = [_openai_block(block, self.arguments_key) for block in blocks]
+        return self.reply_calls, blocks
+
     def _scan(self) -> None:
         text = self.text
         while self._pos < len(text):
@@ -153,7 +172,7 @@ class ToolCallStreamer:
         if self._depth != self._call_depth or self._key is None or not self.calls:
             return
         self._value_key, self._key = self._key, None
-        if self._value_key == "arguments":
+        if self._value_key == self.arguments_key:
             self.calls[-1].args_start = i
 
     def _close_string(self, i: int) -> None:
@@ -163,14 +182,15 @@ class ToolCallStreamer:
         if self._value_key == "name":
             self.calls[-1].name = json.loads(value)
             self._value_key = None
-        elif self._value_key == "arguments":  # arguments given as a string value
+        elif self._value_key == self.arguments_key:  # arguments given as a string value
             self.calls[-1].args_end = i + 1
             self._value_key = None
         else:
             self._last_string = json.loads(value)
 
     def _close_container(self, i: int) -> None:
-        if self._depth == self._call_depth and self._value_key == "arguments" and self.calls:
+        key = self.arguments_key
+        if self._depth == self._call_depth and self._value_key == key and self.calls:
             self.calls[-1].args_end = i + 1
             self._value_key = None
 
@@ -209,14 +229,33 @@ class ToolCallStreamer:
             item = json.loads(self.text[call.start : call.end])
         except json.JSONDecodeError:
             item = None
-        return self.reply_calls.offer(item)
+        return self.reply_calls.offer(_as_openai(item, self.arguments_key))
+
+
+def _as_openai(item: Any, arguments_key: str) -> Any:
+    """A call object with its arguments under "arguments" (Llama 3 writes "parameters")."""
+    if arguments_key == "arguments" or not isinstance(item, dict):
+        return item
+    return {("arguments" if k == arguments_key else k): v for k, v in item.items()}
+
+
+def _openai_block(block: str, arguments_key: str) -> str:
+    """A call's JSON text with its arguments under "arguments" (one cut off: as it is)."""
+    try:
+        return json.dumps(_as_openai(json.loads(block), arguments_key))
+    except json.JSONDecodeError:
+        return block
 
 
 class TextThenCallsStreamer:
     """`ToolCallStreamer`'s interface (`feed`, `finish`, `is_tool_calls`) for text, then
     calls, in spelled tags."""
 
-    def __init__(self, *, max_calls: int | None = MAX_PARALLEL_TOOL_CALLS) -> None:
+    def __init__(
+        self, style: str = "hermes", *, max_calls: int | None = MAX_PARALLEL_TOOL_CALLS
+    ) -> None:
+        self.style = style
+        self.tag = call_format(style).open
         self.max_calls = max_calls
         self._calls: ToolCallStreamer | None = None  # set once the opening tag came
         self._held = ""  # the text's tail that may start the tag, or is whitespace
@@ -226,12 +265,12 @@ class TextThenCallsStreamer:
         if self._calls is not None:
             return self._calls.feed(text)
         text, self._held = self._held + text, ""
-        at = text.find(OPEN_TAG)
+        at = text.find(self.tag)
         if at >= 0:  # the whitespace before the tag is no content
-            self._calls = ToolCallStreamer("hermes", max_calls=self.max_calls)
+            self._calls = ToolCallStreamer(self.style, max_calls=self.max_calls)
             _, deltas = self._calls.feed(text[at:])
             return text[:at].rstrip(), deltas
-        body = text[: len(text) - _partial_tag(text)].rstrip()
+        body = text[: len(text) - _partial_tag(text, self.tag)].rstrip()
         self._held = text[len(body) :]
         return body, []
 
@@ -249,11 +288,14 @@ class TextThenCallsStreamer:
     def finish_reason(self, reason: str | None) -> str | None:
         return reason if self._calls is None else self._calls.finish_reason(reason)
 
+    def result(self) -> tuple[ReplyCalls | None, list[str]]:
+        return (None, []) if self._calls is None else self._calls.result()
 
-def _partial_tag(text: str) -> int:
-    """The length of the longest end of `text` that is a proper start of the opening tag."""
-    for n in range(min(len(OPEN_TAG) - 1, len(text)), 0, -1):
-        if OPEN_TAG.startswith(text[-n:]):
+
+def _partial_tag(text: str, tag: str) -> int:
+    """The length of the longest end of `text` that is a proper start of `tag`."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-n:]):
             return n
     return 0
 
@@ -272,7 +314,7 @@ class ReplyKind:
         head = self.text.lstrip()
         if not head:
             return None
-        if self.tool_style != "json":
+        if call_format(self.tool_style).tagged:
             return "calls" if head[0] == "<" else "answer"
         if head[0] == "[":
             return "calls"
@@ -331,6 +373,9 @@ class CallsOrAnswerStreamer:
 
     def finish_reason(self, reason: str | None) -> str | None:
         return self._calls.finish_reason(reason) if self.kind == "calls" else reason
+
+    def result(self) -> tuple[ReplyCalls | None, list[str]]:
+        return self._calls.result() if self.kind == "calls" else (None, [])
 
 
 def _closed_string(text: str) -> str | None:

@@ -1,6 +1,6 @@
 """A reply read from its token ids: reasoning, text and tool calls apart, where the markers
 are single tokens of the tokenizer (Qwen3's `<think>` / `</think>`, Qwen's `<tool_call>` /
-`</tool_call>`).
+`</tool_call>`, Phi-4-mini's `<|tool_call|>` / `<|/tool_call|>`: agentrt.tool_formats).
 
 Reading the decoded text back for markers fails two ways: a model may write a marker's
 characters as ordinary tokens (the prose "<tool_call>" as `<`, `tool`, `_call`, `>`), which
@@ -29,7 +29,7 @@ from typing import Any
 
 from agentrt.engine.client.detokenizer import IncrementalDetokenizer
 from agentrt.grammar.reasoning import ReasoningSpec, single_token_id
-from agentrt.tool_calls import CLOSE_TAG, OPEN_TAG
+from agentrt.tool_formats import TOKENS, call_format
 
 REASONING, CONTENT, CALL = "reasoning", "content", "call"
 _PRIMER_TOKENS = 24  # the detokenizer primes with at most this many tokens before a part
@@ -51,15 +51,18 @@ def reply_markers(
     """The markers of a reply that reasons per `reasoning` (None: it does not) and calls
     tools in `tool_style` (None: no tools), when it is to be read from its token ids: every
     marker in play is one token, and there is at least one. None: read it from its text."""
+    if tokenizer is None:  # a reply given as text alone
+        return None
     think_start = think_end = call_open = call_close = None
     if reasoning is not None:
         think_start = single_token_id(tokenizer, reasoning.start)
         think_end = single_token_id(tokenizer, reasoning.end)
         if think_start is None or think_end is None:
             return None
-    if tool_style == "hermes_tokens":
-        call_open = single_token_id(tokenizer, OPEN_TAG)
-        call_close = single_token_id(tokenizer, CLOSE_TAG)
+    if tool_style is not None and tool_style.endswith(TOKENS):  # "hermes_tokens", "phi4_tokens"
+        fmt = call_format(tool_style)
+        call_open = single_token_id(tokenizer, fmt.open)
+        call_close = single_token_id(tokenizer, fmt.close)
     if think_end is None and call_open is None:
         return None
     return ReplyMarkers(think_start, think_end, call_open, call_close)
@@ -166,13 +169,13 @@ class ReplySplitter:
                 self._close(pieces)
                 self._part = self._open(CALL)
                 self.calls.append("")
-                self.raw_text += OPEN_TAG
-                self._emit(pieces, OPEN_TAG)
+                self.raw_text += self._spelled(token_id)
+                self._emit(pieces, self._spelled(token_id))
                 return
         elif kind == CALL and token_id == m.call_close:
             self._close(pieces)
-            self.raw_text += CLOSE_TAG
-            self._emit(pieces, CLOSE_TAG)
+            self.raw_text += self._spelled(token_id)
+            self._emit(pieces, self._spelled(token_id))
             self._part = self._open(CONTENT)
             return
         self._part.decoder.append([token_id])

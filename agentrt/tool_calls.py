@@ -1,40 +1,27 @@
-"""Tool calls in chat, shared by the SDK and the server.
+"""Tool calls in chat, shared by the SDK and the server: a call (`ToolCall`), the calls of
+one reply (`ReplyCalls`), and the prompt's tools and tool turns (`render_messages`).
 
-Reply styles, chosen from the chat template and the tokenizer:
-- "hermes", when the template defines `<tool_call>` (Qwen 2.5 / 3, Hermes): the model's own
-  format, one `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>` block per call.
-  "hermes_tokens" is the same format where the tokenizer has both tags as single tokens (Qwen's
-  151657 / 151658): the grammar then names those tokens, the ones the model was trained to
-  write, and the tags come back in the decoded text (they are not skipped as special).
-- "json" otherwise (the grammar layer's `GrammarSpec.from_tools`): one call
-  `{"name": ..., "arguments": {...}}`, or with parallel calls a JSON list of them.
-With `tool_choice="auto"` plain text is the other option. Chat templates that take `tools`
-render the tool definitions and the tool messages themselves; for templates that do not
-(SmolLM2's ChatML), the definitions go into the system message and tool turns become text.
+Each family's call format (Qwen's `<tool_call>` blocks, Phi-4-mini's `<|tool_call|>`, Llama
+3's `{"name": ..., "parameters": ...}`, plain JSON otherwise) is its entry in
+agentrt.tool_formats. With `tool_choice="auto"` plain text is the other option. Chat
+templates that take `tools` render the tool definitions and the tool messages themselves;
+for templates that do not (SmolLM2's ChatML, Gemma 3), the definitions go into the system
+message and tool turns become text.
 """
 
 from __future__ import annotations
 
 import json
-import re
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from agentrt.grammar import GrammarSpec
-from agentrt.grammar.reasoning import single_token_id
-from agentrt.grammar.tools import (
-    EXCLUDED_ARGUMENTS,
-    CallTags,
-    tagged_calls_lark,
-    tool_call_spec_text,
-)
+from agentrt.grammar.tools import EXCLUDED_ARGUMENTS
+from agentrt.tool_formats import call_format, tool_call_style
 
-OPEN_TAG, CLOSE_TAG = "<tool_call>", "</tool_call>"
 # The most calls one reply makes by default: small models asked for parallel calls tend to
 # repeat one call until max_tokens; eight covers real fan-outs and bounds that loop.
 MAX_PARALLEL_TOOL_CALLS = 8
-_HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,43 +44,6 @@ def new_call_id() -> str:
 
 def template_supports_tools(tokenizer) -> bool:
     return "tools" in (getattr(tokenizer, "chat_template", None) or "")
-
-
-def tool_call_style(tokenizer) -> str:
-    """The reply style for this tokenizer's chat template: "hermes_tokens", "hermes" or
-    "json"."""
-    if OPEN_TAG not in (getattr(tokenizer, "chat_template", None) or ""):
-        return "json"
-    return (
-        "hermes_tokens"
-        if all(_single_token(tokenizer, t) for t in (OPEN_TAG, CLOSE_TAG))
-        else ("hermes")
-    )
-
-
-def _single_token(tokenizer, text: str) -> bool:
-    return single_token_id(tokenizer, text) is not None
-
-
-def hermes_spec(
-    tools: list[dict[str, Any]],
-    tool_choice: Any,
-    *,
-    parallel: bool,
-    special: bool = False,
-    max_calls: int | None = MAX_PARALLEL_TOOL_CALLS,
-) -> GrammarSpec:
-    """The grammar of `<tool_call>` blocks (llguidance Lark with an embedded JSON schema per
-    call; `special`: the tags are the tokenizer's own single tokens; at most `max_calls`
-    blocks, None: no cap); under "auto", plain text that does not start with `<tool_call>`
-    is the alternative. Raises the grammar layer's GrammarSpecError for bad tools or an
-    unknown tool_choice."""
-    canonical, choice = tool_call_spec_text(tools, tool_choice)
-    if choice == "none":
-        return GrammarSpec.any_text()
-    tags = CallTags(OPEN_TAG, CLOSE_TAG, open_special=special, close_special=special)
-    lark = tagged_calls_lark(canonical, choice, parallel=parallel, tags=tags, max_calls=max_calls)
-    return GrammarSpec.from_ebnf(lark)
 
 
 @dataclass(slots=True)
@@ -148,91 +98,14 @@ class ReplyCalls:
 
 
 def read_call_blocks(
-    blocks: list[str], *, cut: bool = False, max_calls: int | None = MAX_PARALLEL_TOOL_CALLS
+    blocks: list[str], *, max_calls: int | None = MAX_PARALLEL_TOOL_CALLS
 ) -> ReplyCalls:
-    """The calls of a finished reply from their JSON texts (`cut`: the last one never
-    closed)."""
+    """The calls of a finished reply from their JSON texts (a remote server's calls, or
+    `agentrt.reply.Reply.call_blocks`)."""
     calls = ReplyCalls(max_calls)
-    for block in blocks[:-1] if cut and blocks else blocks:
+    for block in blocks:
         calls.offer_text(block)
-    calls.cut = cut
     return calls
-
-
-def starts_tool_calls(text: str, style: str = "json") -> bool:
-    """Whether a reply begins like a call payload of `style` rather than plain text."""
-    openers = (OPEN_TAG,) if style.startswith("hermes") else ("{", "[", OPEN_TAG)
-    return text.lstrip().startswith(openers)
-
-
-def parse_tool_calls(text: str, style: str = "json") -> list[ToolCall] | None:
-    """The calls of a constrained reply read from its text (`read_tool_calls`), or None
-    when it made none."""
-    calls = read_tool_calls(text, style)[1]
-    return calls.calls if calls is not None and calls.calls else None
-
-
-def read_tool_calls(
-    text: str, style: str = "json", *, max_calls: int | None = MAX_PARALLEL_TOOL_CALLS
-) -> tuple[str, ReplyCalls | None]:
-    """(content, calls) of a constrained reply read from its text; calls None when it is
-    plain text (content is then the whole text). Under a hermes style the calls are the
-    `<tool_call>` blocks from the first opening tag on, and the text before it is the
-    content ("Let me check." then a call); plain text may start with `{`. The "json" style
-    reads a reply that is one call payload, or a list of them: one cut off keeps the calls
-    it completed. (A tokenizer whose tags are single tokens is read from the token ids
-    instead: agentrt.reply_tokens.)"""
-    stripped = text.strip()
-    calls = ReplyCalls(max_calls)
-    if style.startswith("hermes") or stripped.startswith(OPEN_TAG):
-        at = stripped.find(OPEN_TAG)
-        if at < 0:
-            return text, None
-        blocks = _HERMES_CALL.findall(stripped[at:])
-        for block in blocks:
-            calls.offer_text(block)
-        calls.cut = stripped.count(OPEN_TAG, at) > len(blocks)
-        if calls.invalid or not (calls.calls or calls.cut):
-            return text, None
-        return stripped[:at].strip(), calls
-    if not stripped.startswith(("{", "[")):
-        return text, None
-    try:
-        payload = json.loads(stripped)
-    except json.JSONDecodeError:
-        items, calls.cut = _complete_items(stripped), True
-    else:
-        items = payload if isinstance(payload, list) else [payload]
-    for item in items:
-        calls.offer(item)
-    if calls.invalid or not (calls.calls or calls.cut):
-        return text, None
-    return "", calls
-
-
-def _complete_items(text: str) -> list[Any]:
-    """The items a JSON list cut off completed (none for anything else)."""
-    if not text.startswith("["):
-        return []
-    decoder, items, at = json.JSONDecoder(), [], 1
-    while True:
-        while at < len(text) and text[at] in " \t\r\n,":
-            at += 1
-        try:
-            item, at = decoder.raw_decode(text, at)
-        except json.JSONDecodeError:
-            return items
-        items.append(item)
-
-
-def parse_call_blocks(blocks: list[str]) -> list[ToolCall] | None:
-    """The calls of `{"name": ..., "arguments": {...}}` texts (one per tagged block), or
-    None when one is not such a call."""
-    try:
-        items = [json.loads(block) for block in blocks]
-    except json.JSONDecodeError:
-        return None
-    return _to_calls(items)
 
 
 def _to_calls(items: list[Any]) -> list[ToolCall] | None:
@@ -289,12 +162,15 @@ def render_messages(
     parallel: bool = True,
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
     """Messages (OpenAI format, tool calls included) and the tools to hand the chat template.
-    Templates that take `tools` get everything as is; for others the tools are described in
-    the system message and tool turns are rewritten as text. Either way the model sees
-    each tool as defined: `excluded_arguments` only narrow the grammar."""
+    Templates that take `tools` get them, and the calls as the family's template reads them
+    (`_family_messages`); for others the tools are described in the system message and tool
+    turns are rewritten as text (as user turns where the template demands that roles
+    alternate: Gemma's). Either way the model sees each tool as defined:
+    `excluded_arguments` only narrow the grammar."""
     tools = shown_tools(tools) if tools else tools
+    template = getattr(tokenizer, "chat_template", None) or ""
     if template_supports_tools(tokenizer):
-        return messages, tools
+        return _family_messages(messages, tools, template, tool_call_style(tokenizer))
     rendered = []
     for message in messages:
         role = message.get("role")
@@ -316,7 +192,65 @@ def render_messages(
             rendered[0] = {"role": "system", "content": rendered[0]["content"] + "\n\n" + text}
         else:
             rendered.insert(0, {"role": "system", "content": text})
+    if _ALTERNATE in template:
+        rendered = _alternating(rendered)
     return rendered, None
+
+
+# A template that raises unless user and assistant turns alternate (Gemma's, Llama 2's).
+_ALTERNATE = "must alternate user/assistant"
+# Phi-4-mini's own template: the tools are a JSON string on the system message.
+_SYSTEM_TOOLS = "message['tools']"
+
+
+def _family_messages(
+    messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, template: str, style: str
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+    """The messages and tools for a template that takes tools. Qwen's (hermes) takes the
+    calls' arguments as JSON text; Llama 3's and Phi-4-mini's write them with `tojson`, so
+    they get the arguments as objects. Phi-4-mini's own template reads the tools from the
+    system message and writes an assistant turn's content only: the calls go there, in its
+    `<|tool_call|>` tags."""
+    if style.startswith("hermes"):
+        return messages, tools
+    fmt = call_format(style)
+    out = []
+    for message in messages:
+        calls = message.get("tool_calls")
+        if calls:
+            calls = [
+                {**c, "function": {**c["function"], "arguments": _arguments(c["function"])}}
+                for c in calls
+            ]
+            message = {**message, "tool_calls": calls}
+            if _SYSTEM_TOOLS in template and fmt.tagged:
+                blocks = [
+                    fmt.open + json.dumps(c["function"], ensure_ascii=False) + fmt.close
+                    for c in calls
+                ]
+                content = (message.get("content") or "") + "".join(blocks)
+                message = {"role": "assistant", "content": content}
+        out.append(message)
+    if tools and _SYSTEM_TOOLS in template:
+        functions = json.dumps([t.get("function", t) for t in tools], ensure_ascii=False)
+        if out and out[0].get("role") == "system":
+            out[0] = {**out[0], "tools": functions}
+        else:
+            out.insert(0, {"role": "system", "content": "", "tools": functions})
+    return out, tools
+
+
+def _alternating(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Tool turns as user turns, and a turn of the same role as the one before it merged
+    into it (two tool results in a row), so user and assistant turns alternate."""
+    out: list[dict[str, Any]] = []
+    for message in messages:
+        role = "user" if message["role"] == "tool" else message["role"]
+        if out and out[-1]["role"] == role and role != "system":
+            out[-1] = {"role": role, "content": out[-1]["content"] + "\n\n" + message["content"]}
+        else:
+            out.append({"role": role, "content": message["content"]})
+    return out
 
 
 def _arguments(function: dict[str, Any]) -> Any:

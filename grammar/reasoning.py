@@ -14,7 +14,7 @@ instead a reasoning request's grammar has two parts, run one after the other:
 A marker that is one token of the tokenizer (Qwen3's `<think>` 151667 / `</think>` 151668)
 is named as that token (llguidance's `<think>` syntax); otherwise it is text. Either way the
 reasoning text never holds the end marker's text, so splitting the decoded output at its
-first end marker (`split_reasoning`, `ReasoningStream`) gives exactly the two parts.
+first end marker (agentrt.reply's reader) gives exactly the two parts.
 
 When the template leaves the choice to the model (Qwen3 with thinking on opens nothing) and
 the start marker is one token, the first row allows that token or the answer's first
@@ -170,75 +170,6 @@ def single_token_id(tokenizer: Any, text: str) -> int | None:
     if token_id is None or tokenizer.encode(text, add_special_tokens=False) != [token_id]:
         return None
     return token_id
-
-
-# ---- splitting the decoded output -------------------------------------------------------
-
-
-def split_reasoning(text: str, spec: ReasoningSpec) -> tuple[str | None, str]:
-    """(reasoning, answer) of a finished output that reasoned: the text up to its first end
-    marker (without the start marker), and what follows; (None, text) when it has none."""
-    stream = ReasoningStream(spec, opened=True)
-    stripped = text.lstrip()
-    if stripped.startswith(spec.start):
-        text = stripped[len(spec.start) :]
-    elif spec.end not in text:
-        return None, text
-    reasoning, answer = stream.feed(text)
-    more_reasoning, more_answer = stream.finish()
-    return reasoning + more_reasoning, answer + more_answer
-
-
-class ReasoningStream:
-    """Splits text deltas into reasoning and answer deltas as they come. `opened`: the
-    output starts inside the reasoning (the template opened it); otherwise it reasons only
-    if it starts with the start marker. Text that may be the start of a marker is held back
-    until the next delta (or `finish`)."""
-
-    def __init__(self, spec: ReasoningSpec, *, opened: bool) -> None:
-        self.spec = spec
-        self.mode = "reasoning" if opened else None  # None: not yet known
-        self._held = ""
-        self.saw_end = False
-
-    def feed(self, text: str) -> tuple[str, str]:
-        """Add a delta; returns (reasoning delta, answer delta)."""
-        text = self._held + text
-        self._held = ""
-        if self.mode is None:
-            stripped = text.lstrip()
-            if not stripped or (self.spec.start.startswith(stripped)):
-                self._held = text
-                return "", ""
-            if stripped.startswith(self.spec.start):
-                self.mode = "reasoning"
-                text = stripped[len(self.spec.start) :]
-            else:
-                self.mode = "answer"
-        if self.mode == "answer":
-            return "", text
-        at = text.find(self.spec.end)
-        if at >= 0:
-            self.mode, self.saw_end = "answer", True
-            return text[:at], text[at + len(self.spec.end) :]
-        keep = _partial_suffix(text, self.spec.end)
-        self._held = text[len(text) - keep :] if keep else ""
-        return text[: len(text) - keep], ""
-
-    def finish(self) -> tuple[str, str]:
-        """The held-back text, at the end of the output."""
-        held, self._held = self._held, ""
-        if self.mode == "reasoning":
-            return held, ""
-        return "", held
-
-
-def _partial_suffix(text: str, marker: str) -> int:
-    """The length of the longest end of `text` that is a proper start of `marker`."""
-    for n in range(min(len(marker) - 1, len(text)), 0, -1):
-        if marker.startswith(text[-n:]):
-            return n
-    return 0
 
 
 # ---- the per-request matcher -------------------------------------------------------------

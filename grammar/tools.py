@@ -186,6 +186,7 @@ class CallTags:
     close: str = "</tool_call>"
     open_special: bool = False
     close_special: bool = False
+    pad: str = "\n"  # between a tag and the call's JSON, and between calls
 
     def __post_init__(self) -> None:
         for tag in (self.open, self.close):
@@ -193,7 +194,7 @@ class CallTags:
                 raise GrammarSpecError(f"call tag {tag!r} must look like <name> or </name>")
 
 
-_TAG_RE = re.compile(r"^</?[A-Za-z0-9_|.\-]{1,64}>$")
+_TAG_RE = re.compile(r"^</?[A-Za-z0-9_|./\-]{1,64}>$")  # Phi's <|/tool_call|> too
 
 
 def tagged_calls_lark(
@@ -205,8 +206,8 @@ def tagged_calls_lark(
     max_calls: int | None = None,
 ) -> str:
     """Lark grammar (llguidance dialect) of tagged calls for canonical `tools` and `choice`
-    ("auto", "required" or "name:<tool>"): `<open>\n<call JSON>\n<close>` per call, several
-    (one newline apart, at most `max_calls`; None: no cap) when `allows_many`.
+    ("auto", "required" or "name:<tool>"): `<open><pad><call JSON><pad><close>` per call,
+    several (`pad` apart, at most `max_calls`; None: no cap) when `allows_many`.
 
     Under "auto" the reply is plain text, calls, or text then calls (Qwen writes "Let me
     check.\n<tool_call>..."), and the text may hold anything, a leading `<` too:
@@ -217,12 +218,15 @@ def tagged_calls_lark(
       first call (a lazy lexeme ends at it), as parsing the text reads it back."""
     call_schema = compact(tool_calls_schema(tools, choice, parallel=False))
     many = allows_many(choice, parallel)
-    call_json = f'"\\n" %json {json.dumps(call_schema, ensure_ascii=False)} "\\n"'
+    call_json = f"%json {json.dumps(call_schema, ensure_ascii=False)}"
+    pad = f"{json.dumps(tags.pad)} " if tags.pad else ""  # a Lark literal has some text
+    if tags.pad:
+        call_json = f"{pad}{call_json} {json.dumps(tags.pad)}"
     close = _tag(tags.close, tags.close_special)
     more = ""
     if many and max_calls != 1:
         times = "*" if max_calls is None else f"{{0,{max_calls - 1}}}"
-        more = f' ("\\n" call){times}'
+        more = f" ({pad}call){times}"
     calls = f"call{more}"
     lines = [
         f"calls: {calls}",

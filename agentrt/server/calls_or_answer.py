@@ -3,7 +3,7 @@ in its format (OpenAI accepts both together; the OpenAI Agents SDK sends its `ou
 and its tools on every turn).
 
 Under `tool_choice="auto"` the grammar is the union of the two: the calls in the served
-model's style (`agentrt.tool_calls`) or one JSON value of the answer's schema. Under
+model's style (`agentrt.tool_formats`) or one JSON value of the answer's schema. Under
 "required" or a named tool the calls alone (this turn gives no answer); under "none" the
 answer alone. `answer_possible` says when a reply may be the answer; agentrt.reply_calls
 (`ReplyKind`, `CallsOrAnswerStreamer`) tells the two apart as a reply streams.
@@ -17,11 +17,8 @@ from typing import Any
 from agentrt.engine.sampling_params import StructuredOutputsParams
 from agentrt.formats import OutputFormat
 from agentrt.grammar import GrammarSpec
-from agentrt.grammar.tools import compact, tool_call_spec_text, tool_calls_schema
-from agentrt.tool_calls import hermes_spec
-
-# A compact call in the "json" style starts with exactly this (`COMPACT_JSON` separators).
-_CALL_HEAD = '{"name": "'
+from agentrt.grammar.tools import compact, tool_call_spec_text
+from agentrt.tool_formats import call_format, calls_schema, calls_spec
 
 
 def answer_possible(tools: OutputFormat) -> bool:
@@ -45,9 +42,11 @@ def calls_or_answer(
         return calls
     schema = {"type": "object"} if answer.json_object else answer.json
     answer_rule = f"answer: %json {json.dumps(compact(schema), ensure_ascii=False)}"
-    if tools.tool_style == "json":
+    if not call_format(tools.tool_style).tagged:
         payload = compact(
-            tool_calls_schema(canonical, "required", parallel=tools.parallel_tool_calls)
+            calls_schema(
+                canonical, "required", tools.tool_style, parallel=tools.parallel_tool_calls
+            )
         )
         lines = [
             "start: calls | answer",
@@ -57,13 +56,12 @@ def calls_or_answer(
         return StructuredOutputsParams(spec=GrammarSpec.from_ebnf("\n".join(lines)))
     # Tagged styles: the grammar of "required" calls, its start rule renamed, or the answer
     # (JSON never starts with the opening tag).
-    special = {"special": True} if tools.tool_style == "hermes_tokens" else {}
-    tagged = hermes_spec(
+    tagged = calls_spec(
         list(tools.tools),
         "required",
+        tools.tool_style,
         parallel=tools.parallel_tool_calls,
         max_calls=tools.max_parallel_tool_calls,
-        **special,
     ).text
     if not tagged.startswith("start:"):
         raise AssertionError(f"a tagged calls grammar starts with its start rule: {tagged!r}")

@@ -20,7 +20,8 @@ from agentrt.server.params import chat_constraint, choice_params
 from agentrt.server.protocol import ChatCompletionRequest, ChatMessage
 from agentrt.server.responses import chat_logprobs, kv_transfer, new_id, now, usage
 from agentrt.server.state import ServerState
-from agentrt.tool_calls import ReplyCalls, tool_call_style
+from agentrt.tool_calls import ReplyCalls
+from agentrt.tool_formats import tool_call_style
 from agentrt.turn import ChatConstraint, Turn, prepare_turn, reasoning_mode
 
 

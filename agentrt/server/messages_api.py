@@ -40,7 +40,7 @@ from agentrt.server.offload import off_loop
 from agentrt.server.params import chat_constraint, choice_params
 from agentrt.server.protocol import ChatCompletionRequest
 from agentrt.server.state import ServerState
-from agentrt.tool_calls import tool_call_style
+from agentrt.tool_formats import tool_call_style
 from agentrt.turn import Turn
 
 # The engine's stop reasons -> Anthropic's (a matched stop string is "stop_sequence").

@@ -69,7 +69,7 @@ from agentrt.server.responses_output import (
     item_id,
 )
 from agentrt.server.state import ServerState
-from agentrt.tool_calls import tool_call_style
+from agentrt.tool_formats import tool_call_style
 from agentrt.turn import Turn
 
 _PARAM_NAMES = {"prompt": "input", "prompt_token_ids": "input", "max_tokens": "max_output_tokens"}

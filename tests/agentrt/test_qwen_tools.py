@@ -13,7 +13,10 @@ from pydantic import BaseModel, Field
 import agentrt
 from agentrt.engine.client.llm import LLM
 from agentrt.formats import tools_format
-from agentrt.tool_calls import OPEN_TAG, parse_tool_calls, tool_call_style
+from agentrt.reply import ReplyShape, read_reply
+from agentrt.tool_formats import tool_call_style
+
+OPEN_TAG = "<tool_call>"
 
 pytestmark = pytest.mark.anyio
 
@@ -82,7 +85,7 @@ def test_a_scripted_reply_parses_to_its_calls(qwen_llm):
     ids = tokenizer.encode(text, add_special_tokens=False)
     assert ids.count(OPEN_ID) == 2
     decoded = tokenizer.decode(ids, skip_special_tokens=True)  # the engine's default
-    calls = parse_tool_calls(decoded, "hermes_tokens")
+    calls = read_reply(tokenizer, ReplyShape(tool_style="hermes_tokens"), decoded, ids).calls.calls
     assert [(c.name, c.arguments) for c in calls] == [
         ("get_price", {"item": "apple"}),
         ("final_answer", {"currency": "EUR"}),

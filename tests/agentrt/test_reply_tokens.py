@@ -8,8 +8,8 @@ import pytest
 
 from agentrt.engine.loader.tokenizer import load_tokenizer
 from agentrt.grammar.reasoning import REASONING_PARSERS
+from agentrt.reply import ReplyShape, read_reply
 from agentrt.reply_tokens import CALL, CONTENT, REASONING, ReplySplitter, reply_markers
-from agentrt.tool_calls import parse_tool_calls
 
 OPEN_ID, CLOSE_ID = 151657, 151658
 CALL_JSON = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
@@ -66,9 +66,8 @@ def test_the_tag_spelled_in_ordinary_tokens_is_text(think_tok):
     for a call, the token reader sees content."""
     ids = _spelled(think_tok, WEATHER)
     assert OPEN_ID not in ids and think_tok.decode(ids) == WEATHER
-    assert [c.name for c in parse_tool_calls(think_tok.decode(ids), "hermes_tokens")] == [
-        "get_weather"
-    ]
+    as_text = read_reply(None, ReplyShape(tool_style="hermes_tokens"), think_tok.decode(ids), ())
+    assert [c.name for c in as_text.calls.calls] == ["get_weather"]
     reply = split_reply(think_tok, reply_markers(think_tok, None, "hermes_tokens"), ids)
     assert reply.calls == [] and reply.content == WEATHER == reply.text
 
@@ -78,7 +77,8 @@ def test_special_tags_that_the_decoder_skips_are_not_lost(qwen_tokenizer_dir):
     tokenizer.add_special_tokens({"additional_special_tokens": ["<tool_call>", "</tool_call>"]})
     ids = _ids(tokenizer, "Sure.\n" + WEATHER)
     decoded = tokenizer.decode(ids, skip_special_tokens=True)  # the engine's default
-    assert "<tool_call>" not in decoded and parse_tool_calls(decoded, "hermes_tokens") is None
+    as_text = read_reply(None, ReplyShape(tool_style="hermes_tokens"), decoded, ())
+    assert "<tool_call>" not in decoded and as_text.calls is None
     markers = reply_markers(tokenizer, None, "hermes_tokens")
     reply = split_reply(tokenizer, markers, ids, skip_special_tokens=True)
     assert reply.calls == [CALL_JSON] and reply.content == "Sure."

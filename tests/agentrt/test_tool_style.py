@@ -13,7 +13,9 @@ import agentrt
 from agentrt.engine.client.llm import LLM
 from agentrt.grammar import GrammarCompiler
 from agentrt.grammar.tools import EXCLUDED_ARGUMENTS
-from agentrt.tool_calls import hermes_spec, parse_tool_calls, render_messages, tool_call_style
+from agentrt.reply import ReplyShape, read_reply
+from agentrt.tool_calls import render_messages
+from agentrt.tool_formats import calls_spec, tool_call_style
 
 pytestmark = pytest.mark.anyio
 
@@ -64,12 +66,13 @@ def test_parse_hermes_blocks():
         '<tool_call>\n{"name": "record", "arguments": {"city": "Oslo", "days": 2}}\n</tool_call>\n'
         '<tool_call>\n{"name": "record", "arguments": {"city": "Rome", "days": 1}}\n</tool_call>'
     )
-    calls = parse_tool_calls(text)
+    shape = ReplyShape(tool_style="hermes")
+    calls = read_reply(None, shape, text, ()).calls.calls
     assert [(c.name, c.arguments["city"]) for c in calls] == [
         ("record", "Oslo"),
         ("record", "Rome"),
     ]
-    assert parse_tool_calls("plain answer") is None
+    assert read_reply(None, shape, "plain answer", ()).calls is None
 
 
 @pytest.fixture(scope="module")
@@ -114,7 +117,7 @@ def test_a_named_choice_is_one_tool_call_block(hermes_llm):
     )
 
     def accepts(tool_choice, text: str) -> bool:
-        spec = hermes_spec([record.definition()], tool_choice, parallel=True)
+        spec = calls_spec([record.definition()], tool_choice, "hermes", parallel=True, max_calls=8)
         matcher = compiler.compile(spec).matcher()
         ids = tokenizer.encode(text, add_special_tokens=False)
         return all(matcher.accept_token(t) for t in ids) and matcher.can_terminate()

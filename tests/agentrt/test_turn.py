@@ -18,7 +18,7 @@ from agentrt.server.chat import chat_prompt
 from agentrt.server.params import chat_constraint
 from agentrt.server.protocol import ChatCompletionRequest
 from agentrt.server.state import ServerConfig, ServerState
-from agentrt.tool_calls import tool_call_style
+from agentrt.tool_formats import tool_call_style
 from agentrt.turn import ChatConstraint, prepare_turn
 from tests.agentrt.server.test_repeated_calls import _Engine
 
@@ -117,3 +117,17 @@ def test_a_reply_reads_the_same_streamed_and_whole(think_qwen, qwen, mode):
     assert calls == {0: {"name": "get_weather", "arguments": json.dumps(read.arguments)}}
     assert (read.name, read.arguments) == (CALL["name"], CALL["arguments"])
     assert reader.finish_reason("stop") == whole.finish_reason("stop") == "tool_calls"
+
+
+@pytest.mark.parametrize("cut", range(0, 40, 3))
+def test_reasoning_read_from_text_is_the_same_in_any_split(qwen, cut):
+    """Markers that are no tokens of the tokenizer: the reasoning ends at its first end
+    marker (text that may still become one is held back), and the answer may spell it."""
+    text = "<think>a </thi b</think>" + json.dumps({"x": "</think>"})
+    shape = ReplyShape(ReasoningRequest(REASONING_PARSERS["qwen3"]))
+    reader = ReplyReader(qwen, shape)
+    deltas = [reader.feed(text[:cut], []), reader.feed(text[cut:], []), reader.finish()]
+    assert "".join(d.reasoning for d in deltas) == "a </thi b"
+    assert "".join(d.answer for d in deltas) == text[24:]
+    whole = read_reply(qwen, shape, text, [])
+    assert (whole.reasoning, whole.text, whole.raw_text) == ("a </thi b", text[24:], text)

@@ -3,17 +3,13 @@ grammar; the reasoning budget forces the end marker; drafts and rollbacks cross 
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pytest
 
 from agentrt.grammar import GrammarCompiler, GrammarSpec, allocate_bitmask
 from agentrt.grammar.reasoning import (
     REASONING_PARSERS,
-    ReasoningStream,
     detect_reasoning,
-    split_reasoning,
     with_reasoning,
 )
 
@@ -132,15 +128,3 @@ def test_single_token_markers_and_an_optional_block(think_tok):
     for ids in (thought + answer, answer):  # reasoned, or answered at once
         matcher = grammar.matcher()
         assert _feed(matcher, ids) == len(ids) and matcher.text() == ANSWER
-    decoded = think_tok.decode(thought + answer, skip_special_tokens=True)
-    assert split_reasoning(decoded, QWEN3) == ("\nHmm, ", ANSWER)
-
-
-@pytest.mark.parametrize("cut", range(0, 30, 3))
-def test_the_stream_split_matches_the_whole(cut):
-    text = "<think>a </thi b</think>" + json.dumps({"x": "</think>"})
-    stream = ReasoningStream(QWEN3, opened=False)
-    parts = [stream.feed(text[:cut]), stream.feed(text[cut:]), stream.finish()]
-    reasoning = "".join(p[0] for p in parts)
-    answer = "".join(p[1] for p in parts)
-    assert (reasoning, answer) == split_reasoning(text, QWEN3) == ("a </thi b", text[24:])

@@ -131,6 +131,23 @@ def test_tags_spelled_as_text_for_a_tokenizer_without_them(qwen_compiler, qwen_t
     assert all(matcher.accept_token(t) for t in spelled)
 
 
+def test_unpadded_tags_with_a_slash_inside(qwen_compiler, qwen_tok):
+    """Phi-4-mini's calls: `<|tool_call|>{...}<|/tool_call|>` back to back, no newline around
+    the JSON (`pad=""`); the same calls padded are refused."""
+    tags = CallTags("<|tool_call|>", "<|/tool_call|>", pad="")
+    grammar = _grammar(qwen_compiler, "required", tags=tags)
+
+    def phi(call: str, pad: str = "") -> str:
+        body = call.removeprefix("<tool_call>\n").removesuffix("\n</tool_call>")
+        return f"<|tool_call|>{pad}{body}{pad}<|/tool_call|>"
+
+    for text, ok in ((phi(WEATHER) + phi(RATE), True), (phi(WEATHER, "\n"), False)):
+        matcher = grammar.matcher()
+        ids = qwen_tok.encode(text, add_special_tokens=False)
+        accepted = all(matcher.accept_token(t) for t in ids)
+        assert (accepted and matcher.can_terminate()) is ok
+
+
 def test_a_short_reply_far_from_max_tokens_is_not_steered(qwen_compiler, qwen_tok):
     """Regression (issue 27): a 13-token reply with max_tokens=40 had 4 rows steered (its
     openers refused while it wrote the name) and was reported as cut short. Counted in

@@ -24,7 +24,7 @@ from agentrt.server.response_store import ResponseStore
 from agentrt.server.responses_api import create_response
 from agentrt.server.state import ServerConfig, ServerState
 from agentrt.session import check_completion, collect_completion
-from agentrt.tool_calls import tool_call_style
+from agentrt.tool_formats import tool_call_style
 
 OPEN_ID, CLOSE_ID = 151657, 151658
 TOOLS = [
@@ -136,6 +136,11 @@ async def _chat(engine: _Engine, **options) -> tuple[dict, list[dict]]:
     response = await create_chat_completion(
         _State(engine), ChatCompletionRequest(**body, stream=True), _Raw()
     )
+    return json.loads(whole.body), await _chunks(response)
+
+
+async def _chunks(response) -> list[dict]:
+    """The `chat.completion.chunk` bodies a streamed response sends."""
     sent: list[bytes] = []
 
     async def send(message: dict) -> None:
@@ -146,7 +151,7 @@ async def _chat(engine: _Engine, **options) -> tuple[dict, list[dict]]:
     await response(scope, _Raw().receive, send)
     events = b"".join(sent).decode().split("\n\n")
     chunks = [e.removeprefix("data: ") for e in events if e.startswith("data: ")]
-    return json.loads(whole.body), [json.loads(c) for c in chunks if c != "[DONE]"]
+    return [json.loads(c) for c in chunks if c != "[DONE]"]
 
 
 def _streamed(chunks: list[dict]) -> tuple[str, list[tuple[str, dict]], list[str]]:

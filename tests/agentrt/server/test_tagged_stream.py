@@ -1,6 +1,6 @@
 """Text then `<tool_call>` blocks in spelled tags, streamed (TextThenCallsStreamer): the
-content and the calls' deltas add up to what the whole reply parses to, however the text
-is cut into deltas."""
+content and the calls' deltas add up to what the reader reads of the whole reply, however
+the text is cut into deltas."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import json
 
 import pytest
 
+from agentrt.reply import ReplyShape, read_reply
 from agentrt.reply_calls import TextThenCallsStreamer
-from agentrt.tool_calls import read_tool_calls
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 
@@ -34,8 +34,8 @@ def _stream(text: str, size: int) -> tuple[str, list[dict], bool]:
 )
 def test_streamed_text_then_calls_match_the_whole_reply(text, size):
     content, calls, is_calls = _stream(text, size)
-    whole_content, whole = read_tool_calls(text, "hermes")
-    whole_calls = whole.calls if whole is not None else None
+    whole = read_reply(None, ReplyShape(tool_style="hermes"), text, ())
+    whole_content, whole_calls = whole.content, whole.calls.calls if whole.calls else None
     assert is_calls is (whole_calls is not None)
     if whole_calls is None:
         assert content == text  # plain text, held tails released at the end
