@@ -28,14 +28,8 @@ from .errors import (
 from .limits import GenerationBounds, RunLimits, SchemaLimits
 from .matcher import Grammar
 from .pipeline import Runner, build, compile_spec, report_of, run_inline, with_runner
-from .reasoning import (
-    ReasoningGrammar,
-    ReasoningPlan,
-    plan_of,
-    single_token_id,
-    think_lark,
-    without_reasoning,
-)
+from .reasoning import ReasoningPlan, plan_of, single_token_id, think_lark, without_reasoning
+from .reasoning_matcher import ReasoningGrammar
 from .report import GrammarReport
 from .spec import GrammarSpec
 from .validate import FinalValidator
