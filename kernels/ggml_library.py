@@ -139,9 +139,12 @@ class GGMLKernels:
         """Whether this build runs the type faster interleaved (ggml_linear.interleave)."""
         return bool(self._interleaves(int(qtype)))
 
-    def interleave(self, weight: GGMLWeight, out: torch.Tensor) -> None:
+    def interleave(
+        self, weight: GGMLWeight, out: torch.Tensor, num_threads: int | None = None
+    ) -> None:
         """out uint8 (N / 16, 16 * row_bytes), contiguous = the weight interleaved by 16 rows
-        (ggml_linear.interleave has the layout); the caller checked type and shape."""
+        (ggml_linear.interleave has the layout) on `num_threads` OpenMP threads (default:
+        torch's); the caller checked type and shape."""
         data = weight.data
         assert out.is_contiguous() and out.shape[0] * 16 == weight.out_features
         rc = self._lib.ggml_interleave(
@@ -151,7 +154,7 @@ class GGMLKernels:
             weight.out_features,
             weight.in_features,
             out.data_ptr(),
-            torch.get_num_threads(),
+            torch.get_num_threads() if num_threads is None else num_threads,
         )
         if rc:
             raise KernelInputError(f"ggml_interleave: {_type_name(weight.qtype)} refused")

@@ -6,11 +6,19 @@ dense parts concatenated into the parameter (the only copy in memory: a tensor a
 the wanted dtype is not copied again), quantized projections as a `GGMLLinear` in place of
 the `nn.Linear`, a quantized embedding as a `GGMLEmbedding` (tied: its weight also serves
 the output projection). Every parameter must be filled and every checkpoint tensor used.
+
+Interleaving (the CPU kernels' layout) runs on the loader's own threads, each taking a share of
+a weight's row groups on one OpenMP thread: an OpenMP team waits for its slowest member at
+every weight, spinning, and on a shared machine a member the OS has descheduled made the
+repack 5-6x slower (Qwen2.5-0.5B Q4_K_M, 373 MiB, 2 threads, load average 21: 13-14 s wall,
+1.5 s CPU; as threads of their own: see benchmarks/startup.py's weights stage).
 """
 
 from __future__ import annotations
 
+import functools
 import os
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from torch import nn
@@ -23,11 +31,15 @@ from agentrt.engine.model.arch import ModelArchConfig
 from agentrt.engine.model.ggml_linear import GGMLEmbedding, GGMLLinear
 from agentrt.kernels.ggml_linear import (
     ROWS_INTERLEAVED,
+    GGMLKernels,
     GGMLWeight,
     default_kernels,
-    interleave,
     interleaved_row_bytes,
 )
+
+# Row groups (of ROWS_INTERLEAVED rows) a repack thread takes at a time, at least: a weight
+# is cut in up to 4 shares a thread, so a late thread's share is taken by the others.
+_MIN_GROUPS = 64
 
 
 def get_loader(path: str | os.PathLike[str]) -> WeightLoader:
@@ -54,6 +66,30 @@ def load_weights(
 ) -> None:
     """Load every parameter of `model` (a LlamaForCausalLM of this rank's share of the full
     model `arch`) from `loader`, in place. `quantization` is concrete (not "auto")."""
+    with _Repacker(torch.get_num_threads()) as repack:
+        _load(
+            model,
+            loader,
+            arch,
+            repack,
+            shard=shard,
+            dtype=dtype,
+            device=device,
+            quantization=quantization,
+        )
+
+
+def _load(
+    model: nn.Module,
+    loader: WeightLoader,
+    arch: ModelArchConfig,
+    repack: _Repacker,
+    *,
+    shard: Shard,
+    dtype: torch.dtype,
+    device: torch.device,
+    quantization: str,
+) -> None:
     available = loader.names()
     used: set[str] = set()
     for spec in parameter_specs(arch):
@@ -76,15 +112,15 @@ def load_weights(
         if len(parts) > 1 and _one_block_type(parts):
             # One kernel call instead of one per part: the rows of a fused qkv / gate_up
             # stacked into one weight (a copy; the map's pages of the parts are released).
-            parts = [_fused(parts, loader, interleaved)]
+            parts = [_fused(parts, loader, repack if interleaved else None)]
         elif interleaved:
-            parts = _kernel_layout(parts, loader)
+            parts = _kernel_layout(parts, loader, repack)
         _install(model, spec, parts, dtype, device)
     embedding = model.embed_tokens
     if model.lm_head is None and model.logits_proj is None:
         if isinstance(embedding, GGMLEmbedding):  # tied: the same blocks project
             if device.type == "cpu":  # lookups gather their rows from the interleaved blocks
-                embedding.weight = _kernel_layout([embedding.weight], loader)[0]
+                embedding.weight = _kernel_layout([embedding.weight], loader, repack)[0]
             model.logits_proj = GGMLLinear([embedding.weight])
     elif isinstance(embedding, GGMLEmbedding):  # lookups only: rows read from the file
         embedding.read_rows = loader.row_reader(embedding.weight)
@@ -101,12 +137,12 @@ def load_weights(
     assert not left, f"parameters not loaded: {left[:5]}"
 
 
-def _fused(parts: list[GGMLWeight], loader: WeightLoader, interleaved: bool) -> GGMLWeight:
+def _fused(parts: list[GGMLWeight], loader: WeightLoader, repack: _Repacker | None) -> GGMLWeight:
     """Parts of one block type stacked by rows into one weight: interleaved into one buffer
-    part by part when the kernels take the type so (`interleaved` allowing), else
-    concatenated; the map's pages of the parts released."""
-    kernels, first = default_kernels(), parts[0]
-    if interleaved and kernels.interleaves(first.qtype):
+    part by part when the kernels take the type so (`repack` given), else concatenated; the
+    map's pages of the parts released."""
+    first = parts[0]
+    if repack is not None and repack.kernels.interleaves(first.qtype):
         if all(p.out_features % ROWS_INTERLEAVED == 0 for p in parts):
             width = interleaved_row_bytes(first.qtype, first.in_features)
             rows = sum(p.out_features for p in parts)
@@ -114,35 +150,79 @@ def _fused(parts: list[GGMLWeight], loader: WeightLoader, interleaved: bool) -> 
             start = 0
             for p in parts:
                 stop = start + p.out_features // ROWS_INTERLEAVED
-                kernels.interleave(p, out[start:stop])
+                repack.interleave(p, out[start:stop])
                 loader.release([p])
                 start = stop
             return GGMLWeight(out, first.qtype, first.in_features, interleaved=True)
     fused = GGMLWeight(torch.cat([p.data for p in parts]), first.qtype, first.in_features)
     loader.release(parts)
-    return _kernel_layout([fused], loader)[0] if interleaved else fused
+    return _kernel_layout([fused], loader, repack)[0] if repack is not None else fused
 
 
-def _kernel_layout(parts: list, loader: WeightLoader) -> list:
+def _kernel_layout(parts: list, loader: WeightLoader, repack: _Repacker) -> list:
     """Each block part the CPU kernels run faster with its rows interleaved by 16
     (kernels/ggml_linear.py `interleave`; `GGMLKernels.interleaves` says which: Q4_0, Q4_1,
     Q5_0, Q5_1, Q8_0 and Q4_K on AVX-512, the same less Q4_K on AVX2), interleaved: a copy,
     the map's pages of the part released, so one layout is held (a tied embedding's lookups
     gather their rows from it)."""
-    kernels = default_kernels()
     out = []
     for part in parts:
         if (
             isinstance(part, GGMLWeight)
             and not part.interleaved
             and part.out_features % ROWS_INTERLEAVED == 0
-            and kernels.interleaves(part.qtype)
+            and repack.kernels.interleaves(part.qtype)
         ):
-            packed = interleave(part)
+            width = interleaved_row_bytes(part.qtype, part.in_features)
+            packed = torch.empty(part.out_features // ROWS_INTERLEAVED, width, dtype=torch.uint8)
+            repack.interleave(part, packed)
+            packed = GGMLWeight(packed, part.qtype, part.in_features, interleaved=True)
             loader.release([part])
             part = packed
         out.append(part)
     return out
+
+
+class _Repacker:
+    """Interleaves weights into the kernels' layout (kernels/ggml_linear.py `interleave`) on
+    `num_threads` threads of its own (module doc), each share of row groups on one OpenMP
+    thread. A context manager: its threads end on exit. The C library is loaded at the
+    first use (a load that interleaves nothing, as on a GPU, never loads it)."""
+
+    def __init__(self, num_threads: int) -> None:
+        self.num_threads = max(1, num_threads)
+        self._pool = ThreadPoolExecutor(self.num_threads) if self.num_threads > 1 else None
+
+    @functools.cached_property
+    def kernels(self) -> GGMLKernels:
+        return default_kernels()
+
+    def __enter__(self) -> _Repacker:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._pool is not None:
+            self._pool.shutdown()
+
+    def interleave(self, part: GGMLWeight, out: torch.Tensor) -> None:
+        """out uint8 (N / 16, interleaved_row_bytes), contiguous = `part` (N rows, N a
+        multiple of 16, a type the kernels interleave) interleaved; the same bytes as
+        `ggml_linear.interleave(part)`."""
+        groups = out.shape[0]
+        step = max(_MIN_GROUPS, -(-groups // (4 * self.num_threads)))
+        spans = [(start, min(start + step, groups)) for start in range(0, groups, step)]
+
+        def run(span: tuple[int, int]) -> None:
+            start, stop = span  # row groups: rows 16 * start .. 16 * stop
+            rows = part.data[start * ROWS_INTERLEAVED : stop * ROWS_INTERLEAVED]
+            share = GGMLWeight(rows, part.qtype, part.in_features)
+            self.kernels.interleave(share, out[start:stop], num_threads=1)
+
+        if self._pool is None or len(spans) == 1:
+            for span in spans:
+                run(span)
+        else:
+            list(self._pool.map(run, spans))  # re-raises a share's error
 
 
 def _one_block_type(parts: list) -> bool:

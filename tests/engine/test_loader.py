@@ -327,3 +327,26 @@ def test_loading_a_300m_q4_k_file_maps_it_and_writes_only_metadata(tmp_path_fact
         assert sum(f.stat().st_size for f in entry.iterdir()) < 0.01 * size
     finally:
         shutil.rmtree(entry, ignore_errors=True)
+
+
+@pytest.mark.parametrize("num_threads", [1, 2, 3])
+def test_repack_on_the_loaders_threads_equals_interleave(num_threads: int) -> None:
+    """The loader's repack (its own threads, each a share of the row groups on one OpenMP
+    thread) writes the bytes `ggml_linear.interleave` writes, for every type this build
+    interleaves; shares of unequal size (200 row groups: 64, 64, 64, 8)."""
+    from agentrt.engine.loader.load import _Repacker
+    from agentrt.kernels.ggml_linear import block_shape, interleave, interleaved_row_bytes
+
+    kernels = default_kernels()
+    types = [q for q in Q if kernels.interleaves(q)]
+    assert types  # Q4_0 ... Q8_0 on every build that has an interleaved layout
+    generator = torch.Generator().manual_seed(0)
+    with _Repacker(num_threads) as repack:
+        for qtype in types:
+            elems, size = block_shape(qtype)
+            k, rows = 256, 200 * 16
+            data = torch.randint(0, 256, (rows, k // elems * size), generator=generator)
+            weight = GGMLWeight(data.to(torch.uint8), qtype, k)
+            out = torch.empty(rows // 16, interleaved_row_bytes(qtype, k), dtype=torch.uint8)
+            repack.interleave(weight, out)
+            assert torch.equal(out, interleave(weight).data), Q(qtype).name
