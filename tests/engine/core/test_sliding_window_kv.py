@@ -257,13 +257,13 @@ def test_prefix_cache_reuse_across_requests_stays_exact(gemma3):
 
 def test_preemption_and_recompute_stay_exact(gemma3):
     path, hf = gemma3
-    # Three short prompts fit at once (6 blocks each), but decoding 40 tokens each holds
-    # 6 full blocks and 5 x 2 sliding ones: 48 > 36 blocks, so some are recomputed.
-    llm = LLM(str(path), dtype="float32", block_size=8, num_kv_blocks=36)
+    # Three short prompts fit at once (6 blocks each), but decoding 24 tokens each holds
+    # 4 full blocks and 5 x 2 sliding ones: 42 > 30 blocks, so some are recomputed.
+    llm = LLM(str(path), dtype="float32", block_size=8, num_kv_blocks=30)
     prompts = _prompts((5, 6, 7), seed=2)
-    got = [o.outputs[0].token_ids for o in _generate(llm, prompts, max_tokens=40)]
+    got = [o.outputs[0].token_ids for o in _generate(llm, prompts, max_tokens=24)]
     assert llm.engine.scheduler.num_preemptions > 0
-    assert got == hf_greedy_batch(hf, prompts, 40)
+    assert got == hf_greedy_batch(hf, prompts, 24)
     llm.kv_manager.check_invariants()
 
 
@@ -272,10 +272,10 @@ def test_ngram_drafts_verified_across_the_window_stay_exact(gemma3):
     spec = {"method": "ngram", "num_speculative_tokens": 3, "adaptive": False}
     llm = LLM(str(path), dtype="float32", speculative_config=spec, **ENGINE)
     pattern = _prompts((10,), seed=3)[0]
-    prompts = [pattern * 4, pattern * 3 + pattern[:5]]  # repeats: prompt lookup drafts
-    got = [o.outputs[0].token_ids for o in _generate(llm, prompts, max_tokens=24)]
+    prompts = [pattern * 3, pattern * 2 + pattern[:5]]  # repeats: prompt lookup drafts
+    got = [o.outputs[0].token_ids for o in _generate(llm, prompts)]
     assert llm.stats().spec_decode.num_draft_tokens > 0
-    assert got == hf_greedy_batch(hf, prompts, 24)
+    assert got == hf_greedy_batch(hf, prompts, NUM_TOKENS)
     llm.kv_manager.check_invariants()
     assert llm.kv_manager.pool.num_free_blocks == llm.kv_manager.num_blocks
 
