@@ -28,7 +28,7 @@ from agentrt.engine.model.arch import ModelArchConfig
 
 @dataclass(frozen=True, slots=True)
 class KVCacheGroup:
-    layers: tuple[int, ...]  # model layer indices, in order; layer i uses cache tensor i
+    layers: tuple[int, ...]  # model layer indices; the group's i-th uses cache tensor i
     sliding_window: int | None  # None: full attention (the group keeps every position)
 
 
@@ -99,10 +99,10 @@ def check_kv_cache_layout(
         return
     if kv_cache_layout(draft_arch).is_hybrid or layout.sliding_windows[0] is not None:
         raise ConfigError(
-            f"a draft model runs in group 0's blocks, which must keep every position: "
-            f"{draft_arch.architecture} as the draft of {arch.architecture} does not (a "
-            "sliding-window model on either side, without a full-attention layer in the "
-            "target); use a draft of full-attention layers, or the 'ngram' method."
+            f"a draft model's KV sits in the target's group 0 blocks, which must keep every "
+            f"position: the draft {draft_arch.architecture} has sliding-window layers, or the "
+            f"target {arch.architecture} has no full-attention layer; use a draft of "
+            "full-attention layers only, or the 'ngram' method."
         )
 
 
