@@ -1,6 +1,8 @@
 """KV cache groups (core/kv_cache_groups.py) in the KV cache manager: a sliding-window group
 gives back the blocks that fall wholly out of its window, its prefix-cache hit needs only
-the window before the first token to compute, and the hit is what every group serves."""
+the window before the first token to compute, and the hit is what every group serves. Then
+the engine on a tiny Gemma 3: greedy output equal to HF's with the sliding groups' blocks
+bounded by the window, through prefix reuse, preemption, drafts and tensor parallelism."""
 
 from __future__ import annotations
 
