@@ -173,10 +173,7 @@ def _kernel_layout(parts: list, loader: WeightLoader, repack: _Repacker) -> list
             and part.out_features % ROWS_INTERLEAVED == 0
             and repack.kernels.interleaves(part.qtype)
         ):
-            width = interleaved_row_bytes(part.qtype, part.in_features)
-            packed = torch.empty(part.out_features // ROWS_INTERLEAVED, width, dtype=torch.uint8)
-            repack.interleave(part, packed)
-            packed = GGMLWeight(packed, part.qtype, part.in_features, interleaved=True)
+            packed = repack.interleave(part)
             loader.release([part])
             part = packed
         out.append(part)
@@ -204,10 +201,13 @@ class _Repacker:
         if self._pool is not None:
             self._pool.shutdown()
 
-    def interleave(self, part: GGMLWeight, out: torch.Tensor) -> None:
-        """out uint8 (N / 16, interleaved_row_bytes), contiguous = `part` (N rows, N a
-        multiple of 16, a type the kernels interleave) interleaved; the same bytes as
-        `ggml_linear.interleave(part)`."""
+    def interleave(self, part: GGMLWeight, out: torch.Tensor | None = None) -> GGMLWeight:
+        """`part` (N rows, N a multiple of 16, a type the kernels interleave) interleaved
+        into `out` (uint8 (N / 16, interleaved_row_bytes), contiguous; default a new one):
+        the bytes `ggml_linear.interleave(part)` has."""
+        if out is None:
+            width = interleaved_row_bytes(part.qtype, part.in_features)
+            out = torch.empty(part.out_features // ROWS_INTERLEAVED, width, dtype=torch.uint8)
         groups = out.shape[0]
         step = max(_MIN_GROUPS, -(-groups // (4 * self.num_threads)))
         spans = [(start, min(start + step, groups)) for start in range(0, groups, step)]
@@ -223,6 +223,7 @@ class _Repacker:
                 run(span)
         else:
             list(self._pool.map(run, spans))  # re-raises a share's error
+        return GGMLWeight(out, part.qtype, part.in_features, interleaved=True)
 
 
 def _one_block_type(parts: list) -> bool:

@@ -347,6 +347,8 @@ def test_repack_on_the_loaders_threads_equals_interleave(num_threads: int) -> No
             k, rows = 256, 200 * 16
             data = torch.randint(0, 256, (rows, k // elems * size), generator=generator)
             weight = GGMLWeight(data.to(torch.uint8), qtype, k)
+            expected = interleave(weight)
+            assert torch.equal(repack.interleave(weight).data, expected.data), Q(qtype).name
             out = torch.empty(rows // 16, interleaved_row_bytes(qtype, k), dtype=torch.uint8)
-            repack.interleave(weight, out)
-            assert torch.equal(out, interleave(weight).data), Q(qtype).name
+            assert repack.interleave(weight, out).data is out
+            assert repack.interleave(weight, out).interleaved and torch.equal(out, expected.data)
