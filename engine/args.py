@@ -302,7 +302,7 @@ class EngineArgs:
             ),
         )
 
-    def _long_prefill_token_threshold(self) -> int:
+    def resolved_long_prefill_token_threshold(self) -> int:
         """The prefill cap while others run. On 2 CPU cores (the embedded model under
         load) a 5,500-token prompt in 2,048-token chunks held each step for tens of seconds
         and victims' 2-token completions timed out; capped at 64 they took 2.4 s (median).
@@ -357,7 +357,7 @@ class EngineArgs:
                 max_num_seqs=self.max_num_seqs,
                 max_num_batched_tokens=self.max_num_batched_tokens,
                 policy=self.scheduling_policy,
-                long_prefill_token_threshold=self._long_prefill_token_threshold(),
+                long_prefill_token_threshold=self.resolved_long_prefill_token_threshold(),
                 jump_forward=self.jump_forward and not grammar_drafts,
                 max_waiting_requests=self.max_waiting_requests,
             ),

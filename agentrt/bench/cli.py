@@ -149,6 +149,13 @@ def add_tune_args(parser: argparse.ArgumentParser) -> None:
     search.add_argument(
         "--max-num-batched-tokens-list", type=_ints, default=None, metavar="N,N,..."
     )
+    search.add_argument(
+        "--long-prefill-token-threshold-list",
+        type=_ints,
+        default=None,
+        metavar="N,N,...",
+        help="caps on one request's prefill chunk while others run (0: none)",
+    )
     search.add_argument("--block-size-list", type=_ints, default=None, metavar="N,N,...")
     search.add_argument(
         "--speculative-list",
@@ -201,6 +208,7 @@ def run_tune(args: argparse.Namespace) -> int:
     lists = {
         "max_num_seqs": args.max_num_seqs_list,
         "max_num_batched_tokens": args.max_num_batched_tokens_list,
+        "long_prefill_token_threshold": args.long_prefill_token_threshold_list,
         "block_size": args.block_size_list,
         "speculative": args.speculative_list,
         "jump_forward": args.jump_forward_list,

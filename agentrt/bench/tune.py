@@ -3,8 +3,8 @@
 Goodput is what an agent runtime's users count: schema-valid completions per second (any
 completion, for an unstructured workload) whose P99 end-to-end latency, or TTFT, stays
 within the bound the user gives. The search is the grid of the options given
-(`SearchSpace`: max_num_seqs, max_num_batched_tokens, block_size, speculative method,
-jump-forward) around the base engine options (the command's engine flags or `--config`),
+(`SearchSpace`: max_num_seqs, max_num_batched_tokens, the prefill cap while others run,
+block_size, speculative method, jump-forward) around the base engine options (the command's engine flags or `--config`),
 each configuration a fresh in-process engine running the same workload (`run_benchmark`).
 
 Two rounds, so that configurations that cannot win cost little:
@@ -56,6 +56,9 @@ class SearchSpace:
 
     max_num_seqs: tuple[int, ...] | None = None
     max_num_batched_tokens: tuple[int, ...] | None = None
+    # The cap on one request's prefill chunk while others run (0: none): the per-machine
+    # trade between a new request's TTFT and the others' inter-token latency.
+    long_prefill_token_threshold: tuple[int, ...] | None = None
     block_size: tuple[int, ...] | None = None
     # "off", or a method with SpeculativeConfig options: "suffix", "ngram:num_speculative_tokens=4",
     # "suffix:disable_by_batch_size=0" (':' between options).
@@ -74,7 +77,13 @@ class SearchSpace:
     def changes(self) -> list[dict[str, Any]]:
         """Every combination, as the fields it sets."""
         axes: list[list[tuple[str, Any]]] = []
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "jump_forward"):
+        for name in (
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "long_prefill_token_threshold",
+            "block_size",
+            "jump_forward",
+        ):
             values = getattr(self, name)
             if values:
                 axes.append([(name, v) for v in dict.fromkeys(values)])
@@ -197,7 +206,7 @@ def tune(
     baseline = Trial({}, base)
     result.trials.append(baseline)
     for changes in space.changes():
-        if all(same_option(getattr(base, k), v) for k, v in changes.items()):
+        if all(same_option(_resolved(base, k), v) for k, v in changes.items()):
             continue  # the baseline itself
         try:
             args = dataclasses.replace(base, **changes)
@@ -291,6 +300,7 @@ def _short(name: str) -> str:
     return {
         "max_num_seqs": "seqs",
         "max_num_batched_tokens": "tokens",
+        "long_prefill_token_threshold": "prefill_cap",
         "block_size": "block",
         "speculative_config": "spec",
         "jump_forward": "jf",
@@ -303,6 +313,14 @@ def _value(value: Any) -> str:
     if isinstance(value, dict) and "method" in value:
         return ":".join([value["method"], *(f"{k}={v}" for k, v in value.items() if k != "method")])
     return str(value)
+
+
+def _resolved(base: EngineArgs, name: str) -> Any:
+    """The base's value of an option as the engine takes it (the prefill cap's None is the
+    device's default: a trial of that value would run the baseline again)."""
+    if name == "long_prefill_token_threshold":
+        return base.resolved_long_prefill_token_threshold()
+    return getattr(base, name)
 
 
 def same_option(a: Any, b: Any) -> bool:

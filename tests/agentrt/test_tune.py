@@ -203,3 +203,30 @@ def test_secrets_never_reach_result_files(base):
     )  # fmt: skip
     assert secret not in json.dumps(config_file(result, DATASET))
     assert _without_userinfo("http://me:pw@host:8000/v1") == "http://host:8000/v1"
+
+
+def test_the_prefill_cap_is_searched_per_machine(base):
+    """`--long-prefill-token-threshold-list` (the cap on one request's prefill chunk while
+    others run) becomes trials whose engines schedule with that cap; the device's default
+    cap (64 on the CPU) is the baseline, not tried twice; the winner's cap is written."""
+    parsed = build_parser().parse_args(
+        ["tune", "--max-p99-e2e-ms", "1", "--long-prefill-token-threshold-list", "64,256,0"]
+    )
+    assert parsed.long_prefill_token_threshold_list == (64, 256, 0)
+    caps_run = []
+
+    def measure(args: EngineArgs, workload: DatasetConfig, load: LoadConfig):
+        cap = args.create_engine_config().scheduler.long_prefill_token_threshold
+        caps_run.append(cap)
+        seconds = {64: 0.5, 256: 0.25, 0: 0.4}[cap]
+        records = [RequestRecord(ok=True, output_tokens=8, ttft=0.001, e2e=seconds, valid=True)]
+        return build_result("structured", {}, records * workload.num_prompts, seconds)
+
+    space = SearchSpace(long_prefill_token_threshold=parsed.long_prefill_token_threshold_list)
+    result = tune(
+        base, space, DATASET, LoadConfig(), bound_ms=600000, screen_prompts=2, measure=measure
+    )
+    assert [t.label for t in result.trials] == ["baseline", "prefill_cap=256", "prefill_cap=0"]
+    assert set(caps_run) == {64, 256, 0}
+    assert result.best.label == "prefill_cap=256", format_table(result)
+    assert config_file(result, DATASET)["engine_args"]["long_prefill_token_threshold"] == 256
