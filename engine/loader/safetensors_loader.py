@@ -18,6 +18,12 @@ from pathlib import Path
 import torch
 
 from agentrt.engine.errors import ModelLoadError
+from agentrt.engine.loader.hf_experts import (
+    StackedCache,
+    aliased_names,
+    aliased_table,
+    expert_aliases,
+)
 from agentrt.engine.loader.weights import Shard, Split, slice_dense
 
 
@@ -42,9 +48,15 @@ class SafetensorsLoader:
                         f"tensor {name!r} appears in more than one shard of {path}"
                     )
                 self._files[name] = handle
+        # A MoE's experts stored fused or under Mixtral's names, served per expert.
+        moe = (n for n in self._files if ".experts." in n or ".block_sparse_moe." in n)
+        self._aliases = expert_aliases(
+            {n: tuple(self._files[n].get_slice(n).get_shape()) for n in moe}
+        )
+        self._stacked = StackedCache(lambda n: self._files[n].get_tensor(n))
 
     def names(self) -> set[str]:
-        return set(self._files)
+        return aliased_names(set(self._files), self._aliases)
 
     def release(self, parts: list) -> None:
         pass  # every read is already a copy
@@ -59,6 +71,11 @@ class SafetensorsLoader:
         return None
 
     def read(self, name: str, split: Split, shard: Shard) -> torch.Tensor:
+        source = self._aliases.get(name)
+        if source is not None and source.expert is not None:  # a part of a fused tensor
+            part = source.take(self._stacked.get(source.stored))
+            return slice_dense(part, tuple(part.shape), split, shard)
+        name = name if source is None else source.stored
         handle = self._files.get(name)
         if handle is None:
             raise ModelLoadError(f"checkpoint {self.path} is missing tensor {name!r}.")
@@ -73,7 +90,7 @@ class SafetensorsLoader:
             info = handle.get_slice(name)
             numel = math.prod(info.get_shape())
             table[name] = (numel, numel * _dtype_bytes(info.get_dtype()), None)
-        return table
+        return aliased_table(table, self._aliases)
 
 
 class StateDictLoader:
@@ -81,9 +98,10 @@ class StateDictLoader:
 
     def __init__(self, state: dict[str, torch.Tensor]) -> None:
         self.state = state
+        self._aliases = expert_aliases({n: tuple(t.shape) for n, t in state.items()})
 
     def names(self) -> set[str]:
-        return set(self.state)
+        return aliased_names(set(self.state), self._aliases)
 
     def release(self, parts: list) -> None:
         pass  # the state dict is the caller's
@@ -98,13 +116,17 @@ class StateDictLoader:
         return None
 
     def read(self, name: str, split: Split, shard: Shard) -> torch.Tensor:
+        source = self._aliases.get(name)
+        if source is not None:
+            name = source.stored
         if name not in self.state:
             raise ModelLoadError(f"checkpoint is missing tensor {name!r}.")
-        tensor = self.state[name]
+        tensor = self.state[name] if source is None else source.take(self.state[name])
         return slice_dense(tensor, tuple(tensor.shape), split, shard)
 
     def tensor_table(self) -> dict[str, tuple[int, int, int | None]]:
-        return {n: (t.numel(), t.numel() * t.element_size(), None) for n, t in self.state.items()}
+        table = {n: (t.numel(), t.numel() * t.element_size(), None) for n, t in self.state.items()}
+        return aliased_table(table, self._aliases)
 
 
 def _dtype_bytes(dtype: str) -> int:

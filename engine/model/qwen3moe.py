@@ -20,7 +20,8 @@ def arch_config(config: dict[str, Any]) -> ModelArchConfig:
         )
     return ModelArchConfig(
         **{**fields, "qk_norm": True},
-        num_experts=config["num_experts"],
+        # Released configs say num_experts; transformers 5 saves it as num_local_experts.
+        num_experts=config.get("num_experts") or config["num_local_experts"],
         num_experts_per_tok=config["num_experts_per_tok"],
         moe_intermediate_size=config["moe_intermediate_size"],
         norm_topk_prob=config.get("norm_topk_prob", True),

@@ -85,7 +85,7 @@ FAMILIES: tuple[ModelFamily, ...] = (
     ModelFamily(
         "llama",
         "llama",
-        ("LlamaForCausalLM", "MistralForCausalLM"),
+        ("LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM"),
         ("llama",),  # llama.cpp stores Mistral and Mixtral models as llama
         gguf_tensor_names={**LLAMA_BLOCK_NAMES, **MOE_NAMES},  # MoE: Mixtral
         gguf_permutes_qk=True,

@@ -112,3 +112,43 @@ def test_expert_groups_sort_choices_by_expert_then_slot_then_token():
     # Expert 1: token 1's first choice before token 0's second (transformers' order).
     assert groups.token_ids.tolist() == [1, 2, 1, 0, 0, 2]
     assert chosen.t().reshape(-1)[groups.order].tolist() == [0, 0, 1, 1, 3, 3]
+
+
+@pytest.mark.parametrize("layout", ["mixtral_released", "fused_3d"])
+def test_hf_moe_checkpoint_layouts_run_greedy_as_transformers(tiny_checkpoint, tmp_path, layout):
+    """An HF MoE checkpoint directory in either layout the engine reads besides per-expert
+    names (engine/loader/hf_experts.py): Mixtral's released `block_sparse_moe.experts.{e}.w1 /
+    w2 / w3` (what save_pretrained writes for it) and transformers 5's fused 3-D
+    `mlp.experts.gate_up_proj` / `down_proj` (its state dict as it is)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    from agentrt.engine.client.llm import LLM
+    from agentrt.engine.sampling_params import SamplingParams
+
+    from .conftest import hf_greedy_batch
+    from .hf_gguf import hf_config
+
+    config = hf_config("mixtral" if layout == "mixtral_released" else "qwen3moe")
+    config.vocab_size = 49152  # the tiny checkpoints' SmolLM2 tokenizer, copied beside it
+    config.architectures = [type(config).__name__.replace("Config", "ForCausalLM")]
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    for file in tiny_checkpoint("llama").iterdir():
+        if "tokenizer" in file.name or file.name == "special_tokens_map.json":
+            (tmp_path / file.name).write_bytes(file.read_bytes())
+    if layout == "mixtral_released":
+        model.save_pretrained(tmp_path)
+        expected_name = "model.layers.0.block_sparse_moe.experts.3.w2.weight"
+    else:
+        save_file(model.state_dict(), tmp_path / "model.safetensors")
+        config.to_json_file(tmp_path / "config.json")
+        expected_name = "model.layers.0.mlp.experts.gate_up_proj"
+    with safe_open(str(next(tmp_path.glob("*.safetensors"))), "pt") as stored:
+        assert expected_name in stored.keys()
+    prompts = [[5, 9, 200, 31, 7], [1000, 42, 17]]
+    expected = hf_greedy_batch(model, prompts, 8)
+    llm = LLM(str(tmp_path), dtype="float32", kv_cache_memory_gb=0.02)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == expected
