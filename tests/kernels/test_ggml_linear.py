@@ -28,7 +28,9 @@ import pytest
 import torch
 
 from agentrt.kernels import ggml_linear as G
+from agentrt.kernels.cpu_build import build_library
 from agentrt.kernels.errors import KernelInputError
+from agentrt.kernels.ggml_library import _EXTRA_FLAGS, SOURCE
 
 Q = gguf.GGMLQuantizationType
 TYPES = sorted(G.QUANTIZED_TYPES)
@@ -212,6 +214,23 @@ def test_interleaved_product_matches_gguf_reference(kern, qtype):
     y = G.ggml_linear(x, x16, kernels=kern)
     for t in (0, 3, 257, 519):
         assert torch.equal(G.ggml_linear(x[t : t + 1], x16, kernels=kern)[0], y[t])
+
+
+@pytest.mark.skipif("avx512" not in ISAS, reason="no AVX-512 VNNI build on this CPU")
+def test_interleaved_q6k_without_gfni_gives_the_same_sums():
+    """Q6_K's interleaved kernel places its high bits by GFNI where the CPU has it, by a
+    shift and a mask otherwise (AVX-512 VNNI CPUs without GFNI, e.g. Cascade Lake): that
+    build, compiled here with -mno-gfni, gives the same sums bit for bit."""
+    flags = G.ISAS["avx512"][1] + _EXTRA_FLAGS + ("-mno-gfni",)
+    plain = G.GGMLKernels(build_library(SOURCE, G.default_build_dir(), flags), "avx512")
+    w = G.random_weight(Q.Q6_K, 48, K, seed=7)
+    x16 = G.interleave(w)
+    x = torch.randn(9, K, generator=torch.Generator().manual_seed(7))
+    y = G.ggml_linear(x, x16, kernels=plain)
+    assert torch.equal(
+        y, G.ggml_linear(x, x16, kernels=G.load_ggml_kernels(G.default_build_dir(), "avx512"))
+    )
+    check_product(y, x, G.dequantize_ref(w), plain.act_block(Q.Q6_K))
 
 
 def test_interleaving_is_refused_where_there_is_no_such_layout_or_kernel():
