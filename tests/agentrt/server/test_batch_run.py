@@ -113,3 +113,15 @@ def test_file_store_caps_and_owners(tmp_path) -> None:
     store.delete(alice, first["id"])
     store.upload(alice, "batch", "d.jsonl", io.BytesIO(b"x" * 60))  # room again
     assert sorted(p.name for p in (tmp_path / "files").iterdir() if p.suffix == ".tmp") == []
+
+
+def test_batch_flags_match_batch_config_defaults() -> None:
+    from agentrt.cli import build_parser
+    from agentrt.server.batch_options import BatchConfig
+
+    args = build_parser().parse_args(["serve"])
+    assert BatchConfig.from_cli_args(args) == BatchConfig()
+    args = build_parser().parse_args(["serve", "--state-dir", "/x", "--max-file-bytes", "5"])
+    assert BatchConfig.from_cli_args(args) == BatchConfig(state_dir="/x", max_file_bytes=5)
+    with pytest.raises(ValueError, match="max_concurrency=0"):
+        BatchConfig(max_concurrency=0)
