@@ -11,8 +11,7 @@ from fastapi.responses import Response
 from agentrt.engine.client.outputs import CompletionOutput, RequestDelta, RequestOutput
 from agentrt.engine.errors import InvalidRequestError
 from agentrt.engine.sampling_params import SamplingParams
-from agentrt.reasoning import count_reasoning_tokens
-from agentrt.reply import ReplyReader
+from agentrt.reply import Reply, ReplyReader
 from agentrt.server.errors import bad_request
 from agentrt.server.generation import Generation, respond
 from agentrt.server.offload import check_text_length, off_loop
@@ -20,7 +19,6 @@ from agentrt.server.params import chat_constraint, choice_params
 from agentrt.server.protocol import ChatCompletionRequest, ChatMessage
 from agentrt.server.responses import chat_logprobs, kv_transfer, new_id, now, usage
 from agentrt.server.state import ServerState
-from agentrt.tool_calls import ReplyCalls
 from agentrt.tool_formats import tool_call_style
 from agentrt.turn import ChatConstraint, Turn, prepare_turn, reasoning_mode
 
@@ -161,9 +159,12 @@ class _ChatView:
 
     def completion(self, outputs: list[RequestOutput]) -> dict[str, Any]:
         choices = []
-        for index, output in enumerate(outputs):
+        replies = [self.turn.read(self.tokenizer, self.params, o.outputs[0]) for o in outputs]
+        for index, (output, reply) in enumerate(zip(outputs, replies, strict=True)):
             completion = output.outputs[0]
-            message, finish_reason = self._message(completion)
+            message, finish_reason = _reply_message(reply, completion)
+            if reply.reasoning is not None and self.include_reasoning:
+                message["reasoning_content"] = reply.reasoning
             logprobs = None
             if self.top_n is not None:
                 logprobs = {"content": chat_logprobs(completion.logprobs or [], self.top_n)}
@@ -181,27 +182,15 @@ class _ChatView:
             "created": self.created,
             "model": self.model,
             "choices": choices,
-            "usage": self._usage(outputs),
+            "usage": self._usage(outputs, sum(r.num_reasoning_tokens for r in replies)),
             **kv_transfer(outputs),
         }
-
-    def _message(self, completion: CompletionOutput) -> tuple[dict[str, Any], str | None]:
-        reply = self.turn.read(self.tokenizer, self.params, completion)
-        message, finish = _reply_message(reply.text, reply.content, reply.calls, completion)
-        if reply.reasoning is not None and self.include_reasoning:
-            message["reasoning_content"] = reply.reasoning
-        return message, finish
 
     def _delta(self, reader: ReplyReader, delta: RequestDelta) -> dict[str, Any]:
         """The chunk delta of what `delta` added: reasoning, content and call deltas."""
         read = reader.feed(delta.text, delta.token_ids)
         if delta.output is not None:
-            end = reader.finish()
-            read.reasoning, read.content = (
-                read.reasoning + end.reasoning,
-                read.content + end.content,
-            )
-            read.calls += end.calls
+            read += reader.finish()
         body: dict[str, Any] = {}
         if read.reasoning and self.include_reasoning:
             body["reasoning_content"] = read.reasoning
@@ -211,15 +200,12 @@ class _ChatView:
             body["tool_calls"] = read.calls
         return body
 
-    def _usage(self, outputs: list[RequestOutput]) -> dict[str, Any]:
-        """`usage`, with the reasoning's tokens apart (OpenAI's completion_tokens_details)."""
+    def _usage(self, outputs: list[RequestOutput], num_reasoning: int) -> dict[str, Any]:
+        """`usage`, with the reasoning's tokens (as the reader counted them) apart (OpenAI's
+        completion_tokens_details)."""
         body = usage(outputs, len(outputs))
         if self.turn.reasoning.spec is not None:
-            num = sum(
-                count_reasoning_tokens(self.tokenizer, o.outputs[0].token_ids, self.turn.reasoning)
-                for o in outputs
-            )
-            body["completion_tokens_details"] = {"reasoning_tokens": num}
+            body["completion_tokens_details"] = {"reasoning_tokens": num_reasoning}
         return body
 
     def chunk(self, choices: list[dict[str, Any]], usage_: dict | None = None, **extra) -> dict:
@@ -261,22 +247,23 @@ class _ChatView:
             await emit(self.chunk([_choice(index, {"role": "assistant", "content": ""})], **extra))
         outputs = await generation.stream_choices(firsts, emit, on_delta, on_finish)
         if include_usage:
-            await emit(self.chunk([], self._usage(outputs)))
+            num_reasoning = sum(reader.num_reasoning_tokens for reader in readers)
+            await emit(self.chunk([], self._usage(outputs, num_reasoning)))
 
 
-def _reply_message(
-    text: str, content: str, calls: ReplyCalls | None, completion: CompletionOutput
-) -> tuple[dict[str, Any], str | None]:
+def _reply_message(reply: Reply, completion: CompletionOutput) -> tuple[dict[str, Any], str | None]:
     """The message of a reply and its finish reason: its calls (`ReplyCalls`: those before
     a repeat, the cap or a cut) with the text before them, or its text (`calls` None: it
     made none); a reply cut inside its first call has the text before it, no call."""
+    calls = reply.calls
     if calls is None or calls.invalid:
-        message = {"role": "assistant", "content": text, "refusal": None}
+        message = {"role": "assistant", "content": reply.text, "refusal": None}
         return message, completion.finish_reason
     if not calls.calls:
-        message = {"role": "assistant", "content": content.strip() or None, "refusal": None}
+        message = {"role": "assistant", "content": reply.content.strip() or None, "refusal": None}
         return message, completion.finish_reason
-    return _calls_message(calls.calls, content), calls.finish_reason(completion.finish_reason)
+    message = _calls_message(calls.calls, reply.content)
+    return message, calls.finish_reason(completion.finish_reason)
 
 
 def _calls_message(calls: list[Any], content: str | None) -> dict[str, Any]:

@@ -45,7 +45,7 @@ from sse_starlette import EventSourceResponse, ServerSentEvent
 
 from agentrt.engine.client.outputs import CompletionOutput, RequestDelta, RequestOutput
 from agentrt.engine.sampling_params import SamplingParams
-from agentrt.reasoning import count_reasoning_tokens
+from agentrt.reply import ReplyReader
 from agentrt.server.chat import chat_turn
 from agentrt.server.errors import APIError, bad_request, failed_output, from_exception
 from agentrt.server.generation import Generation
@@ -204,6 +204,7 @@ class ResponseView:
         self.id = item_id("resp")
         self.created_at = time.time()
         self.top_n = chat.top_logprobs if chat.logprobs else None
+        self.reader: ReplyReader | None = None  # the reply's, once it is read
 
     # -- bodies ---------------------------------------------------------------------------
 
@@ -281,7 +282,7 @@ class ResponseView:
         input_tokens = len(result.prompt_token_ids)
         cached = result.num_cached_tokens
         output_ids = result.outputs[0].token_ids
-        reasoning = count_reasoning_tokens(self.tokenizer, output_ids, self.turn.reasoning)
+        reasoning = self.reader.num_reasoning_tokens  # as the reply's reader counted them
         return ResponseUsage(
             input_tokens=input_tokens,
             # The prompt tokens computed here enter the prefix cache (in full blocks).
@@ -295,7 +296,8 @@ class ResponseView:
         )
 
     def _split(self, items: OutputItems) -> ReplyItems:
-        return ReplyItems(items, self.turn.reader(self.tokenizer, self.params))
+        self.reader = self.turn.reader(self.tokenizer, self.params)
+        return ReplyItems(items, self.reader)
 
     async def items(self, completion: CompletionOutput) -> tuple[list[BaseModel], str]:
         """The output items of a finished reply (its reasoning, then its function calls or
