@@ -812,7 +812,8 @@ static int interleaved_block(int qtype, int *head) {
     }
 }
 
-// Q6_K: byte `at` of row r's block -> its offset in the group's block.
+// Q6_K: byte `at` of row r's block -> its offset in the group's block. ql's and qh's bytes
+// move in runs of 4 (`at` a multiple of 4: the next 3 follow it).
 static inline int q6k_place(int at, int r) {
     if (at >= 208) return 2 * r + at - 208;                                       // d
     if (at >= 192) return 32 + 16 * (at - 192) + r;                              // scales
@@ -828,7 +829,8 @@ static void interleave_block(int qtype, const uint8_t *blk, uint8_t *o, int r) {
     int head;
     const int size = interleaved_block(qtype, &head);
     if (qtype == T_Q6_K) {
-        for (int at = 0; at < size; at++) o[q6k_place(at, r)] = blk[at];
+        for (int at = 0; at < 192; at += 4) memcpy(o + q6k_place(at, r), blk + at, 4);
+        for (int at = 192; at < size; at++) o[q6k_place(at, r)] = blk[at];
         return;
     }
     for (int f = 0; f < head; f += 2) memcpy(o + 16 * f + 2 * r, blk + f, 2);
@@ -870,7 +872,8 @@ static void deinterleave_block(int qtype, const uint8_t *o, int r, uint8_t *blk)
     int head;
     const int size = interleaved_block(qtype, &head);
     if (qtype == T_Q6_K) {
-        for (int at = 0; at < size; at++) blk[at] = o[q6k_place(at, r)];
+        for (int at = 0; at < 192; at += 4) memcpy(blk + at, o + q6k_place(at, r), 4);
+        for (int at = 192; at < size; at++) blk[at] = o[q6k_place(at, r)];
         return;
     }
     for (int f = 0; f < head; f += 2) memcpy(blk + f, o + 16 * f + 2 * r, 2);
