@@ -7,7 +7,11 @@ SmolLM2-135M-Instruct (Q4_1). Defaults on both sides.
 Files (--models; gguf_models.SHAPES): Qwen2.5-0.5B (hidden 896: mostly Q5_0, a tied Q8_0
 151,936-row output), Qwen2.5-1.5B (Q4_K + Q6_K, Q6_K output), Llama-3.2-1B (128,256-row tied
 output, llama3 rope scaling), Qwen3-0.6B (q/k norm); TinyLlama-1.1B's shape on request (the
-earlier runs'). Qwen shapes carry the real Qwen2.5 tokenizer, llama shapes the embedded one.
+earlier runs'); issue 40's families on request, each held to its own targets: SmolLM3-3B (NoPE
+layers), Granite-3.3-2B (multipliers), OLMo2-1B (post-norms), and qwen3-moe-48e (a 3.4 GiB
+Qwen3-MoE: decode >= 1.0x, batch of 16 >= 2x llama.cpp's one request; run it with
+--no-reference: the fp32 reference would need ~22 GiB). Qwen shapes carry the real Qwen2.5
+tokenizer, llama-style shapes the embedded one.
 They are cached in --files-dir (default ~/.cache/agentrt-bench/gguf, with the F16 sources)
 and reused. On random weights the perplexity is near the vocabulary size: it compares the
 engines and the quantizations of one model, nothing more; the embedded model gives the

@@ -59,6 +59,21 @@ def _qwen2(hidden, layers, ffn, heads, kv_heads, tied) -> dict:
     )
 
 
+def _llama_style(architecture, model_type, hidden, layers, ffn, heads, kv_heads) -> dict:
+    return dict(
+        architectures=[architecture],
+        model_type=model_type,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        intermediate_size=ffn,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        rms_norm_eps=1e-6,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+
+
 SHAPES = {
     s.name: s
     for s in (
@@ -113,6 +128,48 @@ SHAPES = {
                 bos_token_id=151643,
                 eos_token_id=151645,
             ),
+        ),
+        # Issue 40's dense families at their real small sizes, on the llama-style tokenizer.
+        ModelShape(
+            "smollm3-3b",
+            "smollm2",
+            dict(
+                _llama_style("SmolLM3ForCausalLM", "smollm3", 2048, 36, 11008, 16, 4),
+                vocab_size=128256,
+                tie_word_embeddings=True,
+                rope_theta=5000000.0,
+                no_rope_layer_interval=4,  # every fourth layer rotates nothing (NoPE)
+                max_position_embeddings=65536,
+            ),
+            targets={"decode": 1.0},
+        ),
+        ModelShape(
+            "granite-3.3-2b",
+            "smollm2",
+            dict(
+                _llama_style("GraniteForCausalLM", "granite", 2048, 40, 8192, 32, 8),
+                vocab_size=49159,
+                tie_word_embeddings=True,
+                rope_theta=10000000.0,
+                embedding_multiplier=12.0,
+                residual_multiplier=0.22,
+                attention_multiplier=0.015625,
+                logits_scaling=8.0,
+                max_position_embeddings=131072,
+            ),
+            targets={"decode": 1.0},
+        ),
+        ModelShape(
+            "olmo2-1b",
+            "smollm2",
+            dict(
+                _llama_style("Olmo2ForCausalLM", "olmo2", 2048, 16, 8192, 16, 16),
+                vocab_size=100352,
+                tie_word_embeddings=False,
+                rope_theta=500000.0,
+                max_position_embeddings=4096,
+            ),
+            targets={"decode": 1.0},
         ),
         # A sparse MoE (issue 40): Qwen3-30B-A3B's layer (hidden 2048, 32 heads of 128, 4 KV
         # heads, experts of 768, top 8 renormalised) with 48 of its 128 experts and 20 of its
