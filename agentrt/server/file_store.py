@@ -17,12 +17,12 @@ import hashlib
 import json
 import os
 import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
 from agentrt.server.errors import APIError
+from agentrt.server.responses import new_id
 
 PURPOSES = ("batch", "batch_output")
 _CHUNK = 1 << 20
@@ -58,7 +58,7 @@ class FileStore:
                 "API only (purpose 'batch').",
                 param="purpose",
             )
-        file_id = new_file_id()
+        file_id = new_id("file")
         tmp = self.files / f"{file_id}.data.tmp"
         room = min(self.max_file_bytes, self.max_storage_bytes - self.used_bytes())
         num_bytes = 0
@@ -83,7 +83,7 @@ class FileStore:
         file_id: str | None = None,
     ) -> dict[str, Any]:
         """Make the file at `data` (moved, not copied) a stored file; its object."""
-        file_id = file_id or new_file_id()
+        file_id = file_id or new_id("file")
         obj = {
             "id": file_id,
             "object": "file",
@@ -163,10 +163,6 @@ class FileStore:
             "(--max-storage-bytes): delete files (DELETE /v1/files/{id}) and retry.",
             code="storage_limit_exceeded",
         )
-
-
-def new_file_id() -> str:
-    return f"file-{uuid.uuid4().hex}"
 
 
 def valid_id(object_id: str) -> bool:
