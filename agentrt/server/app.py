@@ -89,7 +89,7 @@ def create_app(config: ServerConfig, *, llm_engine: LLMEngine | None = None) -> 
         config.max_stored_response_bytes,
     )
     add_response_routes(app, store)
-    add_messages_routes(app)
+    add_messages_routes(app, config)
     state_dir = StateDir(config.batch)
     files = FileStore(
         state_dir.path,

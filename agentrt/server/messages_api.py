@@ -7,10 +7,12 @@ A Messages request is served as the chat request it means, as the Responses endp
 "required", `tool` that one function: the same grammar-exact calls), `thinking` the
 reasoning mode. The prompt is rendered off the event loop (`off_loop`), sampled under the
 server's limits and cache isolation (`metadata.user_id` is the user), and the reply read by
-`agentrt.reply`, whole or as it streams: `thinking` (no signature), `text` and `tool_use`
-blocks, streamed as Anthropic's events with `event:` lines. `usage.input_tokens` counts the
-prompt tokens computed, as Anthropic's does; those read from the prefix cache are
-`cache_read_input_tokens`. Errors take Anthropic's shape (agentrt.server.errors).
+`agentrt.reply`, whole or as it streams: `thinking` (signed, and checked when sent back:
+messages_thinking), `text` and `tool_use` blocks, streamed as Anthropic's events with
+`event:` lines. `usage.input_tokens` counts the prompt tokens computed, as Anthropic's does;
+those read from the prefix cache are `cache_read_input_tokens`. Errors take Anthropic's
+shape (agentrt.server.errors). A producer's `kv_transfer_params` come back in the body, as
+chat's (`agentrt proxy` prefills a message on one instance and decodes it on another).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from sse_starlette import EventSourceResponse, ServerSentEvent
 
+from agentrt.engine import envs
 from agentrt.engine.client.outputs import CompletionOutput, RequestOutput
 from agentrt.engine.sampling_params import SamplingParams
 from agentrt.server.chat import chat_turn
@@ -36,10 +39,12 @@ from agentrt.server.messages_protocol import (
     MessageParam,
     MessagesRequest,
 )
+from agentrt.server.messages_thinking import ThinkingSigner
 from agentrt.server.offload import off_loop
 from agentrt.server.params import chat_constraint, choice_params
 from agentrt.server.protocol import ChatCompletionRequest
-from agentrt.server.state import ServerState
+from agentrt.server.responses import kv_transfer
+from agentrt.server.state import ServerConfig, ServerState
 from agentrt.tool_formats import tool_call_style
 from agentrt.turn import Turn
 
@@ -48,10 +53,14 @@ _STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use", "stop": "end_
 _TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}
 
 
-def add_messages_routes(app: FastAPI) -> None:
+def add_messages_routes(app: FastAPI, config: ServerConfig) -> None:
+    signer = ThinkingSigner.for_server(
+        config.engine_args.kv_secret or envs.kv_secret(), config.model_name
+    )
+
     @app.post("/v1/messages")
     async def create(body: MessagesRequest, request: Request) -> Response:
-        return await create_message(request.app.state.server, body, request)
+        return await create_message(request.app.state.server, body, request, signer)
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(body: CountTokensRequest, request: Request) -> dict:
@@ -69,8 +78,11 @@ def _prepare(state: ServerState, request: CountTokensRequest):
     return chat, chat_turn(state, chat, constraint)
 
 
-async def create_message(state: ServerState, request: MessagesRequest, raw: Request) -> Response:
+async def create_message(
+    state: ServerState, request: MessagesRequest, raw: Request, signer: ThinkingSigner
+) -> Response:
     state.check_model(request.model)
+    signer.check(request.messages)
     chat, turn = await off_loop(state.prompt_limiter, _prepare, state, request)
     user = request.metadata.user_id if request.metadata else None
     params = choice_params(
@@ -84,7 +96,7 @@ async def create_message(state: ServerState, request: MessagesRequest, raw: Requ
     generation = Generation(
         state.engine, state.metrics, [turn.prompt_ids], params, param_names={"prompt": "messages"}
     )
-    view = MessageView(state, turn, params[0])
+    view = MessageView(state, turn, params[0], signer)
     view.show_thinking = not (request.thinking and request.thinking.display == "omitted")
     if request.stream:
         firsts = await generation.first_deltas(raw.receive)
@@ -96,7 +108,7 @@ async def create_message(state: ServerState, request: MessagesRequest, raw: Requ
     failure = failed_output(outputs)
     if failure is not None:
         raise failure
-    return JSONResponse(view.message(outputs[0]))
+    return JSONResponse({**view.message(outputs[0]), **kv_transfer(outputs)})
 
 
 # -- the request, as a chat request -----------------------------------------------------------
@@ -138,6 +150,7 @@ def chat_request(request: CountTokensRequest, model: str) -> ChatCompletionReque
         for name in ("temperature", "top_p", "top_k"):
             fields[name] = getattr(request, name)
         fields["stop"] = request.stop_sequences
+        fields["kv_transfer_params"] = request.kv_transfer_params
     try:
         return ChatCompletionRequest(**fields)
     except pydantic.ValidationError as exc:
@@ -220,7 +233,9 @@ def _tool(index: int, tool) -> dict[str, Any]:
 class MessageView:
     """The message of one request: whole (`message`) or as events (`stream`)."""
 
-    def __init__(self, state: ServerState, turn: Turn, params: SamplingParams) -> None:
+    def __init__(
+        self, state: ServerState, turn: Turn, params: SamplingParams, signer: ThinkingSigner
+    ) -> None:
         self.model = state.model_name
         self.tokenizer = state.engine.tokenizer
         # Read as the turn shapes the reply (with an output format too: calls or the
@@ -228,6 +243,7 @@ class MessageView:
         self.turn = turn
         self.params = params
         self.show_thinking = True
+        self.signer = signer
         self.id = f"msg_{uuid.uuid4().hex[:24]}"
 
     def message(self, output: RequestOutput) -> dict[str, Any]:
@@ -235,7 +251,10 @@ class MessageView:
         reply = self.turn.read(self.tokenizer, self.params, completion)
         content: list[dict[str, Any]] = []
         if reply.reasoning and self.show_thinking:
-            content.append({"type": "thinking", "thinking": reply.reasoning, "signature": ""})
+            signature = self.signer.sign(reply.reasoning)
+            content.append(
+                {"type": "thinking", "thinking": reply.reasoning, "signature": signature}
+            )
         calls = reply.calls
         if calls is None or calls.invalid or not calls.calls:
             text = reply.text if calls is None or calls.invalid else reply.content.strip()
@@ -267,7 +286,7 @@ class MessageView:
         """Emit the message's events as the reply streams: each block opened when its first
         text comes, closed when another starts or the reply ends."""
         reader = self.turn.reader(self.tokenizer, self.params)
-        blocks = _Blocks(emit, self.show_thinking)
+        blocks = _Blocks(emit, self.show_thinking, self.signer)
         usage = _usage(generation.prompt_lens[0], first.num_cached_tokens, 0)
         start = self._body([], None, None, usage)
         await emit("message_start", {"type": "message_start", "message": start})
@@ -298,11 +317,14 @@ class MessageView:
 
 
 class _Blocks:
-    """The content blocks of a streamed message: which one is open, and its index."""
+    """The content blocks of a streamed message: which one is open, and its index. A
+    thinking block ends with its signature (a `signature_delta`, as Anthropic's stream)."""
 
-    def __init__(self, emit, show_thinking: bool) -> None:
+    def __init__(self, emit, show_thinking: bool, signer: ThinkingSigner) -> None:
         self.emit = emit
         self.show_thinking = show_thinking
+        self.signer = signer
+        self.thinking = ""  # the open thinking block's text so far
         self.index = -1
         self.kind: str | None = None  # the open block's type
         self.call: int | None = None  # the open tool_use block's call index
@@ -311,6 +333,7 @@ class _Blocks:
         if read.reasoning and self.show_thinking:
             await self._open("thinking", {"type": "thinking", "thinking": "", "signature": ""})
             await self._delta({"type": "thinking_delta", "thinking": read.reasoning})
+            self.thinking += read.reasoning
         if read.content:
             await self._open("text", {"type": "text", "text": ""})
             await self._delta({"type": "text_delta", "text": read.content})
@@ -339,6 +362,10 @@ class _Blocks:
         await self.emit("content_block_delta", event)
 
     async def close(self) -> None:
+        if self.kind == "thinking":
+            signature = self.signer.sign(self.thinking)
+            await self._delta({"type": "signature_delta", "signature": signature})
+            self.thinking = ""
         if self.kind is not None:
             event = {"type": "content_block_stop", "index": self.index}
             await self.emit("content_block_stop", event)

@@ -116,3 +116,5 @@ class MessagesRequest(CountTokensRequest):
     service_tier: str | None = None
     # agentrt's extension, as in chat: prefix-cache hits only between requests that send it.
     cache_salt: CacheSalt | None = None
+    # vLLM's extension, as in chat (`agentrt proxy` sets it): a disaggregated prefill.
+    kv_transfer_params: dict[str, Any] | None = None
