@@ -206,23 +206,35 @@ class DisaggProxy:
         return PrefillOutcome(fallback_reason=reason)
 
     async def forward(
-        self, method: str, path: str, headers: dict[str, str], body: dict[str, Any] | None = None
+        self,
+        method: str,
+        path: str,
+        headers: dict[str, str],
+        body: dict[str, Any] | None = None,
+        *,
+        content: bytes | None = None,
+        query: str = "",
+        home: bool = False,
     ) -> Response:
-        """Send the request to a decode instance and relay its reply: an SSE reply streams
-        through chunk by chunk, anything else is read whole. Raises `APIError` (502) when
-        the instance does not answer."""
+        """Send the request to a decode instance and relay its reply: a reply that is not
+        JSON (an SSE stream, a file's bytes) streams through chunk by chunk, JSON is read
+        whole. `body` goes as JSON, `content` as is (with the content type in `headers`).
+        `home`: to the first decode instance, whatever the round-robin's turn (the one that
+        keeps stored responses, files and batches). Raises `APIError` (502) when the
+        instance does not answer."""
         import httpx
         from starlette.responses import StreamingResponse
 
-        url = self.decode_instances.pick() + path
-        request = self.http.build_request(method, url, json=body, headers=headers)
+        base = self.decode_instances.urls[0] if home else self.decode_instances.pick()
+        url = base + path + (f"?{query}" if query else "")
+        request = self.http.build_request(method, url, json=body, content=content, headers=headers)
         try:
             response = await self.http.send(request, stream=True)
         except httpx.HTTPError as exc:
             raise _bad_gateway(url, exc) from exc
-        if response.headers.get("content-type", "").startswith("text/event-stream"):
+        if not response.headers.get("content-type", "").startswith("application/json"):
             return StreamingResponse(
-                _stream(response, url),
+                _stream(response, url, path),
                 status_code=response.status_code,
                 headers=_relayed_headers(response),
             )
@@ -235,17 +247,25 @@ class DisaggProxy:
         return _relayed(response, content)
 
 
-async def _stream(response: httpx.Response, url: str) -> AsyncIterator[bytes]:
-    """The decode instance's SSE bytes as they arrive. A stream broken off upstream ends with
-    an error event (the status line has gone out already); the upstream connection is closed
-    however the stream ends, a client's disconnect included, so the instance aborts."""
+async def _stream(response: httpx.Response, url: str, path: str) -> AsyncIterator[bytes]:
+    """The decode instance's bytes as they arrive. An SSE stream broken off upstream ends with
+    an error event (the status line has gone out already; Anthropic's `event: error` under
+    its routes), other bytes just end; the upstream connection is closed however the stream
+    ends, a client's disconnect included, so the instance aborts."""
     import httpx
+
+    from agentrt.server.errors import anthropic_shaped
 
     try:
         async for chunk in response.aiter_bytes():
             yield chunk
     except httpx.HTTPError as exc:
-        yield f"data: {json.dumps(_bad_gateway(url, exc).body())}\n\n".encode()
+        error = _bad_gateway(url, exc)  # logged; a file's bytes just end short
+        if response.headers.get("content-type", "").startswith("text/event-stream"):
+            if anthropic_shaped(path):
+                yield f"event: error\ndata: {json.dumps(error.anthropic_body())}\n\n".encode()
+            else:
+                yield f"data: {json.dumps(error.body())}\n\n".encode()
     finally:
         await response.aclose()
 

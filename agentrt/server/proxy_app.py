@@ -1,5 +1,6 @@
-"""`agentrt proxy`'s HTTP side: the ASGI app (completion routes through `DisaggProxy`,
-/v1/models, /health, /metrics, the API-key and body-size guard) and its command line.
+"""`agentrt proxy`'s HTTP side: the ASGI app (completion routes through `DisaggProxy`, the
+other routes forwarded to a decode instance, /health, /metrics, the API-key and body-size
+guard) and its command line.
 
 Serving needs the `server` extra (fastapi, uvicorn, prometheus_client; httpx comes with
 openai). `add_proxy_args` needs none of them, so the CLI builds its parser without them.
@@ -14,6 +15,7 @@ import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from agentrt.server.batch_options import MAX_FILE_BYTES
 from agentrt.server.cli import add_listen_args
 from agentrt.server.proxy import DECODE_TIMEOUT_S, PREFILL_TIMEOUT_S, DisaggProxy, decode_body
 
@@ -22,7 +24,24 @@ if TYPE_CHECKING:
     from starlette.responses import Response
 
 MAX_REQUEST_BYTES = 8 * 2**20  # agentrt serve's default (ServerConfig.max_request_bytes)
-COMPLETION_PATHS = ("/v1/chat/completions", "/v1/completions")
+MULTIPART_SLACK = 64 * 1024  # an upload's multipart fields beside the file (app.py's)
+# Prefilled on a prefill instance, decoded on a decode instance.
+COMPLETION_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/messages")
+# Stateless: forwarded to a decode instance in turn.
+FORWARDED_PATHS = ("/v1/messages/count_tokens",)
+# What an instance keeps (stored responses for previous_response_id, files, batches): always
+# forwarded to the first decode instance, so a later request finds it. Not prefilled
+# elsewhere (a Responses request takes no kv_transfer_params, and may be several turns).
+HOME_ROUTES = (
+    ("/v1/responses", ("POST",)),
+    ("/v1/responses/{id}", ("GET", "DELETE")),
+    ("/v1/files", ("GET", "POST")),
+    ("/v1/files/{id}", ("GET", "DELETE")),
+    ("/v1/files/{id}/content", ("GET",)),
+    ("/v1/batches", ("GET", "POST")),
+    ("/v1/batches/{id}", ("GET",)),
+    ("/v1/batches/{id}/cancel", ("POST",)),
+)
 _INSTALL_HINT = (
     "agentrt proxy needs fastapi, uvicorn and prometheus_client: pip install 'agentrt[server]'"
 )
@@ -42,17 +61,21 @@ def checked_body(path: str, body: dict[str, Any]) -> None:
 
     from agentrt.engine.errors import InvalidRequestError
     from agentrt.server.errors import bad_request, from_exception
+    from agentrt.server.messages_api import chat_request
+    from agentrt.server.messages_protocol import MessagesRequest
     from agentrt.server.params import choice_params
     from agentrt.server.protocol import ChatCompletionRequest, CompletionRequest
 
-    model = ChatCompletionRequest if path == "/v1/chat/completions" else CompletionRequest
+    models = {"/v1/chat/completions": ChatCompletionRequest, "/v1/messages": MessagesRequest}
     try:
-        request = model.model_validate(body)
+        request = models.get(path, CompletionRequest).model_validate(body)
     except pydantic.ValidationError as exc:
         first = exc.errors()[0]
         param = ".".join(str(p) for p in first.get("loc", ())) or None
         raise bad_request(f"{param}: {first.get('msg')}", param=param) from None
     max_tokens = getattr(request, "max_completion_tokens", None) or request.max_tokens
+    if isinstance(request, MessagesRequest):  # served as the chat request it means
+        request = chat_request(request, request.model)
     try:
         choice_params(
             request.model_copy(update={"kv_transfer_params": None}),
@@ -86,11 +109,13 @@ def create_proxy_app(
     api_key: str | None = None,
     upstream_api_key: str | None = None,
     max_request_bytes: int = MAX_REQUEST_BYTES,
+    max_file_bytes: int = MAX_FILE_BYTES,
 ) -> FastAPI:
     """The proxy's ASGI app. `api_key`: required as 'Authorization: Bearer KEY' on every
     route but /health. `upstream_api_key`: what the proxy sends the instances (default: its
-    own `api_key`; never a client's header). Raises ValueError for an empty URL list, a URL that is not http(s), a
-    timeout that is not positive or a body limit below 1."""
+    own `api_key`; never a client's header). `max_file_bytes`: the largest upload to
+    /v1/files (agentrt serve's default). Raises ValueError for an empty URL list, a URL that
+    is not http(s), a timeout that is not positive or a body limit below 1."""
     try:
         from contextlib import asynccontextmanager
 
@@ -103,8 +128,12 @@ def create_proxy_app(
     except ImportError as exc:  # pragma: no cover - the hint is the point
         raise ImportError(_INSTALL_HINT) from exc
 
-    if max_request_bytes < 1:
-        raise ValueError(f"max_request_bytes must be at least 1, got {max_request_bytes}")
+    for name, limit in (
+        ("max_request_bytes", max_request_bytes),
+        ("max_file_bytes", max_file_bytes),
+    ):
+        if limit < 1:
+            raise ValueError(f"{name} must be at least 1, got {limit}")
 
     proxy = DisaggProxy(
         prefill_urls,
@@ -137,6 +166,24 @@ def create_proxy_app(
             "POST", path, headers, decode_body(body, outcome.kv_transfer_params)
         )
 
+    async def forwarded(request: Request) -> Response:
+        return await proxy.forward("POST", request.url.path, headers, await _json_object(request))
+
+    async def at_home(request: Request) -> Response:
+        """A stateful route's request, to the first decode instance as the client sent it
+        (a multipart upload keeps its content type), but with the proxy's credential."""
+        sent = dict(headers)
+        if "content-type" in request.headers:
+            sent["content-type"] = request.headers["content-type"]
+        return await proxy.forward(
+            request.method,
+            request.url.path,
+            sent,
+            content=await request.body(),
+            query=request.url.query,
+            home=True,
+        )
+
     async def models(request: Request) -> Response:
         return await proxy.forward("GET", "/v1/models", headers)
 
@@ -148,10 +195,19 @@ def create_proxy_app(
 
     for path in COMPLETION_PATHS:
         app.add_route(path, complete, methods=["POST"])
+    for path in FORWARDED_PATHS:
+        app.add_route(path, forwarded, methods=["POST"])
+    for path, methods in HOME_ROUTES:
+        app.add_route(path, at_home, methods=list(methods))
     app.add_route("/v1/models", models, methods=["GET"])
     app.add_route("/health", health, methods=["GET"])
     app.add_route("/metrics", metrics, methods=["GET"])
-    app.add_middleware(GuardMiddleware, api_key=api_key, max_request_bytes=max_request_bytes)
+    app.add_middleware(
+        GuardMiddleware,
+        api_key=api_key,
+        max_request_bytes=max_request_bytes,
+        max_upload_bytes={"/v1/files": max_file_bytes + MULTIPART_SLACK},
+    )
     return app
 
 
@@ -178,6 +234,9 @@ def add_proxy_args(parser: argparse.ArgumentParser) -> None:
         "--api-key); a client's own key is never forwarded",
     )
     parser.add_argument("--max-request-bytes", type=int, default=MAX_REQUEST_BYTES, help="else 413")
+    parser.add_argument(
+        "--max-file-bytes", type=int, default=MAX_FILE_BYTES, help="the largest /v1/files upload"
+    )
     parser.add_argument(
         "--prefill-timeout",
         type=float,
@@ -214,6 +273,7 @@ def run_proxy(args: argparse.Namespace) -> int:
             api_key=args.api_key or None,
             upstream_api_key=args.upstream_api_key or None,
             max_request_bytes=args.max_request_bytes,
+            max_file_bytes=args.max_file_bytes,
         )
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)

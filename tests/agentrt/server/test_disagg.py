@@ -7,15 +7,18 @@ its own prefill."""
 
 from __future__ import annotations
 
+import io
 import json
 import signal
+import time
 from collections.abc import Iterator
 
+import anthropic
 import httpx
 import openai
 import pytest
 
-from tests.agentrt.server.helpers import ServerProcess, metrics
+from tests.agentrt.server.helpers import API_KEY, ServerProcess, metrics
 
 INSTANCE = (
     *("--kv-cache-memory-gb", "0.1", "--kv-connector", "p2p"),
@@ -97,6 +100,73 @@ def test_prefill_there_decode_here_equals_one_instance(disagg, client, model_nam
     )
     with httpx.Client(base_url=proxy.url) as http:
         assert metrics(http)["agentrt_proxy_prefill_fallbacks_total"] == 0
+
+
+@pytest.mark.slow
+def test_messages_files_batches_and_responses_through_the_proxy(disagg, server, model_name):
+    producer, consumer, proxy = disagg
+    with httpx.Client(base_url=consumer.url) as http:
+        loads_before = metrics(http)["agentrt:kv_transfer_num_loads_total"]
+    direct = anthropic.Anthropic(base_url=server.url, api_key=API_KEY, max_retries=0)
+    via_proxy = anthropic.Anthropic(base_url=proxy.url, api_key="none", max_retries=0)
+
+    def ask(question: str) -> dict:
+        asked = [{"role": "user", "content": question}]
+        return dict(model=model_name, max_tokens=20, system=SYSTEM, messages=asked)
+
+    greedy = {"extra_body": {"temperature": 0}}
+    # Each question more than a block (16 tokens) past the shared system prompt: a prompt
+    # whose new part fills no block has nothing to load.
+    whole = "Why do harbours freeze later than lakes? Think of salt, waves, tides and depth."
+    streamed = "Why do rivers bend and loop across flat plains? Think of banks, silt and floods."
+    expected = direct.messages.create(**ask(whole), **greedy).content[0].text
+    assert via_proxy.messages.create(**ask(whole), **greedy).content[0].text == expected
+    with via_proxy.messages.stream(**ask(streamed), **greedy) as stream:
+        text = "".join(stream.text_stream)
+    assert text == direct.messages.create(**ask(streamed), **greedy).content[0].text
+    prompt = {k: v for k, v in ask(whole).items() if k != "max_tokens"}
+    counted = via_proxy.messages.count_tokens(**prompt).input_tokens
+    assert counted == direct.messages.count_tokens(**prompt).input_tokens
+    with httpx.Client(base_url=consumer.url) as http:
+        # Both decoded the producer's prefill instead of computing it.
+        assert metrics(http)["agentrt:kv_transfer_num_loads_total"] == loads_before + 2
+
+    # Stored responses, files and batches: on the decode instance, found again through it.
+    client = openai.OpenAI(base_url=proxy.url + "/v1", api_key="none", max_retries=0)
+    first = client.responses.create(
+        model=model_name, input="Name a river.", max_output_tokens=8, temperature=0
+    )
+    second = client.responses.create(
+        model=model_name,
+        input="And another one.",
+        previous_response_id=first.id,
+        max_output_tokens=8,
+        temperature=0,
+    )
+    assert second.previous_response_id == first.id  # found: not a 404
+    assert second.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
+    assert client.responses.retrieve(first.id).output_text == first.output_text
+    line = {
+        "custom_id": "one",
+        "method": "POST",
+        "url": "/v1/chat/completions",
+        "body": {"model": model_name, "messages": messages(QUESTIONS[0]), "max_tokens": 5},
+    }
+    uploaded = client.files.create(
+        file=("in.jsonl", io.BytesIO(json.dumps(line).encode() + b"\n")), purpose="batch"
+    )
+    assert client.files.content(uploaded.id).content == json.dumps(line).encode() + b"\n"
+    batch = client.batches.create(
+        input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    deadline = time.monotonic() + 60
+    while batch.status not in ("completed", "failed") and time.monotonic() < deadline:
+        time.sleep(0.1)
+        batch = client.batches.retrieve(batch.id)
+    assert batch.status == "completed", batch.errors
+    [output] = client.files.content(batch.output_file_id).text.splitlines()
+    assert json.loads(output)["custom_id"] == "one"
+    assert json.loads(output)["response"]["status_code"] == 200
 
 
 def test_a_dead_producer_costs_only_the_local_prefill(disagg, client, model_name):

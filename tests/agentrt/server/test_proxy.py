@@ -19,7 +19,7 @@ import openai
 import pytest
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from agentrt.cli import build_parser
 from agentrt.server.proxy_app import create_proxy_app, run_proxy
@@ -126,6 +126,29 @@ def stub_app(stub: Stub) -> FastAPI:
 
     app.add_api_route("/v1/chat/completions", complete, methods=["POST"])
     app.add_api_route("/v1/completions", complete, methods=["POST"])
+    app.add_api_route("/v1/messages", complete, methods=["POST"])  # the shape is not read
+
+    async def echo(request: Request):
+        """Any other route: what it received, as JSON (a file's bytes as they came)."""
+        body = await request.body()
+        stub.calls.append(Call(request.url.path, {}, dict(request.headers)))
+        if request.url.path.endswith("/content"):
+            return Response(body or b"line 1\nline 2\n", media_type="application/octet-stream")
+        return {
+            "owner": stub.name,
+            "method": request.method,
+            "path": request.url.path,
+            "query": request.url.query,
+            "content_type": request.headers.get("content-type"),
+            "body": body.decode(),
+        }
+
+    for path in ("/v1/messages/count_tokens", "/v1/responses", "/v1/responses/{id}"):
+        app.add_api_route(path, echo, methods=["GET", "POST", "DELETE"])
+    for path in ("/v1/files", "/v1/files/{id}", "/v1/files/{id}/content"):
+        app.add_api_route(path, echo, methods=["GET", "POST", "DELETE"])
+    for path in ("/v1/batches", "/v1/batches/{id}", "/v1/batches/{id}/cancel"):
+        app.add_api_route(path, echo, methods=["GET", "POST"])
 
     @app.get("/v1/models")
     async def models(request: Request):
@@ -395,6 +418,76 @@ def test_round_robin_over_decode_instances(start_proxy, prefill, stubs):
     assert owners == ["decode-a", "decode-b", "decode-a", "decode-b"]
     assert len(prefill.calls) == 4
     assert len(stubs["decode-a"][0].calls) == len(stubs["decode-b"][0].calls) == 2
+
+
+def test_stateful_routes_go_to_the_first_decode_instance(start_proxy, prefill, stubs):
+    # A stored response, a file or a batch lives on one instance: round-robin would send the
+    # request that reads it back elsewhere (previous_response_id not found, a 404 file).
+    http = start_proxy(decode=["decode-a", "decode-b"], upstream_api_key="upstream-key")
+    owners = []
+    for _ in range(2):
+        for method, path in (
+            ("POST", "/v1/responses"),
+            ("GET", "/v1/responses/resp_1"),
+            ("DELETE", "/v1/responses/resp_1"),
+            ("GET", "/v1/files"),
+            ("GET", "/v1/files/file-1"),
+            ("DELETE", "/v1/files/file-1"),
+            ("GET", "/v1/batches"),
+            ("GET", "/v1/batches/batch_1"),
+            ("POST", "/v1/batches/batch_1/cancel"),
+        ):
+            response = http.request(method, path, json={} if method == "POST" else None)
+            assert response.status_code == 200, (path, response.text)
+            echoed = response.json()
+            assert (echoed["method"], echoed["path"]) == (method, path)
+            owners.append(echoed["owner"])
+    assert set(owners) == {"decode-a"}
+    # A multipart upload keeps its content type and bytes; a query string passes; a file's
+    # bytes come back as they are; the credential upstream is the proxy's.
+    upload = http.post(
+        "/v1/files", files={"file": ("in.jsonl", b'{"a": 1}\n')}, data={"purpose": "batch"}
+    )
+    echoed = upload.json()
+    assert echoed["content_type"].startswith("multipart/form-data; boundary=")
+    assert 'filename="in.jsonl"' in echoed["body"] and '{"a": 1}' in echoed["body"]
+    listed = http.get("/v1/batches", params={"after": "batch_1", "limit": 2}).json()
+    assert listed["query"] == "after=batch_1&limit=2"
+    content = http.get("/v1/files/file-1/content")
+    assert content.content == b"line 1\nline 2\n"
+    assert content.headers["content-type"] == "application/octet-stream"
+    decode_a = stubs["decode-a"][0]
+    assert {c.headers["authorization"] for c in decode_a.calls} == {"Bearer upstream-key"}
+    assert stubs["decode-b"][0].calls == [] and prefill.calls == []
+
+    # count_tokens holds nothing: the decode instances in turn, no prefill.
+    for owner in ("decode-a", "decode-b"):
+        body = {"model": "m", "messages": MESSAGES}
+        counted = http.post("/v1/messages/count_tokens", json=body).json()
+        assert counted["owner"] == owner and json.loads(counted["body"]) == body
+    assert prefill.calls == []
+
+
+def test_messages_are_prefilled_and_decoded(start_proxy, prefill, decode):
+    http = start_proxy()
+    body = {"model": "m", "max_tokens": 9, "messages": MESSAGES, "stop_sequences": ["."]}
+    response = http.post("/v1/messages", json=body)
+    assert response.status_code == 200
+    assert prefill.calls[0].path == decode.calls[0].path == "/v1/messages"
+    assert prefill.calls[0].body == {
+        **body,
+        "max_tokens": 1,
+        "stream": False,
+        "kv_transfer_params": {"do_remote_decode": True},
+    }
+    assert decode.calls[0].body == {**body, "kv_transfer_params": prefill.kv_params(1)}
+    # A body the instances would refuse is refused here, in Anthropic's shape.
+    for bad in ({"model": "m", "messages": MESSAGES}, {**body, "top_k": 0}, {**body, "x": 1}):
+        refused = http.post("/v1/messages", json=bad)
+        assert refused.status_code == 400, refused.text
+        assert refused.json()["type"] == "error"
+        assert refused.json()["error"]["type"] == "invalid_request_error"
+    assert len(prefill.calls) == len(decode.calls) == 1
 
 
 def test_models_health_and_invalid_json(start_proxy, prefill, decode, stubs):
