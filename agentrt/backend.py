@@ -188,7 +188,7 @@ def _end_calls(completion: Completion, calls: ReplyCalls | None) -> bool:
     """A reply whose calls ended early (an exact repeat, the cap: `ReplyCalls`) has its
     calls, whatever it wrote after them: it finished ("stop"), also where max_tokens cut
     what followed. Returns whether it did."""
-    if calls is None or calls.end is None or not calls.calls or calls.invalid:
+    if calls is None or calls.end is None or not calls.calls:
         return False
     if completion.finish_reason == "length":
         completion.finish_reason = "stop"

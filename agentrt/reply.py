@@ -76,9 +76,10 @@ class ReplyDelta:
 class Reply:
     """A finished reply: `reasoning` (None: it did not reason), `text` (the answer as
     written, call tags spelled), `content` (the answer apart from its calls), `calls`
-    (None: no tools, or plain text), `raw_text` (all it wrote, markers spelled: what a
-    history re-sends), `num_reasoning_tokens` (markers included) and `call_blocks` (the
-    calls' JSON texts, a last one cut off included; None: no tools)."""
+    (None: no tools, plain text, or not calls after all; never `invalid`), `raw_text` (all
+    it wrote, markers spelled: what a history re-sends), `num_reasoning_tokens` (markers
+    included) and `call_blocks` (the calls' JSON texts, a last one cut off included; None:
+    no tools)."""
 
     reasoning: str | None
     text: str
@@ -90,7 +91,7 @@ class Reply:
 
     def finish_reason(self, reason: str | None) -> str | None:
         """The reply's finish reason from the engine's (`ReplyCalls.finish_reason`)."""
-        if self.calls is None or self.calls.invalid or not self.calls.calls:
+        if self.calls is None or not self.calls.calls:
             return reason
         return self.calls.finish_reason(reason)
 

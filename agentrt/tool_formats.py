@@ -2,12 +2,12 @@
 per family (`CALL_FORMATS`), read by the grammar of the calls (`calls_spec`), the reply
 reader (agentrt.reply) and the prompt (agentrt.tool_calls.render_messages).
 
-| style    | family (template)               | one call                                              |
-|----------|---------------------------------|-------------------------------------------------------|
-| "hermes" | Qwen 2.5 / 3, Hermes            | `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>` |
-| "phi4"   | Phi-4-mini                      | `<|tool_call|>{"name": ..., "arguments": {...}}<|/tool_call|>`   |
-| "llama3" | Llama 3.1 / 3.2 / 3.3           | `{"name": ..., "parameters": {...}}` (one call a turn)          |
-| "json"   | any other (Gemma 3, SmolLM2...) | `{"name": ..., "arguments": {...}}`, or a JSON list of them     |
+- "hermes" (Qwen 2.5 / 3, Hermes): `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>`
+  per call;
+- "phi4" (Phi-4-mini): `<|tool_call|>{"name": ..., "arguments": {...}}<|/tool_call|>` per call;
+- "llama3" (Llama 3.1 / 3.2 / 3.3): `{"name": ..., "parameters": {...}}`, one call a turn;
+- "json" (any other: Gemma 3, SmolLM2...): `{"name": ..., "arguments": {...}}`, or a JSON
+  list of them.
 
 A tagged style whose tags are both single tokens of the tokenizer gets the suffix "_tokens"
 ("hermes_tokens": Qwen's 151657 / 151658; "phi4_tokens"): the grammar then names those

@@ -256,7 +256,7 @@ def _reply_message(reply: Reply, completion: CompletionOutput) -> tuple[dict[str
     a repeat, the cap or a cut) with the text before them, or its text (`calls` None: it
     made none); a reply cut inside its first call has the text before it, no call."""
     calls = reply.calls
-    if calls is None or calls.invalid:
+    if calls is None:
         message = {"role": "assistant", "content": reply.text, "refusal": None}
         return message, completion.finish_reason
     if not calls.calls:

@@ -40,7 +40,8 @@ PARIS, ROME = {"city": "Paris"}, {"city": "Rome"}
 
 
 def _phi(arguments: dict) -> str:
-    return f'<|tool_call|>{{"name": "get_weather", "arguments": {json.dumps(arguments)}}}<|/tool_call|>'
+    call = json.dumps({"name": "get_weather", "arguments": arguments})
+    return f"<|tool_call|>{call}<|/tool_call|>"
 
 
 # family: (template, marker tokens, style, a reply in the family's format, its calls)
