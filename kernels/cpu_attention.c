@@ -112,6 +112,8 @@ typedef struct {
     int dtype;
     int64_t heads, kv_heads, block;
     float scale;
+    int64_t window; // a row at position p sees keys (p - window, p]; 0: every earlier key
+    float softcap;  // scores become softcap * tanh(scores / softcap); 0: none
 } Step;
 
 // The key group at `pos`: up to KEYS keys before `end`, within one block (*n of them).
@@ -157,14 +159,38 @@ static inline int64_t row_head(const Step *s, int64_t first, int64_t r, int64_t 
     return (first + r / group) * s->heads + kv_head * group + r % group;
 }
 
-// Online softmax over one key group for one row: the first `visible` scores count, the rest
-// are masked. Updates the row's running max and sum, returns the group's weights and sets
+// The first key position that rows from `pos0` on may see: 0, or the window's start.
+static inline int64_t first_key(const Step *s, int64_t pos0) {
+    return s->window && pos0 >= s->window ? pos0 - s->window + 1 : 0;
+}
+
+// Row r's visible lanes [*from, return) of the key group at `pos` (n keys): up to its own
+// position, and within its window. Returns 0 or less when it sees none of them.
+static inline int64_t visible_lanes(const Step *s, int64_t row_pos, int64_t pos, int64_t n,
+                                    int64_t *from) {
+    const int64_t visible = row_pos - pos + 1;
+    *from = s->window ? row_pos - s->window + 1 - pos : 0;
+    *from = *from > 0 ? *from : 0;
+    if (*from >= n) return 0;
+    return visible < n ? visible : n;
+}
+
+// tanh soft-capping (Gemma 2): cap * tanh(x / cap), with tanh|y| = (1 - e) / (1 + e),
+// e = exp(-2|y|), and the sign put back.
+static inline vf soft_cap(vf x, float cap) {
+    const vu sign = (vu)x & 0x80000000u, mag = (vu)x & 0x7fffffffu;
+    const vf e = exp_neg((vf)mag * (-2.0f / cap));
+    return (vf)((vu)((1.0f - e) / (1.0f + e) * cap) | sign);
+}
+
+// Online softmax over one key group for one row: the scores in lanes [from, visible) count,
+// the rest are masked. Updates the row's running max and sum, returns the group's weights and sets
 // *rescale to the factor the row's accumulator must be scaled by first (1 when the max did
 // not grow).
-static inline vf online_softmax(vf scores, int64_t visible, float *max, float *sum,
-                                float *rescale) {
+static inline vf online_softmax(vf scores, int64_t from, int64_t visible, float *max,
+                                float *sum, float *rescale) {
     const vi lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-    const vi seen = lane < (vi){0} + (int32_t)visible;
+    const vi seen = (lane < (vi){0} + (int32_t)visible) & (lane >= (vi){0} + (int32_t)from);
     scores = (vf)(((vi)scores & seen) | ((vi)splat(-1e30f) & ~seen));
     const float block_max = hmax(scores);
     const float new_max = block_max > *max ? block_max : *max;
@@ -177,7 +203,8 @@ static inline vf online_softmax(vf scores, int64_t visible, float *max, float *s
 
 // One work item: query tokens [first, first + tokens) (flat rows) of a request at positions
 // [pos0, pos0 + tokens), for the `group` query heads of KV head `kv_head`. Row r = token
-// (r / group), head (r % group) attends positions [0, its own position]. nv = head_dim / 16.
+// (r / group), head (r % group) attends positions [0, its own position] (within its window, if
+// any: keys wholly before the tile's windows are never read). nv = head_dim / 16.
 static inline __attribute__((always_inline)) void
 attend_tile(const Step *s, int64_t first, int64_t tokens, int64_t pos0, int64_t kv_head,
             const int nv) {
@@ -198,7 +225,7 @@ attend_tile(const Step *s, int64_t first, int64_t tokens, int64_t pos0, int64_t 
         sum[r] = 0.0f;
     }
     const int64_t end = pos0 + tokens; // keys [0, end) are visible to some row
-    for (int64_t pos = 0, n; pos < end; pos += n) {
+    for (int64_t pos = first_key(s, pos0), n; pos < end; pos += n) {
         const char *kp = key_group(s, pos, end, kv_head, dim, &n);
         const char *vp = kp + s->block * token_stride * esize;
         prefetch_group(s, pos + n, end, kv_head, dim);
@@ -209,9 +236,9 @@ attend_tile(const Step *s, int64_t first, int64_t tokens, int64_t pos0, int64_t 
                 st(v + t * dim + c * KEYS, t < n ? load16(vp + at, s->dtype) : splat(0.0f));
             }
         for (int64_t r = 0; r < rows; r++) {
-            // Row r sees keys up to its own position: the first `visible` of this group.
-            int64_t visible = pos0 + r / group - pos + 1;
-            visible = visible < n ? visible : n;
+            // Row r sees keys up to its own position, within its window: lanes [from, visible).
+            int64_t from;
+            const int64_t visible = visible_lanes(s, pos0 + r / group, pos, n, &from);
             if (visible <= 0) continue;
             const float *qr = q + r * dim;
             vf dots[KEYS];
@@ -220,8 +247,10 @@ attend_tile(const Step *s, int64_t first, int64_t tokens, int64_t pos0, int64_t 
                 for (int c = 1; c < nv; c++) d += ld(qr + c * KEYS) * ld(k + t * dim + c * KEYS);
                 dots[t] = d;
             }
+            vf scores = hsum16(dots);
+            if (s->softcap) scores = soft_cap(scores, s->softcap);
             float rescale, p[KEYS];
-            st(p, online_softmax(hsum16(dots), visible, &max[r], &sum[r], &rescale));
+            st(p, online_softmax(scores, from, visible, &max[r], &sum[r], &rescale));
             float *ar = acc + r * dim;
             for (int c = 0; c < nv; c++) {
                 vf a = ld(ar + c * KEYS) * rescale;
@@ -309,7 +338,7 @@ attend_tile_bf16(const Step *s, int64_t first, int64_t tokens, int64_t pos0, int
         for (int64_t c = 0; c < nv; c++) acc[r][c] = _mm512_setzero_ps();
     }
     const int64_t end = pos0 + tokens;
-    for (int64_t pos = 0, n; pos < end; pos += n) {
+    for (int64_t pos = first_key(s, pos0), n; pos < end; pos += n) {
         const uint16_t *kp = (const uint16_t *)key_group(s, pos, end, kv_head, dim, &n);
         const uint16_t *vp = kp + s->block * token_stride;
         prefetch_group(s, pos + n, end, kv_head, dim);
@@ -333,16 +362,17 @@ attend_tile_bf16(const Step *s, int64_t first, int64_t tokens, int64_t pos0, int
                 vpair[u][2 * j + 1] = _mm512_unpackhi_epi16(a, b);
             }
         for (int64_t r = 0; r < rows; r++) {
-            int64_t visible = pos0 + r / group - pos + 1;
-            visible = visible < n ? visible : n;
+            int64_t from;
+            const int64_t visible = visible_lanes(s, pos0 + r / group, pos, n, &from);
             if (visible <= 0) continue;
             __m512 part[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
                               _mm512_setzero_ps()};
             for (int64_t i = 0; i < dim / 2; i += 4)
                 for (int j = 0; j < 4; j++) part[j] = dot_pairs(part[j], kt[i + j], q[r][i + j]);
-            const vf scores = (vf)((part[0] + part[1]) + (part[2] + part[3])) * s->scale;
+            vf scores = (vf)((part[0] + part[1]) + (part[2] + part[3])) * s->scale;
+            if (s->softcap) scores = soft_cap(scores, s->softcap);
             float rescale;
-            const vf p = online_softmax(scores, visible, &max[r], &sum[r], &rescale);
+            const vf p = online_softmax(scores, from, visible, &max[r], &sum[r], &rescale);
             uint32_t pairs[KEYS / 2]; // p as bf16 pairs (p[2u], p[2u + 1])
             const __m256bh p16 = _mm512_cvtneps_pbh((__m512)p);
             memcpy(pairs, &p16, sizeof pairs);
@@ -365,16 +395,18 @@ attend_tile_bf16(const Step *s, int64_t first, int64_t tokens, int64_t pos0, int
 
 // query and out: (num_tokens, heads, dim); request i's query tokens are rows
 // [query_start_loc[i], query_start_loc[i + 1]) at the last positions before seq_lens[i], its
-// blocks block_tables[i] (table_stride ids per row). Rows of `out` outside every request are
-// left alone.
+// blocks block_tables[i] (table_stride ids per row). `window` > 0: a row at position p sees
+// only keys (p - window, p], and table entries wholly before its window are never read (a
+// sliding-window layer's freed blocks); `softcap` > 0: scores are soft-capped (Gemma 2). Rows
+// of `out` outside every request are left alone.
 // Returns 0, -1 for shapes beyond the limits, -2 when out of memory.
 int paged_attention(const void *query, const void *kv_cache, void *out, int dtype,
                     const int32_t *query_start_loc, const int32_t *seq_lens,
                     const int32_t *block_tables, int64_t table_stride, int64_t num_requests,
                     int64_t heads, int64_t kv_heads, int64_t dim, int64_t block, float scale,
-                    int num_threads) {
+                    int64_t window, float softcap, int num_threads) {
     if (dim > MAX_HEAD_DIM || dim % KEYS || heads % kv_heads || heads / kv_heads > MAX_GROUP ||
-        (block % KEYS && KEYS % block))
+        (block % KEYS && KEYS % block) || window < 0 || softcap < 0)
         return -1;
     const int64_t group = heads / kv_heads, tile = MAX_ROWS / group;
     int64_t num_tiles = 0;
@@ -389,7 +421,8 @@ int paged_attention(const void *query, const void *kv_cache, void *out, int dtyp
             tiles[2 * n] = i;
             tiles[2 * n + 1] = t;
         }
-    const Step base = {query, kv_cache, out, 0, dtype, heads, kv_heads, block, scale};
+    const Step base = {query,    kv_cache, out,   0,      dtype,  heads,
+                       kv_heads, block,    scale, window, softcap};
 #pragma omp parallel for collapse(2) schedule(dynamic, 1) num_threads(num_threads)
     for (int64_t n = 0; n < num_tiles; n++)
         for (int64_t h = 0; h < kv_heads; h++) {

@@ -54,7 +54,8 @@ class CpuAttention:
         fn.restype = ctypes.c_int
         ptr, i64 = ctypes.c_void_p, ctypes.c_int64
         fn.argtypes = [ptr, ptr, ptr, ctypes.c_int, ptr, ptr, ptr, i64]
-        fn.argtypes += [i64, i64, i64, i64, i64, ctypes.c_float, ctypes.c_int]
+        fn.argtypes += [i64, i64, i64, i64, i64, ctypes.c_float, i64, ctypes.c_float]
+        fn.argtypes += [ctypes.c_int]
         self._attend = fn
         # What the last call checked: its metadata tensors, held (so no other tensor can take
         # their ids), and a key of their version counters and of the other tensors' layouts.
@@ -74,12 +75,24 @@ class CpuAttention:
         block_tables: torch.Tensor,
         scale: float,
         out: torch.Tensor,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         """Causal varlen attention over the paged cache, as `kernels.paged_attention_ref`:
         request i's query rows query_start_loc[i]:query_start_loc[i + 1] (int32) are the
         last positions of its seq_lens[i] (int32) tokens, read through block_tables[i]
         (int32, contiguous (num_requests, max_blocks)). Writes those rows of `out` (like
-        query: (num_tokens, num_heads, head_dim), contiguous) and returns it."""
+        query: (num_tokens, num_heads, head_dim), contiguous) and returns it.
+
+        `window` (a sliding-window layer): the query at position p sees only the keys at
+        p - window < j <= p (transformers' sliding window), and the table entries of blocks
+        wholly before its window are never read (they may hold a freed block's id).
+        `softcap` (Gemma 2): the scaled scores become softcap * tanh(scores / softcap)
+        before the softmax."""
+        if (window is not None and window < 1) or (softcap is not None and softcap <= 0):
+            raise KernelInputError(
+                f"window {window} and softcap {softcap}: each is None or positive.", arg="window"
+            )
         self.check(query, kv_cache, query_start_loc, seq_lens, block_tables, out)
         num_requests = seq_lens.shape[0]
         if num_requests == 0:
@@ -100,6 +113,8 @@ class CpuAttention:
             head_dim,
             block_size,
             scale,
+            window or 0,
+            softcap or 0.0,
             torch.get_num_threads(),
         )
         if status == -2:

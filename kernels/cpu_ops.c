@@ -171,7 +171,8 @@ typedef int (*attention_fn)(const void *query, const void *kv_cache, void *out, 
                             const int32_t *query_start_loc, const int32_t *seq_lens,
                             const int32_t *block_tables, int64_t table_stride,
                             int64_t num_requests, int64_t heads, int64_t kv_heads, int64_t dim,
-                            int64_t block, float scale, int num_threads);
+                            int64_t block, float scale, int64_t window, float softcap,
+                            int num_threads);
 
 // One block-format weight of a projection: its rows are the projection's outputs from the
 // previous parts' total on (a fused qkv whose v is another type than q and k).
@@ -256,7 +257,8 @@ int decoder_forward(Step *s, const Layer *layers, int64_t num_layers) {
                  layer->q_norm, layer->k_norm, s->eps, nt);
         rc = s->attention(s->query, layer->kv_cache, s->attn, 0, s->query_start_loc,
                           s->seq_lens, s->block_tables, s->table_stride, s->num_requests,
-                          s->heads, s->kv_heads, s->head_dim, s->block_size, s->scale, nt);
+                          s->heads, s->kv_heads, s->head_dim, s->block_size, s->scale, 0, 0.0f,
+                          nt);
         if (rc) return failed(s, l, 2, rc);
         to_bf16(s->attn, s->attn_bf16, rows, s->heads * s->head_dim, nt);
         if ((rc = project(s, &layer->o, s->attn_bf16, s->out))) return failed(s, l, 1, rc);

@@ -173,7 +173,12 @@ class DecoderLayer(nn.Module):
             else:  # a NoPE layer: the query as the attention kernels take it
                 q = q.contiguous()
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)  # (T, KVH, D)
-        if self.sliding_window is not None or self.attn_softcap is not None:
+        windowed = self.sliding_window is not None or self.attn_softcap is not None
+        if windowed and attention.takes_windows:  # the C kernel's own
+            attn = attention.forward(
+                q, k, v, kv_cache, meta, self.scale, self.sliding_window, self.attn_softcap
+            )
+        elif windowed:
             attn = windowed_attention(
                 q, k, v, kv_cache, meta, self.scale, self.sliding_window, self.attn_softcap
             )

@@ -164,6 +164,7 @@ def _sdpa(q, k, v, **options) -> torch.Tensor:
 
 class TorchAttentionBackend:
     name = "torch"
+    takes_windows = False  # layers with windows go through windowed_attention.py
 
     def __init__(self, device: torch.device, arch=None, block_size: int = 16) -> None:
         del device, arch, block_size  # runs wherever torch does, any shapes
@@ -234,6 +235,9 @@ class CpuAttentionBackend:
     attention) measured 1.7x slower for 128 decodes after a 288-token prompt."""
 
     name = "cpu"
+    # forward takes a sliding window and soft-capped scores (the others' layers go through
+    # worker/windowed_attention.py for those).
+    takes_windows = True
 
     def __init__(
         self, device: torch.device, arch: ModelArchConfig | None = None, block_size: int = 16
@@ -254,11 +258,31 @@ class CpuAttentionBackend:
     def prepare(self, meta: AttentionMetadata) -> None:
         meta.key_rows = meta.key_cache_rows()
 
-    def forward(self, query, key, value, kv_cache, meta: AttentionMetadata, scale: float):
+    def forward(
+        self,
+        query,
+        key,
+        value,
+        kv_cache,
+        meta: AttentionMetadata,
+        scale: float,
+        window: int | None = None,
+        softcap: float | None = None,
+    ):
+        """`window`: a sliding-window layer's (its group's block tables in `meta`); `softcap`:
+        Gemma 2's attention soft-cap (cpu_attention.py's `paged_attention`)."""
         write_kv(kv_cache, key, value, meta)
-        return self.forward_query(query, kv_cache, meta, scale)
+        return self.forward_query(query, kv_cache, meta, scale, window, softcap)
 
-    def forward_query(self, query, kv_cache, meta: AttentionMetadata, scale: float):
+    def forward_query(
+        self,
+        query,
+        kv_cache,
+        meta: AttentionMetadata,
+        scale: float,
+        window: int | None = None,
+        softcap: float | None = None,
+    ):
         """Attention of `query` over the cache, whose K/V for this step are written already."""
         return self.kernel.paged_attention(
             query,
@@ -268,6 +292,8 @@ class CpuAttentionBackend:
             meta.block_tables,
             scale,
             torch.empty_like(query),
+            window,
+            softcap,
         )
 
 
@@ -277,6 +303,7 @@ class KernelAttentionBackend:
     same code path the GPU runs, so it is tested here)."""
 
     name = "triton"
+    takes_windows = False  # layers with windows go through windowed_attention.py
 
     def __init__(self, device: torch.device, arch=None, block_size: int = 16) -> None:
         del arch, block_size  # any shapes

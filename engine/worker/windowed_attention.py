@@ -1,6 +1,7 @@
-"""Attention that the backends' kernels do not compute yet, over the same paged cache:
-sliding windows (Gemma's local layers) and soft-capped scores (Gemma 2), in torch, one
-request at a time. Any backend's cache layout (engine/worker/attention.py's)."""
+"""Attention that the torch and triton backends' kernels do not compute, over the same paged
+cache: sliding windows (Gemma's local layers) and soft-capped scores (Gemma 2), in torch, one
+request at a time. Any backend's cache layout (engine/worker/attention.py's). The 'cpu'
+backend's C kernel takes both itself (its `takes_windows`)."""
 
 from __future__ import annotations
 
@@ -26,8 +27,8 @@ def windowed_attention(
     request over the blocks that hold its window only: blocks wholly before it are never
     read, so the KV manager may free them. `softcap` (Gemma 2): the scores become
     softcap * tanh(scores / softcap) before the softmax, which SDPA cannot do, so they are
-    computed as matrix products (transformers' eager attention). The pure-torch path: the
-    C and Triton kernels take neither yet."""
+    computed as matrix products (transformers' eager attention). The pure-torch path of the
+    backends whose kernels take neither (the Triton kernel)."""
     if meta.key_rows is None:  # the triton backend derives none
         meta.key_rows = meta.key_cache_rows()
     write_kv(kv_cache, key, value, meta)

@@ -84,6 +84,49 @@ def test_paged_attention_writes_only_the_requests_rows(kernel, cpu_batch, dense)
     torch.testing.assert_close(out[2:-3].double(), expected, atol=1e-5, rtol=0)
 
 
+def windowed_dense(batch, scale: float, window: int | None, softcap: float | None):
+    """dense_attention with transformers' sliding window (position p sees keys
+    p - window < j <= p) and Gemma 2's soft-capped scores (float64, no paging)."""
+    q_all = batch.query.double()
+    out = torch.empty_like(q_all)
+    cu = batch.query_start_loc.tolist()
+    for i, seq_len in enumerate(batch.seq_lens.tolist()):
+        k, v = batch.keys[i].double(), batch.values[i].double()
+        group = q_all.shape[1] // k.shape[1]
+        q_len = cu[i + 1] - cu[i]
+        for j in range(q_len):
+            pos = seq_len - q_len + j
+            first = 0 if window is None else max(0, pos - window + 1)
+            for h in range(q_all.shape[1]):
+                scores = k[first : pos + 1, h // group] @ q_all[cu[i] + j, h] * scale
+                if softcap is not None:
+                    scores = torch.tanh(scores / softcap) * softcap
+                out[cu[i] + j, h] = scores.softmax(0) @ v[first : pos + 1, h // group]
+    return out
+
+
+@pytest.mark.parametrize("window,softcap", [(24, None), (7, None), (None, 2.0), (40, 5.0)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_attention_window_and_softcap(kernel, cpu_batch, tol, window, softcap, dtype):
+    """A sliding window and soft-capped scores as transformers computes them; the table
+    entries of blocks wholly before a request's windows point at a NaN block (a freed one's
+    id), so reading one would show."""
+    batch = cpu_batch([200, 16, 17, 33, 1, 96, 130], [1, 4, 1, 16, 1, 7, 60], 9, 3, 64, 16, dtype)
+    if window is not None:
+        spare = batch.block_tables[0, -1].item()  # never written: NaN
+        cu = batch.query_start_loc.tolist()
+        for i, seq_len in enumerate(batch.seq_lens.tolist()):
+            first = max(0, seq_len - (cu[i + 1] - cu[i]) - window + 1)
+            batch.block_tables[i, : first // 16] = spare
+    out = torch.empty_like(batch.query)
+    args = (batch.query, batch.kv_cache, batch.query_start_loc, batch.seq_lens)
+    kernel.paged_attention(*args, batch.block_tables, 0.3, out, window, softcap)
+    assert not out.isnan().any()
+    accuracy = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else tol(dtype)
+    expected = windowed_dense(batch, 0.3, window, softcap)
+    torch.testing.assert_close(out.double(), expected, **accuracy)
+
+
 def test_paged_attention_rejects_bad_input(kernel, cpu_batch):
     batch = cpu_batch([20, 7], [3, 1], 4, 2, 64, 16, torch.float32)
     names = ("query", "kv_cache", "query_start_loc", "seq_lens", "block_tables")
@@ -114,6 +157,8 @@ def test_paged_attention_rejects_bad_input(kernel, cpu_batch):
         call(block_tables=torch.cat([tables, tables], dim=1)[:, ::2])
     with pytest.raises(KernelInputError, match="block_tables must be a contiguous"):
         call(block_tables=torch.cat([tables, tables], dim=1)[:, : tables.shape[1]])
+    with pytest.raises(KernelInputError, match="each is None or positive"):
+        call(window=0)
     with pytest.raises(KernelInputError, match="GQA groups"):
         call(query=torch.randn(4, 34, 64), out=torch.empty(4, 34, 64))
 
