@@ -249,6 +249,7 @@ async def test_drain_leaves_the_batch_to_the_next_start(tmp_path, smollm2_llm) -
         assert sorted(o["custom_id"] for o in outputs) == sorted(f"d-{i}" for i in range(12))
 
 
+@pytest.mark.slow  # two `agentrt serve` processes load the model
 @pytest.mark.anyio
 async def test_sigkill_mid_batch_resumes_without_loss_or_duplicates(tmp_path, smollm2_llm) -> None:
     """`agentrt serve` (a subprocess) SIGKILLed while the batch runs (a few lines
