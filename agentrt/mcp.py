@@ -112,15 +112,17 @@ class MCPSession:
     async def __aexit__(self, *exc_info: object) -> None:
         await self.close()
 
-    async def open(self) -> list[Tool]:
-        """Connect, list the server's tools and return them (the allowed ones). Raises
-        MCPServerError when the server cannot be reached or fails to answer."""
+    async def open(self, *, list_tools: bool = True) -> list[Tool]:
+        """Connect, list the server's tools and return them (the allowed ones; none without
+        `list_tools`: a caller that knows them already). Raises MCPServerError when the
+        server cannot be reached or fails to answer."""
         if self._stack is not None:
             return self.tools
         stack = AsyncExitStack()
         try:
             self._client = await _connect(self, stack)
-            self.tools = [self._tool(t) for t in await self._list_tools()]
+            if list_tools:
+                await self.list_tools()
         except BaseException as exc:
             await stack.aclose()
             self._client = None
@@ -145,6 +147,11 @@ class MCPSession:
         if result.is_error:
             raise MCPToolError(text or f"tool {name!r} failed")
         return text
+
+    async def list_tools(self) -> list[Tool]:
+        """List the server's (allowed) tools again on the open session, and return them."""
+        self.tools = [self._tool(t) for t in await self._list_tools()]
+        return self.tools
 
     async def _list_tools(self) -> list[Any]:
         tools, cursor = [], None

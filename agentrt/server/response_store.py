@@ -17,7 +17,7 @@ import json
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 MAX_RESPONSES = 1024
@@ -31,10 +31,14 @@ class StoredResponse:
     conversation: tuple[dict[str, Any], ...]  # chat messages after this response
     conversation_bytes: int  # JSON size of `conversation`
     stored_at: float  # time.monotonic()
+    # The MCP servers whose tools the conversation has listed, by server_label (kept for
+    # the next response, not returned by GET; agentrt.server.responses_mcp).
+    mcp_listings: dict[str, Any] = field(default_factory=dict)
 
     @property
     def size(self) -> int:
-        return self.conversation_bytes + len(json.dumps(self.body))
+        listings = len(json.dumps(self.mcp_listings)) if self.mcp_listings else 0
+        return self.conversation_bytes + len(json.dumps(self.body)) + listings
 
 
 class ResponseStore:
@@ -71,6 +75,7 @@ class ResponseStore:
         conversation: Sequence[dict[str, Any]],
         *,
         continues: StoredResponse | None = None,
+        mcp_listings: dict[str, Any] | None = None,
     ) -> None:
         """Store a response. `continues`: the stored response whose conversation
         `conversation` extends (its messages are counted from its size, not re-measured).
@@ -83,7 +88,7 @@ class ResponseStore:
             num_bytes = continues.conversation_bytes + _json_size(added)
         else:
             num_bytes = _json_size(conversation)
-        stored = StoredResponse(body, conversation, num_bytes, time.monotonic())
+        stored = StoredResponse(body, conversation, num_bytes, time.monotonic(), mcp_listings or {})
         size = stored.size
         if size > self.max_bytes:
             return

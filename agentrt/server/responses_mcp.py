@@ -15,7 +15,10 @@ it answers, calls a client's function tool, or a call needs approval. `require_a
 makes such a call an `mcp_approval_request` item that ends the response; the client answers
 with an `mcp_approval_response` input item (`approve`, after `previous_response_id` or with
 the request item echoed back), and the approved call runs at the start of the next response.
-The output begins with one `mcp_list_tools` item per server. After `MAX_MCP_STEPS` turns the
+The output begins with one `mcp_list_tools` item per server the conversation has not listed
+yet (as OpenAI's API: after `previous_response_id`, a server listed before with the same
+URL and allowed_tools is not listed again, its stored list is used, and it is contacted only
+when a call runs). After `MAX_MCP_STEPS` turns the
 last one is offered no MCP tool. Streamed, the finished response is sent as its events (items
 whole, the message text in one delta).
 """
@@ -59,10 +62,17 @@ async def create_mcp_response(
     """Serve a Responses request that has mcp tools (see the module docstring)."""
     servers = checked_servers(request, state.config.allow_mcp_servers)
     previous = store.get(request.previous_response_id) if request.previous_response_id else None
+    known = previous.mcp_listings if previous is not None else {}
     async with AsyncExitStack() as stack:
-        output = [await _open(server, stack) for server in servers]
+        output = []
+        for server in servers:
+            listing = known.get(server.label)
+            if listing is not None and listing["key"] == _listing(server):
+                server.tools = listing["tools"]
+            else:
+                output.append(await _list_tools(server, stack))
         tools = _tools_by_name(request, servers)
-        inputs = await _input_items(request, previous, tools, output)
+        inputs = await _input_items(request, previous, tools, output, stack)
         client_tools = [t.model_dump(exclude_none=True) for t in request.tools if t.type != "mcp"]
         mcp_tools = [_function(tool) for _, tool in tools.values()]
         choice = _first_choice(request.tool_choice)
@@ -91,7 +101,7 @@ async def create_mcp_response(
                     output.append(_approval_request(server, call))
                     pending = True
                 else:
-                    item = await _run(server, call["name"], call["arguments"])
+                    item = await _run(server, stack, call["name"], call["arguments"])
                     output.append(item)
                     inputs += _call_items(item)
             if pending or any(i["type"] == "function_call" for i in replied):
@@ -105,20 +115,40 @@ async def create_mcp_response(
     if request.store is not False:
         history = list(previous.conversation) if previous else []
         messages = history + item_messages(_ITEMS.validate_python(inputs), history)
-        store.put(body["id"], body, messages, continues=previous)
+        listings = {**known}
+        for server in servers:
+            listings[server.label] = {"key": _listing(server), "tools": server.tools}
+        store.put(body["id"], body, messages, continues=previous, mcp_listings=listings)
     if request.stream:
         return _event_stream(body)
     return JSONResponse(body)
 
 
-async def _open(server: MCPServerTool, stack: AsyncExitStack) -> dict[str, Any]:
-    """Connect and list the server's tools: the `mcp_list_tools` item. A server that cannot
-    be reached is a 424, as in OpenAI's API."""
+def _listing(server: MCPServerTool) -> list[Any]:
+    """What a stored listing holds for: a server is listed again if this changes."""
+    return [server.target, server.allowed_tools]
+
+
+async def _list_tools(server: MCPServerTool, stack: AsyncExitStack) -> dict[str, Any]:
+    """Connect and list the server's tools: the `mcp_list_tools` item."""
+    listed = await _connect(server, stack, list_tools=True)
+    server.tools = [
+        {"name": t.name, "description": t.description, "input_schema": t.parameters} for t in listed
+    ]
+    return {
+        "id": item_id("mcpl"),
+        "type": "mcp_list_tools",
+        "server_label": server.label,
+        "tools": server.tools,
+    }
+
+
+async def _connect(server: MCPServerTool, stack: AsyncExitStack, *, list_tools: bool) -> list[Tool]:
+    """Open the server's session (closed with `stack`). A server that cannot be reached is
+    a 424, as in OpenAI's API."""
+    session = mcp_server(server.target, headers=server.headers, allowed_tools=server.allowed_tools)
     try:
-        session = mcp_server(
-            server.target, headers=server.headers, allowed_tools=server.allowed_tools
-        )
-        server.tools = await session.open()
+        listed = await session.open(list_tools=list_tools)
     except MCPServerError as exc:
         raise APIError(
             424,
@@ -128,40 +158,32 @@ async def _open(server: MCPServerTool, stack: AsyncExitStack) -> dict[str, Any]:
         ) from None
     stack.push_async_callback(session.close)
     server.session = session
-    return {
-        "id": item_id("mcpl"),
-        "type": "mcp_list_tools",
-        "server_label": server.label,
-        "tools": [
-            {"name": t.name, "description": t.description, "input_schema": t.parameters}
-            for t in server.tools
-        ],
-    }
+    return listed
 
 
 def _tools_by_name(
     request: ResponsesRequest, servers: list[MCPServerTool]
-) -> dict[str, tuple[MCPServerTool, Tool]]:
+) -> dict[str, tuple[MCPServerTool, dict[str, Any]]]:
     names = {t.name for t in request.tools or () if t.type == "function"}
-    tools: dict[str, tuple[MCPServerTool, Tool]] = {}
+    tools: dict[str, tuple[MCPServerTool, dict[str, Any]]] = {}
     for server in servers:
         for tool in server.tools:
-            if tool.name in names or tool.name in tools:
+            if tool["name"] in names or tool["name"] in tools:
                 raise bad_request(
-                    f"tool {tool.name!r} of MCP server {server.label!r} has the name of "
+                    f"tool {tool['name']!r} of MCP server {server.label!r} has the name of "
                     "another tool: use allowed_tools to leave one out.",
                     param=f"tools.{server.index}.allowed_tools",
                 )
-            tools[tool.name] = (server, tool)
+            tools[tool["name"]] = (server, tool)
     return tools
 
 
-def _function(tool: Tool) -> dict[str, Any]:
+def _function(tool: dict[str, Any]) -> dict[str, Any]:
     return {
         "type": "function",
-        "name": tool.name,
-        "description": tool.description,
-        "parameters": tool.parameters,
+        "name": tool["name"],
+        "description": tool["description"],
+        "parameters": tool["input_schema"],
     }
 
 
@@ -177,8 +199,9 @@ def _first_choice(choice: Any) -> Any:
 async def _input_items(
     request: ResponsesRequest,
     previous: Any,
-    tools: dict[str, tuple[MCPServerTool, Tool]],
+    tools: dict[str, tuple[MCPServerTool, dict[str, Any]]],
     output: list[dict[str, Any]],
+    stack: AsyncExitStack,
 ) -> list[dict[str, Any]]:
     """The request's input as the items an ordinary turn reads: MCP items become the
     function calls and outputs they stand for; an approved call runs now (its `mcp_call`
@@ -210,7 +233,8 @@ async def _input_items(
                     param=f"input.{index}.approval_request_id",
                 )
             if data.get("approve") is True:
-                call = await _run(tools[name][0], name, approval["arguments"], approval["id"])
+                server = tools[name][0]
+                call = await _run(server, stack, name, approval["arguments"], approval["id"])
                 output.append(call)
             else:
                 reason = data.get("reason")
@@ -241,9 +265,16 @@ def _check_strings(data: dict[str, Any], fields: tuple[str, ...], index: int) ->
 
 
 async def _run(
-    server: MCPServerTool, name: str, arguments: str, approval_request_id: str | None = None
+    server: MCPServerTool,
+    stack: AsyncExitStack,
+    name: str,
+    arguments: str,
+    approval_request_id: str | None = None,
 ) -> dict[str, Any]:
-    """Run one call on its MCP server: the `mcp_call` item (a failure is its `error`)."""
+    """Run one call on its MCP server (connected now if its tools were listed before):
+    the `mcp_call` item (a failure is its `error`)."""
+    if server.session is None:
+        await _connect(server, stack, list_tools=False)
     item: dict[str, Any] = {
         "id": item_id("mcp"),
         "type": "mcp_call",
@@ -304,7 +335,7 @@ def _approval_request(server: MCPServerTool, call: dict[str, Any]) -> dict[str, 
 def _echoed_tools(
     request: ResponsesRequest,
     functions: list[dict[str, Any]],
-    tools: dict[str, tuple[MCPServerTool, Tool]],
+    tools: dict[str, tuple[MCPServerTool, dict[str, Any]]],
 ) -> list[dict[str, Any]]:
     """The response's `tools`: the client's function tools and its mcp tools as sent
     (never their headers or authorization)."""

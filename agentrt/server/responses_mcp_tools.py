@@ -11,7 +11,6 @@ from typing import Any
 from agentrt.mcp import MCPSession, is_url
 from agentrt.server.errors import bad_request
 from agentrt.server.protocol import ResponsesRequest
-from agentrt.tools import Tool
 
 
 @dataclass(slots=True)
@@ -25,7 +24,8 @@ class MCPServerTool:
     allowed_tools: list[str] | None
     require_approval: Any
     session: MCPSession | None = None
-    tools: list[Tool] = field(default_factory=list)
+    # Its tools as an `mcp_list_tools` item lists them: name, description, input_schema.
+    tools: list[dict[str, Any]] = field(default_factory=list)
 
     def needs_approval(self, name: str) -> bool:
         policy = self.require_approval

@@ -117,11 +117,36 @@ def test_a_call_waits_for_approval_and_runs_once_approved(mcp_client, log):
         max_output_tokens=48,
     )
     types = [item.type for item in second.output]
-    assert types[:2] == ["mcp_list_tools", "mcp_call"]
-    call = second.output[1]
+    # The conversation listed the server's tools already: not listed again (as OpenAI's API).
+    assert types[0] == "mcp_call"
+    call = second.output[0]
     assert call.approval_request_id == request.id and call.arguments == request.arguments
     _check_call(call, log)
     assert types[-1] == "message"  # the model went on from the call's output
+
+    # Further on, a turn that calls nothing does not even contact the MCP server; with
+    # other allowed_tools the server is listed again.
+    log.log.write_text("")
+    third = _create(
+        mcp_client,
+        previous_response_id=second.id,
+        input="Thanks.",
+        tools=tools,
+        tool_choice="none",
+        max_output_tokens=8,
+    )
+    assert [item.type for item in third.output] == ["message"]
+    assert log.requests() == []
+    fourth = _create(
+        mcp_client,
+        previous_response_id=third.id,
+        input="Thanks again.",
+        tools=[_tool(log.url, allowed_tools=["warehouse_code", "broken_tool"])],
+        tool_choice="none",
+        max_output_tokens=8,
+    )
+    assert [item.type for item in fourth.output] == ["mcp_list_tools", "message"]
+    assert {t.name for t in fourth.output[0].tools} == {"warehouse_code", "broken_tool"}
 
 
 def test_a_declined_call_never_reaches_the_mcp_server(mcp_client, log):
