@@ -407,13 +407,6 @@ static inline __attribute__((always_inline)) void x16k_rows(const uint8_t *group
     for (int tt = 0; tt < TT; tt++) _mm512_storeu_ps(sums + 16 * tt, acc[tt]);
 }
 
-static void x16k_group(const uint8_t *group, int64_t num_blocks, const uint8_t *act, int64_t k,
-                       int64_t rows, float *sums) {
-    const int64_t stride = act8k_bytes(k);
-#define PASS(t, n) x16k_rows(group, num_blocks, act + (t) * stride, k, n, sums + 16 * (t))
-    IN_PASSES(X16_TT, rows, PASS);
-#undef PASS
-}
 
 // ---- Q6_K interleaved by 16 rows -------------------------------------------------------------
 //
@@ -495,9 +488,17 @@ static inline __attribute__((always_inline)) void x16q6k_rows(const uint8_t *gro
     for (int tt = 0; tt < TT; tt++) _mm512_storeu_ps(sums + 16 * tt, acc[tt]);
 }
 
-static void x16q6k_group(const uint8_t *group, int64_t num_blocks, const uint8_t *act, int64_t k,
-                         int64_t rows, float *sums) {
+// Q4_K or Q6_K interleaved: the 16 rows of `group` for `rows` activation rows (act8k) -> sums
+// (rows x 16), in passes of each kernel's rows.
+static void x16kq_group(int qtype, const uint8_t *group, int64_t num_blocks, const uint8_t *act,
+                        int64_t k, int64_t rows, float *sums) {
     const int64_t stride = act8k_bytes(k);
+    if (qtype == T_Q4_K) {
+#define PASS(t, n) x16k_rows(group, num_blocks, act + (t) * stride, k, n, sums + 16 * (t))
+        IN_PASSES(X16_TT, rows, PASS);
+#undef PASS
+        return;
+    }
 #define PASS(t, n) x16q6k_rows(group, num_blocks, act + (t) * stride, k, n, sums + 16 * (t))
     IN_PASSES(X16Q6_TT, rows, PASS);
 #undef PASS

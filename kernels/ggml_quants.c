@@ -727,10 +727,8 @@ int ggml_linear(const void *x, int x_bf16, int64_t rows, int64_t k, const uint8_
 #if AGENTRT_ISA >= 1
                 if (interleaved) {
 #if AGENTRT_ISA == 2
-                    if (qtype == T_Q4_K)
-                        x16k_group(row, row_blocks, at, k, tr, sums);
-                    else if (qtype == T_Q6_K)
-                        x16q6k_group(row, row_blocks, at, k, tr, sums);
+                    if (qtype == T_Q4_K || qtype == T_Q6_K)
+                        x16kq_group(qtype, row, row_blocks, at, k, tr, sums);
                     else
 #endif
                         x16_group(qtype, row, row_blocks, at, kp, tr, sums);
