@@ -39,7 +39,7 @@ class _Projection(ctypes.Structure):
 class _Layer(ctypes.Structure):
     _fields_ = [("input_norm", _PTR), ("post_norm", _PTR), ("kv_cache", _PTR)]
     _fields_ += [(name, _Projection) for name in ("qkv", "o", "gate_up", "down")]
-    _fields_ += [(name, _PTR) for name in ("qkv_bias", "q_norm", "k_norm")]
+    _fields_ += [(name, _PTR) for name in ("qkv_bias", "q_norm", "k_norm", "cos_sin")]
 
 
 _SHAPES = ("tokens", "hidden", "intermediate", "heads", "kv_heads", "head_dim", "block_size")
@@ -49,7 +49,7 @@ _BUFFERS = ("residual", "query", "attn", "out", "normed", "qkv", "attn_bf16", "g
 class _Step(ctypes.Structure):
     _fields_ = [(name, _I64) for name in _SHAPES]
     _fields_ += [("eps", _F32), ("scale", _F32), ("num_threads", _I64)]
-    _fields_ += [(name, _PTR) for name in ("positions", "key_rows", "cos_sin")]
+    _fields_ += [(name, _PTR) for name in ("positions", "key_rows")]
     _fields_ += [(name, _PTR) for name in ("query_start_loc", "seq_lens", "block_tables")]
     _fields_ += [("table_stride", _I64), ("num_requests", _I64)]
     _fields_ += [(name, _PTR) for name in _BUFFERS]
@@ -60,7 +60,8 @@ class _Step(ctypes.Structure):
 class LayerWeights(NamedTuple):
     """One decoder layer as the C loop reads it: RMSNorm weights (hidden,) fp32 and each
     projection's block-format parts, stacked by output rows; a qkv bias ((H + 2 KVH) D,)
-    fp32 (Qwen2) and per-head q/k norm weights (D,) fp32 (Qwen3), or None (Llama)."""
+    fp32 (Qwen2) and per-head q/k norm weights (D,) fp32 (Qwen3), or None (Llama); `rope`
+    False for a layer that rotates nothing (SmolLM3's NoPE layers)."""
 
     input_norm: torch.Tensor
     post_norm: torch.Tensor
@@ -71,6 +72,7 @@ class LayerWeights(NamedTuple):
     qkv_bias: torch.Tensor | None = None
     q_norm: torch.Tensor | None = None
     k_norm: torch.Tensor | None = None
+    rope: bool = True
 
 
 def block_format(weight: object) -> bool:
@@ -142,6 +144,7 @@ class CpuDecoder:
             slot.qkv_bias, slot.q_norm, slot.k_norm = (
                 None if t is None else t.data_ptr() for t in extras
             )
+            slot.cos_sin = cos_sin.data_ptr() if layer.rope else None
         self._layer_weights = layers
         self.kv_caches, self.cos_sin = kv_caches, cos_sin
         self._ops, self._attention = ops, attention
@@ -154,7 +157,6 @@ class CpuDecoder:
             block_size=self.block_size,
             eps=eps,
             scale=scale,
-            cos_sin=cos_sin.data_ptr(),
             linear=linear.linear_address,
             attention=attention.address,
         )

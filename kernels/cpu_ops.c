@@ -66,7 +66,8 @@ static inline void rotate(const uint16_t *x, const float *cos, const float *sin,
 
 // One head of the bias-or-norm path into `out` fp32: x (bf16) + bias (NULL: none), then with
 // `norm` (NULL: none) HF's per-head RMSNorm in fp32, norm * (h * 1 / sqrt(mean(h^2) + eps)),
-// then rotated in place (each pair i, i + half read before it is written).
+// then rotated in place (each pair i, i + half read before it is written; cos NULL: not
+// rotated, a NoPE layer's).
 static inline void head_f32(const uint16_t *x, const float *bias, const float *norm, float eps,
                             const float *cos, const float *sin, float *out, int64_t dim) {
     const int64_t half = dim / 2;
@@ -79,6 +80,7 @@ static inline void head_f32(const uint16_t *x, const float *bias, const float *n
         const float inv = 1.0f / __builtin_sqrtf(sum / (float)dim + eps);
         for (int64_t d = 0; d < dim; d++) out[d] = norm[d] * (out[d] * inv);
     }
+    if (!cos) return;
     for (int64_t i = 0; i < half; i++) {
         const float a = out[i], b = out[i + half];
         out[i] = a * cos[i] + -b * sin[i];
@@ -92,17 +94,19 @@ static inline void head_f32(const uint16_t *x, const float *bias, const float *n
 // cos of each angle, then its sin. `bias` ((heads + 2 kv_heads) * dim fp32, Qwen2's) is added
 // to q, k and v; `q_norm` / `k_norm` ((dim,) fp32, Qwen3's; both or neither) normalise each
 // query / key head before it turns. All three NULL (Llama): the bf16 values turn directly,
-// the same bits as the fp32 path would give, with no pass over a copy.
+// the same bits as the fp32 path would give, with no pass over a copy. cos_sin NULL: q and k
+// are not rotated (SmolLM3's NoPE layers).
 void rope_qkv(const uint16_t *qkv, float *query, float *cache_rows, const int64_t *key_rows,
               const int64_t *positions, const float *cos_sin, int64_t tokens, int64_t heads,
               int64_t kv_heads, int64_t dim, int64_t block_size, const float *bias,
               const float *q_norm, const float *k_norm, float eps, int num_threads) {
     const int64_t half = dim / 2, width = (heads + 2 * kv_heads) * dim, row = kv_heads * dim;
-    const int plain = !bias && !q_norm && !k_norm;
+    const int plain = !bias && !q_norm && !k_norm && cos_sin;
 #pragma omp parallel for num_threads(num_threads) if (tokens >= PARALLEL_ROWS)
     for (int64_t t = 0; t < tokens; t++) {
         const uint16_t *src = qkv + t * width;
-        const float *cos = cos_sin + positions[t] * dim, *sin = cos + half;
+        const float *cos = cos_sin ? cos_sin + positions[t] * dim : NULL;
+        const float *sin = cos ? cos + half : NULL;
         float *key = cache_rows + key_rows[t] * row, *value = key + block_size * row;
         const uint16_t *v = src + (heads + kv_heads) * dim;
         if (plain) {
@@ -193,6 +197,7 @@ typedef struct {
     // rope_qkv's: the qkv bias ((heads + 2 kv_heads) * head_dim) and the per-head q/k norms
     // ((head_dim,)), all fp32; NULL for a layer without them (Llama).
     const float *qkv_bias, *q_norm, *k_norm;
+    const float *cos_sin; // rope_qkv's table (positions, head_dim); NULL: a NoPE layer
 } Layer;
 
 // The step's shapes, metadata and buffers. `residual` (T, hidden) fp32 holds the embeddings
@@ -204,7 +209,6 @@ typedef struct {
     float eps, scale;
     int64_t num_threads;
     const int64_t *positions, *key_rows;
-    const float *cos_sin;
     const int32_t *query_start_loc, *seq_lens, *block_tables;
     int64_t table_stride, num_requests;
     float *residual, *query, *attn;
@@ -252,8 +256,8 @@ int decoder_forward(Step *s, const Layer *layers, int64_t num_layers) {
         add_rms_norm(l ? s->out : NULL, s->residual, layer->input_norm, s->normed, rows, dim,
                      s->eps, nt);
         if ((rc = project(s, &layer->qkv, s->normed, s->qkv))) return failed(s, l, 1, rc);
-        rope_qkv(s->qkv, s->query, layer->kv_cache, s->key_rows, s->positions, s->cos_sin, rows,
-                 s->heads, s->kv_heads, s->head_dim, s->block_size, layer->qkv_bias,
+        rope_qkv(s->qkv, s->query, layer->kv_cache, s->key_rows, s->positions, layer->cos_sin,
+                 rows, s->heads, s->kv_heads, s->head_dim, s->block_size, layer->qkv_bias,
                  layer->q_norm, layer->k_norm, s->eps, nt);
         rc = s->attention(s->query, layer->kv_cache, s->attn, 0, s->query_start_loc,
                           s->seq_lens, s->block_tables, s->table_stride, s->num_requests,

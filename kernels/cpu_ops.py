@@ -98,6 +98,7 @@ class CpuOps:
         q_norm: torch.Tensor | None = None,
         k_norm: torch.Tensor | None = None,
         eps: float = 0.0,
+        rotate: bool = True,
     ) -> torch.Tensor:
         """qkv (T, (H + 2 KVH) D) bf16 -> the rotated query (T, H, D) fp32; the rotated key and
         the value of token t are written into `kv_cache` (NB, 2, BS, KVH, D) fp32 at its row
@@ -105,7 +106,8 @@ class CpuOps:
         positions (T,) int64 index the rows of cos_sin (P, D) fp32 (each angle's cos, then
         its sin). `bias` ((H + 2 KVH) D,) fp32 is added to q, k and v first (Qwen2's);
         `q_norm` / `k_norm` (D,) fp32, both or neither, RMSNorm each query / key head with
-        `eps` before it turns (Qwen3's)."""
+        `eps` before it turns (Qwen3's). `rotate` False: q and k do not turn (a NoPE layer,
+        SmolLM3's)."""
         _, _, block_size, kv_heads, dim = kv_cache.shape
         tokens, width = qkv.shape[0], (num_heads + 2 * kv_heads) * dim
         if not _ok(qkv, _BF16, (tokens, width)):
@@ -119,7 +121,7 @@ class CpuOps:
             kv_cache.data_ptr(),
             key_rows.data_ptr(),
             positions.data_ptr(),
-            cos_sin.data_ptr(),
+            cos_sin.data_ptr() if rotate else None,
             tokens,
             num_heads,
             kv_heads,

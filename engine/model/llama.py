@@ -4,8 +4,8 @@ and the fused CPU paths that only that math fits.
 On the CPU with quantized fp32 layers the model runner sets `cpu_ops`: the glue between a
 layer's products then runs in three fused C calls (kernels/cpu_ops.c, `forward_fused`), and
 when every projection is in block formats all layers run in one C call (`build_cpu_decoder`,
-kernels/cpu_decoder.py). Both compute Llama's layer exactly: pre-norms, SiLU, RoPE on every
-layer, and optionally a qkv bias (Qwen2) and q/k RMSNorm per head (Qwen3), which rope_qkv
+kernels/cpu_decoder.py). Both compute Llama's layer exactly: pre-norms, SiLU, RoPE (on every
+layer but SmolLM3's NoPE layers), and optionally a qkv bias (Qwen2) and q/k RMSNorm per head (Qwen3), which rope_qkv
 applies in fp32 to the qkv product's bf16 output; `runs_fused_glue` checks that before the
 runner may set them, so a family of other math (its own module on the same skeleton) never
 takes them.
@@ -77,6 +77,7 @@ def forward_fused(
         layer.num_heads,
         *qkv_extras(layer),
         eps,
+        rotate=layer.use_rope,
     )
     attn = step.attention.forward_query(query, kv_cache, step.meta, layer.scale)
     hidden = layer.o_proj.forward_bf16(attn.view(query.shape[0], -1).to(torch.bfloat16))
@@ -108,7 +109,6 @@ class LlamaForCausalLM(DecoderForCausalLM):
             and cfg.embedding_scale == 1.0
             and cfg.residual_scale == 1.0
             and cfg.logits_scaling == 1.0
-            and all(cfg.rope_layers)
             and cfg.attention_scale is None
             and cfg.final_logit_softcap is None
             and cfg.attn_logit_softcap is None
@@ -160,7 +160,7 @@ class LlamaForCausalLM(DecoderForCausalLM):
                 return None
             norms = (layer.input_layernorm.weight.data, layer.post_attention_layernorm.weight.data)
             weights = (p.weights for p in projections)
-            layers.append(LayerWeights(*norms, *weights, *qkv_extras(layer)))
+            layers.append(LayerWeights(*norms, *weights, *qkv_extras(layer), layer.use_rope))
         return CpuDecoder(
             self.cpu_ops,
             attention.kernel,

@@ -1,12 +1,13 @@
 """SmolLM3: Llama's layer, but every fourth layer rotates nothing (NoPE: HF's
-`no_rope_layers`, 1 where a layer uses rope; llama.cpp's fixed step of 4 for a GGUF)."""
+`no_rope_layers`, 1 where a layer uses rope; llama.cpp's fixed step of 4 for a GGUF). Its
+quantized layers run on Llama's fused CPU paths (model/llama.py), which skip the rotation."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from agentrt.engine.model.arch import ModelArchConfig, common_fields
-from agentrt.engine.model.decoder import DecoderForCausalLM
+from agentrt.engine.model.llama import LlamaForCausalLM
 
 NO_ROPE_LAYER_INTERVAL = 4
 
@@ -23,4 +24,4 @@ def arch_config(config: dict[str, Any]) -> ModelArchConfig:
     )
 
 
-MODEL_CLASS = DecoderForCausalLM
+MODEL_CLASS = LlamaForCausalLM  # Llama's fused CPU paths take its NoPE layers
