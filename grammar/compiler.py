@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import replace
 from typing import Any
 
 from .backend import BackendGrammar, GrammarBackend, TokenizerData, digit_tables
@@ -28,10 +29,10 @@ from .errors import (
 from .limits import GenerationBounds, RunLimits, SchemaLimits
 from .matcher import Grammar
 from .pipeline import Runner, build, compile_spec, report_of, run_inline, with_runner
-from .reasoning import ReasoningPlan, plan_of, single_token_id, think_lark, without_reasoning
+from .reasoning import single_token_id, think_lark
 from .reasoning_matcher import ReasoningGrammar
 from .report import GrammarReport
-from .spec import GrammarSpec
+from .spec import GrammarSpec, ReasoningPlan
 from .validate import FinalValidator
 from .workers import CompileWorkers, settle
 
@@ -185,9 +186,8 @@ class GrammarCompiler:
         return future
 
     def _compile_now(self, spec: GrammarSpec, key: str, runner: Runner = run_inline) -> Grammar:
-        plan = plan_of(spec)
-        if plan is not None:
-            return self._compile_reasoning(spec, plan, runner)
+        if spec.reasoning is not None:
+            return self._compile_reasoning(spec, spec.reasoning, runner)
         start = time.perf_counter()
         routed = self.disk_cache.get(key) if self.disk_cache else None
         if routed is not None:
@@ -230,7 +230,7 @@ class GrammarCompiler:
             think_lark(plan, start_id is not None, end_id is not None)
         )
         parts = []
-        for part in (think_spec, without_reasoning(spec)):
+        for part in (think_spec, replace(spec, reasoning=None)):
             key = self._key(part)
             grammar = self.cache.get(key)
             if grammar is None:

@@ -48,11 +48,11 @@ def compile_spec(
         value = spec.json_value()
         return _compile_json(value, spec.text, order, get_backend, limits, runs, bounds)
     if spec.kind == "tools":
-        opts = spec.option_dict
+        tool_choice = spec.option_dict["tool_choice"]
         schema = tool_calls_schema(
-            spec.json_value(), opts["tool_choice"], parallel=opts["parallel"] == "1"
+            spec.json_value(), tool_choice, parallel=spec.parallel_tool_calls
         )
-        if opts["tool_choice"] != "auto":
+        if tool_choice != "auto":
             text = json.dumps(schema)
             return _compile_json(schema, text, order, get_backend, limits, runs, bounds)
         # Text-or-call needs llguidance's %json embedding inside a Lark grammar.

@@ -17,25 +17,23 @@ reasoning text never holds the end marker's text, so splitting the decoded outpu
 first end marker (agentrt.reply's reader) gives exactly the two parts.
 
 This module holds the markers (`ReasoningSpec`, found from the template or named by a
-parser), the spec's options (`with_reasoning` / `plan_of`) and the reasoning part's Lark
+parser), the spec's reasoning field (`with_reasoning`) and the reasoning part's Lark
 grammar; the per-request matcher is grammar/reasoning_matcher.py.
 
 When the template leaves the choice to the model (Qwen3 with thinking on opens nothing) and
 the start marker is one token, the first row allows that token or the answer's first
-tokens ("auto"). The spec is carried by `GrammarSpec.with_reasoning` options, so it crosses
-processes and keys the cache like any other spec.
+tokens ("auto"). The plan is the spec's typed `reasoning` field (`spec.ReasoningPlan`), so it
+crosses processes and keys the cache like any other spec.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from .errors import GrammarSpecError
-from .spec import GrammarSpec
-
-OPTION_PREFIX = "reasoning_"
+from .spec import GrammarSpec, ReasoningPlan
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,20 +83,7 @@ def template_opens_reasoning(prompt_text: str, spec: ReasoningSpec) -> bool:
     return prompt_text.rfind(spec.start) > prompt_text.rfind(spec.end)
 
 
-# ---- the spec's options ------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class ReasoningPlan:
-    """How one request reasons: the markers; `opened` by the template; `start` "forced"
-    (the model must open it), "optional" (it may: a single-token start) or "none" (opened);
-    `max_tokens` of reasoning text (None: only max_tokens bounds it)."""
-
-    start: str
-    end: str
-    opened: bool
-    optional: bool
-    max_tokens: int | None
+# ---- the spec's reasoning plan -------------------------------------------------------------
 
 
 def with_reasoning(
@@ -113,39 +98,14 @@ def with_reasoning(
     `optional`: the model may skip it (needs a single-token start marker)."""
     if max_reasoning_tokens is not None and max_reasoning_tokens < 0:
         raise GrammarSpecError(f"max_reasoning_tokens must be >= 0, got {max_reasoning_tokens}")
-    options = {k: v for k, v in spec.options if not k.startswith(OPTION_PREFIX)}
-    options.update(
-        {
-            "reasoning_start": reasoning.start,
-            "reasoning_end": reasoning.end,
-            "reasoning_opened": "1" if opened else "0",
-            "reasoning_optional": "1" if optional and not opened else "0",
-            "reasoning_max_tokens": ""
-            if max_reasoning_tokens is None
-            else str(max_reasoning_tokens),
-        }
+    plan = ReasoningPlan(
+        reasoning.start,
+        reasoning.end,
+        opened=opened,
+        optional=optional and not opened,
+        max_tokens=max_reasoning_tokens,
     )
-    return GrammarSpec(spec.kind, spec.text, tuple(sorted(options.items())))
-
-
-def plan_of(spec: GrammarSpec) -> ReasoningPlan | None:
-    options = spec.option_dict
-    if "reasoning_end" not in options:
-        return None
-    max_tokens = options["reasoning_max_tokens"]
-    return ReasoningPlan(
-        options["reasoning_start"],
-        options["reasoning_end"],
-        options["reasoning_opened"] == "1",
-        options["reasoning_optional"] == "1",
-        int(max_tokens) if max_tokens else None,
-    )
-
-
-def without_reasoning(spec: GrammarSpec) -> GrammarSpec:
-    """The answer's spec (the options that are not the reasoning's)."""
-    options = tuple((k, v) for k, v in spec.options if not k.startswith(OPTION_PREFIX))
-    return GrammarSpec(spec.kind, spec.text, options)
+    return replace(spec, reasoning=plan)
 
 
 def think_lark(plan: ReasoningPlan, start_special: bool, end_special: bool) -> str:

@@ -14,8 +14,7 @@ from typing import Any
 import numpy as np
 
 from .matcher import walk_draft
-from .reasoning import ReasoningPlan
-from .spec import GrammarSpec
+from .spec import GrammarSpec, ReasoningPlan
 
 
 @dataclass(frozen=True, slots=True)

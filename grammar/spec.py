@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from .errors import GrammarSpecError
@@ -28,18 +28,35 @@ _DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples", "example"})
 
 
 @dataclass(frozen=True, slots=True)
+class ReasoningPlan:
+    """How one request reasons before its answer (grammar/reasoning.py): the markers;
+    `opened` by the template; `optional`: the model may skip the block (a single-token start
+    marker); `max_tokens` of reasoning text (None: only max_tokens bounds it)."""
+
+    start: str
+    end: str
+    opened: bool
+    optional: bool
+    max_tokens: int | None
+
+
+@dataclass(frozen=True, slots=True)
 class GrammarSpec:
     """What constrains a request's output.
 
     kind: one of `KINDS`. text: canonical source (compact JSON for schemas, choices and
     tools; the pattern for regex; the grammar for EBNF/Lark). options: sorted key/value
-    pairs that change the language (e.g. tool_choice). Equal specs compile to the same
-    grammar for a given tokenizer.
+    pairs of text that change the language (syntax, tool_choice, bounds).
+    parallel_tool_calls: a tools spec allows more than one call (other kinds ignore it).
+    reasoning: a reasoning block precedes this language (None: none). Equal specs compile
+    to the same grammar for a given tokenizer.
     """
 
     kind: str
     text: str
     options: tuple[tuple[str, str], ...] = ()
+    parallel_tool_calls: bool = True
+    reasoning: ReasoningPlan | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -127,8 +144,8 @@ class GrammarSpec:
         canonical_tools, choice = tool_call_spec_text(tools, tool_choice)
         if choice == "none":
             return cls.any_text()
-        options = (("parallel", "1" if parallel_tool_calls else "0"), ("tool_choice", choice))
-        return cls("tools", _dumps(canonical_tools), options)
+        options = (("tool_choice", choice),)
+        return cls("tools", _dumps(canonical_tools), options, parallel_tool_calls)
 
     @classmethod
     def any_text(cls) -> GrammarSpec:
@@ -147,7 +164,7 @@ class GrammarSpec:
         text = "off" if bounds is None else bounds.to_option()
         options = dict(self.options)
         options["bounds"] = text
-        return GrammarSpec(self.kind, self.text, tuple(sorted(options.items())))
+        return replace(self, options=tuple(sorted(options.items())))
 
     # ---- accessors ----------------------------------------------------------------------
 
@@ -165,6 +182,14 @@ class GrammarSpec:
         h.update(b"\0" + self.text.encode())
         for k, v in self.options:
             h.update(f"\0{k}={v}".encode())
+        if self.kind == "tools":
+            h.update(f"\0parallel={int(self.parallel_tool_calls)}".encode())
+        if self.reasoning is not None:
+            r = self.reasoning
+            h.update(
+                b"\0reasoning="
+                + _dumps([r.start, r.end, r.opened, r.optional, r.max_tokens]).encode()
+            )
         return h.hexdigest()
 
 

@@ -193,9 +193,10 @@ class FinalValidator:
     def _json_schema(self) -> Any:
         if self._spec.kind == "json_schema":
             return self._spec.json_value()
-        opts = self._spec.option_dict
         return tool_calls_schema(
-            self._spec.json_value(), opts["tool_choice"], parallel=opts["parallel"] == "1"
+            self._spec.json_value(),
+            self._spec.option_dict["tool_choice"],
+            parallel=self._spec.parallel_tool_calls,
         )
 
 

@@ -54,11 +54,15 @@ def test_choice_and_regex_and_ebnf() -> None:
 
 def test_from_tools_choices() -> None:
     auto = GrammarSpec.from_tools(TOOLS)
-    assert auto.kind == "tools" and auto.option_dict == {"parallel": "1", "tool_choice": "auto"}
+    assert auto.kind == "tools" and auto.option_dict == {"tool_choice": "auto"}
+    assert auto.parallel_tool_calls is True
     named = GrammarSpec.from_tools(
         TOOLS, {"type": "function", "function": {"name": "add"}}, parallel_tool_calls=False
     )
-    assert named.option_dict == {"parallel": "0", "tool_choice": "name:add"}
+    assert named.option_dict == {"tool_choice": "name:add"}
+    assert named.parallel_tool_calls is False
+    assert named.cache_key() != GrammarSpec.from_tools(TOOLS, "required").cache_key()
+    assert GrammarSpec.from_tools(TOOLS, parallel_tool_calls=False).cache_key() != auto.cache_key()
     assert GrammarSpec.from_tools(TOOLS, "none").kind == "text"
     with pytest.raises(GrammarSpecError, match="not one of the tools"):
         GrammarSpec.from_tools(TOOLS, "nope")
@@ -85,3 +89,20 @@ def test_specs_nested_past_the_recursion_limit_are_refused_as_spec_errors() -> N
         GrammarSpec.from_regex("(" * 5000 + "a" + ")" * 5000)
     with pytest.raises(GrammarSpecError, match="nested too deeply"):
         GrammarSpec.from_json_schema('{"items":' * 5000 + "{}" + "}" * 5000)
+
+
+def test_typed_fields_cross_the_core_process_wire() -> None:
+    """The engine core process receives specs as msgpack (engine/client/core_process.py):
+    the typed flags and the reasoning plan come back equal, with the same cache key."""
+    import msgspec
+
+    from agentrt.grammar.reasoning import REASONING_PARSERS, with_reasoning
+
+    tools = GrammarSpec.from_tools(TOOLS, "required", parallel_tool_calls=False)
+    spec = with_reasoning(tools, REASONING_PARSERS["qwen3"], opened=False, max_reasoning_tokens=7)
+    assert spec.reasoning is not None and spec.reasoning.max_tokens == 7
+    assert spec.cache_key() not in (tools.cache_key(), tools.with_bounds(None).cache_key())
+    for sent in (tools, spec, spec.with_bounds(None), GrammarSpec.from_regex("a+")):
+        got = msgspec.msgpack.decode(msgspec.msgpack.encode(sent), type=GrammarSpec)
+        assert got == sent and got.cache_key() == sent.cache_key()
+        assert isinstance(got.parallel_tool_calls, bool)
