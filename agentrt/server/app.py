@@ -45,6 +45,7 @@ from agentrt.server.protocol import (
 from agentrt.server.response_store import ResponseStore
 from agentrt.server.responses import now
 from agentrt.server.responses_api import add_response_routes
+from agentrt.server.responses_mcp_sessions import MCPSessionPool
 from agentrt.server.state import ServerConfig, ServerState
 
 logger = logging.getLogger("agentrt.server")
@@ -70,6 +71,7 @@ def create_app(config: ServerConfig, *, llm_engine: LLMEngine | None = None) -> 
             holder["state"] = state
             async with anyio.create_task_group() as tg:
                 tg.start_soon(_supervise, state)
+                await tg.start(app.state.mcp_sessions.run)  # MCP sessions kept between requests
                 await batches.start(tg, app, config.api_key, lambda: not state.healthy)
                 yield
                 tg.cancel_scope.cancel()
@@ -82,6 +84,7 @@ def create_app(config: ServerConfig, *, llm_engine: LLMEngine | None = None) -> 
         lifespan=lifespan,
     )
     install_error_handlers(app)
+    app.state.mcp_sessions = MCPSessionPool()
     _add_routes(app)
     store = ResponseStore(
         config.max_stored_responses,

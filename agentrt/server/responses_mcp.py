@@ -18,9 +18,11 @@ the request item echoed back), and the approved call runs at the start of the ne
 The output begins with one `mcp_list_tools` item per server the conversation has not listed
 yet (as OpenAI's API: after `previous_response_id`, a server listed before with the same
 URL and allowed_tools is not listed again, its stored list is used, and it is contacted only
-when a call runs). After `MAX_MCP_STEPS` turns the
-last one is offered no MCP tool. Streamed, the finished response is sent as its events (items
-whole, the message text in one delta).
+when a call runs). After `MAX_MCP_STEPS` turns the last one is offered no MCP tool.
+Sessions come from the server's pool (responses_mcp_sessions: kept open between requests).
+Streamed, the finished response is sent as its events (items whole, the message text in one
+delta: the turns run through `respond` unstreamed, and which turn is the last is known only
+once it has answered).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from __future__ import annotations
 import json
 from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
@@ -42,6 +45,7 @@ from agentrt.server.errors import APIError, bad_request
 from agentrt.server.protocol import InputItem, ResponsesRequest
 from agentrt.server.response_store import ResponseStore
 from agentrt.server.responses_items import item_messages
+from agentrt.server.responses_mcp_sessions import MCPSessionPool
 from agentrt.server.responses_mcp_tools import MCPServerTool, checked_servers
 from agentrt.server.responses_output import item_id
 from agentrt.server.state import ServerState
@@ -63,16 +67,20 @@ async def create_mcp_response(
     servers = checked_servers(request, state.config.allow_mcp_servers)
     previous = store.get(request.previous_response_id) if request.previous_response_id else None
     known = previous.mcp_listings if previous is not None else {}
+    pool = getattr(raw.app.state, "mcp_sessions", None)  # the app's (an empty one is falsy)
+    if pool is None:
+        pool = MCPSessionPool()  # not running: each session is the request's own
     async with AsyncExitStack() as stack:
+        sessions = _Sessions(pool, stack)
         output = []
         for server in servers:
             listing = known.get(server.label)
             if listing is not None and listing["key"] == _listing(server):
                 server.tools = listing["tools"]
             else:
-                output.append(await _list_tools(server, stack))
+                output.append(await _list_tools(server, sessions))
         tools = _tools_by_name(request, servers)
-        inputs = await _input_items(request, previous, tools, output, stack)
+        inputs = await _input_items(request, previous, tools, output, sessions)
         client_tools = [t.model_dump(exclude_none=True) for t in request.tools if t.type != "mcp"]
         mcp_tools = [_function(tool) for _, tool in tools.values()]
         choice = _first_choice(request.tool_choice)
@@ -101,7 +109,7 @@ async def create_mcp_response(
                     output.append(_approval_request(server, call))
                     pending = True
                 else:
-                    item = await _run(server, stack, call["name"], call["arguments"])
+                    item = await _run(server, sessions, call["name"], call["arguments"])
                     output.append(item)
                     inputs += _call_items(item)
             if pending or any(i["type"] == "function_call" for i in replied):
@@ -129,9 +137,18 @@ def _listing(server: MCPServerTool) -> list[Any]:
     return [server.target, server.allowed_tools]
 
 
-async def _list_tools(server: MCPServerTool, stack: AsyncExitStack) -> dict[str, Any]:
+@dataclass(slots=True)
+class _Sessions:
+    """Where a request's MCP sessions come from (the server's pool: kept between requests)
+    and what gives them back when it ends."""
+
+    pool: MCPSessionPool
+    stack: AsyncExitStack
+
+
+async def _list_tools(server: MCPServerTool, sessions: _Sessions) -> dict[str, Any]:
     """Connect and list the server's tools: the `mcp_list_tools` item."""
-    listed = await _connect(server, stack, list_tools=True)
+    listed = await _connect(server, sessions, list_tools=True)
     server.tools = [
         {"name": t.name, "description": t.description, "input_schema": t.parameters} for t in listed
     ]
@@ -143,12 +160,13 @@ async def _list_tools(server: MCPServerTool, stack: AsyncExitStack) -> dict[str,
     }
 
 
-async def _connect(server: MCPServerTool, stack: AsyncExitStack, *, list_tools: bool) -> list[Tool]:
-    """Open the server's session (closed with `stack`). A server that cannot be reached is
-    a 424, as in OpenAI's API."""
-    session = mcp_server(server.target, headers=server.headers, allowed_tools=server.allowed_tools)
+async def _connect(server: MCPServerTool, sessions: _Sessions, *, list_tools: bool) -> list[Tool]:
+    """The server's session, from the pool (given back with the request's stack). A server
+    that cannot be reached is a 424, as in OpenAI's API."""
+    new = mcp_server(server.target, headers=server.headers, allowed_tools=server.allowed_tools)
+    kept = sessions.pool.session(server.session_key, new, list_tools=list_tools)
     try:
-        listed = await session.open(list_tools=list_tools)
+        server.session = await sessions.stack.enter_async_context(kept)
     except MCPServerError as exc:
         raise APIError(
             424,
@@ -156,9 +174,7 @@ async def _connect(server: MCPServerTool, stack: AsyncExitStack, *, list_tools: 
             param=f"tools.{server.index}.server_url",
             code="mcp_server_error",
         ) from None
-    stack.push_async_callback(session.close)
-    server.session = session
-    return listed
+    return server.session.tools
 
 
 def _tools_by_name(
@@ -201,7 +217,7 @@ async def _input_items(
     previous: Any,
     tools: dict[str, tuple[MCPServerTool, dict[str, Any]]],
     output: list[dict[str, Any]],
-    stack: AsyncExitStack,
+    sessions: _Sessions,
 ) -> list[dict[str, Any]]:
     """The request's input as the items an ordinary turn reads: MCP items become the
     function calls and outputs they stand for; an approved call runs now (its `mcp_call`
@@ -234,7 +250,7 @@ async def _input_items(
                 )
             if data.get("approve") is True:
                 server = tools[name][0]
-                call = await _run(server, stack, name, approval["arguments"], approval["id"])
+                call = await _run(server, sessions, name, approval["arguments"], approval["id"])
                 output.append(call)
             else:
                 reason = data.get("reason")
@@ -266,7 +282,7 @@ def _check_strings(data: dict[str, Any], fields: tuple[str, ...], index: int) ->
 
 async def _run(
     server: MCPServerTool,
-    stack: AsyncExitStack,
+    sessions: _Sessions,
     name: str,
     arguments: str,
     approval_request_id: str | None = None,
@@ -274,7 +290,7 @@ async def _run(
     """Run one call on its MCP server (connected now if its tools were listed before):
     the `mcp_call` item (a failure is its `error`)."""
     if server.session is None:
-        await _connect(server, stack, list_tools=False)
+        await _connect(server, sessions, list_tools=False)
     item: dict[str, Any] = {
         "id": item_id("mcp"),
         "type": "mcp_call",
@@ -296,6 +312,8 @@ async def _run(
         }
         item["status"] = "failed"
     except Exception as exc:  # the server went away, timed out, or broke the protocol
+        sessions.pool.discard(server.session_key)  # the next call connects again
+        server.session = None
         item["error"] = {"type": "mcp_protocol_error", "code": -32603, "message": str(exc)}
         item["status"] = "failed"
     return item

@@ -11,6 +11,7 @@ from typing import Any
 from agentrt.mcp import MCPSession, is_url
 from agentrt.server.errors import bad_request
 from agentrt.server.protocol import ResponsesRequest
+from agentrt.server.responses_mcp_sessions import SessionKey, session_key
 
 
 @dataclass(slots=True)
@@ -26,6 +27,10 @@ class MCPServerTool:
     session: MCPSession | None = None
     # Its tools as an `mcp_list_tools` item lists them: name, description, input_schema.
     tools: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def session_key(self) -> SessionKey:
+        return session_key(self.label, self.target, self.allowed_tools, self.headers)
 
     def needs_approval(self, name: str) -> bool:
         policy = self.require_approval

@@ -30,10 +30,16 @@ def mcp_http(tmp_path_factory) -> Iterator[HTTPServer]:
 
 
 @pytest.fixture(scope="module")
-def mcp_client(mcp_http: HTTPServer, smollm2_dir) -> Iterator[openai.OpenAI]:
+def mcp_server_process(mcp_http: HTTPServer, smollm2_dir) -> Iterator[ServerProcess]:
     args = ("--kv-cache-memory-gb", "0.25", "--api-key", API_KEY)
     with ServerProcess(*args, "--allow-mcp-servers", mcp_http.url, STDIO_COMMAND) as process:
-        yield openai.OpenAI(base_url=process.url + "/v1", api_key=API_KEY, max_retries=0)
+        yield process
+
+
+@pytest.fixture(scope="module")
+def mcp_client(mcp_server_process: ServerProcess) -> openai.OpenAI:
+    url = mcp_server_process.url + "/v1"
+    return openai.OpenAI(base_url=url, api_key=API_KEY, max_retries=0)
 
 
 @pytest.fixture
@@ -175,7 +181,21 @@ def test_a_declined_call_never_reaches_the_mcp_server(mcp_client, log):
     assert _calls(log) == []
 
 
-def test_a_stdio_server_streamed(mcp_client):
+def _stdio_servers(parent: int) -> set[int]:
+    """The pids of the stdio MCP test servers `parent` has started (and not yet stopped)."""
+    pids = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            cmdline = (stat.parent / "cmdline").read_bytes()
+        except (OSError, IndexError, ValueError):
+            continue  # gone meanwhile
+        if ppid == parent and b"mcp_testserver.py\0stdio" in cmdline:
+            pids.add(int(stat.parent.name))
+    return pids
+
+
+def test_a_stdio_server_streamed(mcp_client, mcp_server_process):
     stream = _create(
         mcp_client,
         input=QUESTION,
@@ -194,6 +214,18 @@ def test_a_stdio_server_streamed(mcp_client):
     text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     assert code in text
     assert events[-1].response.output[1].id == done[1].id
+
+    # The command was started once and is kept for the next request (not started again).
+    [started] = _stdio_servers(mcp_server_process.process.pid)
+    again = _create(
+        mcp_client,
+        input=QUESTION,
+        tools=[_tool(STDIO_COMMAND, require_approval="never")],
+        tool_choice="none",
+        max_output_tokens=4,
+    )
+    assert [item.type for item in again.output] == ["mcp_list_tools", "message"]
+    assert _stdio_servers(mcp_server_process.process.pid) == {started}
 
 
 def test_a_url_outside_the_allow_list_is_refused_before_any_connection(mcp_client, log):
