@@ -25,16 +25,19 @@ def claude(tiny_think_checkpoint) -> Iterator[anthropic.Anthropic]:
         yield anthropic.Anthropic(base_url=s.url, api_key="none", max_retries=0)
 
 
-def think(claude: anthropic.Anthropic, messages: list, **options):
+def thinking_request(messages: list) -> dict:
     """A reply that thinks (effort "high": the grammar opens the block) for 6 tokens."""
-    return claude.messages.create(
+    return dict(
         model="think",
         max_tokens=12,
         messages=messages,
         thinking={"type": "enabled", "budget_tokens": 6},
         extra_body={"temperature": 0, "output_config": {"effort": "high"}},
-        **options,
     )
+
+
+def think(claude: anthropic.Anthropic, messages: list):
+    return claude.messages.create(**thinking_request(messages))
 
 
 def test_thinking_is_signed_whole_and_streamed(claude: anthropic.Anthropic):
@@ -42,13 +45,7 @@ def test_thinking_is_signed_whole_and_streamed(claude: anthropic.Anthropic):
     thinking = message.content[0]
     assert thinking.type == "thinking" and thinking.thinking
     assert thinking.signature  # was "" before
-    with claude.messages.stream(
-        model="think",
-        max_tokens=12,
-        messages=ASK,
-        thinking={"type": "enabled", "budget_tokens": 6},
-        extra_body={"temperature": 0, "output_config": {"effort": "high"}},
-    ) as stream:
+    with claude.messages.stream(**thinking_request(ASK)) as stream:
         events = list(stream)
         streamed = stream.get_final_message()
     deltas = [e.delta.type for e in events if e.type == "content_block_delta" and e.index == 0]
