@@ -82,6 +82,77 @@ class ModelInput:
 
 
 @dataclass(frozen=True, slots=True)
+class DecodeGroup:
+    """Decode requests of similar context length, attended to in one batched call."""
+
+    token_index: torch.Tensor  # (B,) flat token row of each request's query
+    block_tables: torch.Tensor  # (B, num_blocks) int64, trimmed to the group's longest
+    mask: torch.Tensor  # (B, 1, 1, num_blocks * block_size) bool: position < seq_len
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Per-step attention inputs shared by every layer: the model runner builds it, the
+    attention backends (worker/attention.py) and the models read it. R = requests,
+    T = tokens."""
+
+    slot_mapping: torch.Tensor  # (T,) int64
+    query_start_loc: torch.Tensor  # (R + 1,) int32
+    seq_lens: torch.Tensor  # (R,) int32
+    block_tables: torch.Tensor  # (R, max_blocks) int32
+    max_seq_len: int
+    query_lens: list[int]
+    context_lens: list[int]
+    block_size: int
+    # Derived once per step: by the torch and cpu backends (key_cache_rows, for write_kv)...
+    key_rows: torch.Tensor | None = None  # (T,) row of each new K in the flat cache view
+    # ... by the torch backend (worker/attention.prepare_torch): host values, so no layer
+    # reads the device...
+    decode_groups: list[DecodeGroup] | None = None
+    prefill_rows: list[int] | None = None
+    query_starts: list[int] | None = None  # (R + 1,) query_start_loc on the host
+    prefill_masks: dict[int, torch.Tensor] = field(default_factory=dict)
+    # ... by sliding-window layers (windowed_attention), any backend: (row, window) -> its
+    # (first key position, additive mask), reused by every layer of that window...
+    window_masks: dict[tuple[int, int], tuple[int, torch.Tensor]] = field(default_factory=dict)
+    # ... and by the triton backend.
+    max_query_len: int | None = None
+    # The attention output, allocated by the first layer of the step and reused by the
+    # others (output_like): a layer's output is consumed (o_proj) before the next one runs.
+    out: torch.Tensor | None = None
+
+    def output_like(self, query: torch.Tensor) -> torch.Tensor:
+        """This step's attention output buffer, shaped like `query` (T, H, D)."""
+        out = self.out
+        if out is None or out.shape != query.shape or out.dtype != query.dtype:
+            out = self.out = torch.empty_like(query)
+        return out
+
+    def causal_mask(self, row: int, dtype: torch.dtype) -> torch.Tensor:
+        """The additive mask (Tq, L) of a prefill chunk after cached context: 0 where query
+        i may see key j (j <= context + i), -inf elsewhere. Built once per step, reused by
+        every layer (SDPA would otherwise convert a boolean mask in each call)."""
+        if row not in self.prefill_masks:
+            context, seq_len = self.context_lens[row], self.context_lens[row] + self.query_lens[row]
+            device = self.seq_lens.device
+            keys, queries = (
+                torch.arange(seq_len, device=device),
+                torch.arange(context, seq_len, device=device),
+            )
+            hidden = keys[None, :] > queries[:, None]
+            mask = torch.zeros(hidden.shape, dtype=dtype, device=device)
+            mask.masked_fill_(hidden, float("-inf"))
+            self.prefill_masks[row] = mask
+        return self.prefill_masks[row]
+
+    def key_cache_rows(self) -> torch.Tensor:
+        """Each new K's row in the cache viewed as (NB * 2 * BS, KVH, D); its V is one
+        block_size further."""
+        blocks = torch.div(self.slot_mapping, self.block_size, rounding_mode="floor")
+        return blocks * 2 * self.block_size + self.slot_mapping.remainder(self.block_size)
+
+
+@dataclass(frozen=True, slots=True)
 class GrammarBitmask:
     """The grammar's part of one step: what the sampler may pick for each sampled request.
     Rows follow the order of the step's sampled requests; S = sampled requests, V = vocab."""

@@ -24,7 +24,7 @@ from agentrt.engine.model.arch import ModelArchConfig
 from agentrt.engine.model.ggml_linear import GGMLLinear
 from agentrt.engine.model.moe import SparseMoE
 from agentrt.engine.model.rope import RotaryEmbedding, Rotate
-from agentrt.engine.worker.attention import AttentionMetadata
+from agentrt.engine.records import AttentionMetadata
 from agentrt.engine.worker.windowed_attention import windowed_attention
 
 if TYPE_CHECKING:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -31,6 +30,7 @@ import torch.nn.functional as F
 import agentrt.kernels as kernels
 from agentrt.engine import envs
 from agentrt.engine.errors import ConfigError
+from agentrt.engine.records import AttentionMetadata, DecodeGroup
 
 if TYPE_CHECKING:
     from agentrt.engine.model.arch import ModelArchConfig
@@ -38,110 +38,44 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True, slots=True)
-class DecodeGroup:
-    """Decode requests of similar context length, attended to in one batched call."""
-
-    token_index: torch.Tensor  # (B,) flat token row of each request's query
-    block_tables: torch.Tensor  # (B, num_blocks) int64, trimmed to the group's longest
-    mask: torch.Tensor  # (B, 1, 1, num_blocks * block_size) bool: position < seq_len
-
-
 # Decode requests are grouped so that padding each group to its longest context wastes at
 # most this factor of the group's shortest context.
 DECODE_GROUP_SPREAD = 1.5
 
 
-@dataclass(slots=True)
-class AttentionMetadata:
-    """Per-step attention inputs shared by every layer. R = requests, T = tokens."""
+def prepare_torch(meta: AttentionMetadata) -> None:
+    """Derive the cache rows of the new K/V and split the requests: decodes into
+    `decode_groups` of similar length, the rest into `prefill_rows`."""
+    meta.key_rows = meta.key_cache_rows()
+    meta.prefill_rows = [i for i, q in enumerate(meta.query_lens) if q > 1]
+    meta.query_starts = list(itertools.accumulate(meta.query_lens, initial=0))
+    seq_lens = [c + q for c, q in zip(meta.context_lens, meta.query_lens, strict=True)]
+    decode = sorted(
+        (i for i, q in enumerate(meta.query_lens) if q == 1),
+        key=seq_lens.__getitem__,
+        reverse=True,
+    )
+    meta.decode_groups = []
+    while decode:
+        longest = seq_lens[decode[0]]
+        size = 1
+        while size < len(decode) and seq_lens[decode[size]] * DECODE_GROUP_SPREAD >= longest:
+            size += 1
+        group, decode = decode[:size], decode[size:]
+        meta.decode_groups.append(_decode_group(meta, group, longest))
 
-    slot_mapping: torch.Tensor  # (T,) int64
-    query_start_loc: torch.Tensor  # (R + 1,) int32
-    seq_lens: torch.Tensor  # (R,) int32
-    block_tables: torch.Tensor  # (R, max_blocks) int32
-    max_seq_len: int
-    query_lens: list[int]
-    context_lens: list[int]
-    block_size: int
-    # Derived once per step: by the torch and cpu backends (key_cache_rows, for write_kv)...
-    key_rows: torch.Tensor | None = None  # (T,) row of each new K in the flat cache view
-    # ... by the torch backend (prepare_torch): host values, so no layer reads the device...
-    decode_groups: list[DecodeGroup] | None = None
-    prefill_rows: list[int] | None = None
-    query_starts: list[int] | None = None  # (R + 1,) query_start_loc on the host
-    prefill_masks: dict[int, torch.Tensor] = field(default_factory=dict)
-    # ... by sliding-window layers (windowed_attention), any backend: (row, window) -> its
-    # (first key position, additive mask), reused by every layer of that window...
-    window_masks: dict[tuple[int, int], tuple[int, torch.Tensor]] = field(default_factory=dict)
-    # ... and by the triton backend.
-    max_query_len: int | None = None
-    # The attention output, allocated by the first layer of the step and reused by the
-    # others (output_like): a layer's output is consumed (o_proj) before the next one runs.
-    out: torch.Tensor | None = None
 
-    def output_like(self, query: torch.Tensor) -> torch.Tensor:
-        """This step's attention output buffer, shaped like `query` (T, H, D)."""
-        out = self.out
-        if out is None or out.shape != query.shape or out.dtype != query.dtype:
-            out = self.out = torch.empty_like(query)
-        return out
-
-    def causal_mask(self, row: int, dtype: torch.dtype) -> torch.Tensor:
-        """The additive mask (Tq, L) of a prefill chunk after cached context: 0 where query
-        i may see key j (j <= context + i), -inf elsewhere. Built once per step, reused by
-        every layer (SDPA would otherwise convert a boolean mask in each call)."""
-        if row not in self.prefill_masks:
-            context, seq_len = self.context_lens[row], self.context_lens[row] + self.query_lens[row]
-            device = self.seq_lens.device
-            keys, queries = (
-                torch.arange(seq_len, device=device),
-                torch.arange(context, seq_len, device=device),
-            )
-            hidden = keys[None, :] > queries[:, None]
-            mask = torch.zeros(hidden.shape, dtype=dtype, device=device)
-            mask.masked_fill_(hidden, float("-inf"))
-            self.prefill_masks[row] = mask
-        return self.prefill_masks[row]
-
-    def key_cache_rows(self) -> torch.Tensor:
-        """Each new K's row in the cache viewed as (NB * 2 * BS, KVH, D); its V is one
-        block_size further."""
-        blocks = torch.div(self.slot_mapping, self.block_size, rounding_mode="floor")
-        return blocks * 2 * self.block_size + self.slot_mapping.remainder(self.block_size)
-
-    def prepare_torch(self) -> None:
-        """Derive the cache rows of the new K/V and split the requests: decodes into
-        `decode_groups` of similar length, the rest into `prefill_rows`."""
-        self.key_rows = self.key_cache_rows()
-        self.prefill_rows = [i for i, q in enumerate(self.query_lens) if q > 1]
-        self.query_starts = list(itertools.accumulate(self.query_lens, initial=0))
-        seq_lens = [c + q for c, q in zip(self.context_lens, self.query_lens, strict=True)]
-        decode = sorted(
-            (i for i, q in enumerate(self.query_lens) if q == 1),
-            key=seq_lens.__getitem__,
-            reverse=True,
-        )
-        self.decode_groups = []
-        while decode:
-            longest = seq_lens[decode[0]]
-            size = 1
-            while size < len(decode) and seq_lens[decode[size]] * DECODE_GROUP_SPREAD >= longest:
-                size += 1
-            group, decode = decode[:size], decode[size:]
-            self.decode_groups.append(self._decode_group(group, longest))
-
-    def _decode_group(self, rows: list[int], longest: int) -> DecodeGroup:
-        device = self.seq_lens.device
-        index = torch.tensor(rows, dtype=torch.int64, device=device)
-        num_blocks = -(-longest // self.block_size)
-        lens = self.seq_lens.index_select(0, index).to(torch.int64)
-        positions = torch.arange(num_blocks * self.block_size, device=device)
-        return DecodeGroup(
-            token_index=self.query_start_loc.index_select(0, index).to(torch.int64),
-            block_tables=self.block_tables.index_select(0, index)[:, :num_blocks].long(),
-            mask=(positions[None, :] < lens[:, None])[:, None, None, :],
-        )
+def _decode_group(meta: AttentionMetadata, rows: list[int], longest: int) -> DecodeGroup:
+    device = meta.seq_lens.device
+    index = torch.tensor(rows, dtype=torch.int64, device=device)
+    num_blocks = -(-longest // meta.block_size)
+    lens = meta.seq_lens.index_select(0, index).to(torch.int64)
+    positions = torch.arange(num_blocks * meta.block_size, device=device)
+    return DecodeGroup(
+        token_index=meta.query_start_loc.index_select(0, index).to(torch.int64),
+        block_tables=meta.block_tables.index_select(0, index)[:, :num_blocks].long(),
+        mask=(positions[None, :] < lens[:, None])[:, None, None, :],
+    )
 
 
 def write_kv(
@@ -170,7 +104,7 @@ class TorchAttentionBackend:
         del device, arch, block_size  # runs wherever torch does, any shapes
 
     def prepare(self, meta: AttentionMetadata) -> None:
-        meta.prepare_torch()
+        prepare_torch(meta)
 
     def forward(
         self,

@@ -28,8 +28,8 @@ from agentrt.engine.loader.weights import Shard, WeightLoader
 from agentrt.engine.model.arch import ModelArchConfig
 from agentrt.engine.model.parallel import shard_arch
 from agentrt.engine.model.registry import model_class
-from agentrt.engine.records import ModelInput, ScheduledChunk, SchedulerOutput
-from agentrt.engine.worker.attention import AttentionMetadata, get_attention_backend
+from agentrt.engine.records import AttentionMetadata, ModelInput, ScheduledChunk, SchedulerOutput
+from agentrt.engine.worker.attention import get_attention_backend
 
 if TYPE_CHECKING:
     from agentrt.engine.config import KVTransferConfig

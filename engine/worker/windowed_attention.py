@@ -8,7 +8,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from agentrt.engine.worker.attention import AttentionMetadata, write_kv
+from agentrt.engine.records import AttentionMetadata
+from agentrt.engine.worker.attention import write_kv
 
 
 def windowed_attention(
