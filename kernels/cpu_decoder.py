@@ -48,7 +48,7 @@ _BUFFERS = ("residual", "query", "attn", "out", "normed", "qkv", "attn_bf16", "g
 
 class _Step(ctypes.Structure):
     _fields_ = [(name, _I64) for name in _SHAPES]
-    _fields_ += [("eps", _F32), ("scale", _F32), ("num_threads", _I64)]
+    _fields_ += [("eps", _F32), ("scale", _F32), ("residual_scale", _F32), ("num_threads", _I64)]
     _fields_ += [(name, _PTR) for name in ("positions", "key_rows")]
     _fields_ += [(name, _PTR) for name in ("query_start_loc", "seq_lens", "block_tables")]
     _fields_ += [("table_stride", _I64), ("num_requests", _I64)]
@@ -116,6 +116,7 @@ class CpuDecoder:
         num_heads: int,
         eps: float,
         scale: float,
+        residual_scale: float = 1.0,
     ) -> None:
         if len(layers) != len(kv_caches) or not layers:
             raise KernelInputError("one KV cache per layer, and at least one layer.")
@@ -157,6 +158,7 @@ class CpuDecoder:
             block_size=self.block_size,
             eps=eps,
             scale=scale,
+            residual_scale=residual_scale,
             linear=linear.linear_address,
             attention=attention.address,
         )

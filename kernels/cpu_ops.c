@@ -37,15 +37,16 @@ static inline uint16_t f32_to_bf16(float f) {
     return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1)) >> 16);
 }
 
-// residual (rows, dim) fp32 += x (bf16, or nothing when x is NULL); out (rows, dim) bf16 =
+// residual (rows, dim) fp32 += x (bf16, or nothing when x is NULL) * x_scale (Granite's
+// residual multiplier; 1: the same bits as none); out (rows, dim) bf16 =
 // bf16(weight * (r * 1 / sqrt(mean(r^2) + eps))) of the updated residual r.
 void add_rms_norm(const uint16_t *x, float *residual, const float *weight, uint16_t *out,
-                  int64_t rows, int64_t dim, float eps, int num_threads) {
+                  int64_t rows, int64_t dim, float eps, float x_scale, int num_threads) {
 #pragma omp parallel for num_threads(num_threads) if (rows >= PARALLEL_ROWS)
     for (int64_t t = 0; t < rows; t++) {
         float *r = residual + t * dim;
         if (x)
-            for (int64_t d = 0; d < dim; d++) r[d] += bf16_to_f32(x[t * dim + d]);
+            for (int64_t d = 0; d < dim; d++) r[d] += bf16_to_f32(x[t * dim + d]) * x_scale;
         float sum = 0.0f;
         for (int64_t d = 0; d < dim; d++) sum += r[d] * r[d];
         const float inv = 1.0f / __builtin_sqrtf(sum / (float)dim + eps);
@@ -206,7 +207,7 @@ typedef struct {
 // projection, 2 attention) say where, and the callee's status is returned.
 typedef struct {
     int64_t tokens, hidden, intermediate, heads, kv_heads, head_dim, block_size;
-    float eps, scale;
+    float eps, scale, residual_scale; // residual_scale: add_rms_norm's x_scale (Granite's)
     int64_t num_threads;
     const int64_t *positions, *key_rows;
     const int32_t *query_start_loc, *seq_lens, *block_tables;
@@ -254,7 +255,7 @@ int decoder_forward(Step *s, const Layer *layers, int64_t num_layers) {
     for (int64_t l = 0; l < num_layers; l++) {
         const Layer *layer = &layers[l];
         add_rms_norm(l ? s->out : NULL, s->residual, layer->input_norm, s->normed, rows, dim,
-                     s->eps, nt);
+                     s->eps, s->residual_scale, nt);
         if ((rc = project(s, &layer->qkv, s->normed, s->qkv))) return failed(s, l, 1, rc);
         rope_qkv(s->qkv, s->query, layer->kv_cache, s->key_rows, s->positions, layer->cos_sin,
                  rows, s->heads, s->kv_heads, s->head_dim, s->block_size, layer->qkv_bias,
@@ -266,7 +267,8 @@ int decoder_forward(Step *s, const Layer *layers, int64_t num_layers) {
         if (rc) return failed(s, l, 2, rc);
         to_bf16(s->attn, s->attn_bf16, rows, s->heads * s->head_dim, nt);
         if ((rc = project(s, &layer->o, s->attn_bf16, s->out))) return failed(s, l, 1, rc);
-        add_rms_norm(s->out, s->residual, layer->post_norm, s->normed, rows, dim, s->eps, nt);
+        add_rms_norm(s->out, s->residual, layer->post_norm, s->normed, rows, dim, s->eps,
+                     s->residual_scale, nt);
         if ((rc = project(s, &layer->gate_up, s->normed, s->gate_up))) return failed(s, l, 1, rc);
         silu_mul(s->gate_up, s->act, rows, s->intermediate, nt);
         if ((rc = project(s, &layer->down, s->act, s->out))) return failed(s, l, 1, rc);

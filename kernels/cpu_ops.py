@@ -46,7 +46,7 @@ class CpuOps:
         self.path = path
         lib = ctypes.CDLL(str(path))
         ptr, i64, f32, cint = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
-        lib.add_rms_norm.argtypes = [ptr, ptr, ptr, ptr, i64, i64, f32, cint]
+        lib.add_rms_norm.argtypes = [ptr, ptr, ptr, ptr, i64, i64, f32, f32, cint]
         lib.rope_qkv.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64]
         lib.rope_qkv.argtypes += [ptr, ptr, ptr, f32, cint]
         lib.silu_mul.argtypes = [ptr, ptr, i64, i64, cint]
@@ -62,10 +62,16 @@ class CpuOps:
         self._checked = CheckedOnce()
 
     def add_rms_norm(
-        self, x: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor, eps: float
+        self,
+        x: torch.Tensor | None,
+        residual: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        x_scale: float = 1.0,
     ) -> torch.Tensor:
-        """residual (T, D) fp32 += x ((T, D) bf16, or None), in place; returns RMSNorm of the
-        sum times `weight` (D,) fp32, as bf16 (T, D)."""
+        """residual (T, D) fp32 += x ((T, D) bf16, or None) * x_scale (Granite's residual
+        multiplier), in place; returns RMSNorm of the sum times `weight` (D,) fp32, as bf16
+        (T, D)."""
         rows, dim = residual.shape
         if not _ok(residual, _F32, (rows, dim)):
             raise _bad("residual", residual, "float32 (T, D)")
@@ -82,6 +88,7 @@ class CpuOps:
             rows,
             dim,
             eps,
+            x_scale,
             torch.get_num_threads(),
         )
         return out
@@ -203,10 +210,10 @@ def load_cpu_ops(build_dir: Path) -> CpuOps:
     return CpuOps(build_library(SOURCE, Path(build_dir)))
 
 
-def add_rms_norm_ref(x, residual, weight, eps):
+def add_rms_norm_ref(x, residual, weight, eps, x_scale=1.0):
     """What CpuOps.add_rms_norm computes, in torch ops (residual updated in place)."""
     if x is not None:
-        residual += x.float()
+        residual += x.float() * x_scale
     h = residual * torch.rsqrt(residual.pow(2).mean(-1, keepdim=True) + eps)
     return (weight * h).to(_BF16)
 

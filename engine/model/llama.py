@@ -5,10 +5,11 @@ On the CPU with quantized fp32 layers the model runner sets `cpu_ops`: the glue 
 layer's products then runs in three fused C calls (kernels/cpu_ops.c, `forward_fused`), and
 when every projection is in block formats all layers run in one C call (`build_cpu_decoder`,
 kernels/cpu_decoder.py). Both compute Llama's layer exactly: pre-norms, SiLU, RoPE (on every
-layer but SmolLM3's NoPE layers), and optionally a qkv bias (Qwen2) and q/k RMSNorm per head (Qwen3), which rope_qkv
-applies in fp32 to the qkv product's bf16 output; `runs_fused_glue` checks that before the
-runner may set them, so a family of other math (its own module on the same skeleton) never
-takes them.
+layer but SmolLM3's NoPE layers), Granite's multipliers (the embedding's and logits' in
+Python, the attention scale, each branch's output scaled as it joins the residual), and
+optionally a qkv bias (Qwen2) and q/k RMSNorm per head (Qwen3), which rope_qkv applies in
+fp32 to the qkv product's bf16 output; `runs_fused_glue` checks that before the runner may
+set them, so a family of other math (its own module on the same skeleton) never takes them.
 """
 
 from __future__ import annotations
@@ -66,7 +67,8 @@ def forward_fused(
     bf16 (which `forward` casts to and from). Returns the down_proj output (T, hidden) bf16,
     unsummed."""
     ops, eps = step.ops, layer.input_layernorm.eps
-    normed = ops.add_rms_norm(hidden, residual, layer.input_layernorm.weight, eps)
+    scale = layer.residual_scale  # Granite's multiplier of each branch's output
+    normed = ops.add_rms_norm(hidden, residual, layer.input_layernorm.weight, eps, scale)
     qkv = layer.qkv_proj.forward_bf16(normed)  # the bias, if any, is rope_qkv's
     query = ops.rope_qkv(
         qkv,
@@ -81,7 +83,7 @@ def forward_fused(
     )
     attn = step.attention.forward_query(query, kv_cache, step.meta, layer.scale)
     hidden = layer.o_proj.forward_bf16(attn.view(query.shape[0], -1).to(torch.bfloat16))
-    normed = ops.add_rms_norm(hidden, residual, layer.post_attention_layernorm.weight, eps)
+    normed = ops.add_rms_norm(hidden, residual, layer.post_attention_layernorm.weight, eps, scale)
     if layer.mlp is not None:  # experts (Qwen3-MoE, Mixtral): the same glue, by expert
         return layer.mlp(normed, gated=ops.silu_mul)
     return layer.down_proj.forward_bf16(ops.silu_mul(layer.gate_up_proj.forward_bf16(normed)))
@@ -106,10 +108,6 @@ class LlamaForCausalLM(DecoderForCausalLM):
             cfg.norm_layout == "pre"
             and cfg.norm_offset == 0.0
             and cfg.activation == "silu"
-            and cfg.embedding_scale == 1.0
-            and cfg.residual_scale == 1.0
-            and cfg.logits_scaling == 1.0
-            and cfg.attention_scale is None
             and cfg.final_logit_softcap is None
             and cfg.attn_logit_softcap is None
             and not cfg.layer_types
@@ -128,7 +126,7 @@ class LlamaForCausalLM(DecoderForCausalLM):
     ) -> torch.Tensor:
         if self.cpu_ops is None:
             return super().forward(input_ids, positions, kv_caches, meta, attention)
-        hidden = self.embed_tokens(input_ids)  # (T, hidden)
+        hidden = self.embed(input_ids)  # (T, hidden)
         decoder = self.cpu_decoder
         if decoder is not None and kv_caches is decoder.kv_caches:
             residual = hidden
@@ -140,12 +138,17 @@ class LlamaForCausalLM(DecoderForCausalLM):
                 meta.seq_lens,
                 meta.block_tables,
             )
-            return hidden.float() + residual
+            return self.last_branch(hidden) + residual
         step = FusedStep(self.cpu_ops, attention, meta, positions, self.rotary.cos_sin_cache)
         residual, hidden = hidden, None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden = forward_fused(layer, hidden, residual, step, kv_cache)
-        return hidden.float() + residual
+        return self.last_branch(hidden) + residual
+
+    def last_branch(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The last layer's down projection (T, hidden) bf16 as the fp32 residual adds it."""
+        scale = self.cfg.residual_scale
+        return hidden.float() * scale if scale != 1.0 else hidden.float()
 
     def build_cpu_decoder(self, attention, kv_caches: list[torch.Tensor]) -> CpuDecoder | None:
         """`forward_fused`'s layers as one C call (kernels/cpu_decoder.py) over `kv_caches`,
@@ -171,6 +174,7 @@ class LlamaForCausalLM(DecoderForCausalLM):
             self.cfg.num_heads,
             self.cfg.rms_norm_eps,
             self.layers[0].scale,
+            self.cfg.residual_scale,
         )
 
 

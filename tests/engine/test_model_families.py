@@ -126,13 +126,13 @@ def test_block_formats_run_close_to_fp32_and_off_the_llama_fused_path(family_fil
     a GGMLLinear, a MoE's experts too) agrees with its fp32 model as the Llama file does
     (int8 activations move near-ties only). The one-call C decoder and the fused glue
     compute Llama's layer, with a qkv bias (Qwen2) or q/k norms per head (Qwen3) if any:
-    Phi-3, Qwen2/3 and SmolLM3 take them; the MoEs (Qwen3-MoE, Mixtral) take the fused glue with
+    Phi-3, Qwen2/3, SmolLM3 and Granite take them; the MoEs (Qwen3-MoE, Mixtral) take the fused glue with
     their experts batched by model/moe.py, not the one-call decoder; Gemma stays layer by
     layer. (Measured, mean error / argmax agreement over the text's 29 positions, fused vs
     by torch ops: Qwen2 3.1% / 97% vs 2.8% / 86%; Qwen3 2.5% / 90% (26) vs 2.2% / 93% (27);
     Llama 3.1% / 93%: one near-tie either way, so the floor is 85%; SmolLM3, its NoPE
     layers on the same paths, 7.3% / 86%.)"""
-    decoder = ("llama", "phi3", "qwen2", "qwen3", "smollm3")
+    decoder = ("llama", "phi3", "qwen2", "qwen3", "smollm3", "granite")
     glue = (*decoder, "qwen3moe", "mixtral")
     for family in (*decoder, "gemma3", "qwen3moe", "mixtral"):
         path = str(family_files[(family, Q.Q8_0)][0])
@@ -151,13 +151,19 @@ def test_block_formats_run_close_to_fp32_and_off_the_llama_fused_path(family_fil
         assert (got - want).abs().mean() < bound * want.abs().mean()
 
 
-def test_smollm3_nope_layers_run_the_one_call_decoder_as_layer_by_layer(family_files):
-    """SmolLM3's NoPE layers on the one-call C decoder give the layer-by-layer fused path's
-    bits (rope_qkv without a table: q and k not rotated), prefill and decode."""
-    path = str(family_files[("smollm3", Q.Q8_0)][0])
+@pytest.mark.parametrize("family", ["smollm3", "granite"])
+def test_one_call_decoder_gives_the_layer_by_layer_bits(family_files, family):
+    """SmolLM3's NoPE layers (rope_qkv without a table: q and k not rotated) and Granite's
+    multipliers (each branch scaled as add_rms_norm adds it) on the one-call C decoder give
+    the layer-by-layer fused path's bits, prefill and decode."""
+    path = str(family_files[(family, Q.Q8_0)][0])
     one_call, by_layer = LLM(path, kv_cache_memory_gb=0.02), LLM(path, kv_cache_memory_gb=0.02)
     model = one_call.engine.runner.model
-    assert model.cpu_decoder is not None and not all(layer.use_rope for layer in model.layers)
+    assert model.cpu_decoder is not None
+    if family == "smollm3":
+        assert not all(layer.use_rope for layer in model.layers)
+    else:
+        assert model.cfg.residual_scale != 1.0 and model.cfg.embedding_scale != 1.0
     by_layer.engine.runner.model.cpu_decoder = None
     params = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
     prompts = _prompts()
