@@ -100,9 +100,10 @@ class LlamaForCausalLM(DecoderForCausalLM):
     """The skeleton plus the fused CPU paths (module docstring)."""
 
     def runs_fused_glue(self) -> bool:
-        """Llama's math exactly (a qkv bias and per-head q/k norms allowed: rope_qkv's; a
-        sparse MoE MLP of SiLU experts too, model/moe.py), every projection a GGMLLinear (the
-        C glue's products)."""
+        """Llama's math exactly (a qkv bias, per-head q/k norms and NoPE layers allowed:
+        rope_qkv's; Granite's multipliers: add_rms_norm's branch scale, the layer's attention
+        scale, embed and compute_logits; a sparse MoE MLP of SiLU experts too, model/moe.py),
+        every projection a GGMLLinear (the C glue's products)."""
         cfg = self.cfg
         llama_math = (
             cfg.norm_layout == "pre"
