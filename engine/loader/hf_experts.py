@@ -16,6 +16,7 @@ is read once and kept while its experts are read in turn).
 from __future__ import annotations
 
 import re
+from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -81,18 +82,17 @@ def aliased_table(
 ) -> dict[str, tuple[int, int, int | None]]:
     """A loader's `tensor_table` (stored names) under the served names: an expert's part of a
     fused tensor counts its share of the elements and bytes."""
-    out = {n: v for n, v in table.items() if n not in {s.stored for s in aliases.values()}}
+    sources = {s.stored for s in aliases.values()}
+    # Matrices per fused tensor: its experts' (gate and up halves counted once here).
+    experts = Counter(s.stored for s in aliases.values() if s.expert is not None and s.half != 1)
+    out = {n: v for n, v in table.items() if n not in sources}
     for name, source in aliases.items():
         numel, stored, qtype = table[source.stored]
         share = 1
         if source.expert is not None:
-            share = _num_experts(aliases, source.stored) * (1 if source.half is None else 2)
+            share = experts[source.stored] * (1 if source.half is None else 2)
         out[name] = (numel // share, stored // share, qtype)
     return out
-
-
-def _num_experts(aliases: Mapping[str, ExpertSource], stored: str) -> int:
-    return len({s.expert for s in aliases.values() if s.stored == stored})
 
 
 class StackedCache:
