@@ -27,10 +27,11 @@ import torch
 from agentrt.engine.config import CacheConfig, ModelConfig, SpeculativeConfig
 from agentrt.engine.errors import ConfigError
 from agentrt.engine.model.arch import ModelArchConfig
-from agentrt.engine.model.checkpoint import load_hf_config, load_state_dict, resolve_model
+from agentrt.engine.model.checkpoint import load_hf_config, resolve_model
 from agentrt.engine.records import ScheduledChunk, SchedulerOutput
 from agentrt.engine.spec_decode.base import DraftContext
-from agentrt.engine.worker.model_runner import ModelRunner, kv_block_bytes
+from agentrt.engine.worker.model_runner import kv_block_bytes
+from agentrt.engine.worker.worker import build_runner
 
 
 def resolve_draft_model(config: SpeculativeConfig, target: ModelConfig) -> ModelConfig:
@@ -81,15 +82,10 @@ class DraftModelProposer:
         self.block_size = cache.block_size
         self.dtype = draft.dtype
         self.max_model_len = min(draft.max_model_len, self.arch.max_position_embeddings)
-        self.runner = ModelRunner(
-            self.arch,
-            load_state_dict(draft.path),
-            dtype=draft.dtype,
-            device=device,
-            block_size=cache.block_size,
-            num_blocks=cache.num_blocks,
-            max_model_len=self.max_model_len,
-            attention_backend=draft.attention_backend,
+        # Loaded as the target is (its weight loader, `get_loader`), in the draft's own
+        # context length and the target's pool.
+        self.runner = build_runner(
+            dataclasses.replace(draft, max_model_len=self.max_model_len), cache, device, None
         )
         self._states: dict[str, DraftKVState] = {}
 
