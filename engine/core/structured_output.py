@@ -128,7 +128,7 @@ class StructuredOutputManager:
             if self._compiler_ready is None:
                 self._compiler_ready = Future()
                 thread = threading.Thread(
-                    target=self._build, name="agentrt-grammar-init", daemon=True
+                    target=self._build, name="agentrt-grammar-ready", daemon=True
                 )
                 _BUILDERS.add(thread)
                 thread.start()
@@ -166,20 +166,36 @@ class StructuredOutputManager:
         return compiler
 
     def _build(self) -> None:
-        """The builder thread: lowest CPU priority, so that on a machine with few cores the
-        engine's steps (the first token at start-up too) keep the CPU."""
+        """Builds the compiler on a thread of its own at the lowest CPU priority, so that on
+        a machine with few cores the engine's steps (the first token at start-up too) keep
+        the CPU; then hands it over from this thread, at the process's priority. The
+        handover runs the compiles that waited for it, and a thread inherits its creator's
+        priority: compile workers started from the niced thread would stay niced for the
+        process's life, and on a busy engine every grammar would run out of its time budget
+        (a plain schema answered invalid_schema)."""
+        built: list = []
+
+        def build() -> None:
+            try:
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+            except (AttributeError, OSError):  # not Linux: a thread has no priority of its own
+                pass
+            try:
+                built.append(self._compiler_factory())
+            except BaseException as exc:  # every grammar request fails with it; others run
+                built.append(exc)
+
         try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-        except (AttributeError, OSError):  # not Linux: a thread has no priority of its own
-            pass
-        try:
-            compiler = self._compiler_factory()
-        except BaseException as exc:  # every grammar request fails with it; others run
-            if not _EXITING.is_set():
-                logger.exception("building the grammar compiler failed")
-            self._compiler_ready.set_exception(CompilerUnavailableError(exc))
-        else:
-            self._compiler_ready.set_result(compiler)
+            builder = threading.Thread(target=build, name="agentrt-grammar-init", daemon=True)
+            builder.start()
+            builder.join()
+            (outcome,) = built
+            if isinstance(outcome, BaseException):
+                if not _EXITING.is_set():
+                    logger.error("building the grammar compiler failed", exc_info=outcome)
+                self._compiler_ready.set_exception(CompilerUnavailableError(outcome))
+            else:
+                self._compiler_ready.set_result(outcome)
         finally:
             _BUILDERS.discard(threading.current_thread())
 

@@ -338,3 +338,56 @@ def test_a_constraint_with_no_first_token_is_an_invalid_schema(smollm2_default_l
     assert out.error_code is ErrorCode.INVALID_SCHEMA
     assert out.outputs[0].token_ids == [] and out.outputs[0].finish_reason == "error"
     smollm2_default_llm.kv_manager.check_invariants()
+
+
+class Ticket(BaseModel):  # a schema no other test compiles: its compile runs on a worker
+    ticket_number: int
+    queue: str
+
+
+def test_grammars_compile_at_the_process_priority_after_a_niced_build(
+    smollm2_default_llm, monkeypatch
+):
+    """The compiler is built at the lowest CPU priority, but the compiles waiting for it
+    must not inherit that: a thread takes its creator's priority, and compile workers
+    started from the niced builder stayed at nice 19 for the process's life, so on a busy
+    engine plain schemas ran out of their time budget (invalid_schema)."""
+    import os
+
+    from agentrt.grammar.workers import CompileWorkers
+
+    core = smollm2_default_llm.engine.engine_core
+    real = core.structured.compiler
+    workers = CompileWorkers()  # no thread yet: the first compile starts one
+    builder_priority, waiting = [], threading.Event()
+
+    def build():
+        builder_priority.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+        monkeypatch.setattr(real, "_workers", workers)
+        assert waiting.wait(60), "the request never started its grammar"
+        return real  # the request's compile waits for this handover
+
+    manager = _slow_compiler_manager(core, build)
+    start = manager.start
+
+    def start_then_release(request, spec):
+        start(request, spec)
+        waiting.set()
+
+    monkeypatch.setattr(manager, "start", start_then_release)
+    monkeypatch.setattr(core, "structured", manager)
+    before = {thread.ident for thread in threading.enumerate()}
+    out = smollm2_default_llm.generate(["A ticket as JSON:"], [_params(Ticket, 0.0, max_tokens=40)])
+    assert out[0].error_code is None, out[0].error
+    Ticket.model_validate_json(out[0].outputs[0].text)
+    started = [
+        thread
+        for thread in threading.enumerate()
+        if thread.ident not in before and thread.name == "grammar-compile"
+    ]
+    assert builder_priority == [19]
+    assert started, "the compile ran on no new worker"
+    process_priority = os.getpriority(os.PRIO_PROCESS, 0)
+    assert [os.getpriority(os.PRIO_PROCESS, t.native_id) for t in started] == [
+        process_priority
+    ] * len(started)
