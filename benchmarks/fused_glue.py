@@ -10,7 +10,10 @@ and outputs to bf16 where the torch path keeps fp32, so a near-tie may flip).
         benchmarks/fused_glue.py ~/.cache/agentrt-bench/gguf/qwen2.5-0.5b-v2-s0-Q4_K_M.gguf
 
 Paths (--paths): `one-call` the default engine; `glue` the fused C glue layer by layer
-(three C calls and four products a layer from Python); `layers` the model's torch path.
+(three C calls and four products a layer from Python); `layers` the model's torch path; `torch-attention` the default engine with the torch
+attention backend (Gemma's sliding-window and soft-capped layers then take
+worker/windowed_attention.py's torch path, as every CPU run did before the C kernel took
+windows: compare it with `one-call` on a Gemma file).
 The CPU model is printed first; last line: JSON with every figure.
 """
 
@@ -44,7 +47,8 @@ def worker(path: str, mode: str, threads: int, num_tokens: int) -> dict:
     from agentrt.engine.sampling_params import SamplingParams
 
     torch.set_num_threads(threads)
-    llm = LLM(path, kv_cache_memory_gb=0.25)
+    backend = "torch" if mode == "torch-attention" else "auto"
+    llm = LLM(path, kv_cache_memory_gb=0.25, attention_backend=backend)
     model = llm.engine.runner.model
     if mode in ("glue", "layers"):
         model.cpu_decoder = None
