@@ -93,3 +93,43 @@ def test_nothing_generic_at_top_level_of_site_packages(tmp_path):
         [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True
     )
     assert result.stdout.strip() == "[]"
+
+
+def test_the_bench_modules_import_one_way():
+    """agentrt/bench's modules form no import loop, function-level imports included: what
+    two modules both need (load.py: LoadConfig, drive) lives in a module of its own."""
+    folder = ROOT / "agentrt" / "bench"
+    graph = {
+        path.stem: {
+            module.removeprefix("agentrt.bench.")
+            for module in _imports(path)
+            if module.startswith("agentrt.bench.")
+        }
+        for path in folder.glob("*.py")
+    }
+
+    def loop_from(module: str, seen: tuple[str, ...]) -> tuple[str, ...] | None:
+        if module in seen:
+            return (*seen, module)
+        for target in sorted(graph.get(module, ())):
+            found = loop_from(target, (*seen, module))
+            if found:
+                return found
+        return None
+
+    loops = [loop for module in sorted(graph) if (loop := loop_from(module, ()))]
+    assert not loops, "import loop in agentrt/bench: " + " -> ".join(loops[0])
+
+
+def test_engine_weights_load_through_the_loader():
+    """The target and the draft model load their weights through engine/loader (get_loader,
+    load_weights), never through checkpoint.load_state_dict (a whole state dict in memory)."""
+    violations = [
+        f"{path.relative_to(ROOT)} imports load_state_dict"
+        for path in sorted((ROOT / "engine").rglob("*.py"))
+        if path.name != "checkpoint.py"
+        for node in ast.walk(ast.parse(path.read_text(), str(path)))
+        if isinstance(node, ast.ImportFrom)
+        and any(alias.name == "load_state_dict" for alias in node.names)
+    ]
+    assert not violations, "\n".join(violations)

@@ -9,14 +9,10 @@ core; `agentrt bench` (cli.py) is a thin command line over it.
 
 from agentrt.bench.datasets import DATASETS, BenchRequest, DatasetConfig, make_requests
 from agentrt.bench.errors import BenchConfigError
+from agentrt.bench.http import Endpoint
+from agentrt.bench.load import LoadConfig
 from agentrt.bench.results import BenchResult, LatencySummary, RequestRecord
-from agentrt.bench.runner import (
-    MODES,
-    Endpoint,
-    LoadConfig,
-    run_benchmark,
-    run_benchmark_async,
-)
+from agentrt.bench.runner import MODES, run_benchmark, run_benchmark_async
 
 __all__ = [
     "DATASETS",

@@ -8,7 +8,9 @@ import math
 from pathlib import Path
 
 from agentrt.bench.datasets import DATASETS, DatasetConfig
-from agentrt.bench.runner import Endpoint, LoadConfig, run_benchmark
+from agentrt.bench.http import Endpoint
+from agentrt.bench.load import LoadConfig
+from agentrt.bench.runner import run_benchmark
 from agentrt.bench.tune import MIN_GAIN
 from agentrt.engine.args import EngineArgs
 

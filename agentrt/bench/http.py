@@ -10,19 +10,30 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass
 
 import httpx
 
 from agentrt.bench.datasets import BenchRequest, DatasetConfig, make_requests
 from agentrt.bench.errors import BenchConfigError
+from agentrt.bench.load import LoadConfig, drive
 from agentrt.bench.results import BenchResult, RequestRecord, build_result, is_valid
 
 TIMEOUT_S = 600
 
 
-async def run_http(endpoint, dataset: DatasetConfig, load, config: dict) -> BenchResult:
-    from agentrt.bench.runner import drive
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    """A running OpenAI-compatible server (`agentrt serve`)."""
 
+    base_url: str
+    api_key: str | None = None
+    model: str | None = None  # default: the first model the server lists
+
+
+async def run_http(
+    endpoint: Endpoint, dataset: DatasetConfig, load: LoadConfig, config: dict
+) -> BenchResult:
     headers = {"Authorization": f"Bearer {endpoint.api_key}"} if endpoint.api_key else {}
     requests = make_requests(dataset)
     limits = httpx.Limits(max_connections=(load.max_concurrency or len(requests)) + 4)

@@ -36,8 +36,9 @@ import torch
 
 from agentrt.bench.datasets import DatasetConfig
 from agentrt.bench.errors import BenchConfigError
+from agentrt.bench.load import LoadConfig
 from agentrt.bench.results import BenchResult
-from agentrt.bench.runner import LoadConfig, run_benchmark
+from agentrt.bench.runner import run_benchmark
 from agentrt.engine.args import EngineArgs
 from agentrt.engine.config import SpeculativeConfig
 from agentrt.engine.errors import ConfigError, EngineError
