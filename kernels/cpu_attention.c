@@ -423,7 +423,10 @@ int paged_attention(const void *query, const void *kv_cache, void *out, int dtyp
         }
     const Step base = {query,    kv_cache, out,   0,      dtype,  heads,
                        kv_heads, block,    scale, window, softcap};
-#pragma omp parallel for collapse(2) schedule(dynamic, 1) num_threads(num_threads)
+    // One item (a decode over one KV head: Gemma 3 1B's) runs on the caller's thread: a team
+    // would only wait at its barrier for threads the OS may not have scheduled yet.
+#pragma omp parallel for collapse(2) schedule(dynamic, 1) num_threads(num_threads)             \
+    if (num_tiles * kv_heads > 1)
     for (int64_t n = 0; n < num_tiles; n++)
         for (int64_t h = 0; h < kv_heads; h++) {
             const int64_t i = tiles[2 * n], first = tiles[2 * n + 1];
