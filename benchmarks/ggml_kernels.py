@@ -43,6 +43,7 @@ from pathlib import Path
 
 # benchmarks/gguf.py beside this script would shadow the gguf package.
 sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.kernels.ggml_helpers
 
 import gguf  # noqa: E402
 import numpy as np  # noqa: E402
@@ -56,6 +57,7 @@ from agentrt.kernels.quantized_linear import (  # noqa: E402
     pack_int4,
     quantize_int8,
 )
+from tests.kernels.ggml_helpers import random_weight  # noqa: E402
 
 Q = gguf.GGMLQuantizationType
 SMOL = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
@@ -73,7 +75,7 @@ def realistic_weight(qtype: int, n: int, k: int, seed: int = 0) -> G.GGMLWeight:
         w = (rng.standard_normal((n, k)) * 0.05).astype(np.float32)
         data = gguf.quants.quantize(w, Q(qtype))
         return G.GGMLWeight(torch.from_numpy(np.ascontiguousarray(data)), int(qtype), k)
-    return G.random_weight(qtype, n, k, seed)
+    return random_weight(qtype, n, k, seed)
 
 
 def timed(fn, repeats: int) -> float:

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from agentrt.engine.model.ggml_linear import GGMLLinear
 from agentrt.engine.model.moe import ExpertGroups, SparseMoE
-from agentrt.kernels.ggml_linear import random_weight
+from tests.kernels.ggml_helpers import random_weight
 
 from .gguf_files import Q
 

@@ -2,7 +2,7 @@
 dequantize, on random blocks, for every instruction set this CPU runs.
 
 Random bytes are valid blocks of every type once the fp16 d / dmin fields hold finite values
-(`G.random_weight`).
+(`ggml_helpers.random_weight`).
 
 Tolerances. The kernel quantizes each activation row to int8 per block of 32
 (d = max|x| / 127, q = round(x / d)) and sums integer products, so it computes exactly
@@ -22,6 +22,7 @@ import os
 import pickle
 import subprocess
 import sys
+from pathlib import Path
 
 import gguf
 import pytest
@@ -31,6 +32,7 @@ from agentrt.kernels import ggml_linear as G
 from agentrt.kernels.cpu_build import build_library
 from agentrt.kernels.errors import KernelInputError
 from agentrt.kernels.ggml_library import _EXTRA_FLAGS, SOURCE
+from tests.kernels.ggml_helpers import random_weight
 
 Q = gguf.GGMLQuantizationType
 TYPES = sorted(G.QUANTIZED_TYPES)
@@ -43,7 +45,7 @@ def weights():
     """qtype -> (weight (N, K), gguf's dequantized (N, K) fp32)."""
     out = {}
     for i, qtype in enumerate(TYPES):
-        w = G.random_weight(qtype, N, K, seed=i)
+        w = random_weight(qtype, N, K, seed=i)
         out[qtype] = (w, G.dequantize_ref(w))
     return out
 
@@ -111,7 +113,7 @@ def test_ggml_linear_ref_is_x_times_dequantized(weights):
 def test_long_step_over_several_activation_tiles(kern, qtype):
     """A step of more rows than one activation tile holds (~256 KiB quantized) gives each row
     what it gives alone: a row's numbers do not depend on its step."""
-    w = G.random_weight(qtype, 24, K, seed=7)
+    w = random_weight(qtype, 24, K, seed=7)
     x = torch.randn(520, K)
     y = G.ggml_linear(x, w, kernels=kern)
     check_product(y, x, G.dequantize_ref(w), kern.act_block(qtype))
@@ -169,7 +171,7 @@ def check_layout_at_one_place(x16: G.GGMLWeight, w: G.GGMLWeight, qtype: int) ->
 
 @pytest.mark.parametrize("qtype", INTERLEAVED, ids=lambda t: Q(t).name)
 def test_interleaved_layout_is_the_documented_one_and_gives_back_its_rows(qtype):
-    w = G.random_weight(qtype, 48, K, seed=qtype)
+    w = random_weight(qtype, 48, K, seed=qtype)
     x16 = G.interleave(w)
     assert x16.interleaved and x16.out_features == 48
     grown = (2368, 16 * 144) if qtype == Q.Q4_K else (1, 1)  # Q4_K: its scales unpacked
@@ -191,7 +193,7 @@ def test_interleaved_layout_is_the_documented_one_and_gives_back_its_rows(qtype)
 def test_interleaved_product_matches_gguf_reference(kern, qtype):
     """Each build that runs the type interleaved (AVX-512: all seven; AVX2: the legacy five); the
     others refuse the layout rather than misread it."""
-    w = G.random_weight(qtype, 48, K, seed=qtype)
+    w = random_weight(qtype, 48, K, seed=qtype)
     dense, x16 = G.dequantize_ref(w), G.interleave(w, kern)
     if not kern.interleaves(qtype):
         assert (kern.isa, qtype) not in {("avx512", t) for t in INTERLEAVED}
@@ -223,7 +225,7 @@ def test_interleaved_q6k_without_gfni_gives_the_same_sums():
     build, compiled here with -mno-gfni, gives the same sums bit for bit."""
     flags = G.ISAS["avx512"][1] + _EXTRA_FLAGS + ("-mno-gfni",)
     plain = G.GGMLKernels(build_library(SOURCE, G.default_build_dir(), flags), "avx512")
-    w = G.random_weight(Q.Q6_K, 48, K, seed=7)
+    w = random_weight(Q.Q6_K, 48, K, seed=7)
     x16 = G.interleave(w)
     x = torch.randn(9, K, generator=torch.Generator().manual_seed(7))
     y = G.ggml_linear(x, x16, kernels=plain)
@@ -236,12 +238,12 @@ def test_interleaved_q6k_without_gfni_gives_the_same_sums():
 def test_interleaving_is_refused_where_there_is_no_such_layout_or_kernel():
     for qtype, rows in ((Q.Q3_K, 48), (Q.Q5_K, 48), (Q.Q4_0, 40)):
         with pytest.raises(KernelInputError, match="no interleaved layout"):
-            G.interleave(G.random_weight(qtype, rows, K))
-    x16 = G.interleave(G.random_weight(Q.Q4_0, 48, K))
+            G.interleave(random_weight(qtype, rows, K))
+    x16 = G.interleave(random_weight(Q.Q4_0, 48, K))
     with pytest.raises(KernelInputError, match="expected uint8"):
         G.GGMLWeight(x16.data[:, :-18], Q.Q4_0, K, interleaved=True)
     with pytest.raises(KernelInputError, match="no interleaved layout"):
-        G.GGMLWeight(G.random_weight(Q.Q5_K, 16, K).data.reshape(1, -1), Q.Q5_K, K, True)
+        G.GGMLWeight(random_weight(Q.Q5_K, 16, K).data.reshape(1, -1), Q.Q5_K, K, True)
     for isa in ISAS:  # which build runs which type interleaved
         kern = G.load_ggml_kernels(G.default_build_dir(), isa)
         for qtype in (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0):
@@ -339,14 +341,20 @@ def test_isa_flag_forces_the_path_in_a_fresh_process():
     costs a torch import)."""
     code = (
         "import torch; from agentrt.kernels import ggml_linear as G;"
-        "w = G.random_weight(G._Q.Q4_K, 8, 256); x = torch.randn(2, 256);"
+        "from tests.kernels.ggml_helpers import random_weight;"
+        "w = random_weight(G._Q.Q4_K, 8, 256); x = torch.randn(2, 256);"
         "y, r = G.ggml_linear(x, w), G.ggml_linear_ref(x, w);"
         "ok = (y - r).abs().max() < 0.02 * r.abs().max();"
         "print(G.default_kernels().isa, G.selected_isa(), bool(ok))"
     )
     env = {**os.environ, G.ISA_ENV: "scalar"}
     done = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+        [sys.executable, "-c", code],
+        env=env,
+        cwd=Path(__file__).resolve().parents[2],  # the repository: tests.kernels imports
+        capture_output=True,
+        text=True,
+        check=True,
     )
     assert done.stdout.split() == ["scalar", "scalar", "True"]
 
