@@ -45,11 +45,15 @@ from .ggml_library import (
     selected_isa,
 )
 
-_Q = gguf.GGMLQuantizationType
+# The GGML type ids, one home for the package and the engine: gguf-py's enum.
+GGMLType = gguf.GGMLQuantizationType
+_Q = GGMLType  # its short name within this module
 QUANTIZED_TYPES = frozenset(
     {_Q.Q4_0, _Q.Q4_1, _Q.Q5_0, _Q.Q5_1, _Q.Q8_0, _Q.Q2_K, _Q.Q3_K, _Q.Q4_K, _Q.Q5_K, _Q.Q6_K}
 )
 __all__ = [  # the library's names are re-exported for callers and tests
+    "DENSE_DTYPES",
+    "GGMLType",
     "ISAS",
     "ISA_ENV",
     "SUPPORTED_TYPES",

@@ -16,15 +16,15 @@ from dataclasses import dataclass
 import torch
 
 from agentrt.engine.errors import ModelTooLargeError
-from agentrt.engine.loader.quantization import Q4_1, Q8_0
 from agentrt.engine.loader.weights import Split, parameter_specs
 from agentrt.engine.model.arch import ModelArchConfig
+from agentrt.kernels.ggml_linear import GGMLType
 
 GiB = 2**30
 # Beyond weights and KV: activations of a step, torch and the kernels' own memory.
 OVERHEAD_BYTES = GiB // 2
 # Bytes per element of the block types int8 / int4 quantize to (34 / 32, 20 / 32).
-_BYTES_PER_ELEMENT = {Q8_0: 34 / 32, Q4_1: 20 / 32}
+_BYTES_PER_ELEMENT = {GGMLType.Q8_0: 34 / 32, GGMLType.Q4_1: 20 / 32}
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,9 +61,9 @@ def weight_bytes(
             elif quantization == "gguf":
                 held = stored if qtype is not None else numel * dtype.itemsize
             elif quantization == "int4" and not vocabulary:
-                held = numel * _BYTES_PER_ELEMENT[Q4_1]
+                held = numel * _BYTES_PER_ELEMENT[GGMLType.Q4_1]
             else:
-                held = numel * _BYTES_PER_ELEMENT[Q8_0]
+                held = numel * _BYTES_PER_ELEMENT[GGMLType.Q8_0]
             total += held * copies
     return int(total)
 

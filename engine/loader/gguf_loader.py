@@ -24,7 +24,9 @@ from agentrt.engine.errors import ModelLoadError
 from agentrt.engine.loader.gguf_file import GGUFFile, open_gguf, reverse_rope_permute
 from agentrt.engine.loader.weights import Part, Shard, Split, slice_dense
 from agentrt.kernels.ggml_linear import (
+    DENSE_DTYPES,
     QUANTIZED_TYPES,
+    GGMLType,
     GGMLWeight,
     UnsupportedGGMLType,
     block_shape,
@@ -32,10 +34,6 @@ from agentrt.kernels.ggml_linear import (
 )
 
 logger = logging.getLogger(__name__)
-
-# gguf.GGMLQuantizationType values of the types read as dense tensors.
-F32, F16, BF16 = 0, 1, 30
-_DENSE_TYPES = {F32: torch.float32, F16: torch.float16, BF16: torch.bfloat16}
 
 
 class GGUFLoader:
@@ -58,7 +56,7 @@ class GGUFLoader:
     def tensor_table(self) -> dict[str, tuple[int, int, int | None]]:
         table = {}
         for name, t in self.file.tensors.items():
-            qtype = None if int(t.tensor_type) in _DENSE_TYPES else int(t.tensor_type)
+            qtype = None if int(t.tensor_type) in DENSE_DTYPES else int(t.tensor_type)
             table[name] = (int(t.n_elements), int(t.n_bytes), qtype)
         for name, (base, _) in self._experts.items():
             numel, stored, qtype = table[base]
@@ -83,7 +81,7 @@ class GGUFLoader:
 
     def read(self, name: str, split: Split, shard: Shard) -> Part:
         data, qtype, shape = self._source(name)
-        if qtype in _DENSE_TYPES:
+        if qtype in DENSE_DTYPES:
             dense = _dense_view(data, qtype, shape)
             shift = self.file.family.gguf_norm_shift
             if shift and name.endswith("norm.weight"):  # llama.cpp stored Gemma's 1 + w
@@ -221,7 +219,7 @@ class _FileRows:
 
 def _dense_view(data: np.ndarray, qtype: int, shape: tuple[int, ...]) -> torch.Tensor:
     """A dense GGUF tensor as a torch view of the map, in its own dtype."""
-    if qtype == BF16:  # gguf-py maps BF16 as raw bytes
+    if qtype == GGMLType.BF16:  # gguf-py maps BF16 as raw bytes
         return torch.from_numpy(data.view(np.uint8)).view(torch.bfloat16).view(shape)
     return torch.from_numpy(data).view(shape)
 

@@ -25,11 +25,10 @@ import torch
 
 from agentrt.engine.errors import ConfigError
 from agentrt.engine.loader.weights import Part
-from agentrt.kernels.ggml_linear import GGMLWeight, block_shape
+from agentrt.kernels.ggml_linear import GGMLType, GGMLWeight, block_shape
 
 logger = logging.getLogger(__name__)
 
-Q4_0, Q4_1, Q8_0 = 2, 3, 8  # gguf.GGMLQuantizationType values
 QUANTIZED_MODES = ("gguf", "int8", "int4")
 
 
@@ -56,9 +55,9 @@ def weight_format(part: Part, mode: str, *, vocabulary: bool) -> int | None:
     if mode == "gguf":
         return stored
     if mode == "int8" or (mode == "int4" and vocabulary):
-        return Q8_0
+        return int(GGMLType.Q8_0)
     if mode == "int4":
-        return stored if stored in (Q4_0, Q4_1) else Q4_1
+        return stored if stored in (GGMLType.Q4_0, GGMLType.Q4_1) else int(GGMLType.Q4_1)
     return None
 
 

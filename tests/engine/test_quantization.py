@@ -14,11 +14,11 @@ from gguf.quants import dequantize as gguf_dequantize
 from agentrt.engine.client.llm import LLM
 from agentrt.engine.errors import ConfigError
 from agentrt.engine.loader.gguf_file import open_gguf
-from agentrt.engine.loader.quantization import Q4_1, Q8_0, resolve_quantization
+from agentrt.engine.loader.quantization import resolve_quantization
 from agentrt.engine.model.ggml_linear import GGMLEmbedding, GGMLLinear
 from agentrt.engine.records import ScheduledChunk, SchedulerOutput
 from agentrt.engine.sampling_params import SamplingParams, StructuredOutputsParams
-from agentrt.kernels.ggml_linear import default_kernels, deinterleave
+from agentrt.kernels.ggml_linear import GGMLType, default_kernels, deinterleave
 
 MODES = ("int8", "int4")
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
@@ -48,7 +48,7 @@ def test_gguf_mode_holds_the_files_own_blocks(smollm2_dir, smollm2_default_llm):
     model = llm.engine.runner.model
     assert llm.engine.model_config.quantization == "gguf" and model.cpu_ops is not None
     embed = model.embed_tokens
-    assert isinstance(embed, GGMLEmbedding) and embed.weight.qtype == Q8_0
+    assert isinstance(embed, GGMLEmbedding) and embed.weight.qtype == GGMLType.Q8_0
     assert model.logits_proj.weights == [embed.weight]
     file_tensors = {t.name: t for t in open_gguf(smollm2_dir).reader.tensors}
     tensors = {name: torch.from_numpy(t.data) for name, t in file_tensors.items()}
@@ -65,21 +65,21 @@ def test_gguf_mode_holds_the_files_own_blocks(smollm2_dir, smollm2_default_llm):
         return halves.swapaxes(1, 2).reshape(rows, cols)
 
     assert torch.equal(embed.weight.dequantize(), reference("token_embd.weight"))
-    interleaved = default_kernels().interleaves(Q4_1)  # AVX-512: rows interleaved by 16
+    interleaved = default_kernels().interleaves(GGMLType.Q4_1)  # AVX-512: rows interleaved by 16
     assert embed.weight.interleaved == interleaved
     for i in (0, len(model.layers) - 1):
         layer = model.layers[i]
         for name, file_name in (("o_proj", "attn_output"), ("down_proj", "ffn_down")):
             (weight,) = getattr(layer, name).weights
             mapped = tensors[f"blk.{i}.{file_name}.weight"]
-            assert weight.qtype == Q4_1 and weight.interleaved == interleaved
+            assert weight.qtype == GGMLType.Q4_1 and weight.interleaved == interleaved
             if interleaved:  # a copy in the kernel's layout, of the file's very bytes
                 assert torch.equal(deinterleave(weight).data, mapped)
             else:  # the map itself
                 assert weight.data.data_ptr() == mapped.data_ptr()
         (qkv,) = layer.qkv_proj.weights
         (gate_up,) = layer.gate_up_proj.weights
-        assert qkv.qtype == gate_up.qtype == Q4_1
+        assert qkv.qtype == gate_up.qtype == GGMLType.Q4_1
         b = f"blk.{i}."
         expected = torch.cat(
             [
@@ -100,8 +100,10 @@ def test_tiny_models_generate_deterministically(tiny_checkpoint, arch, mode):
     llm = LLM(path, quantization=mode, kv_cache_memory_gb=0.01)
     layer = llm.engine.runner.model.layers[0]
     assert isinstance(layer.qkv_proj, GGMLLinear)  # quantized at load to blocks
-    assert {w.qtype for w in layer.qkv_proj.weights} == {Q8_0 if mode == "int8" else Q4_1}
-    assert llm.engine.runner.model.logits_proj.weights[0].qtype == Q8_0
+    assert {w.qtype for w in layer.qkv_proj.weights} == {
+        GGMLType.Q8_0 if mode == "int8" else GGMLType.Q4_1
+    }
+    assert llm.engine.runner.model.logits_proj.weights[0].qtype == GGMLType.Q8_0
     # fp32 on the CPU: the layers run their glue fused (qwen2's q/k/v biases in rope_qkv).
     assert llm.engine.runner.model.cpu_ops is not None
     first = _ids(llm.generate(PROMPTS, GREEDY))

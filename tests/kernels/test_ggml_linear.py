@@ -342,7 +342,7 @@ def test_isa_flag_forces_the_path_in_a_fresh_process():
     code = (
         "import torch; from agentrt.kernels import ggml_linear as G;"
         "from tests.kernels.ggml_helpers import random_weight;"
-        "w = random_weight(G._Q.Q4_K, 8, 256); x = torch.randn(2, 256);"
+        "w = random_weight(G.GGMLType.Q4_K, 8, 256); x = torch.randn(2, 256);"
         "y, r = G.ggml_linear(x, w), G.ggml_linear_ref(x, w);"
         "ok = (y - r).abs().max() < 0.02 * r.abs().max();"
         "print(G.default_kernels().isa, G.selected_isa(), bool(ok))"
