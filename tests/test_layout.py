@@ -133,3 +133,18 @@ def test_engine_weights_load_through_the_loader():
         and any(alias.name == "load_state_dict" for alias in node.names)
     ]
     assert not violations, "\n".join(violations)
+
+
+def test_attention_metadata_is_read_from_the_records():
+    """AttentionMetadata is the model runner's record for the attention backends and the
+    models: every module imports it from engine/records.py, the home of such records."""
+    violations = [
+        f"{path.relative_to(ROOT)} imports AttentionMetadata from {node.module}"
+        for folder in FOLDERS
+        for path in sorted((ROOT / folder).rglob("*.py"))
+        for node in ast.walk(ast.parse(path.read_text(), str(path)))
+        if isinstance(node, ast.ImportFrom)
+        and any(alias.name == "AttentionMetadata" for alias in node.names)
+        and node.module != "agentrt.engine.records"
+    ]
+    assert not violations, "\n".join(violations)

@@ -22,7 +22,7 @@ import agentrt.kernels as kernels
 from agentrt.engine.model.arch import ModelArchConfig, common_fields
 from agentrt.engine.model.decoder import DecoderForCausalLM, DecoderLayer
 from agentrt.engine.model.decoder import RMSNorm as RMSNorm  # re-exported for tests
-from agentrt.engine.worker.attention import AttentionMetadata
+from agentrt.engine.records import AttentionMetadata
 from agentrt.kernels.cpu_decoder import CpuDecoder, LayerWeights, block_format
 from agentrt.kernels.ggml_library import default_kernels
 
