@@ -164,7 +164,7 @@ def _fused(parts: list[GGMLWeight], loader: WeightLoader, repack: _Repacker | No
 def _kernel_layout(parts: list, loader: WeightLoader, repack: _Repacker) -> list:
     """Each block part the CPU kernels run faster with its rows interleaved by 16
     (kernels/ggml_linear.py `interleave`; `GGMLKernels.interleaves` says which: Q4_0, Q4_1,
-    Q5_0, Q5_1, Q8_0 and Q4_K on AVX-512, the same less Q4_K on AVX2), interleaved: a copy,
+    Q5_0, Q5_1, Q8_0, Q4_K and Q6_K on AVX-512, the same less the K-quants on AVX2), interleaved: a copy,
     the map's pages of the part released, so one layout is held (a tied embedding's lookups
     gather their rows from it)."""
     out = []
