@@ -34,7 +34,8 @@ random, so only speed and validity mean something there: field accuracy needs re
 the embedded SmolLM2 (`--model embedded`). llama-server comes from llama-cpp-python's sdist
 (vendor/llama.cpp, `cmake -B build -DLLAMA_BUILD_SERVER=ON -DBUILD_SHARED_LIBS=ON
 -DLLAMA_CURL=OFF`, then `cmake --build build --target llama-server`; on an Intel CPU whose VM
-does not grant AMX, add -DGGML_NATIVE=OFF with the AVX-512 flags on and -DGGML_AMX_*=OFF).
+does not grant AMX, add -DGGML_NATIVE=OFF with the AVX-512 flags on and -DGGML_AMX_*=OFF);
+pass its build/bin/llama-server as --llama-server or $LLAMA_SERVER, or put it on PATH.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ import json
 import os
 import random
 import shlex
+import shutil
 import signal
 import socket
 import statistics
@@ -62,8 +64,10 @@ from agentrt.engine.loader.tokenizer import load_tokenizer
 from agentrt.engine.model.checkpoint import resolve_model
 
 DEFAULT_FILE = Path.home() / ".cache/agentrt-bench/gguf/qwen2.5-1.5b-v2-s0-Q4_K_M.gguf"
+# A llama-server built from the llama-cpp-python sdist (see the docstring): --llama-server,
+# else $LLAMA_SERVER, else the one on PATH.
 DEFAULT_LLAMA_SERVER = Path(
-    "/work/llama-sdist/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin/llama-server"
+    os.environ.get("LLAMA_SERVER") or shutil.which("llama-server") or "llama-server"
 )
 WORKLOADS = ("extraction", "chat", "agent")
 # Issue 41's targets, as ratios in agentrt's favour (see the module doc).
