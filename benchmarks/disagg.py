@@ -39,8 +39,8 @@ import anyio
 import httpx
 
 from agentrt.engine.client.llm import LLM
+from agentrt.engine.loader.checkpoint import resolve_model
 from agentrt.engine.loader.tokenizer import load_tokenizer
-from agentrt.engine.model.checkpoint import resolve_model
 from agentrt.engine.sampling_params import SamplingParams
 
 FILLER = (

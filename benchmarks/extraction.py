@@ -45,8 +45,8 @@ import torch
 from pydantic import BaseModel, Field
 
 import agentrt
+from agentrt.engine.loader.checkpoint import hf_pretrained_args, resolve_model
 from agentrt.engine.loader.tokenizer import load_tokenizer
-from agentrt.engine.model.checkpoint import hf_pretrained_args, resolve_model
 
 
 class DocKind(StrEnum):

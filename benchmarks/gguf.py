@@ -120,7 +120,7 @@ def prepare_files(args: argparse.Namespace) -> dict[str, Path]:
     at all. Keys are "model kind"."""
     from gguf_models import SHAPES, VERSION, convert, write_checkpoint
 
-    from agentrt.engine.model.checkpoint import gguf_source
+    from agentrt.engine.loader.checkpoint import gguf_source
 
     files: dict[str, Path] = {}
     args.files_dir.mkdir(parents=True, exist_ok=True)
@@ -690,7 +690,7 @@ def token_ids(tokenizer_name: str) -> dict[str, list[int]]:
     from latency import DECODE_PROMPT, PPL_TEXT
     from transformers import AutoTokenizer
 
-    from agentrt.engine.model.checkpoint import gguf_source
+    from agentrt.engine.loader.checkpoint import gguf_source
 
     if tokenizer_name == "qwen2.5":
         tokenizer = AutoTokenizer.from_pretrained(str(QWEN_TOKENIZER))

@@ -233,7 +233,7 @@ def save_tokenizer(name: str, folder: Path) -> None:
         return
     from transformers import AutoTokenizer
 
-    from agentrt.engine.model.checkpoint import gguf_source
+    from agentrt.engine.loader.checkpoint import gguf_source
 
     source = gguf_source(None)
     tokenizer = AutoTokenizer.from_pretrained(str(source.parent), gguf_file=source.name)

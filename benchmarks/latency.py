@@ -38,8 +38,8 @@ import torch
 from pydantic import BaseModel, Field
 
 from agentrt.engine.client.llm import LLM
+from agentrt.engine.loader.checkpoint import gguf_source, resolve_model
 from agentrt.engine.loader.tokenizer import load_tokenizer
-from agentrt.engine.model.checkpoint import gguf_source, resolve_model
 from agentrt.engine.records import ScheduledChunk, SchedulerOutput
 from agentrt.engine.sampling_params import SamplingParams, StructuredOutputsParams
 

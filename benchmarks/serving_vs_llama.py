@@ -60,8 +60,8 @@ import httpx
 from extraction import INSTRUCTION, Record, fields_true, make_labeled_document, validate
 from pydantic import BaseModel, Field
 
+from agentrt.engine.loader.checkpoint import resolve_model
 from agentrt.engine.loader.tokenizer import load_tokenizer
-from agentrt.engine.model.checkpoint import resolve_model
 
 DEFAULT_FILE = Path.home() / ".cache/agentrt-bench/gguf/qwen2.5-1.5b-v2-s0-Q4_K_M.gguf"
 # A llama-server built from the llama-cpp-python sdist (see the docstring): --llama-server,

@@ -112,7 +112,7 @@ def main() -> None:
     if not args.skip_hf:
         from transformers import AutoModelForCausalLM, GgufConfig
 
-        from agentrt.engine.model.checkpoint import hf_pretrained_args
+        from agentrt.engine.loader.checkpoint import hf_pretrained_args
 
         name, kwargs = hf_pretrained_args(llm.model_path)
         hf = AutoModelForCausalLM.from_pretrained(

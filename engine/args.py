@@ -46,10 +46,10 @@ from agentrt.engine.config import (
 )
 from agentrt.engine.core.kv_cache_groups import check_kv_cache_layout
 from agentrt.engine.errors import ConfigError
+from agentrt.engine.loader.checkpoint import load_hf_config, resolve_model
 from agentrt.engine.loader.gguf_file import is_gguf
 from agentrt.engine.loader.quantization import resolve_quantization
 from agentrt.engine.model.arch import ModelArchConfig
-from agentrt.engine.model.checkpoint import load_hf_config, resolve_model
 from agentrt.engine.model.parallel import check_tensor_parallel, shard_arch
 from agentrt.engine.spec_decode.draft_model import resolve_draft_model
 from agentrt.engine.worker.model_runner import kv_pool_blocks

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from agentrt.engine.client.llm import LLM
-from agentrt.engine.model.checkpoint import resolve_model
+from agentrt.engine.loader.checkpoint import resolve_model
 from agentrt.engine.model.tiny import make_tiny_checkpoint
 
 

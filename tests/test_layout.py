@@ -148,3 +148,39 @@ def test_attention_metadata_is_read_from_the_records():
         and node.module != "agentrt.engine.records"
     ]
     assert not violations, "\n".join(violations)
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    name = ".".join((FOLDERS[parts[0]], *parts[1:]))
+    return name.removesuffix(".__init__")
+
+
+def test_loader_and_model_have_no_import_cycle():
+    """engine/loader fills engine/model's classes: the arrows between the two packages, the
+    imports inside functions included (they hide a cycle, they do not break it), form no
+    cycle. What reads files (checkpoint resolution too) is the loader's."""
+    folders = [ROOT / "engine" / "loader", ROOT / "engine" / "model"]
+    graph = {}
+    for folder in folders:
+        for path in folder.glob("*.py"):
+            graph[_module_name(path)] = set(_imports(path))
+    for name, targets in graph.items():
+        graph[name] = {t for t in targets if t in graph and t != name}
+
+    cycles = []
+    state = {}  # module -> "open" while on the walk's stack, "done" after
+
+    def walk(module, stack):
+        state[module] = "open"
+        for target in sorted(graph[module]):
+            if state.get(target) == "open":
+                cycles.append(" -> ".join(stack[stack.index(target) :] + [target]))
+            elif target not in state:
+                walk(target, stack + [target])
+        state[module] = "done"
+
+    for module in sorted(graph):
+        if module not in state:
+            walk(module, [module])
+    assert not cycles, "import cycles:\n" + "\n".join(cycles)

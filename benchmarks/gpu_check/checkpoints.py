@@ -43,8 +43,8 @@ DRY_BIG_SHAPE = {
 def export_tokenizer(dest: Path) -> Path:
     """Write the embedded model's tokenizer files into `dest` (read from the embedded GGUF's
     metadata). Run here, where the embedded model is installed."""
+    from agentrt.engine.loader.checkpoint import resolve_model
     from agentrt.engine.loader.tokenizer import load_tokenizer
-    from agentrt.engine.model.checkpoint import resolve_model
 
     source = resolve_model(None)
     dest.mkdir(parents=True, exist_ok=True)

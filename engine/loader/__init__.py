@@ -11,7 +11,8 @@
     quantization.py        which format each weight is held in (`quantization`)
     load.py                get_loader, load_weights: fill a meta-device model
     fit.py                 weights + KV pool checked against memory before allocating
+    checkpoint.py          resolve_model: a local HF directory, a .gguf file or the embedded
+                           default; its config.json; a whole state dict for tests
 
-Nothing is imported here: `engine.model.checkpoint` imports gguf_file, which must not
-import the model package back.
+Nothing is imported here, so importing one loader module loads only what it needs.
 """

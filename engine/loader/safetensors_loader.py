@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from agentrt.engine.errors import ModelLoadError
+from agentrt.engine.loader.checkpoint import safetensors_files
 from agentrt.engine.loader.hf_experts import (
     StackedCache,
     aliased_names,
@@ -30,8 +31,6 @@ from agentrt.engine.loader.weights import Shard, Split, slice_dense
 class SafetensorsLoader:
     def __init__(self, path: str | os.PathLike[str]) -> None:
         from safetensors import SafetensorError, safe_open
-
-        from agentrt.engine.model.checkpoint import safetensors_files
 
         self.path = Path(path)
         self._files = {}  # name -> the open file holding it

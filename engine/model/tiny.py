@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from agentrt.engine.errors import ModelLoadError
+from agentrt.engine.loader.checkpoint import resolve_model
 from agentrt.engine.loader.tokenizer import load_tokenizer
-from agentrt.engine.model.checkpoint import resolve_model
 
 TINY_ARCHS = ("llama", "qwen2", "qwen3", "mistral")
 

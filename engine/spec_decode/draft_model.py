@@ -26,8 +26,8 @@ import torch
 
 from agentrt.engine.config import CacheConfig, ModelConfig, SpeculativeConfig
 from agentrt.engine.errors import ConfigError
+from agentrt.engine.loader.checkpoint import load_hf_config, resolve_model
 from agentrt.engine.model.arch import ModelArchConfig
-from agentrt.engine.model.checkpoint import load_hf_config, resolve_model
 from agentrt.engine.records import ScheduledChunk, SchedulerOutput
 from agentrt.engine.spec_decode.base import DraftContext
 from agentrt.engine.worker.model_runner import kv_block_bytes

@@ -18,8 +18,8 @@ def hf_smollm2(smollm2_dir: Path):
     loader would parse and dequantize the file again: 20.5 s vs 4.5 s a process here."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from agentrt.engine.loader.checkpoint import load_state_dict
     from agentrt.engine.loader.gguf_file import gguf_metadata
-    from agentrt.engine.model.checkpoint import load_state_dict
 
     model = AutoModelForCausalLM.from_config(
         AutoConfig.from_pretrained(gguf_metadata(smollm2_dir)), dtype=torch.float32

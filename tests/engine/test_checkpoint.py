@@ -11,14 +11,14 @@ import torch
 from safetensors.torch import save_file
 
 from agentrt.engine.errors import ModelLoadError
-from agentrt.engine.loader.gguf_file import embedded_gguf_path
-from agentrt.engine.loader.tokenizer import load_tokenizer
-from agentrt.engine.model.checkpoint import (
+from agentrt.engine.loader.checkpoint import (
     SUPPORTED_ARCHITECTURES,
     load_hf_config,
     load_state_dict,
     resolve_model,
 )
+from agentrt.engine.loader.gguf_file import embedded_gguf_path
+from agentrt.engine.loader.tokenizer import load_tokenizer
 from agentrt.engine.model.tiny import TINY_ARCHS, make_tiny_checkpoint
 
 # --- the embedded model through the public API ------------------------------------------

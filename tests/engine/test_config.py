@@ -11,7 +11,7 @@ import torch
 
 from agentrt.engine.args import EngineArgs
 from agentrt.engine.client.llm_engine import LLMEngine
-from agentrt.engine.model.checkpoint import resolve_model
+from agentrt.engine.loader.checkpoint import resolve_model
 from agentrt.engine.sampling_params import SamplingParams
 
 

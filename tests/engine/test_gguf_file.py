@@ -18,6 +18,7 @@ import torch
 
 from agentrt.engine.errors import ModelLoadError
 from agentrt.engine.loader import gguf_file
+from agentrt.engine.loader.checkpoint import load_hf_config, load_state_dict, resolve_model
 from agentrt.engine.loader.gguf_file import (
     EMBEDDED_INSTALL_HINT,
     embedded_gguf_path,
@@ -26,7 +27,6 @@ from agentrt.engine.loader.gguf_file import (
 )
 from agentrt.engine.loader.gguf_reader import GGUFContainer, LazyStrings
 from agentrt.engine.loader.tokenizer import load_tokenizer
-from agentrt.engine.model.checkpoint import load_hf_config, load_state_dict, resolve_model
 
 from .gguf_files import TINY_VOCAB, Q, write_tiny_gguf
 from .tokenizer_ggufs import (
@@ -145,7 +145,7 @@ def test_second_resolve_is_a_cheap_cache_hit(smollm2_dir: Path) -> None:
     code = (
         "import sys, time\n"
         "t = time.perf_counter()\n"
-        "from agentrt.engine.model.checkpoint import resolve_model\n"
+        "from agentrt.engine.loader.checkpoint import resolve_model\n"
         "path = resolve_model(None)\n"
         "print(time.perf_counter() - t)\n"
         "print(path)\n"
@@ -402,7 +402,7 @@ def test_gguf_metadata_and_tokenizer_import_no_transformers(kind, tiny_ggufs, tm
         "import sys\n"
         "from agentrt.engine.loader.gguf_file import gguf_metadata\n"
         "from agentrt.engine.loader.tokenizer import load_tokenizer\n"
-        "from agentrt.engine.model.checkpoint import load_hf_config, resolve_model\n"
+        "from agentrt.engine.loader.checkpoint import load_hf_config, resolve_model\n"
         "path = resolve_model(sys.argv[1])\n"
         "config = load_hf_config(path)\n"
         "tokenizer = load_tokenizer(path)\n"

@@ -16,13 +16,13 @@ import torch
 
 from agentrt.engine.client.llm import LLM
 from agentrt.engine.errors import ModelTooLargeError
+from agentrt.engine.loader.checkpoint import load_hf_config, load_state_dict
 from agentrt.engine.loader.fit import GiB, MemoryEstimate, check_fit, weight_bytes
 from agentrt.engine.loader.gguf_file import metadata_dir
 from agentrt.engine.loader.gguf_loader import GGUFLoader
 from agentrt.engine.loader.safetensors_loader import SafetensorsLoader
 from agentrt.engine.loader.weights import Shard, Split
 from agentrt.engine.model.arch import ModelArchConfig
-from agentrt.engine.model.checkpoint import load_hf_config, load_state_dict
 from agentrt.engine.model.ggml_linear import GGMLEmbedding, GGMLLinear
 from agentrt.engine.records import ScheduledChunk, SchedulerOutput
 from agentrt.engine.sampling_params import SamplingParams

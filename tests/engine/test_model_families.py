@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from agentrt.engine.client.llm import LLM
+from agentrt.engine.loader.checkpoint import load_hf_config, load_state_dict
 from agentrt.engine.model.arch import ModelArchConfig
-from agentrt.engine.model.checkpoint import load_hf_config, load_state_dict
 from agentrt.engine.model.registry import FAMILIES, GGUF_ARCHITECTURES, family_for_hf
 from agentrt.engine.records import ScheduledChunk, SchedulerOutput
 from agentrt.engine.sampling_params import SamplingParams

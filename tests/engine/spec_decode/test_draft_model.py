@@ -18,8 +18,8 @@ import torch
 from agentrt.engine.args import EngineArgs
 from agentrt.engine.config import SpeculativeConfig
 from agentrt.engine.errors import ConfigError
+from agentrt.engine.loader.checkpoint import load_hf_config
 from agentrt.engine.model.arch import ModelArchConfig
-from agentrt.engine.model.checkpoint import load_hf_config
 from agentrt.engine.records import ScheduledChunk
 from agentrt.engine.spec_decode.base import DraftContext
 from agentrt.engine.spec_decode.draft_model import DraftModelProposer, resolve_draft_model

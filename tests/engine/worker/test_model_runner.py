@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from agentrt.engine.config import CacheConfig
+from agentrt.engine.loader.checkpoint import load_hf_config, load_state_dict
 from agentrt.engine.model.arch import ModelArchConfig
-from agentrt.engine.model.checkpoint import load_hf_config, load_state_dict
 from agentrt.engine.records import ScheduledChunk, SchedulerOutput
 from agentrt.engine.worker.model_runner import (
     ModelRunner,

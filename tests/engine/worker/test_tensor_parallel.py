@@ -19,11 +19,11 @@ import torch
 
 from agentrt.engine.client.llm import LLM
 from agentrt.engine.errors import ConfigError, EngineDeadError
+from agentrt.engine.loader.checkpoint import load_hf_config, load_state_dict
 from agentrt.engine.loader.load import load_weights
 from agentrt.engine.loader.safetensors_loader import SafetensorsLoader
 from agentrt.engine.loader.weights import Shard
 from agentrt.engine.model.arch import ModelArchConfig
-from agentrt.engine.model.checkpoint import load_hf_config, load_state_dict
 from agentrt.engine.model.llama import LlamaForCausalLM
 from agentrt.engine.model.parallel import check_tensor_parallel, shard_arch
 from agentrt.engine.sampling_params import SamplingParams, StructuredOutputsParams
