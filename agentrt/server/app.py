@@ -29,6 +29,7 @@ from agentrt.server.errors import (
     install_error_handlers,
 )
 from agentrt.server.file_store import FileStore
+from agentrt.server.file_upload import MULTIPART_SLACK
 from agentrt.server.files_api import FILES_PATH, StateDir, add_file_routes
 from agentrt.server.generation import ClientDisconnected
 from agentrt.server.messages_api import add_messages_routes
@@ -51,7 +52,6 @@ from agentrt.server.state import ServerConfig, ServerState
 logger = logging.getLogger("agentrt.server")
 
 _SUPERVISOR_PERIOD_S = 0.05
-_MULTIPART_SLACK = 64 * 1024  # an upload's multipart headers and fields beside the file
 
 
 def create_app(config: ServerConfig, *, llm_engine: LLMEngine | None = None) -> FastAPI:
@@ -111,7 +111,7 @@ def create_app(config: ServerConfig, *, llm_engine: LLMEngine | None = None) -> 
         GuardMiddleware,
         api_key=config.api_key,
         max_request_bytes=config.max_request_bytes,
-        max_upload_bytes={FILES_PATH: config.batch.max_file_bytes + _MULTIPART_SLACK},
+        max_upload_bytes={FILES_PATH: config.batch.max_file_bytes + MULTIPART_SLACK},
         on_status=count_status,
     )
     return app

@@ -51,27 +51,20 @@ class FileStore:
         self, owner: str | None, purpose: str, filename: str, source: BinaryIO
     ) -> dict[str, Any]:
         """Copy `source` into a new file; 413 past `max_file_bytes` or the storage cap."""
-        if purpose != "batch":
-            raise APIError(
-                400,
-                f"purpose={purpose!r} is not supported: this server stores files for the Batch "
-                "API only (purpose 'batch').",
-                param="purpose",
-            )
-        file_id = new_id("file")
-        tmp = self.files / f"{file_id}.data.tmp"
-        room = min(self.max_file_bytes, self.max_storage_bytes - self.used_bytes())
-        num_bytes = 0
+        check_purpose(purpose)
+        pending = self.begin_upload()
         try:
-            with open(tmp, "wb") as out:
-                while chunk := source.read(_CHUNK):
-                    num_bytes += len(chunk)
-                    if num_bytes > room:
-                        raise self._too_large(num_bytes)
-                    out.write(chunk)
-            return self.add(owner, purpose, filename, tmp, file_id=file_id)
+            while chunk := source.read(_CHUNK):
+                pending.write(chunk)
+            return pending.commit(owner, purpose, filename)
         finally:
-            tmp.unlink(missing_ok=True)
+            pending.discard()
+
+    def begin_upload(self) -> PendingUpload:
+        """A new file being written (under a temporary name in the store, so the bytes go
+        straight to disk): `write` its chunks, then `commit` it or `discard` it."""
+        room = min(self.max_file_bytes, self.max_storage_bytes - self.used_bytes())
+        return PendingUpload(self, new_id("file"), room)
 
     def add(
         self,
@@ -163,6 +156,48 @@ class FileStore:
             "(--max-storage-bytes): delete files (DELETE /v1/files/{id}) and retry.",
             code="storage_limit_exceeded",
         )
+
+
+def check_purpose(purpose: str) -> None:
+    if purpose != "batch":
+        raise APIError(
+            400,
+            f"purpose={purpose!r} is not supported: this server stores files for the Batch "
+            "API only (purpose 'batch').",
+            param="purpose",
+        )
+
+
+class PendingUpload:
+    """One upload on its way to disk, `ROOT/files/<id>.data.tmp`: at most `room` bytes
+    (`write` raises the 413 past it, having written nothing more). Until `commit` it is no
+    file of the store; `discard` removes what was written (a no-op once committed)."""
+
+    def __init__(self, store: FileStore, file_id: str, room: int) -> None:
+        self.store = store
+        self.file_id = file_id
+        self.room = room
+        self.num_bytes = 0
+        self.path = store.files / f"{file_id}.data.tmp"
+        self._out: BinaryIO | None = open(self.path, "wb")  # noqa: SIM115 (closed by commit/discard)
+
+    def write(self, chunk: bytes) -> None:
+        self.num_bytes += len(chunk)
+        if self.num_bytes > self.room:
+            raise self.store._too_large(self.num_bytes)
+        self._out.write(chunk)
+
+    def commit(self, owner: str | None, purpose: str, filename: str) -> dict[str, Any]:
+        """Make it a stored file: its object."""
+        self._out.close()
+        self._out = None
+        return self.store.add(owner, purpose, filename, self.path, file_id=self.file_id)
+
+    def discard(self) -> None:
+        if self._out is not None:
+            self._out.close()
+            self._out = None
+        self.path.unlink(missing_ok=True)
 
 
 def valid_id(object_id: str) -> bool:

@@ -1,5 +1,6 @@
 """`/v1/files` (OpenAI's Files API, for batch input and output files): upload (multipart,
-`purpose=batch`), list, retrieve, content, delete. Storage and owners: agentrt.server.file_store.
+`purpose=batch`, streamed to disk: agentrt.server.file_upload), list, retrieve, content,
+delete. Storage and owners: agentrt.server.file_store.
 """
 
 from __future__ import annotations
@@ -13,8 +14,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
 from agentrt.server.batch_options import BatchConfig
-from agentrt.server.errors import bad_request
 from agentrt.server.file_store import FileStore, owner_of
+from agentrt.server.file_upload import receive_upload
 from agentrt.server.middleware import request_api_key
 
 FILES_PATH = "/v1/files"
@@ -42,21 +43,7 @@ def request_owner(request: Request, api_key: str | None) -> str | None:
 def add_file_routes(app: FastAPI, files: FileStore, api_key: str | None) -> None:
     @app.post(FILES_PATH)
     async def upload(request: Request) -> dict:
-        form = await request.form(max_files=1, max_fields=4)
-        try:
-            upload = form.get("file")
-            purpose = form.get("purpose")
-            if upload is None or isinstance(upload, str):
-                raise bad_request("send the file as the multipart field 'file'.", "file")
-            if not isinstance(purpose, str):
-                raise bad_request("send the multipart field 'purpose' ('batch').", "purpose")
-            owner = request_owner(request, api_key)
-            filename = Path(upload.filename or "upload.jsonl").name
-            return await anyio.to_thread.run_sync(
-                files.upload, owner, purpose, filename, upload.file
-            )
-        finally:
-            await form.close()
+        return await receive_upload(request, files, request_owner(request, api_key))
 
     @app.get(FILES_PATH)
     async def list_files(request: Request, purpose: str | None = None) -> dict:

@@ -7,6 +7,9 @@ per-key cache isolation (ServerState.cache_salt).
 It is plain ASGI, not `BaseHTTPMiddleware`, so streamed responses pass through untouched.
 The body is read in full here (up to the limit) and replayed to the app: an oversized body
 is refused before any route parses it, whether it came with a Content-Length or chunked.
+Upload routes (`max_upload_bytes`) are the exception: a Content-Length past their limit is
+refused here, but their body is not buffered (it would hold a whole file in memory): the
+route streams it to disk and enforces its caps as it reads (agentrt.server.file_upload).
 """
 
 from __future__ import annotations
@@ -52,6 +55,9 @@ class GuardMiddleware:
         length = headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > limit:
             await _send_error(send, self._too_large(limit), scope["path"])
+            return
+        if scope["path"] in self.max_upload_bytes:  # streamed by its route, which caps it
+            await self.app(scope, receive, send)
             return
         body = bytearray()
         while True:

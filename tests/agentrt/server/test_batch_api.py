@@ -9,6 +9,7 @@ import io
 import json
 import signal
 import time
+import tracemalloc
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -137,6 +138,64 @@ async def test_file_round_trip_and_limits(tmp_path, smollm2_llm) -> None:
         with pytest.raises(openai.BadRequestError) as purpose:
             await client.files.create(file=("a.jsonl", io.BytesIO(b"{}\n")), purpose="fine-tune")
         assert purpose.value.body["param"] == "purpose"
+
+
+class _Body(io.RawIOBase):
+    """`size` bytes of JSONL, made as they are read (nothing held), counting what was read."""
+
+    def __init__(self, size: int) -> None:
+        self.size, self.num_read = size, 0
+        self.line = json.dumps(chat_line("x", "Paris")).encode() + b"\n"
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        n = min(len(buffer), self.size - self.num_read)
+        start = self.num_read % len(self.line)
+        repeated = (self.line * (n // len(self.line) + 2))[start : start + n]
+        buffer[:n] = repeated
+        self.num_read += n
+        return n
+
+
+@pytest.mark.anyio
+async def test_a_big_upload_streams_to_disk_within_the_caps(tmp_path, smollm2_llm) -> None:
+    """A 64 MB upload through the openai client: the server's memory does not grow with it
+    (its bytes go to the state dir as they arrive: tracemalloc's peak over the whole upload,
+    client and server in this process, stays a small fraction of it) and the stored file is
+    the bytes sent. Past --max-file-bytes the upload is a 413 and no partial file is left."""
+    size = 64 * 2**20
+    config = ServerConfig(
+        api_key=KEY, batch=BatchConfig(state_dir=str(tmp_path), max_file_bytes=100 * 2**20)
+    )
+    async with in_process_server(config, smollm2_llm.engine) as server:
+        client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
+        tracemalloc.start()
+        try:
+            uploaded = await client.files.create(file=("big.jsonl", _Body(size)), purpose="batch")
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+            await client.close()
+            server.stop()
+    assert uploaded.bytes == size
+    print(f"upload peak {peak / 2**20:.1f} MiB")
+    assert peak < size / 8, f"peak {peak / 2**20:.1f} MiB during a {size / 2**20:.0f} MiB upload"
+    stored = (tmp_path / "files" / f"{uploaded.id}.data").open("rb")
+    expected = _Body(size)
+    with stored:
+        while chunk := stored.read(2**20):
+            assert chunk == expected.read(len(chunk))
+
+    async with batch_server(tmp_path, smollm2_llm) as client:  # max_file_bytes=200_000
+        body = _Body(50 * 2**20)
+        with pytest.raises(openai.APIStatusError) as too_large:
+            await client.files.create(file=("big.jsonl", body), purpose="batch")
+        assert too_large.value.status_code == 413
+        assert too_large.value.body["code"] == "file_too_large"
+        assert [p.name for p in (tmp_path / "files").glob("*.tmp")] == []
+        assert [f.id for f in (await client.files.list()).data] == [uploaded.id]
 
 
 @pytest.mark.anyio
