@@ -20,7 +20,9 @@ sides of a ratio run interleaved in one process. The last line is one JSON objec
 
 `--real` runs the types and shapes of real Q4_K_M files instead (Qwen2.5-0.5B: Q5_0 896x896,
 4864x896, 896x4864 and its tied 151936x896 Q8_0 output; Qwen2.5-1.5B: Q4_K 17920x1536
-gate_up, Q6_K 151936x1536 output and 1536x8960 ffn_down), one activation row (a decode
+gate_up, Q6_K 151936x1536 output and 1536x8960 ffn_down; Llama-3.2-1B: Q4_K 16384x2048
+gate_up, Q6_K 2048x8192 ffn_down and its tied 128256x2048 output; Qwen3-0.6B: Q4_K
+4096x1024 qkv and 6144x1024 gate_up, Q6_K 1024x3072 ffn_down), one activation row (a decode
 step) and 16 by default (`--rows 1,4,16,64,512`: batches and a prefill), the weights
 streamed from memory as in a decode step (copies of each weight, ~`--stream-mib` MiB in all,
 each called once a pass), against the same source at another git revision (`--baseline`):
@@ -176,6 +178,12 @@ REAL = (
     ("qwen1.5b gate_up", "Q4_K", 17920, 1536),
     ("qwen1.5b down", "Q6_K", 1536, 8960),
     ("qwen1.5b output", "Q6_K", 151936, 1536),
+    ("llama1b gate_up", "Q4_K", 16384, 2048),
+    ("llama1b down", "Q6_K", 2048, 8192),
+    ("llama1b output", "Q6_K", 128256, 2048),
+    ("qwen3 qkv", "Q4_K", 4096, 1024),
+    ("qwen3 gate_up", "Q4_K", 6144, 1024),
+    ("qwen3 down", "Q6_K", 1024, 3072),
 )
 
 

@@ -815,9 +815,11 @@ static int interleaved_block(int qtype, int *head) {
 static inline int q6k_place(int at, int r) {
     if (at >= 208) return 2 * r + at - 208;                                       // d
     if (at >= 192) return 32 + 16 * (at - 192) + r;                              // scales
-    // ql[64n + 32 half + l] or qh[32n + l], l = 16h + 4i + j: step 2n + h, column 4 part + i
+    // ql[64n + 32 half + l] or qh[32n + l], l = 16h + 4i + j: step 2n + h, then its columns
+    // in the order the kernel first reads them: ql's first set (half 0), qh, ql's second
+    // set (half 1); column 4 part + i
     const int qh = at >= 128, q = qh ? at - 128 : at;
-    const int n = qh ? q / 32 : q / 64, part = qh ? 2 : q % 64 / 32, l = q % 32;
+    const int n = qh ? q / 32 : q / 64, part = qh ? 1 : 2 * (q % 64 / 32), l = q % 32;
     return 288 + 768 * (2 * n + l / 16) + 256 * part + 64 * (l % 16 / 4) + 4 * r + l % 4;
 }
 

@@ -144,13 +144,15 @@ def check_layout_at_one_place(x16: G.GGMLWeight, w: G.GGMLWeight, qtype: int) ->
     size = G.block_shape(qtype)[1]
     at = G.interleaved_row_bytes(qtype, K) // (K // G.block_shape(qtype)[0])  # block 1
     blk, place = w.data[5, size : 2 * size], x16.data[0, at:]  # the file's; the group's
-    if qtype == Q.Q6_K:  # d, sub-block 3's scale, then steps of ql / ql / qh columns
+    if qtype == Q.Q6_K:  # d, sub-block 3's scale, then steps of ql / qh / ql columns
         assert torch.equal(place[10:12], blk[208:210])
         assert place[32 + 16 * 3 + 5] == blk[192 + 3]
-        # ql[64 + 32 + 20]: n 1, the second column set, l 20 (h 1, i 1, j 0): step 3
-        assert place[288 + 768 * 3 + 256 + 64 + 20] == blk[64 + 32 + 20]
+        # ql[64 + 20]: n 1, the first column set, l 20 (h 1, i 1, j 0): step 3
+        assert place[288 + 768 * 3 + 64 + 20] == blk[64 + 20]
+        # ql[64 + 32 + 20]: n 1, the second column set (after qh's), l 20: step 3
+        assert place[288 + 768 * 3 + 512 + 64 + 20] == blk[64 + 32 + 20]
         # qh[7]: n 0, l 7 (h 0, i 1, j 3): step 0
-        assert place[288 + 512 + 64 + 20 + 3] == blk[128 + 7]
+        assert place[288 + 256 + 64 + 20 + 3] == blk[128 + 7]
         return
     assert torch.equal(place[10:12], blk[:2])  # d
     if qtype == Q.Q4_K:  # dmin; sub-block 2's 6-bit scale and min, unpacked; then columns
