@@ -99,7 +99,7 @@ def create_app(config: ServerConfig, *, llm_engine: LLMEngine | None = None) -> 
         max_file_bytes=config.batch.max_file_bytes,
         max_storage_bytes=config.batch.max_storage_bytes,
     )
-    batches = BatchManager(files, config.batch.max_concurrency)
+    batches = BatchManager(files, config.batch.max_concurrency, config.batch.completion_windows)
     add_file_routes(app, files, config.api_key)
     add_batch_routes(app, batches, config.api_key)
 

@@ -5,11 +5,18 @@ it runs, `<id>.jsonl` (the journal of finished lines, see agentrt.server.batch_j
 life: validating (the input file checked whole) -> in_progress -> finalizing (the journal
 split into the output file, 2xx lines, and the error file, the others) -> completed; or
 failed (a bad input file, the storage cap), or cancelling -> cancelled (the lines finished
-so far in the output files).
+so far in the output files), or expired.
 
-A restart resumes every batch that had not ended: the journal tells which lines are done, so
-none is lost or run twice. Finalizing is repeatable (the output files' ids are derived from
-the batch id), so a crash inside it is redone on the next start.
+Expiry is OpenAI's: a batch must end within its `completion_window` ("24h", the only value
+OpenAI accepts; `--batch-completion-windows` may allow others). When `expires_at` comes and
+it has not reached finalizing, its lines in flight are aborted, no other one runs, and it
+ends `expired`: the lines finished stay in the output and error files, and each line that
+never ran is added to the error file with the code `batch_expired` (and counted failed).
+
+A restart resumes every batch that had not ended, or expires it when its window has passed
+meanwhile: the journal tells which lines are done, so none is lost or run twice. Finalizing
+(and expiring) is repeatable (the output files' ids are derived from the batch id), so a
+crash inside it is redone on the next start.
 
 Lines run as requests of the batch's owner (its API key, sent in-process); a batch whose key
 the server no longer has waits until it has it again.
@@ -29,6 +36,7 @@ from agentrt.extract_io import JsonlWriter, iter_jsonl_records
 from agentrt.server.batch_job import (
     ENDPOINTS,
     AppDispatcher,
+    BatchLine,
     LineError,
     ServerUnavailable,
     iter_lines,
@@ -37,6 +45,7 @@ from agentrt.server.batch_job import (
     succeeded,
     validate,
 )
+from agentrt.server.batch_options import COMPLETION_WINDOWS, window_seconds
 from agentrt.server.errors import APIError, bad_request
 from agentrt.server.file_store import (
     FileStore,
@@ -49,17 +58,24 @@ from agentrt.server.file_store import (
 
 logger = logging.getLogger("agentrt.server")
 
-COMPLETION_WINDOWS = ("24h",)
 ENDED = frozenset({"completed", "failed", "cancelled", "expired"})
 _CAP_CHECK_LINES = 64  # lines between checks of the storage cap while a batch runs
+_EXPIRED = "This request could not be executed before the completion window expired."
 
 
 class BatchManager:
     """Creates, lists, cancels and runs batches. `start` (in the app's lifespan) resumes the
-    unfinished ones; `app` is where lines are sent, `api_key` the server's key."""
+    unfinished ones; `app` is where lines are sent, `api_key` the server's key.
+    `completion_windows`: the `completion_window` values accepted."""
 
-    def __init__(self, files: FileStore, max_concurrency: int) -> None:
+    def __init__(
+        self,
+        files: FileStore,
+        max_concurrency: int,
+        completion_windows: tuple[str, ...] = COMPLETION_WINDOWS,
+    ) -> None:
         self.files = files
+        self.completion_windows = completion_windows
         self.dir = files.root / "batches"
         self.dir.mkdir(parents=True, exist_ok=True)
         self._limiter = anyio.Semaphore(max_concurrency)  # shared by every batch
@@ -91,10 +107,13 @@ class BatchManager:
     ) -> dict[str, Any]:
         if endpoint not in ENDPOINTS:
             raise bad_request(f"endpoint {endpoint!r} is not one of {list(ENDPOINTS)}.", "endpoint")
-        if completion_window not in COMPLETION_WINDOWS:
+        if completion_window not in self.completion_windows:
+            supported = ", ".join(repr(w) for w in self.completion_windows)
             raise bad_request(
-                f"completion_window {completion_window!r}: expected one of {COMPLETION_WINDOWS}.",
+                f"Invalid value for 'completion_window': {completion_window!r}. Supported "
+                f"values are: {supported}.",
                 "completion_window",
+                "invalid_value",
             )
         if self.files.get(owner, input_file_id)["purpose"] != "batch":
             raise bad_request(f"file {input_file_id!r} is not a batch input file.", "input_file_id")
@@ -112,7 +131,7 @@ class BatchManager:
             "error_file_id": None,
             "created_at": created,
             "in_progress_at": None,
-            "expires_at": created + 24 * 3600,
+            "expires_at": created + window_seconds(completion_window),
             "finalizing_at": None,
             "completed_at": None,
             "failed_at": None,
@@ -170,7 +189,7 @@ class BatchManager:
     def _launch(self, batch: dict[str, Any]) -> None:
         if self._tg is None:
             return  # not started yet: `start` launches it
-        if batch["owner"] != owner_of(self._api_key):
+        if batch["owner"] != owner_of(self._api_key) and not _past_window(batch):
             logger.warning("batch %s waits: its API key is not this server's", batch["id"])
             return
         self._live[batch["id"]] = batch
@@ -178,10 +197,12 @@ class BatchManager:
 
     async def _run(self, batch: dict[str, Any]) -> None:
         try:
-            if batch["status"] == "validating":
+            if batch["status"] == "validating" and not _past_window(batch):
                 await self._validate(batch)
-            if batch["status"] == "in_progress":
+            if batch["status"] == "in_progress" and not _past_window(batch):
                 await self._run_lines(batch)
+            if batch["status"] in ("validating", "in_progress") and _past_window(batch):
+                await anyio.to_thread.run_sync(self._finalize, batch)  # it expires
             if batch["status"] in ("finalizing", "cancelling"):
                 await anyio.to_thread.run_sync(self._finalize, batch)
         except OSError as exc:  # its input file deleted, the disk full: this batch fails
@@ -228,15 +249,21 @@ class BatchManager:
             self.files.data_path(batch["input_file_id"]), batch["endpoint"], state.done
         )
 
-        def stop() -> bool:
-            return full or batch["status"] == "cancelling" or self._should_stop()
+        out_of_time = False
 
-        scope = self._scopes[batch["id"]] = anyio.CancelScope()
+        def stop() -> bool:
+            nonlocal out_of_time
+            out_of_time = out_of_time or _past_window(batch)
+            return full or batch["status"] == "cancelling" or self._should_stop() or out_of_time
+
+        # At `expires_at` the lines in flight are aborted (none is journaled): `_run` expires it.
+        deadline = anyio.current_time() + batch["expires_at"] - time.time()
+        scope = self._scopes[batch["id"]] = anyio.CancelScope(deadline=deadline)
         try:
             with scope:
                 await run_lines(dispatcher, lines, self._limiter, on_record, stop)
         except ServerUnavailable:
-            return  # left in_progress: resumed on the next start
+            return  # left in_progress: resumed (or expired) on the next start
         finally:
             del self._scopes[batch["id"]]
             writer.close()
@@ -249,6 +276,8 @@ class BatchManager:
             )
             error = LineError(None, message, "storage_limit_exceeded")
             batch["errors"] = {"object": "list", "data": [error.to_dict()]}
+        elif batch["status"] != "cancelling" and (scope.cancelled_caught or out_of_time):
+            return  # past its window, left in_progress: `_run` expires it
         elif self._should_stop():
             return  # the server is stopping: resumed on the next start
         elif batch["status"] != "cancelling":
@@ -256,20 +285,28 @@ class BatchManager:
         self._save(batch)
 
     def _finalize(self, batch: dict[str, Any]) -> None:
-        """Split the journal into the output and error files, then end the batch."""
+        """Split the journal into the output and error files, then end the batch (a batch
+        still validating or in_progress expires: its lines never run join the error file)."""
         journal = self._journal(batch["id"])
+        expiring = batch["status"] in ("validating", "in_progress")
         parts = {
             "output": self.dir / f"{batch['id']}.output.tmp",
             "error": self.dir / f"{batch['id']}.error.tmp",
         }
         counts = {"output": 0, "error": 0}
         writers = {name: JsonlWriter(path) for name, path in parts.items()}
+        done: set[str] = set()
         try:
             if journal.exists():
                 for record in iter_jsonl_records(journal):
                     name = "output" if succeeded(record) else "error"
                     writers[name].write(record)
                     counts[name] += 1
+                    done.add(record["custom_id"])
+            if expiring:
+                for line in self._unfinished(batch, done):
+                    writers["error"].write(_expired(line))
+                    counts["error"] += 1
         finally:
             for writer in writers.values():
                 writer.close()
@@ -282,12 +319,30 @@ class BatchManager:
             else:
                 path.unlink(missing_ok=True)
         now = int(time.time())
-        if batch["status"] == "cancelling":
+        if expiring:
+            batch |= {"status": "expired", "expired_at": now}
+            batch["request_counts"] = {
+                "total": counts["output"] + counts["error"],
+                "completed": counts["output"],
+                "failed": counts["error"],
+            }
+        elif batch["status"] == "cancelling":
             batch |= {"status": "cancelled", "cancelled_at": now}
         else:
             batch |= {"status": "completed", "completed_at": now}
         self._save(batch)
         journal.unlink(missing_ok=True)
+
+    def _unfinished(self, batch: dict[str, Any], done: set[str]) -> list[BatchLine]:
+        """The lines of an expiring batch that never ran (each custom_id once: the file of
+        a batch expired while validating was not checked)."""
+        path = self.files.data_path(batch["input_file_id"])
+        if not path.exists():
+            return []  # its input file was deleted: only the journal is left to report
+        unfinished: dict[str, BatchLine] = {}
+        for line in iter_lines(path, batch["endpoint"], done):
+            unfinished.setdefault(line.custom_id, line)
+        return list(unfinished.values())
 
     # -- storage ------------------------------------------------------------------------------
 
@@ -316,3 +371,17 @@ class BatchManager:
 
 def _public(batch: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in batch.items() if k != "owner"}
+
+
+def _past_window(batch: dict[str, Any]) -> bool:
+    return time.time() >= batch["expires_at"]
+
+
+def _expired(line: BatchLine) -> dict[str, Any]:
+    """The error-file record of a line that never ran (OpenAI's)."""
+    return {
+        "id": f"batch_req_{uuid.uuid4().hex}",
+        "custom_id": line.custom_id,
+        "response": None,
+        "error": {"code": "batch_expired", "message": _EXPIRED},
+    }

@@ -74,13 +74,16 @@ def anyio_backend() -> str:
 
 
 @asynccontextmanager
-async def batch_server(state_dir: Path, llm, key: str = KEY):
+async def batch_server(state_dir: Path, llm, key: str = KEY, windows: tuple[str, ...] = ("24h",)):
     """`agentrt serve` in-process on the embedded model (fp32), with a small file cap and
     batches run 4 lines at a time; yields an AsyncOpenAI client with `key`."""
-    config = ServerConfig(
-        api_key=key,
-        batch=BatchConfig(state_dir=str(state_dir), max_file_bytes=200_000, max_concurrency=4),
+    batch = BatchConfig(
+        state_dir=str(state_dir),
+        max_file_bytes=200_000,
+        max_concurrency=4,
+        completion_windows=windows,
     )
+    config = ServerConfig(api_key=key, batch=batch)
     async with in_process_server(config, llm.engine) as server:
         client = openai.AsyncOpenAI(
             base_url=server.url + "/v1", api_key=key, max_retries=0, timeout=120
@@ -306,6 +309,96 @@ async def test_drain_leaves_the_batch_to_the_next_start(tmp_path, smollm2_llm) -
         assert batch.request_counts.model_dump() == {"total": 12, "completed": 12, "failed": 0}
         outputs = await output_lines(client, batch.output_file_id)
         assert sorted(o["custom_id"] for o in outputs) == sorted(f"d-{i}" for i in range(12))
+
+
+def _check_expired(batch, outputs: list[dict], errors: list[dict], custom_ids: list[str]):
+    """An expired batch's files: every line once, in the output file (it ran, 2xx) or in
+    the error file (the lines that never ran, as `batch_expired`), and counts that add up."""
+    assert batch.status == "expired" and batch.expired_at >= batch.expires_at
+    assert batch.completed_at is None and batch.finalizing_at is None
+    ran = [o["custom_id"] for o in outputs]
+    never_ran = [e["custom_id"] for e in errors]
+    assert sorted(ran + never_ran) == sorted(custom_ids)
+    for error in errors:
+        assert error["response"] is None and error["id"].startswith("batch_req_")
+        assert error["error"]["code"] == "batch_expired"
+    counts = batch.request_counts.model_dump()
+    assert counts == {"total": len(custom_ids), "completed": len(ran), "failed": len(never_ran)}
+
+
+@pytest.mark.anyio
+async def test_a_batch_not_done_by_its_window_expires(tmp_path, smollm2_llm) -> None:
+    """`completion_window` is honoured: "24h" (OpenAI's) and what the server allows
+    (--batch-completion-windows) are accepted, anything else is a 400 in OpenAI's shape. A
+    batch whose window passes mid-run ends `expired`: its lines in flight are aborted, no
+    other one runs, the finished ones are in the output file and the rest in the error file
+    as `batch_expired`."""
+    lines = [chat_line(f"e-{i}", CITIES[i % 8], max_tokens=24) for i in range(32)]
+    async with batch_server(tmp_path, smollm2_llm, windows=("24h", "3s")) as client:
+        source = await upload(client, lines)
+        with pytest.raises(openai.BadRequestError) as refused:
+            await client.batches.create(
+                input_file_id=source.id, endpoint="/v1/chat/completions", completion_window="1h"
+            )
+        assert refused.value.body["param"] == "completion_window"
+        assert refused.value.body["code"] == "invalid_value"
+        assert refused.value.body["type"] == "invalid_request_error"
+        assert "'24h', '3s'" in refused.value.body["message"]
+        created = await client.batches.create(
+            input_file_id=source.id, endpoint="/v1/chat/completions", completion_window="3s"
+        )
+        assert created.expires_at == created.created_at + 3
+        batch = await wait_for(client, created.id, {"expired", "completed", "failed"}, 60)
+        outputs = await output_lines(client, batch.output_file_id)
+        errors = await output_lines(client, batch.error_file_id)
+        _check_expired(batch, outputs, errors, [line["custom_id"] for line in lines])
+        assert errors, "all 32 lines ran within 3 s: the window was not exercised"
+        assert not (tmp_path / "batches" / f"{created.id}.jsonl").exists()
+        with pytest.raises(openai.ConflictError):
+            await client.batches.cancel(created.id)
+        await anyio.sleep(1)  # nothing of it runs any more
+        assert (await client.batches.retrieve(created.id)) == batch
+        day = await client.batches.create(
+            input_file_id=source.id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
+        assert day.expires_at == day.created_at + 24 * 3600
+        await client.batches.cancel(day.id)
+
+
+@pytest.mark.anyio
+async def test_a_window_passed_while_the_server_was_down_expires_the_batch(
+    tmp_path, smollm2_llm
+) -> None:
+    """A batch drained mid-run, its window passed before the next start: the next server on
+    the state dir expires it instead of resuming it (no line runs again); the lines
+    journaled before stay in the output file exactly as they were."""
+    lines = [chat_line(f"w-{i}", CITIES[i % 8]) for i in range(12)]
+    async with batch_server(tmp_path, smollm2_llm) as client:
+        source = await upload(client, lines)
+        batch_id = (
+            await client.batches.create(
+                input_file_id=source.id, endpoint="/v1/chat/completions", completion_window="24h"
+            )
+        ).id
+        with anyio.fail_after(120):
+            while (await client.batches.retrieve(batch_id)).request_counts.completed < 4:
+                await anyio.sleep(0.05)
+    journal = tmp_path / "batches" / f"{batch_id}.jsonl"
+    before = [json.loads(line) for line in journal.read_text().splitlines()]
+    assert 4 <= len(before) < 12
+    stored_path = tmp_path / "batches" / f"{batch_id}.json"
+    stored = json.loads(stored_path.read_text())
+    assert stored["status"] == "in_progress"
+    stored["expires_at"] = int(time.time()) - 1  # as if a day had passed
+    stored_path.write_text(json.dumps(stored))
+
+    async with batch_server(tmp_path, smollm2_llm) as client:
+        batch = await wait_for(client, batch_id, {"expired", "completed", "failed"}, 60)
+        outputs = await output_lines(client, batch.output_file_id)
+        errors = await output_lines(client, batch.error_file_id)
+        _check_expired(batch, outputs, errors, [line["custom_id"] for line in lines])
+        assert outputs == before  # kept as they were, none run again
+        assert not journal.exists()
 
 
 @pytest.mark.slow  # two `agentrt serve` processes load the model

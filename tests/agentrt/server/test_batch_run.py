@@ -125,3 +125,8 @@ def test_batch_flags_match_batch_config_defaults() -> None:
     assert BatchConfig.from_cli_args(args) == BatchConfig(state_dir="/x", max_file_bytes=5)
     with pytest.raises(ValueError, match="max_concurrency=0"):
         BatchConfig(max_concurrency=0)
+    args = build_parser().parse_args(["serve", "--batch-completion-windows", "24h", "90s"])
+    assert BatchConfig.from_cli_args(args).completion_windows == ("24h", "90s")
+    for windows in (("1d",), ("0h",), ("24 h",), ()):
+        with pytest.raises(ValueError, match="completion_windows"):
+            BatchConfig(completion_windows=windows)
