@@ -124,6 +124,25 @@ class KVCacheManager:
             hits.append([self.null_block] * first + blocks[first:num_hits])
         return hits, num_hits * self.block_size
 
+    def next_block_hash(self, request: Request, num_cached: int) -> BlockHash | None:
+        """The hash of the block a request that has `num_cached` tokens from the cache (as
+        `get_computed_blocks` gives them) computes first, when that block is full and not
+        the last token's (which is always computed); else None. Does not change the cache."""
+        index = num_cached // self.block_size
+        if not self.enable_prefix_caching or index >= (request.num_tokens - 1) // self.block_size:
+            return None
+        return self._block_hashes(request)[index]
+
+    def in_flight_block_hashes(self, request: Request) -> list[BlockHash]:
+        """The hashes of the request's full blocks of known tokens not indexed yet: those it
+        computes in the steps to come (a running prompt's rest; `allocate_slots` indexes a
+        step's blocks as it schedules them). Empty without prefix caching. Does not change
+        the cache."""
+        if not self.enable_prefix_caching or request.req_id not in self.req_to_blocks:
+            return []
+        start = self.num_cached_blocks.get(request.req_id, 0)
+        return self._block_hashes(request)[start:]
+
     def _cached_blocks(
         self, request: Request, group: int, hashes: list[BlockHash]
     ) -> list[KVCacheBlock | None]:

@@ -6,6 +6,10 @@ prefill or decode phase: a new prompt is a request far behind, a decode is a req
 token behind, and a long prompt is prefilled in budget-sized chunks across steps.
 When the KV pool runs dry, the lowest-priority (or latest) running request is preempted
 by recompute: its blocks are freed and it goes back to the front of the waiting queue.
+
+A new request whose next prompt block a running request is still to compute (a burst of
+requests on one system prompt) waits for it instead of computing it too (SGLang's in-batch
+prefix check): the prefix is computed once and the others find it in the cache.
 """
 
 from __future__ import annotations
@@ -141,8 +145,9 @@ class Scheduler:
         # Running requests first, in order; victims are taken from the end of the list,
         # which holds requests not yet scheduled this step (or the current one).
         # One request's prefill is capped only while others could run (shared: every
-        # request alone gets the whole budget).
-        shared = len(self.running) + sum(map(_ready, self.waiting)) > 1
+        # request alone gets the whole budget; a request waiting for the blocks a running
+        # one computes could not run).
+        shared = self._is_shared(self._in_flight_hashes())
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
@@ -167,7 +172,12 @@ class Scheduler:
             index += 1
 
         # Then admit waiting requests in order, unless this step already had to preempt.
-        # Requests whose grammar is still compiling are passed over, not waited for.
+        # Requests whose grammar is still compiling are passed over, not waited for, and so
+        # are those whose next block a running request computes in a step to come (this
+        # step's blocks are indexed as they are scheduled: a hit already). Such a request
+        # waits only while that one runs: it leaves `in_flight` once it has computed the
+        # block, or is preempted, aborted or finished; running requests never wait.
+        in_flight = self._in_flight_hashes()
         position = 0
         while (
             not preempted
@@ -187,6 +197,9 @@ class Scheduler:
                 hits, num_cached = [], request.num_computed_tokens
             else:
                 hits, num_cached = self.kv.get_computed_blocks(request)
+                if self.kv.next_block_hash(request, num_cached) in in_flight:
+                    position += 1
+                    continue
                 num_external = self._start_load(request, hits, num_cached)
                 if num_external is None:
                     break  # no room for the blocks to load into
@@ -204,6 +217,7 @@ class Scheduler:
             self._insert_running(request)
             chunks.append(self._chunk(request, num_new))
             budget -= num_new
+            in_flight.update(self.kv.in_flight_block_hashes(request))
 
         output = SchedulerOutput(
             chunks=chunks,
@@ -214,6 +228,27 @@ class Scheduler:
             return output
         meta = self.connector.build_connector_meta(output, self.requests)
         return dataclasses.replace(output, kv_connector_metadata=meta)
+
+    def _in_flight_hashes(self) -> set:
+        """The hashes of the blocks running requests compute in the steps to come."""
+        return {h for r in self.running for h in self.kv.in_flight_block_hashes(r)}
+
+    def _waits_for_blocks(self, request: Request, in_flight: set) -> bool:
+        """Whether a waiting request's next block is one a running request computes."""
+        if not in_flight or self.kv.has_blocks(request):
+            return False
+        _, num_cached = self.kv.get_computed_blocks(request)
+        return self.kv.next_block_hash(request, num_cached) in in_flight
+
+    def _is_shared(self, in_flight: set) -> bool:
+        """Whether this step has more than one request that can run."""
+        num_runnable = len(self.running)
+        for request in self.waiting:
+            if num_runnable > 1:
+                break
+            if _ready(request) and not self._waits_for_blocks(request, in_flight):
+                num_runnable += 1
+        return num_runnable > 1
 
     def _start_load(self, request: Request, hits: list, num_cached: int) -> int | None:
         """Ask the KV connector for the tokens after the local hits; when it has some, give
