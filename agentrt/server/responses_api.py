@@ -113,8 +113,15 @@ def _stored(store: ResponseStore, response_id: str, param: str | None = None) ->
 
 
 async def create_response(
-    state: ServerState, store: ResponseStore, request: ResponsesRequest, raw: Request
-) -> Response:
+    state: ServerState,
+    store: ResponseStore,
+    request: ResponsesRequest,
+    raw: Request,
+    emit=None,
+) -> Response | None:
+    """The response to `request`: a body, or a stream of events. With `emit` (a turn of a
+    longer streamed response: agentrt.server.responses_mcp) the stream's events are sent to
+    `emit` instead, and it returns once they all were."""
     state.check_model(request.model)
     _refuse_unsupported(request)
     previous = None
@@ -153,6 +160,12 @@ async def create_response(
         failure = failed_output([d.output for d in firsts if d.output is not None])
         if failure is not None:
             raise failure
+        if emit is not None:
+            try:
+                await view.stream(generation, firsts[0], emit, keep)
+            finally:
+                generation.abort()
+            return None
         return _event_stream(
             lambda emit: view.stream(generation, firsts[0], emit, keep), generation
         )

@@ -20,9 +20,10 @@ yet (as OpenAI's API: after `previous_response_id`, a server listed before with 
 URL and allowed_tools is not listed again, its stored list is used, and it is contacted only
 when a call runs). After `MAX_MCP_STEPS` turns the last one is offered no MCP tool.
 Sessions come from the server's pool (responses_mcp_sessions: kept open between requests).
-Streamed, the finished response is sent as its events (items whole, the message text in one
-delta: the turns run through `respond` unstreamed, and which turn is the last is known only
-once it has answered).
+Streamed, the turns run through `respond` streamed, in the response's own task, and their
+events are sent on as they come (agentrt.server.responses_mcp_stream): the model's text in
+as many deltas as a plain streamed response, each mcp_call item as its call runs. Whole or
+streamed, a response is the same loop and the same items.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from __future__ import annotations
 import json
 from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
@@ -41,11 +42,13 @@ from sse_starlette import EventSourceResponse, ServerSentEvent
 
 from agentrt.errors import MCPServerError
 from agentrt.mcp import MCPToolError, mcp_server
-from agentrt.server.errors import APIError, bad_request
+from agentrt.server.errors import APIError, bad_request, from_exception
+from agentrt.server.generation import ClientDisconnected
 from agentrt.server.protocol import InputItem, ResponsesRequest
 from agentrt.server.response_store import ResponseStore
 from agentrt.server.responses_items import item_messages
 from agentrt.server.responses_mcp_sessions import MCPSessionPool
+from agentrt.server.responses_mcp_stream import MCPEvents
 from agentrt.server.responses_mcp_tools import MCPServerTool, checked_servers
 from agentrt.server.responses_output import item_id
 from agentrt.server.state import ServerState
@@ -53,7 +56,9 @@ from agentrt.tools import Tool
 
 MAX_MCP_STEPS = 4  # model turns in one response; the last is offered no MCP tool
 _ITEMS = pydantic.TypeAdapter(list[InputItem])
-Respond = Callable[[ServerState, ResponseStore, ResponsesRequest, Request], Awaitable[Response]]
+# The Responses endpoint's own (`create_response`): a body, or with `emit=` a streamed turn
+# whose events go to `emit`.
+Respond = Callable[..., Awaitable[Response | None]]
 
 
 async def create_mcp_response(
@@ -81,6 +86,53 @@ async def create_mcp_response(
                 output.append(await _list_tools(server, sessions))
         tools = _tools_by_name(request, servers)
         inputs = await _input_items(request, previous, tools, output, sessions)
+        response = _MCPResponse(state, store, request, raw, respond, servers, tools, previous)
+        if not request.stream:
+            return JSONResponse(await response.run(inputs, output, sessions))
+    # Streamed, the turns run in the response's own task, which opens (from the pool) the
+    # sessions it calls: a session is left in the task that entered it.
+    for server in servers:
+        server.session = None
+    return _event_stream(response, inputs, output, pool)
+
+
+@dataclass(slots=True)
+class _MCPResponse:
+    """One response's turns (see the module docstring): `run` them, whole or streamed."""
+
+    state: ServerState
+    store: ResponseStore
+    request: ResponsesRequest
+    raw: Request
+    respond: Respond
+    servers: list[MCPServerTool]
+    tools: dict[str, tuple[MCPServerTool, dict[str, Any]]]
+    previous: Any
+    id: str = field(default_factory=lambda: item_id("resp"))
+
+    def fields(self) -> dict[str, Any]:
+        """What the body says whatever its turns say: the tools and tool_choice as sent."""
+        choice = self.request.tool_choice or "auto"
+        functions = [
+            t.model_dump(exclude_none=True) for t in self.request.tools if t.type == "function"
+        ]
+        return {
+            "tools": _echoed_tools(self.request, functions, self.tools),
+            "tool_choice": choice
+            if isinstance(choice, str)
+            else choice.model_dump(exclude_none=True),
+        }
+
+    async def run(
+        self,
+        inputs: list[dict[str, Any]],
+        output: list[dict[str, Any]],
+        sessions: _Sessions,
+        events: MCPEvents | None = None,
+    ) -> dict[str, Any]:
+        """Run the turns (their events sent to `events` as they happen, when streamed);
+        the response's body, stored unless store=false."""
+        request, tools = self.request, self.tools
         client_tools = [t.model_dump(exclude_none=True) for t in request.tools if t.type != "mcp"]
         mcp_tools = [_function(tool) for _, tool in tools.values()]
         choice = _first_choice(request.tool_choice)
@@ -89,47 +141,57 @@ async def create_mcp_response(
             offered = client_tools + (mcp_tools if step < MAX_MCP_STEPS - 1 else [])
             fields = request.model_dump(exclude_none=True, by_alias=True)
             fields.update(input=inputs, tools=offered or None, tool_choice=choice)
-            fields.update(stream=False, store=False)
+            fields.update(stream=events is not None, store=False)
             if not offered:
                 fields.pop("tool_choice")
-            body = json.loads((await respond(state, store, _turn(fields), raw)).body)
+            body = await self._one_turn(fields, events)
             usage = _add_usage(usage, body.get("usage"))
             calls = [
                 i for i in body["output"] if i["type"] == "function_call" and i["name"] in tools
             ]
             replied = [i for i in body["output"] if i not in calls]
-            output += replied
+            output += replied  # a streamed turn has sent them
             inputs += replied
-            if not calls:
+            if not calls or body["status"] == "failed":
                 break
             pending = False
             for call in calls:
                 server, _ = tools[call["name"]]
                 if server.needs_approval(call["name"]):
                     output.append(_approval_request(server, call))
+                    if events is not None:
+                        await events.item(output[-1])
                     pending = True
                 else:
-                    item = await _run(server, sessions, call["name"], call["arguments"])
+                    item = await _run(server, sessions, call["name"], call["arguments"], events)
                     output.append(item)
                     inputs += _call_items(item)
             if pending or any(i["type"] == "function_call" for i in replied):
                 break
             choice = "none" if request.tool_choice == "none" else "auto"
-    body.update(output=output, tools=_echoed_tools(request, body["tools"], tools), usage=usage)
-    choice = request.tool_choice or "auto"
-    body["tool_choice"] = (
-        choice if isinstance(choice, str) else choice.model_dump(exclude_none=True)
-    )
-    if request.store is not False:
-        history = list(previous.conversation) if previous else []
-        messages = history + item_messages(_ITEMS.validate_python(inputs), history)
-        listings = {**known}
-        for server in servers:
-            listings[server.label] = {"key": _listing(server), "tools": server.tools}
-        store.put(body["id"], body, messages, continues=previous, mcp_listings=listings)
-    if request.stream:
-        return _event_stream(body)
-    return JSONResponse(body)
+        body.update(id=self.id, output=output, usage=usage, **self.fields())
+        if request.store is not False and body["status"] != "failed":
+            previous = self.previous
+            history = list(previous.conversation) if previous else []
+            messages = history + item_messages(_ITEMS.validate_python(inputs), history)
+            listings = dict(previous.mcp_listings) if previous is not None else {}
+            for server in self.servers:
+                listings[server.label] = {"key": _listing(server), "tools": server.tools}
+            self.store.put(body["id"], body, messages, continues=previous, mcp_listings=listings)
+        return body
+
+    async def _one_turn(self, fields: dict[str, Any], events: MCPEvents | None) -> dict[str, Any]:
+        """One ordinary Responses turn: its body (streamed: its events sent on as they come,
+        its calls of MCP tools held back)."""
+        if events is None:
+            return json.loads(
+                (await self.respond(self.state, self.store, _turn(fields), self.raw)).body
+            )
+        turn = events.turn(set(self.tools))
+        await self.respond(self.state, self.store, _turn(fields), self.raw, emit=turn)
+        if turn.final is None:
+            raise APIError(500, "a turn of the response ended without its last event.")
+        return turn.final
 
 
 def _listing(server: MCPServerTool) -> list[Any]:
@@ -250,7 +312,9 @@ async def _input_items(
                 )
             if data.get("approve") is True:
                 server = tools[name][0]
-                call = await _run(server, sessions, name, approval["arguments"], approval["id"])
+                call = await _run(
+                    server, sessions, name, approval["arguments"], None, approval["id"]
+                )
                 output.append(call)
             else:
                 reason = data.get("reason")
@@ -285,12 +349,11 @@ async def _run(
     sessions: _Sessions,
     name: str,
     arguments: str,
+    events: MCPEvents | None = None,
     approval_request_id: str | None = None,
 ) -> dict[str, Any]:
     """Run one call on its MCP server (connected now if its tools were listed before):
-    the `mcp_call` item (a failure is its `error`)."""
-    if server.session is None:
-        await _connect(server, sessions, list_tools=False)
+    the `mcp_call` item (a failure is its `error`), sent to `events` as it starts and ends."""
     item: dict[str, Any] = {
         "id": item_id("mcp"),
         "type": "mcp_call",
@@ -303,7 +366,11 @@ async def _run(
     }
     if approval_request_id is not None:
         item["approval_request_id"] = approval_request_id
+    if events is not None:
+        await events.call_started(item)
     try:
+        if server.session is None:
+            await _connect(server, sessions, list_tools=False)
         item["output"] = await server.session.call(name, json.loads(arguments))
     except MCPToolError as exc:
         item["error"] = {
@@ -316,6 +383,8 @@ async def _run(
         server.session = None
         item["error"] = {"type": "mcp_protocol_error", "code": -32603, "message": str(exc)}
         item["status"] = "failed"
+    if events is not None:
+        await events.call_done(item)
     return item
 
 
@@ -384,43 +453,29 @@ def _add_usage(total: dict[str, Any] | None, usage: dict[str, Any] | None) -> di
     }
 
 
-def _event_stream(body: dict[str, Any]) -> EventSourceResponse:
-    """A finished response as the events a streamed one sends: created, in_progress, each
-    output item added and done (a message's text in one delta), then completed."""
-    events: list[dict[str, Any]] = []
-    start = {**body, "status": "in_progress", "output": []}
-    start.pop("usage", None)
-    events += [
-        {"type": "response.created", "response": start},
-        {"type": "response.in_progress", "response": start},
-    ]
-    for index, item in enumerate(body["output"]):
-        events.append({"type": "response.output_item.added", "output_index": index, "item": item})
-        if item["type"] == "message":
-            for part_index, part in enumerate(item["content"]):
-                where = {"item_id": item["id"], "output_index": index, "content_index": part_index}
-                empty = {**part, "text": ""}
-                events.append({"type": "response.content_part.added", **where, "part": empty})
-                if part["type"] == "output_text":
-                    text = part["text"]
-                    events.append(
-                        {
-                            "type": "response.output_text.delta",
-                            **where,
-                            "delta": text,
-                            "logprobs": [],
-                        }
-                    )
-                    events.append(
-                        {"type": "response.output_text.done", **where, "text": text, "logprobs": []}
-                    )
-                events.append({"type": "response.content_part.done", **where, "part": part})
-        events.append({"type": "response.output_item.done", "output_index": index, "item": item})
-    done = "response.completed" if body["status"] == "completed" else "response.incomplete"
-    events.append({"type": done, "response": body})
-    send, receive = anyio.create_memory_object_stream[ServerSentEvent](len(events))
-    for number, event in enumerate(events):
-        event["sequence_number"] = number
-        send.send_nowait(ServerSentEvent(json.dumps(event), event=event["type"]))
-    send.close()
-    return EventSourceResponse(receive, sep="\n")
+def _event_stream(
+    response: _MCPResponse,
+    inputs: list[dict[str, Any]],
+    output: list[dict[str, Any]],
+    pool: MCPSessionPool,
+) -> EventSourceResponse:
+    """The response's turns run in the stream's task, their events sent as they happen
+    (agentrt.server.responses_mcp_stream); a client that goes away cancels them."""
+    send, receive = anyio.create_memory_object_stream[ServerSentEvent]()  # unbuffered
+
+    async def produce() -> None:
+        async with send, AsyncExitStack() as stack:
+            events = MCPEvents(send.send, response.id, response.fields())
+            for item in output:
+                await events.item(item)  # held until the first turn creates the response
+            try:
+                body = await response.run(inputs, list(output), _Sessions(pool, stack), events)
+            except ClientDisconnected:
+                raise  # nothing to tell anyone
+            except Exception as exc:  # an APIError (a turn refused), the engine died...
+                error = from_exception(exc)
+                await events.fail(error.status, error.message, error.param, error.code)
+                return
+            await events.end(body)
+
+    return EventSourceResponse(receive, data_sender_callable=produce, sep="\n")

@@ -208,12 +208,31 @@ def test_a_stdio_server_streamed(mcp_client, mcp_server_process):
     events = list(stream)
     assert events[0].type == "response.created" and events[-1].type == "response.completed"
     assert [e.sequence_number for e in events] == list(range(len(events)))
+    final = events[-1].response
+    assert events[0].response.id == final.id and final.output_text
     done = [e.item for e in events if e.type == "response.output_item.done"]
     assert [item.type for item in done] == ["mcp_list_tools", "mcp_call", "message"]
+    assert [item.id for item in done] == [item.id for item in final.output]
     code = _check_call(done[1])
-    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
-    assert code in text
-    assert events[-1].response.output[1].id == done[1].id
+    # The model's text streams as it is written (as a plain streamed response), after the
+    # call it answers from has run; every event of an item carries its output index.
+    deltas = [e for e in events if e.type == "response.output_text.delta"]
+    assert len(deltas) > 1
+    assert "".join(e.delta for e in deltas) == final.output_text and code in final.output_text
+    kinds = [e.type for e in events]
+    call_events = [
+        "response.output_item.added",
+        "response.mcp_call_arguments.delta",
+        "response.mcp_call_arguments.done",
+        "response.mcp_call.in_progress",
+        "response.mcp_call.completed",
+        "response.output_item.done",
+    ]
+    call_at = [i for i, e in enumerate(events) if getattr(e, "output_index", None) == 1]
+    assert [kinds[i] for i in call_at] == call_events
+    assert call_at[-1] < kinds.index("response.output_text.delta")
+    assert all(e.output_index == 2 for e in deltas)
+    assert "response.function_call_arguments.delta" not in kinds  # MCP calls are mcp_call items
 
     # The command was started once and is kept for the next request (not started again).
     [started] = _stdio_servers(mcp_server_process.process.pid)
