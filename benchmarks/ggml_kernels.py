@@ -30,6 +30,13 @@ the two builds' passes alternate, each in the layout its build holds the type in
 interleaved where it does), and the figures are medians over `--repeats` passes: GB/s of
 weight read by wall time, and with one thread also by the thread's CPU time (less moved by
 the other processes of a shared machine). The CPU model is printed with the figures.
+
+    python benchmarks/ggml_kernels.py --bandwidth [--gguf FILE ...]
+
+`--bandwidth` measures the memory roofline instead: the rate 1 and `--threads` threads read a
+buffer of `--bandwidth-mib` MiB (far past the last-level cache), and for each `--gguf` file
+the bytes of weights a decoded token reads and the tokens/s that rate allows (a bound on any
+engine that reads every weight once a token, llama.cpp included).
 """
 
 from __future__ import annotations
@@ -284,6 +291,68 @@ def compare(cases, builds, rows_list, repeats, stream_mib, threads) -> list[dict
     return results
 
 
+# The memory roofline (--bandwidth): each thread sums its own contiguous share of a buffer far
+# larger than the last-level cache, one pass, the plain loop the compiler vectorizes; the
+# figure a decode step that reads every weight byte once cannot beat.
+_READ_SOURCE = r"""
+#include <stdint.h>
+uint64_t read_all(const uint64_t *p, int64_t n, int threads) {
+    uint64_t total = 0;
+#pragma omp parallel for num_threads(threads) reduction(+ : total) schedule(static)
+    for (int64_t i = 0; i < n; i++) total += p[i];
+    return total;
+}
+"""
+
+
+def read_bandwidth(threads: int, mib: int, repeats: int) -> tuple[float, float]:
+    """(best, median) GB/s of reading `mib` MiB once on `threads` threads."""
+    import ctypes
+
+    folder = Path(tempfile.mkdtemp(prefix="read-bandwidth-"))
+    (folder / "read_all.c").write_text(_READ_SOURCE)
+    lib = ctypes.CDLL(str(build_library(folder / "read_all.c", folder / "build")))
+    lib.read_all.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
+    lib.read_all.restype = ctypes.c_uint64
+    buf = torch.ones(mib * 2**20 // 8, dtype=torch.int64)  # every page touched
+    rates = []
+    for _ in range(repeats + 1):  # the first pass warms up, not counted
+        t0 = time.perf_counter()
+        lib.read_all(buf.data_ptr(), buf.numel(), threads)
+        rates.append(buf.numel() * 8 / (time.perf_counter() - t0) / 1e9)
+    return max(rates[1:]), statistics.median(rates[1:])
+
+
+def decode_bytes(path: str) -> int:
+    """Bytes of a GGUF's weights one decoded token reads: every tensor once, but an untied
+    embedding only for its one row (negligible; counted as 0)."""
+    reader = gguf.GGUFReader(path)
+    names = {t.name for t in reader.tensors}
+    untied = "output.weight" in names
+    return sum(
+        int(t.n_bytes) for t in reader.tensors if not (untied and t.name == "token_embd.weight")
+    )
+
+
+def bandwidth(args) -> None:
+    print(f"{cpu_model()}; read of {args.bandwidth_mib} MiB, best / median of {args.repeats or 9}")
+    results = {}
+    for threads in sorted({1, args.threads}):
+        best, median = read_bandwidth(threads, args.bandwidth_mib, args.repeats or 9)
+        results[threads] = {"best_gb_s": round(best, 2), "median_gb_s": round(median, 2)}
+        print(f"{threads} thread(s): best {best:6.2f} GB/s, median {median:6.2f} GB/s", flush=True)
+    out = {"cpu": cpu_model(), "read": results}
+    for path in args.gguf:
+        size = decode_bytes(path)
+        best = results[args.threads]["best_gb_s"]
+        out[path] = {"bytes_per_token": size, "roofline_tok_s": round(best * 1e9 / size, 1)}
+        print(
+            f"{path}: {size / 1e6:.1f} MB a decoded token; at {best:.2f} GB/s "
+            f"({args.threads} threads) at most {best * 1e9 / size:.1f} tok/s"
+        )
+    print(json.dumps(out))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--types", default=",".join(ALL_TYPES))
@@ -296,8 +365,14 @@ def main() -> None:
     parser.add_argument("--isa", default=None, help="--real: scalar | avx2 | avx512")
     parser.add_argument("--stream-mib", type=int, default=256, help="--real: 0 = in cache")
     parser.add_argument("--cases", default="", help="--real: only cases containing these")
+    parser.add_argument("--bandwidth", action="store_true", help="the read roofline instead")
+    parser.add_argument("--bandwidth-mib", type=int, default=1024)
+    parser.add_argument("--gguf", nargs="*", default=[], help="--bandwidth: bytes per token of")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.bandwidth:
+        bandwidth(args)
+        return
     if args.real:
         isa = args.isa or G.selected_isa()
         rows_list = [int(r) for r in (args.rows or "1,16").split(",")]
