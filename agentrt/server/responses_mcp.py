@@ -49,7 +49,13 @@ from agentrt.server.response_store import ResponseStore
 from agentrt.server.responses_items import item_messages
 from agentrt.server.responses_mcp_sessions import MCPSessionPool
 from agentrt.server.responses_mcp_stream import MCPEvents
-from agentrt.server.responses_mcp_tools import MCPServerTool, checked_servers
+from agentrt.server.responses_mcp_tools import (
+    MCPServerTool,
+    checked_servers,
+    echoed_tools,
+    first_tool_choice,
+    function_tool,
+)
 from agentrt.server.responses_output import item_id
 from agentrt.server.state import ServerState
 from agentrt.tools import Tool
@@ -117,7 +123,7 @@ class _MCPResponse:
             t.model_dump(exclude_none=True) for t in self.request.tools if t.type == "function"
         ]
         return {
-            "tools": _echoed_tools(self.request, functions, self.tools),
+            "tools": echoed_tools(self.request, functions, self.tools),
             "tool_choice": choice
             if isinstance(choice, str)
             else choice.model_dump(exclude_none=True),
@@ -134,8 +140,8 @@ class _MCPResponse:
         the response's body, stored unless store=false."""
         request, tools = self.request, self.tools
         client_tools = [t.model_dump(exclude_none=True) for t in request.tools if t.type != "mcp"]
-        mcp_tools = [_function(tool) for _, tool in tools.values()]
-        choice = _first_choice(request.tool_choice)
+        mcp_tools = [function_tool(tool) for _, tool in tools.values()]
+        choice = first_tool_choice(request.tool_choice)
         usage: dict[str, Any] | None = None
         for step in range(MAX_MCP_STEPS):
             offered = client_tools + (mcp_tools if step < MAX_MCP_STEPS - 1 else [])
@@ -254,24 +260,6 @@ def _tools_by_name(
                 )
             tools[tool["name"]] = (server, tool)
     return tools
-
-
-def _function(tool: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "type": "function",
-        "name": tool["name"],
-        "description": tool["description"],
-        "parameters": tool["input_schema"],
-    }
-
-
-def _first_choice(choice: Any) -> Any:
-    """The first turn's tool_choice: an mcp choice names a tool (or asks for any)."""
-    if choice is None or isinstance(choice, str):
-        return choice
-    if choice.type == "mcp":
-        return {"type": "function", "name": choice.name} if choice.name else "required"
-    return choice.model_dump(exclude_none=True)
 
 
 async def _input_items(
@@ -417,28 +405,6 @@ def _approval_request(server: MCPServerTool, call: dict[str, Any]) -> dict[str, 
         "name": call["name"],
         "arguments": call["arguments"],
     }
-
-
-def _echoed_tools(
-    request: ResponsesRequest,
-    functions: list[dict[str, Any]],
-    tools: dict[str, tuple[MCPServerTool, dict[str, Any]]],
-) -> list[dict[str, Any]]:
-    """The response's `tools`: the client's function tools and its mcp tools as sent
-    (never their headers or authorization)."""
-    echoed = [t for t in functions if t.get("name") not in tools]
-    for tool in request.tools or ():
-        if tool.type == "mcp":
-            spec = tool.model_extra or {}
-            echoed.append(
-                {"type": "mcp"}
-                | {
-                    key: spec[key]
-                    for key in ("server_label", "server_url", "allowed_tools", "require_approval")
-                    if spec.get(key) is not None
-                }
-            )
-    return echoed
 
 
 def _add_usage(total: dict[str, Any] | None, usage: dict[str, Any] | None) -> dict[str, Any] | None:

@@ -1,7 +1,9 @@
 """A Responses request's `{"type": "mcp"}` tools, checked: the allow-list
 (`agentrt serve --allow-mcp-servers`: `server_url` must be one of its entries exactly, else a
 400 before anything is contacted), `headers` / `authorization` (HTTP servers only),
-`allowed_tools` and `require_approval` (agentrt.server.responses_mcp runs them)."""
+`allowed_tools` and `require_approval` (agentrt.server.responses_mcp runs them); and how
+they are offered to the model (`function_tool`, `first_tool_choice`) and echoed in a
+response (`echoed_tools`)."""
 
 from __future__ import annotations
 
@@ -89,6 +91,46 @@ def checked_servers(request: ResponsesRequest, allowed: tuple[str, ...]) -> list
             )
         )
     return servers
+
+
+def function_tool(tool: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "type": "function",
+        "name": tool["name"],
+        "description": tool["description"],
+        "parameters": tool["input_schema"],
+    }
+
+
+def first_tool_choice(choice: Any) -> Any:
+    """The first turn's tool_choice: an mcp choice names a tool (or asks for any)."""
+    if choice is None or isinstance(choice, str):
+        return choice
+    if choice.type == "mcp":
+        return {"type": "function", "name": choice.name} if choice.name else "required"
+    return choice.model_dump(exclude_none=True)
+
+
+def echoed_tools(
+    request: ResponsesRequest,
+    functions: list[dict[str, Any]],
+    tools: dict[str, tuple[MCPServerTool, dict[str, Any]]],
+) -> list[dict[str, Any]]:
+    """The response's `tools`: the client's function tools and its mcp tools as sent
+    (never their headers or authorization)."""
+    echoed = [t for t in functions if t.get("name") not in tools]
+    for tool in request.tools or ():
+        if tool.type == "mcp":
+            spec = tool.model_extra or {}
+            echoed.append(
+                {"type": "mcp"}
+                | {
+                    key: spec[key]
+                    for key in ("server_label", "server_url", "allowed_tools", "require_approval")
+                    if spec.get(key) is not None
+                }
+            )
+    return echoed
 
 
 def _headers(spec: dict[str, Any], url: str, param: str) -> dict[str, str]:
