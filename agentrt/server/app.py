@@ -112,6 +112,7 @@ def create_app(config: ServerConfig, *, llm_engine: LLMEngine | None = None) -> 
         api_key=config.api_key,
         max_request_bytes=config.max_request_bytes,
         max_upload_bytes={FILES_PATH: config.batch.max_file_bytes + MULTIPART_SLACK},
+        streamed_paths=(FILES_PATH,),  # streamed to disk, capped as it comes: file_upload
         on_status=count_status,
     )
     return app

@@ -7,16 +7,17 @@ per-key cache isolation (ServerState.cache_salt).
 It is plain ASGI, not `BaseHTTPMiddleware`, so streamed responses pass through untouched.
 The body is read in full here (up to the limit) and replayed to the app: an oversized body
 is refused before any route parses it, whether it came with a Content-Length or chunked.
-Upload routes (`max_upload_bytes`) are the exception: a Content-Length past their limit is
-refused here, but their body is not buffered (it would hold a whole file in memory): the
-route streams it to disk and enforces its caps as it reads (agentrt.server.file_upload).
+Routes that stream their own body (`streamed_paths`) are the exception: a Content-Length
+past their limit is refused here, but their body is not buffered (it would hold a whole
+file in memory): the route reads it as it comes and enforces its caps as it reads
+(agentrt serve's `/v1/files`: agentrt.server.file_upload).
 """
 
 from __future__ import annotations
 
 import hmac
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 
 from agentrt.server.errors import APIError, anthropic_shaped
 
@@ -32,12 +33,14 @@ class GuardMiddleware:
         api_key: str | None,
         max_request_bytes: int,
         max_upload_bytes: Mapping[str, int] | None = None,
+        streamed_paths: Collection[str] = (),
         on_status: Callable[[int], None] | None = None,
     ) -> None:
         self.app = app
         self.api_key = api_key
         self.max_request_bytes = max_request_bytes
         self.max_upload_bytes = dict(max_upload_bytes or {})  # path -> its own body limit
+        self.streamed_paths = frozenset(streamed_paths)  # their routes cap what they read
         self.on_status = on_status
 
     async def __call__(self, scope, receive, send) -> None:
@@ -56,7 +59,7 @@ class GuardMiddleware:
         if length is not None and length.isdigit() and int(length) > limit:
             await _send_error(send, self._too_large(limit), scope["path"])
             return
-        if scope["path"] in self.max_upload_bytes:  # streamed by its route, which caps it
+        if scope["path"] in self.streamed_paths:
             await self.app(scope, receive, send)
             return
         body = bytearray()
