@@ -36,35 +36,49 @@ class _Projection(ctypes.Structure):
     _fields_ += [("parts", _Part * MAX_PARTS)]
 
 
+_NORMS = ("input_norm", "post_norm", "attn_output_norm", "mlp_output_norm")
+
+
 class _Layer(ctypes.Structure):
-    _fields_ = [("input_norm", _PTR), ("post_norm", _PTR), ("kv_cache", _PTR)]
+    _fields_ = [*((name, _PTR) for name in _NORMS), ("kv_cache", _PTR)]
     _fields_ += [(name, _Projection) for name in ("qkv", "o", "gate_up", "down")]
     _fields_ += [(name, _PTR) for name in ("qkv_bias", "q_norm", "k_norm", "cos_sin")]
+    _fields_ += [(name, _I64) for name in ("norm_all_heads", "window", "group")]
+    _fields_ += [("softcap", _F32)]
 
 
 _SHAPES = ("tokens", "hidden", "intermediate", "heads", "kv_heads", "head_dim", "block_size")
-_BUFFERS = ("residual", "query", "attn", "out", "normed", "qkv", "attn_bf16", "gate_up", "act")
+_BUFFERS = ("residual", "query", "attn", "out", "normed", "qkv", "attn_bf16", "gate_up")
+_BUFFERS += ("act_out",)
+ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}  # cpu_ops.c's ACT_SILU, ACT_GELU_TANH
 
 
 class _Step(ctypes.Structure):
     _fields_ = [(name, _I64) for name in _SHAPES]
     _fields_ += [("eps", _F32), ("scale", _F32), ("residual_scale", _F32), ("num_threads", _I64)]
+    _fields_ += [("act", _I64)]
     _fields_ += [(name, _PTR) for name in ("positions", "key_rows")]
     _fields_ += [(name, _PTR) for name in ("query_start_loc", "seq_lens", "block_tables")]
-    _fields_ += [("table_stride", _I64), ("num_requests", _I64)]
+    _fields_ += [("table_strides", _PTR), ("num_requests", _I64)]
     _fields_ += [(name, _PTR) for name in _BUFFERS]
     _fields_ += [("linear", _PTR), ("attention", _PTR)]
     _fields_ += [("failed_layer", _I64), ("failed_op", _I64)]
 
 
 class LayerWeights(NamedTuple):
-    """One decoder layer as the C loop reads it: RMSNorm weights (hidden,) fp32 and each
-    projection's block-format parts, stacked by output rows; a qkv bias ((H + 2 KVH) D,)
-    fp32 (Qwen2) and per-head q/k norm weights (D,) fp32 (Qwen3), or None (Llama); `rope`
-    False for a layer that rotates nothing (SmolLM3's NoPE layers)."""
+    """One decoder layer as the C loop reads it: RMSNorm weights (hidden,) fp32 (the factor
+    of the normalised value: Gemma's 1 + w) and each projection's block-format parts,
+    stacked by output rows; a qkv bias ((H + 2 KVH) D,) fp32 (Qwen2) and q/k norm weights,
+    per head (D,) fp32 (Qwen3, Gemma 3) or over all heads ((H D,), (KVH D,)) with
+    `norm_all_heads` (OLMo 2), or None (Llama); `rope` False for a layer that rotates
+    nothing (SmolLM3's NoPE layers). `input_norm` None: the layer reads the residual itself
+    (OLMo 2); `attn_output_norm` / `mlp_output_norm` normalise attention's and the MLP's
+    outputs before they join the residual (Gemma's sandwich, OLMo 2). `cos_sin` is the
+    layer's rope table (None: the decoder's); `window` its sliding window (None: none),
+    `softcap` its score cap (Gemma 2), `group` its KV cache group (core/kv_cache_groups.py)."""
 
-    input_norm: torch.Tensor
-    post_norm: torch.Tensor
+    input_norm: torch.Tensor | None
+    post_norm: torch.Tensor | None
     qkv: list[GGMLWeight]
     o: list[GGMLWeight]
     gate_up: list[GGMLWeight]
@@ -73,6 +87,13 @@ class LayerWeights(NamedTuple):
     q_norm: torch.Tensor | None = None
     k_norm: torch.Tensor | None = None
     rope: bool = True
+    attn_output_norm: torch.Tensor | None = None
+    mlp_output_norm: torch.Tensor | None = None
+    norm_all_heads: bool = False
+    cos_sin: torch.Tensor | None = None
+    window: int | None = None
+    softcap: float | None = None
+    group: int = 0
 
 
 def block_format(weight: object) -> bool:
@@ -117,12 +138,15 @@ class CpuDecoder:
         eps: float,
         scale: float,
         residual_scale: float = 1.0,
+        activation: str = "silu",
     ) -> None:
         if len(layers) != len(kv_caches) or not layers:
             raise KernelInputError("one KV cache per layer, and at least one layer.")
+        if activation not in ACTIVATIONS:
+            raise KernelInputError(f"activation {activation!r}: one of {sorted(ACTIVATIONS)}.")
         shape = kv_caches[0].shape
         _, _, self.block_size, self.kv_heads, self.head_dim = shape
-        self.hidden, self.heads = layers[0].input_norm.shape[0], num_heads
+        self.hidden, self.heads = layers[0].o[0].out_features, num_heads
         self.intermediate = layers[0].down[0].in_features
         q_size, kv_size = num_heads * self.head_dim, self.kv_heads * self.head_dim
         hidden, inter = self.hidden, self.intermediate
@@ -130,22 +154,36 @@ class CpuDecoder:
         for slot, layer, cache in zip(self._layers, layers, kv_caches, strict=True):
             if cache.shape != shape or cache.dtype != torch.float32 or not cache.is_contiguous():
                 raise KernelInputError("the KV caches must be alike, fp32 and contiguous.")
-            for norm in (layer.input_norm, layer.post_norm):
-                if norm.dtype != torch.float32 or norm.shape != (hidden,):
-                    raise KernelInputError(f"norm weights must be fp32 ({hidden},).")
-            slot.input_norm = layer.input_norm.data_ptr()
-            slot.post_norm = layer.post_norm.data_ptr()
+            for name in _NORMS:
+                norm = getattr(layer, name)
+                if norm is not None and (norm.dtype != torch.float32 or norm.shape != (hidden,)):
+                    raise KernelInputError(f"{name}: norm weights must be fp32 ({hidden},).")
+                setattr(slot, name, None if norm is None else norm.data_ptr())
             slot.kv_cache = cache.data_ptr()
             slot.qkv = _projection("qkv", layer.qkv, hidden, q_size + 2 * kv_size)
             slot.o = _projection("o", layer.o, q_size, hidden)
             slot.gate_up = _projection("gate_up", layer.gate_up, hidden, 2 * inter)
             slot.down = _projection("down", layer.down, inter, hidden)
             extras = (layer.qkv_bias, layer.q_norm, layer.k_norm)
-            check_qkv_extras(q_size + 2 * kv_size, self.head_dim, *extras)
+            sizes = (q_size, kv_size) if layer.norm_all_heads else (self.head_dim,) * 2
+            check_qkv_extras(q_size + 2 * kv_size, sizes, *extras)
             slot.qkv_bias, slot.q_norm, slot.k_norm = (
                 None if t is None else t.data_ptr() for t in extras
             )
-            slot.cos_sin = cos_sin.data_ptr() if layer.rope else None
+            table = cos_sin if layer.cos_sin is None else layer.cos_sin
+            if table.shape != cos_sin.shape or table.dtype != torch.float32:
+                raise KernelInputError("every layer's rope table must be like the decoder's.")
+            slot.cos_sin = table.data_ptr() if layer.rope else None
+            if (layer.window is not None and layer.window < 1) or (
+                layer.softcap is not None and layer.softcap <= 0
+            ):
+                raise KernelInputError("a layer's window and softcap: each None or positive.")
+            slot.norm_all_heads = int(layer.norm_all_heads)
+            slot.window, slot.softcap = layer.window or 0, layer.softcap or 0.0
+            if layer.group < 0:
+                raise KernelInputError("a layer's KV cache group must be >= 0.")
+            slot.group = layer.group
+        self.num_groups = max(layer.group for layer in layers) + 1
         self._layer_weights = layers
         self.kv_caches, self.cos_sin = kv_caches, cos_sin
         self._ops, self._attention = ops, attention
@@ -159,6 +197,7 @@ class CpuDecoder:
             eps=eps,
             scale=scale,
             residual_scale=residual_scale,
+            act=ACTIVATIONS[activation],
             linear=linear.linear_address,
             attention=attention.address,
         )
@@ -170,11 +209,13 @@ class CpuDecoder:
         key_rows: torch.Tensor,
         query_start_loc: torch.Tensor,
         seq_lens: torch.Tensor,
-        block_tables: torch.Tensor,
+        block_tables: torch.Tensor | list[torch.Tensor],
     ) -> torch.Tensor:
         """residual (T, hidden) fp32: the embeddings, updated in place to what the last
-        layer's down projection is added to; returns that projection (T, hidden) bf16. The
-        metadata are attention's and rope_qkv's (cpu_attention.py, cpu_ops.py)."""
+        layer's down projection is added to; returns that projection (T, hidden) bf16,
+        without the last layer's output norm. The metadata are attention's and rope_qkv's
+        (cpu_attention.py, cpu_ops.py); `key_rows` and `block_tables` one tensor, or a list of
+        one per KV cache group (the layers' `group`)."""
         tokens = residual.shape[0]
         if (
             residual.dtype != torch.float32
@@ -195,18 +236,30 @@ class CpuDecoder:
             "qkv": torch.empty((tokens, (heads + 2 * self.kv_heads) * dim), dtype=bf16),
             "attn_bf16": torch.empty((tokens, heads * dim), dtype=bf16),
             "gate_up": torch.empty((tokens, 2 * self.intermediate), dtype=bf16),
-            "act": torch.empty((tokens, self.intermediate), dtype=bf16),
+            "act_out": torch.empty((tokens, self.intermediate), dtype=bf16),
         }
+        rows = key_rows if isinstance(key_rows, list) else [key_rows]
+        tables = block_tables if isinstance(block_tables, list) else [block_tables]
+        if len(rows) != self.num_groups or len(tables) != self.num_groups:
+            raise KernelInputError(
+                f"key_rows and block_tables: one per KV cache group ({self.num_groups}).",
+                arg="block_tables",
+            )
         cache = self.kv_caches[0]
-        self._ops.check_rope(cache, key_rows, positions, self.cos_sin, tokens)
         query, attn = buffers["query"], buffers["attn"]
-        self._attention.check(query, cache, query_start_loc, seq_lens, block_tables, attn)
+        for group_rows, table in zip(rows, tables, strict=True):
+            self._ops.check_rope(cache, group_rows, positions, self.cos_sin, tokens)
+            self._attention.check(query, cache, query_start_loc, seq_lens, table, attn)
         step = self._step
         step.tokens, step.num_threads = tokens, torch.get_num_threads()
-        step.positions, step.key_rows = positions.data_ptr(), key_rows.data_ptr()
-        step.query_start_loc = query_start_loc.data_ptr()
-        step.seq_lens, step.block_tables = seq_lens.data_ptr(), block_tables.data_ptr()
-        step.table_stride, step.num_requests = block_tables.shape[1], seq_lens.shape[0]
+        step.positions = positions.data_ptr()
+        step.query_start_loc, step.seq_lens = query_start_loc.data_ptr(), seq_lens.data_ptr()
+        # Arrays of the groups' pointers and strides, held until the call returns.
+        row_ptrs = (_PTR * len(rows))(*(t.data_ptr() for t in rows))
+        table_ptrs = (_PTR * len(tables))(*(t.data_ptr() for t in tables))
+        strides = (_I64 * len(tables))(*(t.shape[1] for t in tables))
+        step.key_rows, step.block_tables = ctypes.addressof(row_ptrs), ctypes.addressof(table_ptrs)
+        step.table_strides, step.num_requests = ctypes.addressof(strides), seq_lens.shape[0]
         for name, tensor in buffers.items():
             setattr(step, name, tensor.data_ptr())
         rc = self._ops.decoder_forward(

@@ -3,11 +3,13 @@
 
 torch's int4 and int8 kernels take and give bf16 rows; between them a decoder layer runs ~40
 small torch calls (norms, RoPE, the KV write, SiLU, dtype casts) that cost more than the
-products themselves for one decoded token. These three functions do that work in three calls,
-in fp32, and hand the next product its bf16 input. Each checks what it takes (cheap
+products themselves for one decoded token. These functions do that work in three calls,
+in fp32, and hand the next product its bf16 input (a family's variants as arguments: a
+branch's output norm and no input norm in add_rms_norm, q/k norms over all heads in rope_qkv,
+GeGLU's gelu_tanh_mul for silu_mul). Each checks what it takes (cheap
 comparisons: they run 90 times a token), since a wrong shape would read out of bounds.
-References: `add_rms_norm_ref`, `rope_qkv_ref`, `silu_mul_ref` (torch ops, the model's own
-arithmetic), which the tests hold the kernels to.
+References: `add_rms_norm_ref`, `rope_qkv_ref`, `silu_mul_ref`, `gelu_tanh_mul_ref` (torch
+ops, the model's own arithmetic), which the tests hold the kernels to.
 """
 
 from __future__ import annotations
@@ -46,11 +48,12 @@ class CpuOps:
         self.path = path
         lib = ctypes.CDLL(str(path))
         ptr, i64, f32, cint = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
-        lib.add_rms_norm.argtypes = [ptr, ptr, ptr, ptr, i64, i64, f32, f32, cint]
+        lib.add_rms_norm.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, f32, f32, cint]
         lib.rope_qkv.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64]
-        lib.rope_qkv.argtypes += [ptr, ptr, ptr, f32, cint]
+        lib.rope_qkv.argtypes += [ptr, ptr, ptr, cint, f32, cint]
         lib.silu_mul.argtypes = [ptr, ptr, i64, i64, cint]
-        for fn in (lib.add_rms_norm, lib.rope_qkv, lib.silu_mul):
+        lib.gelu_tanh_mul.argtypes = [ptr, ptr, i64, i64, cint]
+        for fn in (lib.add_rms_norm, lib.rope_qkv, lib.silu_mul, lib.gelu_tanh_mul):
             fn.restype = None
         # A whole decoder in one call: cpu_decoder.py's CpuDecoder builds its arguments.
         lib.decoder_forward.argtypes = [ptr, ptr, i64]
@@ -65,25 +68,29 @@ class CpuOps:
         self,
         x: torch.Tensor | None,
         residual: torch.Tensor,
-        weight: torch.Tensor,
+        weight: torch.Tensor | None,
         eps: float,
         x_scale: float = 1.0,
+        x_norm: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """residual (T, D) fp32 += x ((T, D) bf16, or None) * x_scale (Granite's residual
-        multiplier), in place; returns RMSNorm of the sum times `weight` (D,) fp32, as bf16
-        (T, D)."""
+        multiplier), in place, or with `x_norm` (D,) fp32 the RMSNorm of x * x_scale times
+        x_norm (a branch's output norm: Gemma's, OLMo 2's); returns RMSNorm of the sum times
+        `weight` (D,) fp32 (None: the sum itself, OLMo 2's), as bf16 (T, D)."""
         rows, dim = residual.shape
         if not _ok(residual, _F32, (rows, dim)):
             raise _bad("residual", residual, "float32 (T, D)")
-        if not _ok(weight, _F32, (dim,)):
-            raise _bad("weight", weight, f"float32 ({dim},)")
+        for name, norm in (("weight", weight), ("x_norm", x_norm)):
+            if norm is not None and not _ok(norm, _F32, (dim,)):
+                raise _bad(name, norm, f"float32 ({dim},)")
         if x is not None and not _ok(x, _BF16, (rows, dim)):
             raise _bad("x", x, f"bfloat16 ({rows}, {dim})")
         out = torch.empty((rows, dim), dtype=_BF16)
         self._lib.add_rms_norm(
             None if x is None else x.data_ptr(),
+            None if x_norm is None else x_norm.data_ptr(),
             residual.data_ptr(),
-            weight.data_ptr(),
+            None if weight is None else weight.data_ptr(),
             out.data_ptr(),
             rows,
             dim,
@@ -106,6 +113,7 @@ class CpuOps:
         k_norm: torch.Tensor | None = None,
         eps: float = 0.0,
         rotate: bool = True,
+        norm_all_heads: bool = False,
     ) -> torch.Tensor:
         """qkv (T, (H + 2 KVH) D) bf16 -> the rotated query (T, H, D) fp32; the rotated key and
         the value of token t are written into `kv_cache` (NB, 2, BS, KVH, D) fp32 at its row
@@ -113,13 +121,15 @@ class CpuOps:
         positions (T,) int64 index the rows of cos_sin (P, D) fp32 (each angle's cos, then
         its sin). `bias` ((H + 2 KVH) D,) fp32 is added to q, k and v first (Qwen2's);
         `q_norm` / `k_norm` (D,) fp32, both or neither, RMSNorm each query / key head with
-        `eps` before it turns (Qwen3's). `rotate` False: q and k do not turn (a NoPE layer,
-        SmolLM3's)."""
+        `eps` before it turns (Qwen3's); with `norm_all_heads` they are (H D,) / (KVH D,) and
+        normalise a token's whole query / key at once (OLMo 2's). `rotate` False: q and k do
+        not turn (a NoPE layer, SmolLM3's)."""
         _, _, block_size, kv_heads, dim = kv_cache.shape
         tokens, width = qkv.shape[0], (num_heads + 2 * kv_heads) * dim
         if not _ok(qkv, _BF16, (tokens, width)):
             raise _bad("qkv", qkv, f"bfloat16 (T, {width})")
-        check_qkv_extras(width, dim, bias, q_norm, k_norm)
+        sizes = (num_heads * dim, kv_heads * dim) if norm_all_heads else (dim, dim)
+        check_qkv_extras(width, sizes, bias, q_norm, k_norm)
         self.check_rope(kv_cache, key_rows, positions, cos_sin, tokens)
         query = torch.empty((tokens, num_heads, dim), dtype=_F32)
         self._lib.rope_qkv(
@@ -135,6 +145,7 @@ class CpuOps:
             dim,
             block_size,
             *(None if t is None else t.data_ptr() for t in (bias, q_norm, k_norm)),
+            int(norm_all_heads),
             eps,
             torch.get_num_threads(),
         )
@@ -175,32 +186,38 @@ class CpuOps:
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """gate_up (T, 2 I) bf16 (gate, then up) -> silu(gate) * up (T, I) bf16."""
+        return self._gated(self._lib.silu_mul, gate_up)
+
+    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gate_up (T, 2 I) bf16 (gate, then up) -> gelu_tanh(gate) * up (T, I) bf16
+        (Gemma's GeGLU, the tanh-approximated GELU)."""
+        return self._gated(self._lib.gelu_tanh_mul, gate_up)
+
+    def _gated(self, fn, gate_up: torch.Tensor) -> torch.Tensor:
         rows, width = gate_up.shape
         if width % 2 or not _ok(gate_up, _BF16, (rows, width)):
             raise _bad("gate_up", gate_up, "bfloat16 (T, 2 I)")
         out = torch.empty((rows, width // 2), dtype=_BF16)
-        self._lib.silu_mul(
-            gate_up.data_ptr(), out.data_ptr(), rows, width // 2, torch.get_num_threads()
-        )
+        fn(gate_up.data_ptr(), out.data_ptr(), rows, width // 2, torch.get_num_threads())
         return out
 
 
 def check_qkv_extras(
     width: int,
-    dim: int,
+    sizes: tuple[int, int],
     bias: torch.Tensor | None,
     q_norm: torch.Tensor | None,
     k_norm: torch.Tensor | None,
 ) -> None:
     """Raise KernelInputError unless rope_qkv can read `bias` ((width,) fp32, or None) and
-    `q_norm` / `k_norm` ((dim,) fp32, both or neither)."""
+    `q_norm` / `k_norm` ((sizes[0],) / (sizes[1],) fp32, both or neither)."""
     if bias is not None and not _ok(bias, _F32, (width,)):
         raise _bad("bias", bias, f"float32 ({width},)")
     if (q_norm is None) != (k_norm is None):
         raise KernelInputError("q_norm and k_norm: both or neither.", arg="q_norm")
-    for name, norm in (("q_norm", q_norm), ("k_norm", k_norm)):
-        if norm is not None and not _ok(norm, _F32, (dim,)):
-            raise _bad(name, norm, f"float32 ({dim},)")
+    for name, norm, size in (("q_norm", q_norm, sizes[0]), ("k_norm", k_norm, sizes[1])):
+        if norm is not None and not _ok(norm, _F32, (size,)):
+            raise _bad(name, norm, f"float32 ({size},)")
 
 
 @functools.cache
@@ -210,12 +227,15 @@ def load_cpu_ops(build_dir: Path) -> CpuOps:
     return CpuOps(build_library(SOURCE, Path(build_dir)))
 
 
-def add_rms_norm_ref(x, residual, weight, eps, x_scale=1.0):
+def add_rms_norm_ref(x, residual, weight, eps, x_scale=1.0, x_norm=None):
     """What CpuOps.add_rms_norm computes, in torch ops (residual updated in place)."""
+
+    def norm(h, w):
+        return w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps))
+
     if x is not None:
-        residual += x.float() * x_scale
-    h = residual * torch.rsqrt(residual.pow(2).mean(-1, keepdim=True) + eps)
-    return (weight * h).to(_BF16)
+        residual += x.float() * x_scale if x_norm is None else norm(x.float() * x_scale, x_norm)
+    return (residual if weight is None else norm(residual, weight)).to(_BF16)
 
 
 def rope_qkv_ref(
@@ -229,9 +249,10 @@ def rope_qkv_ref(
     q_norm=None,
     k_norm=None,
     eps=0.0,
+    norm_all_heads=False,
 ):
     """What CpuOps.rope_qkv computes, in torch ops (the cache written in place); the q/k norms
-    as HF's per-head RMSNorm in fp32."""
+    as HF's RMSNorm in fp32, per head or over all heads."""
     kv_heads, dim = kv_cache.shape[3], kv_cache.shape[4]
     x = qkv.float()
     if bias is not None:
@@ -245,6 +266,10 @@ def rope_qkv_ref(
         q, k = qk.split((num_heads, kv_heads), dim=1)
 
         def norm(h, weight):
+            if norm_all_heads:
+                flat = h.flatten(1)
+                flat = weight * (flat * torch.rsqrt(flat.pow(2).mean(-1, keepdim=True) + eps))
+                return flat.view(h.shape)
             return weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps))
 
         qk = torch.cat((norm(q, q_norm), norm(k, k_norm)), dim=1)
@@ -259,3 +284,9 @@ def silu_mul_ref(gate_up):
     """What CpuOps.silu_mul computes, in torch ops."""
     gate, up = gate_up.float().chunk(2, dim=-1)
     return (F.silu(gate) * up).to(_BF16)
+
+
+def gelu_tanh_mul_ref(gate_up):
+    """What CpuOps.gelu_tanh_mul computes, in torch ops."""
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    return (F.gelu(gate, approximate="tanh") * up).to(_BF16)

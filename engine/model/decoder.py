@@ -48,6 +48,19 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.offset = offset
         self.kernel_ops = kernel_ops and offset == 0.0
+        self._factor: tuple[tuple[int, int], torch.Tensor] | None = None
+
+    def factor(self) -> torch.Tensor:
+        """What the normalised value is multiplied by, fp32 (hidden,): the weight, or
+        `offset + w` computed in fp32 as `forward` does (made once per weight version: the
+        fused C glue of llama.py reads it every step)."""
+        weight = self.weight.data
+        if not self.offset:
+            return weight
+        key = (weight.data_ptr(), weight._version)
+        if self._factor is None or self._factor[0] != key:
+            self._factor = (key, (self.offset + weight.float()).contiguous())
+        return self._factor[1]
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if self.kernel_ops:
@@ -102,6 +115,7 @@ class DecoderLayer(nn.Module):
         kv_size = cfg.num_kv_heads * cfg.head_dim
         self.qkv_split = (q_size, kv_size, kv_size)
         self.kernel_ops = kernel_ops
+        self.activation = cfg.activation
         self.act = activation(cfg.activation)
 
         def norm(size: int) -> RMSNorm:
@@ -259,8 +273,9 @@ class DecoderForCausalLM(nn.Module):
         # The output projection when quantized (a GGMLLinear: the loader sets it, over the
         # embedding's own blocks when tied); else the lm_head or tied embedding weight.
         self.logits_proj: nn.Module | None = None
-        # The fused CPU glue (LlamaForCausalLM only; the model runner sets it when
-        # `runs_fused_glue()`), and with it the one-call decoder.
+        # The fused CPU glue (llama.py's LlamaForCausalLM, which every family whose layer the
+        # C glue computes uses; the model runner sets it when `runs_fused_glue()`), and with
+        # it the one-call decoder.
         self.cpu_ops: kernels.CpuOps | None = None
         self.cpu_decoder = None
 

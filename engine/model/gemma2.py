@@ -9,8 +9,8 @@ from __future__ import annotations
 from typing import Any
 
 from agentrt.engine.model.arch import ModelArchConfig
-from agentrt.engine.model.decoder import DecoderForCausalLM
 from agentrt.engine.model.gemma3 import gemma_config
+from agentrt.engine.model.llama import LlamaForCausalLM
 
 ATTN_LOGIT_SOFTCAP, FINAL_LOGIT_SOFTCAP = 50.0, 30.0
 
@@ -25,4 +25,4 @@ def arch_config(config: dict[str, Any]) -> ModelArchConfig:
     )
 
 
-MODEL_CLASS = DecoderForCausalLM
+MODEL_CLASS = LlamaForCausalLM  # the skeleton with the fused CPU paths, which take its layer

@@ -23,7 +23,7 @@ from agentrt.engine.model.arch import (
     ModelArchConfig,
     common_fields,
 )
-from agentrt.engine.model.decoder import DecoderForCausalLM
+from agentrt.engine.model.llama import LlamaForCausalLM
 
 SLIDING_WINDOW_PATTERN = 6  # every sixth layer is global
 LOCAL_ROPE_THETA = 10000.0
@@ -77,4 +77,4 @@ def gemma_config(
     )
 
 
-MODEL_CLASS = DecoderForCausalLM
+MODEL_CLASS = LlamaForCausalLM  # the skeleton with the fused CPU paths, which take its layer

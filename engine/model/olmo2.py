@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from agentrt.engine.model.arch import ModelArchConfig, common_fields
-from agentrt.engine.model.decoder import DecoderForCausalLM
+from agentrt.engine.model.llama import LlamaForCausalLM
 
 
 def arch_config(config: dict[str, Any]) -> ModelArchConfig:
@@ -18,4 +18,4 @@ def arch_config(config: dict[str, Any]) -> ModelArchConfig:
     )
 
 
-MODEL_CLASS = DecoderForCausalLM
+MODEL_CLASS = LlamaForCausalLM  # the skeleton with the fused CPU paths, which take its layer
