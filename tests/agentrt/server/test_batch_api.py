@@ -333,7 +333,11 @@ async def test_a_batch_not_done_by_its_window_expires(tmp_path, smollm2_llm) -> 
     batch whose window passes mid-run ends `expired`: its lines in flight are aborted, no
     other one runs, the finished ones are in the output file and the rest in the error file
     as `batch_expired`."""
-    lines = [chat_line(f"e-{i}", CITIES[i % 8], max_tokens=24) for i in range(32)]
+    # 64 lines of 64 free-text tokens, 4 at a time: over 10 s on an idle machine.
+    lines = [chat_line(f"e-{i}", CITIES[i % 8], max_tokens=64) for i in range(64)]
+    for line in lines:
+        line["body"].pop("response_format")
+        line["body"]["messages"][-1]["content"] += " Tell me all about the trip."
     async with batch_server(tmp_path, smollm2_llm, windows=("24h", "3s")) as client:
         source = await upload(client, lines)
         with pytest.raises(openai.BadRequestError) as refused:
@@ -352,7 +356,7 @@ async def test_a_batch_not_done_by_its_window_expires(tmp_path, smollm2_llm) -> 
         outputs = await output_lines(client, batch.output_file_id)
         errors = await output_lines(client, batch.error_file_id)
         _check_expired(batch, outputs, errors, [line["custom_id"] for line in lines])
-        assert errors, "all 32 lines ran within 3 s: the window was not exercised"
+        assert errors, "all 64 lines ran within 3 s: the window was not exercised"
         assert not (tmp_path / "batches" / f"{created.id}.jsonl").exists()
         with pytest.raises(openai.ConflictError):
             await client.batches.cancel(created.id)
