@@ -197,11 +197,13 @@ class BatchManager:
 
     async def _run(self, batch: dict[str, Any]) -> None:
         try:
+            out_of_time = False
             if batch["status"] == "validating" and not _past_window(batch):
                 await self._validate(batch)
             if batch["status"] == "in_progress" and not _past_window(batch):
-                await self._run_lines(batch)
-            if batch["status"] in ("validating", "in_progress") and _past_window(batch):
+                out_of_time = await self._run_lines(batch)
+            unended = batch["status"] in ("validating", "in_progress")
+            if unended and (out_of_time or _past_window(batch)):
                 await anyio.to_thread.run_sync(self._finalize, batch)  # it expires
             if batch["status"] in ("finalizing", "cancelling"):
                 await anyio.to_thread.run_sync(self._finalize, batch)
@@ -228,7 +230,9 @@ class BatchManager:
             batch |= {"status": "in_progress", "in_progress_at": now}
         self._save(batch)
 
-    async def _run_lines(self, batch: dict[str, Any]) -> None:
+    async def _run_lines(self, batch: dict[str, Any]) -> bool:
+        """Run the lines not journaled yet; True when its window ended them (the batch is
+        left in_progress for `_run` to expire)."""
         journal_path = self._journal(batch["id"])
         state = await anyio.to_thread.run_sync(load_journal, journal_path)
         counts = batch["request_counts"]
@@ -263,7 +267,7 @@ class BatchManager:
             with scope:
                 await run_lines(dispatcher, lines, self._limiter, on_record, stop)
         except ServerUnavailable:
-            return  # left in_progress: resumed (or expired) on the next start
+            return False  # left in_progress: resumed (or expired) on the next start
         finally:
             del self._scopes[batch["id"]]
             writer.close()
@@ -277,12 +281,13 @@ class BatchManager:
             error = LineError(None, message, "storage_limit_exceeded")
             batch["errors"] = {"object": "list", "data": [error.to_dict()]}
         elif batch["status"] != "cancelling" and (scope.cancelled_caught or out_of_time):
-            return  # past its window, left in_progress: `_run` expires it
+            return True  # past its window
         elif self._should_stop():
-            return  # the server is stopping: resumed on the next start
+            return False  # the server is stopping: resumed on the next start
         elif batch["status"] != "cancelling":
             batch |= {"status": "finalizing", "finalizing_at": now}
         self._save(batch)
+        return False
 
     def _finalize(self, batch: dict[str, Any]) -> None:
         """Split the journal into the output and error files, then end the batch (a batch
