@@ -14,6 +14,14 @@ Weights are normal(0, WEIGHT_STD), norms 1, seeded; the tokenizers are real: Qwe
 (tests/data/qwen2.5-instruct) for the Qwen shapes, the embedded SmolLM2's for the llama ones
 (the converter pads its 49,152 tokens to the shape's vocabulary). The configs are the
 published ones' fields that decide the file (sizes, heads, vocabulary, tying, rope).
+
+Gemma 3's converter needs a SentencePiece `tokenizer.model` (without one it falls back to
+tokenizer.json and cuts the embedding to that vocabulary), and none is available offline, so
+the "gemma3" tokenizer is one written here (`write_gemma3_sentencepiece`): Gemma's 262,144
+ids, its special tokens at their ids, byte fallback, and pieces built as concatenations, with
+Gemma 3's chat template (tests/data/chat_templates). The benchmark's prompts are the
+embedded SmolLM2 tokenizer's ids (valid ids of this vocabulary): it measures speed, and the
+text of a random model does not matter.
 """
 
 from __future__ import annotations
@@ -26,6 +34,9 @@ from pathlib import Path
 
 WEIGHT_STD = 0.02
 QWEN_TOKENIZER = Path(__file__).resolve().parents[1] / "tests" / "data" / "qwen2.5-instruct"
+GEMMA3_TEMPLATE = (
+    Path(__file__).resolve().parents[1] / "tests" / "data" / "chat_templates" / "gemma-3-it.jinja"
+)
 # Bump when the checkpoint writer changes: it is in the cached files' names.
 VERSION = 2
 
@@ -33,7 +44,7 @@ VERSION = 2
 @dataclass(frozen=True, slots=True)
 class ModelShape:
     name: str
-    tokenizer: str  # "qwen2.5" or "smollm2"
+    tokenizer: str  # "qwen2.5", "smollm2" or "gemma3"
     config: dict  # config.json fields
     # benchmarks/gguf.py's targets this shape is held to instead of its TARGETS' (issue 40's
     # families and MoE: decode >= 1.0x llama.cpp; a MoE's batch of 16 >= 2x its one request).
@@ -171,6 +182,35 @@ SHAPES = {
             ),
             targets={"decode": 1.0},
         ),
+        # Gemma 3 1B (issue 40): 4 query heads and 1 KV head of 256, a 262,144-row tied
+        # embedding, sliding window 512 on 5 of every 6 layers (rope 10k local, 1M global).
+        ModelShape(
+            "gemma3-1b",
+            "gemma3",
+            dict(
+                architectures=["Gemma3ForCausalLM"],
+                model_type="gemma3_text",
+                hidden_size=1152,
+                num_hidden_layers=26,
+                intermediate_size=6912,
+                num_attention_heads=4,
+                num_key_value_heads=1,
+                head_dim=256,
+                vocab_size=262144,
+                tie_word_embeddings=True,
+                rope_theta=1000000.0,
+                rope_local_base_freq=10000.0,
+                sliding_window=512,
+                sliding_window_pattern=6,
+                query_pre_attn_scalar=256,
+                rms_norm_eps=1e-6,
+                max_position_embeddings=32768,
+                bos_token_id=2,
+                eos_token_id=[1, 106],
+                pad_token_id=0,
+            ),
+            targets={"decode": 1.0},
+        ),
         # A sparse MoE (issue 40): Qwen3-30B-A3B's layer (hidden 2048, 32 heads of 128, 4 KV
         # heads, experts of 768, top 8 renormalised) with 48 of its 128 experts and 20 of its
         # 48 layers: a ~3.4 GiB Q4_K_M, of which a token reads ~0.6 GiB.
@@ -231,6 +271,9 @@ def save_tokenizer(name: str, folder: Path) -> None:
         for path in QWEN_TOKENIZER.iterdir():
             shutil.copy(path, folder / path.name)
         return
+    if name == "gemma3":
+        write_gemma3_sentencepiece(folder)
+        return
     from transformers import AutoTokenizer
 
     from agentrt.engine.loader.checkpoint import gguf_source
@@ -238,6 +281,103 @@ def save_tokenizer(name: str, folder: Path) -> None:
     source = gguf_source(None)
     tokenizer = AutoTokenizer.from_pretrained(str(source.parent), gguf_file=source.name)
     tokenizer.save_pretrained(folder)
+
+
+# Gemma 3's special tokens at their ids (the rest of 0-106 are its <unusedN> tokens).
+GEMMA3_SPECIALS = {
+    0: "<pad>",
+    1: "<eos>",
+    2: "<bos>",
+    3: "<unk>",
+    4: "<mask>",
+    105: "<start_of_turn>",
+    106: "<end_of_turn>",
+}
+GEMMA3_VOCAB = 262144
+# sentencepiece_model.proto's piece types and BPE model type.
+_SP_NORMAL, _SP_UNKNOWN, _SP_CONTROL, _SP_USER_DEFINED, _SP_BYTE, _SP_BPE = 1, 2, 3, 4, 6, 2
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte, value = value & 0x7F, value >> 7
+        out.append(byte | (0x80 if value else 0))
+        if not value:
+            return bytes(out)
+
+
+def _field(number: int, value: int | float | bytes | str) -> bytes:
+    """One protobuf field: a varint (int, bool), a 32-bit float or a length-delimited one."""
+    import struct
+
+    if isinstance(value, float):
+        return _varint(number << 3 | 5) + struct.pack("<f", value)
+    if isinstance(value, int):
+        return _varint(number << 3) + _varint(value)
+    data = value.encode("utf-8") if isinstance(value, str) else value
+    return _varint(number << 3 | 2) + _varint(len(data)) + data
+
+
+def gemma3_pieces() -> list[tuple[str, float, int]]:
+    """Gemma 3's 262,144 (piece, score, type): the specials at their ids (the rest of the
+    first 107 its <unusedN>), the 256 byte pieces, then single characters and pieces of 2-4
+    letters (each the concatenation of two earlier ones, so BPE merges exist for all),
+    scored by rank as a BPE model's are."""
+    pieces = []
+    for i in range(107):
+        piece = GEMMA3_SPECIALS.get(i, f"<unused{i - 5}>")
+        kind = _SP_UNKNOWN if piece == "<unk>" else _SP_CONTROL
+        if piece in ("<start_of_turn>", "<end_of_turn>") or piece.startswith("<unused"):
+            kind = _SP_USER_DEFINED
+        pieces.append((piece, 0.0, kind))
+    pieces += [(f"<0x{b:02X}>", 0.0, _SP_BYTE) for b in range(256)]
+    chars = ["\u2581", "\n", *(chr(c) for c in range(33, 127))]
+    letters = ["\u2581", *"etaoinshrdlcumwfgypbvkjxqz", *"ETAOINSHRDLCUMWFGYPBVKJXQZ"]
+    need, known = GEMMA3_VOCAB - len(pieces), set(chars)
+    words: list[str] = list(chars)
+    level = letters
+    while len(words) < need:
+        level = [a + b for a in level for b in letters[1:]][: need - len(words) + len(chars)]
+        words += [w for w in level if w not in known]
+    words = words[:need]
+    pieces += [(w, -float(rank), _SP_NORMAL) for rank, w in enumerate(words)]
+    return pieces
+
+
+def write_gemma3_sentencepiece(folder: Path) -> None:
+    """A Gemma-3-like `tokenizer.model` (a sentencepiece ModelProto, written by hand: the
+    protobuf fields of sentencepiece_model.proto), its tokenizer_config.json (the specials
+    and the chat template) and special_tokens_map.json into `folder`."""
+    pieces = gemma3_pieces()
+    proto = bytearray()
+    for piece, score, kind in pieces:
+        proto += _field(1, _field(1, piece) + _field(2, score) + _field(3, kind))
+    trainer = _field(3, _SP_BPE) + _field(4, len(pieces)) + _field(35, 1)  # byte_fallback
+    for number, (index, piece) in enumerate(
+        ((3, "<unk>"), (2, "<bos>"), (1, "<eos>"), (0, "<pad>"))
+    ):
+        trainer += _field(40 + number, index) + _field(45 + number, piece)  # the id, the piece
+    proto += _field(2, trainer)
+    normalizer = _field(1, "identity") + _field(3, 0) + _field(4, 0) + _field(5, 1)
+    proto += _field(3, normalizer)
+    (folder / "tokenizer.model").write_bytes(bytes(proto))
+    specials = {"bos_token": "<bos>", "eos_token": "<eos>", "unk_token": "<unk>"}
+    specials["pad_token"] = "<pad>"
+    decoder = {
+        str(i): {"content": piece, "special": True}
+        for i, piece in GEMMA3_SPECIALS.items()
+        if i != 4
+    }
+    tokenizer_config = {
+        **specials,
+        "add_bos_token": True,
+        "add_eos_token": False,
+        "added_tokens_decoder": decoder,
+        "chat_template": GEMMA3_TEMPLATE.read_text(),
+    }
+    (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    (folder / "special_tokens_map.json").write_text(json.dumps(specials))
 
 
 def write_checkpoint(folder: Path, shape: ModelShape, seed: int) -> None:
