@@ -274,11 +274,14 @@ static void legacy_row(int qtype, const BlockType *bt, const uint8_t *row, int64
 
 #define X16_TT 4 // activation rows a pass over a group's blocks
 
-// The interleaved kernels read a block's columns out of order (Q6_K's) or spend long on
-// each (several activation rows): the hardware prefetcher alone left weights streamed from
-// memory at 0.6-0.9x the rate of their file layout. Each block in use prefetches the lines
+// The interleaved kernels spend long on each block when they take several activation rows:
+// the hardware prefetcher alone left weights streamed from memory at 0.6-0.9x the rate of
+// their file layout. A pass of several rows prefetches, from each block in use, the lines
 // PREFETCH_AHEAD bytes further on (4, 8 and 12 KiB measured alike, within the noise of a
-// loaded machine).
+// loaded machine). A pass of one row (a decode) does not: there the hardware prefetcher keeps
+// up, and the prefetches cost (AMD EPYC, 1 thread, CPU time, streamed, load ~18: one row
+// without them Q6_K 128256x2048 x1.39, Q4_K 16384x2048 x1.20, Q8_0 151936x896 x1.19, Q5_0
+// 9728x896 x1.11; four rows with them Q4_K x1.14-1.16).
 #define PREFETCH_AHEAD 8192
 
 // always_inline: a call would be dropped, GCC taking a function of prefetches alone for one
@@ -302,7 +305,8 @@ static inline __attribute__((always_inline)) void x16_rows(int qtype, const uint
     for (int tt = 0; tt < TT; tt++) acc[tt] = _mm512_setzero_ps();
     for (int64_t b = 0; b < num_blocks; b++) {
         const uint8_t *p = group + b * block;
-        prefetch_lines(p + PREFETCH_AHEAD, (int)((block + 63) / 64));
+        if (TT > 1) // see PREFETCH_AHEAD
+            prefetch_lines(p + PREFETCH_AHEAD, (int)((block + 63) / 64));
         const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
         const __m512 bias = has_min ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 32)))
                                     : _mm512_mul_ps(d, offset);
@@ -363,7 +367,8 @@ static inline __attribute__((always_inline)) void x16k_rows(const uint8_t *group
         for (int tt = 0; tt < TT; tt++) isum[tt] = _mm512_setzero_si512();
         for (int j = 0; j < 4; j++) { // sub-blocks 2j (low nibbles) and 2j + 1 (high)
             const uint8_t *qs = p + 320 + 512 * j;
-            prefetch_lines(p + PREFETCH_AHEAD + 640 * j, 10);
+            if (TT > 1) // see PREFETCH_AHEAD
+                prefetch_lines(p + PREFETCH_AHEAD + 640 * j, 10);
             __m512i lo[8], hi[8];
             for (int c = 0; c < 8; c++) {
                 const __m512i v = _mm512_loadu_si512(qs + 64 * c);
@@ -457,7 +462,8 @@ static inline __attribute__((always_inline)) void x16q6k_rows(const uint8_t *gro
         for (int s = 0; s < 4; s++) {
             const int n = s / 2, h = s % 2;
             const uint8_t *q = p + 288 + 768 * s;
-            prefetch_lines(p + PREFETCH_AHEAD + 896 * s, 14);
+            if (TT > 1) // see PREFETCH_AHEAD
+                prefetch_lines(p + PREFETCH_AHEAD + 896 * s, 14);
             for (int kk = 0; kk < 4; kk++) { // sub-block 8n + 2kk + h
                 const int g = 8 * n + 2 * kk + h;
                 const __m512i sc = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + 32 + 16 * g)));
