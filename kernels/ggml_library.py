@@ -19,11 +19,11 @@ import platform
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import gguf
 import torch
 
 from .cpu_build import build_library
 from .errors import KernelBuildError, KernelInputError
+from .ggml_types import type_name as _type_name
 
 if TYPE_CHECKING:
     from .ggml_linear import GGMLWeight
@@ -40,13 +40,6 @@ ISAS = {
     "scalar": ((), ("-mno-avx", "-DAGENTRT_ISA=0") if _X86 else ("-DAGENTRT_ISA=0",)),
 }
 _EXTRA_FLAGS = ("-ffp-contract=off",)  # dequantize rounds as gguf-py's numpy does: no FMA
-
-
-def _type_name(qtype: int) -> str:
-    try:
-        return gguf.GGMLQuantizationType(qtype).name
-    except ValueError:
-        return f"unknown type {qtype}"
 
 
 @functools.cache

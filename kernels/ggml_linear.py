@@ -29,7 +29,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import gguf
 import numpy as np
 import torch
 
@@ -44,9 +43,10 @@ from .ggml_library import (
     load_ggml_kernels,
     selected_isa,
 )
+from .ggml_types import BLOCK_SIZES, GGMLType, type_name
 
-# The GGML type ids, one home for the package and the engine: gguf-py's enum.
-GGMLType = gguf.GGMLQuantizationType
+# GGMLType (ggml_types.py: gguf-py's ids without importing gguf-py) is the one home of the
+# type ids for the package and the engine.
 _Q = GGMLType  # its short name within this module
 QUANTIZED_TYPES = frozenset(
     {_Q.Q4_0, _Q.Q4_1, _Q.Q5_0, _Q.Q5_1, _Q.Q8_0, _Q.Q2_K, _Q.Q3_K, _Q.Q4_K, _Q.Q5_K, _Q.Q6_K}
@@ -97,13 +97,6 @@ class UnsupportedGGMLType(KernelInputError):
     """A GGUF tensor's block type has no kernel here."""
 
 
-def type_name(qtype: int) -> str:
-    try:
-        return _Q(qtype).name
-    except ValueError:
-        return f"unknown type {qtype}"
-
-
 def check_ggml_type(qtype: int, tensor_name: str) -> None:
     """Raises UnsupportedGGMLType naming the tensor, its type and the supported list."""
     if qtype not in SUPPORTED_TYPES:
@@ -118,14 +111,14 @@ def check_ggml_type(qtype: int, tensor_name: str) -> None:
 
 def block_shape(qtype: int) -> tuple[int, int]:
     """(elements, bytes) of one block of the type."""
-    return gguf.GGML_QUANT_SIZES[_Q(qtype)]
+    return BLOCK_SIZES[_Q(qtype)]
 
 
 @dataclass(frozen=True, slots=True)
 class GGMLWeight:
     """One weight (N, K) in GGML's block layout. `data` uint8 (N, row_bytes), last stride 1,
     each row the K / block_elems blocks of one output row exactly as in the file; `qtype` a
-    gguf.GGMLQuantizationType value; `in_features` K, a multiple of the block size."""
+    GGMLType value; `in_features` K, a multiple of the block size."""
 
     data: torch.Tensor
     qtype: int
@@ -387,6 +380,8 @@ def ggml_embedding(
 
 def dequantize_ref(weight: GGMLWeight) -> torch.Tensor:
     """(N, K) fp32 by gguf-py's numpy dequantize."""
+    import gguf
+
     data = np.ascontiguousarray(weight.data.numpy())
     return torch.from_numpy(gguf.quants.dequantize(data, _Q(weight.qtype)).astype(np.float32))
 
