@@ -33,6 +33,10 @@ the other processes of a shared machine). The CPU model is printed with the figu
 
     python benchmarks/ggml_kernels.py --bandwidth [--gguf FILE ...]
 
+`--real --decode-step` runs the products of one whole Llama-3.2-1B Q4_K_M decode step (its
+16 layers' type mix and its tied Q6_K output, ~810 MB) on each build, beside a plain read of
+the same bytes: how far from the memory roofline a decode's products run.
+
 `--bandwidth` measures the memory roofline instead: the rate 1 and `--threads` threads read a
 buffer of `--bandwidth-mib` MiB (far past the last-level cache), and for each `--gguf` file
 the bytes of weights a decoded token reads and the tokens/s that rate allows (a bound on any
@@ -323,6 +327,72 @@ def read_bandwidth(threads: int, mib: int, repeats: int) -> tuple[float, float]:
     return max(rates[1:]), statistics.median(rates[1:])
 
 
+def llama1b_step() -> list[tuple[str, int, int]]:
+    """The products of one Llama-3.2-1B Q4_K_M decode step, in order: (type, N, K) of each
+    layer's q+k, v, o, gate+up and down (v and down Q6_K in llama.cpp's use_more_bits layers,
+    Q4_K in the others), then the tied 128,256-row Q6_K output."""
+    more = lambda i: i < 2 or i >= 14 or (i - 2) % 3 == 2  # noqa: E731
+    step = []
+    for i in range(16):
+        big = "Q6_K" if more(i) else "Q4_K"
+        step += [("Q4_K", 2560, 2048), (big, 512, 2048), ("Q4_K", 2048, 2048)]
+        step += [("Q4_K", 16384, 2048), (big, 2048, 8192)]
+    return [*step, ("Q6_K", 128256, 2048)]
+
+
+def decode_step(builds, threads: int, repeats: int) -> dict:
+    """A whole decode step's products (one activation row, every weight streamed from memory
+    once) on each build, and a plain read of the same bytes (the roofline), alternating;
+    medians of wall time (thread CPU time with one thread)."""
+    import ctypes
+
+    folder = Path(tempfile.mkdtemp(prefix="read-bandwidth-"))
+    (folder / "read_all.c").write_text(_READ_SOURCE)
+    lib = ctypes.CDLL(str(build_library(folder / "read_all.c", folder / "build")))
+    lib.read_all.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
+    lib.read_all.restype = ctypes.c_uint64
+    shapes = llama1b_step()
+    held_by = {b: [] for b in builds}
+    for seed, (type_name, n, k) in enumerate(shapes):
+        weight = realistic_weight(int(Q[type_name]), n, k, seed=seed)
+        for b, kern in builds.items():
+            held_by[b].append(held(weight, kern))
+    xs = {k: torch.randn(1, k).bfloat16() for k in {k for _, _, k in shapes}}
+    outs = [torch.empty(1, n, dtype=torch.bfloat16) for _, n, _ in shapes]
+
+    def products(b):
+        for w, out in zip(held_by[b], outs, strict=True):
+            G.ggml_linear_bf16(xs[w.in_features], w, out, builds[b])
+
+    def read():
+        for w in next(iter(held_by.values())):
+            lib.read_all(w.data.data_ptr(), w.nbytes // 8, threads)
+
+    runs = {b: (lambda b=b: products(b)) for b in builds} | {"read": read}
+    clock = time.thread_time if threads == 1 else time.perf_counter
+    times = {name: [] for name in runs}
+    for _ in range(repeats + 1):  # the first pass of each warms up, not counted
+        for name, fn in runs.items():
+            t0 = clock()
+            fn()
+            times[name].append(clock() - t0)
+    total = sum(w.nbytes for w in next(iter(held_by.values())))
+    result = {"bytes": total}
+    for name, ts in times.items():
+        t = statistics.median(ts[1:])
+        result[name] = {"ms": round(t * 1e3, 2), "gb_s": round(total / t / 1e9, 2)}
+        print(f"{name:5} {t * 1e3:8.2f} ms  {total / t / 1e9:6.2f} GB/s", flush=True)
+    for b in builds:
+        share = result["read"]["ms"] / result[b]["ms"]
+        result[b]["of_read"] = round(share, 2)
+        print(f"{b}: {share:.2f} of the plain read's rate", flush=True)
+    if len(builds) == 2:
+        old, new = (result[b]["ms"] for b in builds)
+        result["speedup"] = round(old / new, 2)
+        print(f"new / old x{old / new:.2f}")
+    return result
+
+
 def decode_bytes(path: str) -> int:
     """Bytes of a GGUF's weights one decoded token reads: every tensor once, but an untied
     embedding only for its one row (negligible; counted as 0)."""
@@ -366,6 +436,9 @@ def main() -> None:
     parser.add_argument("--stream-mib", type=int, default=256, help="--real: 0 = in cache")
     parser.add_argument("--cases", default="", help="--real: only cases containing these")
     parser.add_argument("--bandwidth", action="store_true", help="the read roofline instead")
+    parser.add_argument(
+        "--decode-step", action="store_true", help="--real: Llama-3.2-1B's step against a read"
+    )
     parser.add_argument("--bandwidth-mib", type=int, default=1024)
     parser.add_argument("--gguf", nargs="*", default=[], help="--bandwidth: bytes per token of")
     args = parser.parse_args()
@@ -386,6 +459,10 @@ def main() -> None:
             f"torch {torch.__version__}",
             flush=True,
         )
+        if args.decode_step:
+            step = decode_step(builds, args.threads, args.repeats or 9)
+            print(json.dumps({"cpu": cpu_model(), "threads": args.threads, "step": step}))
+            return
         results = compare(
             cases, builds, rows_list, args.repeats or 9, args.stream_mib, args.threads
         )
