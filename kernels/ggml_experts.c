@@ -28,7 +28,8 @@
 typedef void (*gated_fn)(const uint16_t *gate_up, uint16_t *out, int64_t rows, int64_t size,
                         int num_threads);
 
-#define MAX_PARTS 2 // a gate_up of two block types (gate, up) is two parts
+#define MAX_PARTS 2  // a gate_up of two block types (gate, up) is two parts
+#define SMALL_STEP 2 // up to this many tokens route and quantize on one thread
 
 // One block-format part of a projection, per expert: `ptrs[e]` its rows (or groups of 16
 // interleaved rows) `stride` bytes apart, `n_out` rows of `k` elements, written at column
@@ -177,6 +178,14 @@ static void route_token(const float *logits, int64_t num_experts, int64_t top_k,
         for (int64_t j = 0; j < top_k; j++) weights[j] /= sum;
 }
 
+// Rows r0 .. r1 of the sorted rows (token[r]'s x row) quantized for each gate_up part.
+static void quantize_up(const Part *up, int num_up, const uint16_t *x, int64_t hidden,
+                        const int64_t *token, int64_t r0, int64_t r1, uint8_t *const *act) {
+    for (int64_t r = r0; r < r1; r++)
+        for (int i = 0; i < num_up; i++)
+            quantize_for(&up[i], x + token[r] * hidden, 1, act[i] + r * up[i].act_bytes);
+}
+
 // Router logit: x's bf16 row (H) . an fp32 router row.
 static float router_dot(const uint16_t *x, const float *w, int64_t n) {
     float s = 0.0f;
@@ -281,7 +290,11 @@ int moe_forward(const int64_t *a) {
 #pragma omp atomic write
             failed = 1;
         }
-        if (router) {
+        // A decode's few router rows and quantized rows run in the `single` below: each
+        // barrier saved matters most on a loaded machine (a thread waits on a descheduled one).
+        const int split_router = router && num_tokens > SMALL_STEP;
+        const int split_quantize = rows > SMALL_STEP * 8;
+        if (split_router) {
 #pragma omp for schedule(static)
             for (int64_t i = 0; i < num_tokens * num_experts; i++)
                 logits[i] = router_dot(x + i / num_experts * hidden,
@@ -289,6 +302,10 @@ int moe_forward(const int64_t *a) {
         }
 #pragma omp single
         {
+            if (router && !split_router)
+                for (int64_t i = 0; i < num_tokens * num_experts; i++)
+                    logits[i] = router_dot(x + i / num_experts * hidden,
+                                           router + i % num_experts * hidden, hidden);
             if (router)
                 for (int64_t t = 0; t < num_tokens; t++)
                     route_token(logits + t * num_experts, num_experts, top_k, norm_topk,
@@ -315,13 +332,15 @@ int moe_forward(const int64_t *a) {
                 }
             memset(filled, 0, num_tokens * sizeof(int64_t));
             for (int64_t r = 0; r < rows; r++) by_token[token[r] * top_k + filled[token[r]]++] = r;
+            if (!split_quantize) quantize_up(up, num_up, x, hidden, token, 0, rows, act_up);
         }
         // Quantize the sorted rows for each gate_up part (x rows repeat: each token's row
         // once per expert it chose).
+        if (split_quantize) {
 #pragma omp for schedule(static)
-        for (int64_t r = 0; r < rows; r++)
-            for (int i = 0; i < num_up; i++)
-                quantize_for(&up[i], x + token[r] * hidden, 1, act_up[i] + r * up[i].act_bytes);
+            for (int64_t r = 0; r < rows; r++)
+                quantize_up(up, num_up, x, hidden, token, r, r + 1, act_up);
+        }
         run_products(&uw, num_groups, experts, start, act_up, gate_up, 2 * inter, sums, acc,
                      tile_rows);
 #pragma omp for schedule(static)

@@ -101,7 +101,7 @@ def _kernel(moe, ops, library=None) -> ExpertKernel:
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(q.name for q in (*c[0], c[1])))
-@pytest.mark.parametrize("num_tokens", [1, 40])
+@pytest.mark.parametrize("num_tokens", [1, 3, 40])
 def test_equals_the_per_expert_path_bit_for_bit(ops, case, num_tokens):
     up_types, down_type, interleaved = case
     moe = _moe(up_types, down_type, interleaved)
