@@ -8,7 +8,8 @@ Each process also reports its memory (from /proc/self/status) and its CPU time (
 loaded machine), after `import torch` alone,
 after the engine is built, after the first token, and its peak; anonymous memory (the
 process's own: Python objects, the tokenizer, torch's allocations) apart from file-backed
-pages (the memory-mapped weights, shared libraries). And whether it imported transformers.
+pages (the memory-mapped weights, shared libraries). And whether it imported transformers,
+gguf-py or yaml (none is needed to start).
 The start is broken down by stage, CPU seconds and wall seconds (medians of the cached
 starts): `import torch`, importing agentrt's engine, the tokenizer, the weights
 (`load_weights`: read, interleaved, installed), the rest of the engine's build, the first
@@ -98,6 +99,7 @@ print(json.dumps({
     "torch_cpu": torch_cpu, "first_cpu": first_cpu, "stages": stages,
     "torch_mem": torch_mem, "loaded_mem": loaded_mem, "first_mem": first_mem,
     "transformers": any(m.split(".")[0] == "transformers" for m in sys.modules),
+    "heavy": sorted({m.split(".")[0] for m in sys.modules} & {"transformers", "gguf", "yaml"}),
     "tokenizer": type(llm.engine.tokenizer).__name__,
 }))
 """
@@ -257,7 +259,7 @@ def main() -> None:
         print(
             f"{'side':7} {'cached s':>9} {'first s':>8} {'torch s':>8} {'cpu s':>6} "
             f"{'cpu-torch':>9} {'first cpu-torch':>15} {'RSS torch':>10} {'RSS loaded':>11} "
-            f"{'anon loaded':>12} {'RSS 1st tok':>12} {'peak':>6}  transformers  tokenizer"
+            f"{'anon loaded':>12} {'RSS 1st tok':>12} {'peak':>6}  imported      tokenizer"
         )
         for side in sides:
             cached, first = figures[side]["cached"], figures[side]["first"]
@@ -277,7 +279,8 @@ def main() -> None:
                 f"{own_cpu(first):15.2f} "
                 f"{mem('torch_mem', 'VmRSS'):10.0f} {mem('loaded_mem', 'VmRSS'):11.0f} "
                 f"{mem('loaded_mem', 'RssAnon'):12.0f} {mem('first_mem', 'VmRSS'):12.0f} "
-                f"{mem('first_mem', 'VmHWM'):6.0f}  {str(cached[0]['transformers']):12}  "
+                f"{mem('first_mem', 'VmHWM'):6.0f}  "
+                f"{','.join(cached[0].get('heavy', [])) or '-':12}  "
                 f"{cached[0]['tokenizer']}"
             )
         print("cached start by stage, CPU s / wall s (medians):")
