@@ -30,6 +30,7 @@ typedef void (*gated_fn)(const uint16_t *gate_up, uint16_t *out, int64_t rows, i
 
 #define MAX_PARTS 2  // a gate_up of two block types (gate, up) is two parts
 #define SMALL_STEP 2 // up to this many tokens route and quantize on one thread
+#define SUM_PIECE 128 // columns of the weighted sum a work item
 
 // One block-format part of a projection, per expert: `ptrs[e]` its rows (or groups of 16
 // interleaved rows) `stride` bytes apart, `n_out` rows of `k` elements, written at column
@@ -352,18 +353,22 @@ int moe_forward(const int64_t *a) {
         run_products(&down_work, num_groups, experts, start, act_d, down_rows, hidden, sums,
                      acc, tile_rows);
         // out[t] = the sum over t's rows (expert ascending: `by_token`) of weight * down
-        // row, in fp32 from 0 (moe.py's index_add_ in the groups' order).
+        // row, in fp32 from 0 (moe.py's index_add_ in the groups' order); by pieces of
+        // SUM_PIECE columns, so a decode's one token splits over the threads too.
+        const int64_t pieces = (hidden + SUM_PIECE - 1) / SUM_PIECE;
 #pragma omp for schedule(static)
-        for (int64_t t = 0; t < num_tokens; t++) {
+        for (int64_t i = 0; i < num_tokens * pieces; i++) {
             if (!total) continue;
+            const int64_t t = i / pieces, h0 = i % pieces * SUM_PIECE;
+            const int64_t h1 = h0 + SUM_PIECE < hidden ? h0 + SUM_PIECE : hidden;
             const int64_t *mine = by_token + t * top_k;
-            for (int64_t h = 0; h < hidden; h++) total[h] = 0.0f;
+            for (int64_t h = h0; h < h1; h++) total[h] = 0.0f;
             for (int64_t j = 0; j < top_k; j++) {
                 const uint16_t *d = down_rows + mine[j] * hidden;
                 const float wj = row_weight[mine[j]];
-                for (int64_t h = 0; h < hidden; h++) total[h] += bf16_to_f32(d[h]) * wj;
+                for (int64_t h = h0; h < h1; h++) total[h] += bf16_to_f32(d[h]) * wj;
             }
-            for (int64_t h = 0; h < hidden; h++) out[t * hidden + h] = f32_to_bf16(total[h]);
+            for (int64_t h = h0; h < h1; h++) out[t * hidden + h] = f32_to_bf16(total[h]);
         }
         free(acc);
         free(sums);

@@ -125,7 +125,8 @@ class SparseMoE(nn.Module):
         """The layer as one C call (kernels/ggml_experts.py: the router, the chosen experts'
         products and the glue, the same operations as `forward`'s), or None where it cannot
         run it: experts not all in block formats of one type and shape, a router not fp32,
-        or a `gated` that is not the fused glue's C activation."""
+        or a `gated` that is not the fused glue's C activation. Made once per `gated` (the
+        weights' addresses read then: the loader does not replace experts after loading)."""
         if self._kernel is not None and self._kernel[0] == gated:
             return self._kernel[1]
         self._kernel = (gated, self._make_kernel(gated))
