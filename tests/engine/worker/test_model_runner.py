@@ -3,7 +3,8 @@ against hand-computed values), its attention metadata, the KV pool size, and `ex
 a tiny random Llama in fp32: a prompt gives the same logits in one chunk, in two chunks
 (chunked prefill through the KV cache) and as a decode after its prefill, equal to HF
 transformers, with the 'torch' and 'cpu' attention backends; one row per sampled chunk, in
-chunk order."""
+chunk order; and teacher-forced verification steps (gguf.py's dense fp32 reference) equal to
+transformers on a Qwen2 with Qwen2.5-1.5B's attention (head_dim 128, 6 query heads per KV head)."""
 
 from __future__ import annotations
 
@@ -267,3 +268,76 @@ def test_a_load_maps_its_large_allocations(env, expected):
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == expected
+
+
+# --- the dense fp32 reference path at Qwen2.5-1.5B's attention geometry -----------------------
+
+
+@pytest.fixture(scope="module")
+def qwen_15b_heads():
+    """A random 2-layer Qwen2 with Qwen2.5-1.5B's attention (issue 39's dense fp32 reference):
+    12 query heads of 128 over 2 KV heads (6 per KV head), q/k/v biases, rope theta 1e6, a
+    tied output; hidden and vocabulary small. (arch, HF state dict, HF model)."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    config = Qwen2Config(
+        vocab_size=1024,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        head_dim=128,
+        rope_theta=1000000.0,
+        max_position_embeddings=32768,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        initializer_range=0.1,
+    )
+    config.architectures = ["Qwen2ForCausalLM"]
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+        with torch.no_grad():
+            for name, param in hf.named_parameters():
+                if name.endswith(".bias"):  # transformers initialises them to zero
+                    param.normal_(0.0, 0.5)
+    arch = ModelArchConfig.from_hf_dict(config.to_dict())
+    assert (arch.head_dim, arch.num_heads // arch.num_kv_heads, arch.qkv_bias) == (128, 6, True)
+    # As save_pretrained writes a tied checkpoint: without the output's copy of the embedding.
+    state = {k: v for k, v in hf.state_dict().items() if k != "lm_head.weight"}
+    return arch, state, hf
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_teacher_forced_steps_equal_hf_at_qwen_1_5b_attention(qwen_15b_heads, backend):
+    # benchmarks/gguf.py's --reference-engine agentrt scores a text in steps of 16 tokens, each
+    # a verification step with a logits row per token (benchmarks/latency.py
+    # teacher_forced_logits): every row of each step equals transformers' fp32 logits.
+    arch, state, hf = qwen_15b_heads
+    runner = ModelRunner(
+        arch,
+        state,
+        dtype=torch.float32,
+        device=CPU,
+        block_size=16,
+        num_blocks=4,
+        max_model_len=64,
+        attention_backend=backend,
+    )
+    assert runner.attention.name == backend
+    ids = torch.randint(0, arch.vocab_size, (40,), generator=torch.Generator().manual_seed(1))
+    ids = ids.tolist()
+    rows = []
+    for start in range(0, len(ids), 16):  # 16, 16 and 8 tokens
+        chunk = ids[start : start + 16]
+        rows.append(
+            step(runner, ScheduledChunk("ppl", chunk, start, [0, 1, 2], True, len(chunk) - 1))
+        )
+    with torch.inference_mode():
+        expected = hf(torch.tensor([ids])).logits[0]
+    got = torch.cat(rows)
+    assert got.shape == expected.shape == (40, arch.vocab_size)
+    torch.testing.assert_close(got, expected, **TOL)
+    assert torch.equal(got.argmax(-1), expected.argmax(-1))
+    assert expected.std(-1).min() > 0.1  # rows that are not flat: a wrong row would show
