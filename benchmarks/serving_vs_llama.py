@@ -19,9 +19,10 @@ output tok/s, TTFT p50/p99, valid / fields, and the share of prompt tokens the s
 compute (agentrt: usage.prompt_tokens_details.cached_tokens; llama-server: timings.cache_n).
 Ratios are llama-server / agentrt for times, agentrt / llama-server for tok/s: above 1 means
 agentrt is ahead. Each cell uses its own documents and questions (no server holds them from
-an earlier cell), the same on both sides; the side that runs first alternates from cell to
-cell, and each side gets one warm-up request per cell. The CPU model, the load average and
-the exact commands are printed; last line: JSON with every figure.
+an earlier cell, nor from its warm-up: an agent cell's system prompt is its own, so its first
+wave is a cold burst on one prompt), the same on both sides; the side that runs first
+alternates from cell to cell, and each side gets one warm-up request per cell. The CPU model,
+the load average and the exact commands are printed; last line: JSON with every figure.
 
 llama-server is started per concurrency with `-np C` (as a user sizes it: C slots of --ctx
 tokens each), `--jinja`, `-t/-tb --threads`; agentrt serve once, with AGENTRT_NUM_THREADS. Idle,
@@ -150,8 +151,11 @@ CHAT_TOPICS = [
 ]
 
 
-def agent_system_prompt() -> str:
-    """The prompt every agent request shares (~900 tokens): tools, rules, examples."""
+def agent_system_prompt(shop: int = 0) -> str:
+    """The prompt every agent request of a cell shares (~900 tokens): tools, rules, examples.
+    `shop` opens it, so that each cell's (and each warm-up's) differs from its first block
+    on: a cell's first wave is a cold burst on one prompt on both sides (no server holds it
+    from an earlier cell or from the warm-up)."""
     tools = "\n".join(f"- {name}: {what}" for name, what in AGENT_TOOLS.items())
     rules = "\n".join(f"{i + 1}. {rule}" for i, rule in enumerate(AGENT_RULES * 2))
     examples = "\n".join(
@@ -159,9 +163,9 @@ def agent_system_prompt() -> str:
         for task, tool in zip(AGENT_TASKS, [*AGENT_TOOLS] * 2, strict=False)
     )
     return (
-        "You are the support agent of an office-supplies shop. At each turn you choose ONE "
-        "next step: a tool and its argument, with a short thought that says why. Reply with "
-        f"a JSON object and nothing else.\n\nTools:\n{tools}\n\nRules:\n{rules}\n\n"
+        f"Shop {shop}. You are the support agent of an office-supplies shop. At each turn you "
+        "choose ONE next step: a tool and its argument, with a short thought that says why. "
+        f"Reply with a JSON object and nothing else.\n\nTools:\n{tools}\n\nRules:\n{rules}\n\n"
         f"Examples:\n{examples}"
     )
 
@@ -226,7 +230,7 @@ def make_workload(name: str, num: int, seed: int, tokenizer, args) -> Workload:
             content = f"{rng.randint(10**5, 10**6)} " + " ".join(words)
             bodies.append({"messages": [{"role": "user", "content": content}], "max_tokens": 1})
         return Workload(name, bodies)
-    system = agent_system_prompt()
+    system = agent_system_prompt(shop=seed)
     fmt = _schema_format("step", Step)
     bodies = [
         {

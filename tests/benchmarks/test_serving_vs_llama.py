@@ -131,3 +131,20 @@ def test_unknown_workload_is_refused(bench, monkeypatch):
     monkeypatch.setattr(sys, "argv", argv)
     with pytest.raises(SystemExit, match="unknown workloads \\['chats'\\]"):
         bench.main()
+
+
+def test_an_agent_cells_prompt_is_its_own_from_the_first_block(bench, smollm2_dir):
+    """Within a cell every request shares the system prompt; no other cell nor the warm-up
+    (seed + 500) shares even its first 16 tokens: each cell's first wave is a cold burst."""
+    from agentrt.engine.loader.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(smollm2_dir)
+    args = argparse.Namespace(agent_tokens=128)
+
+    def systems(seed: int, num: int) -> set[str]:
+        workload = bench.make_workload("agent", num, seed, tokenizer, args)
+        return {body["messages"][0]["content"] for body in workload.bodies}
+
+    (cell,), (warmup,), (other,) = systems(82, 4), systems(582, 1), systems(42, 2)
+    heads = [tuple(tokenizer.encode(text)[:16]) for text in (cell, warmup, other)]
+    assert len(set(heads)) == 3
