@@ -97,6 +97,8 @@ def _load(
     for spec in parameter_specs(arch):
         if spec.optional and not all(p in available for p in spec.parts):
             continue
+        if spec.name == "lm_head.weight" and model.lm_head is None:
+            continue  # tied: the embedding projects; a stored copy is ignored, as HF does
         missing = [p for p in spec.parts if p not in available]
         if missing:
             raise ModelLoadError(f"checkpoint is missing tensor {missing[0]!r}.")
@@ -128,7 +130,7 @@ def _load(
         embedding.read_rows = loader.row_reader(embedding.weight)
     unused = sorted(n for n in available - used if "rotary_emb" not in n)
     if model.lm_head is None and "lm_head.weight" in unused:
-        unused.remove("lm_head.weight")  # tied checkpoints may still store it
+        unused.remove("lm_head.weight")  # a tied checkpoint's stored copy (skipped above)
     if unused:
         raise ModelLoadError(f"checkpoint has tensors the model does not use: {unused[:5]}")
     factors, scaling = loader.rope_factors(), loader.rope_scaling()

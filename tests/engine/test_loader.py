@@ -196,6 +196,27 @@ def test_safetensors_are_read_in_their_dtype_and_by_slices(tiny_checkpoint, tmp_
     assert params and all(p.dtype == torch.bfloat16 for p in params)
 
 
+def test_a_tied_checkpoint_that_stores_lm_head_loads_and_ignores_it(tiny_checkpoint, tmp_path):
+    """A tied checkpoint may store lm_head.weight beside the embedding (transformers ignores
+    it: the embedding projects). It loads, and even a different stored copy changes nothing.
+    It failed before: the copy was installed into the tied model's missing lm_head."""
+    from safetensors.torch import save_file
+
+    from agentrt.engine.model.tiny import make_tiny_checkpoint
+
+    source = tiny_checkpoint("llama")  # tied
+    state = load_state_dict(source)
+    assert "lm_head.weight" not in state
+    stored = make_tiny_checkpoint("llama", tmp_path / "stored", tokenizer_from=source)
+    wrong = torch.randn_like(state["model.embed_tokens.weight"])
+    save_file(state | {"lm_head.weight": wrong}, str(stored / "model.safetensors"))
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    prompt = [PROMPT[:9]]
+    expected = LLM(str(source), dtype="float32", num_kv_blocks=8).generate(prompt, params)
+    got = LLM(str(stored), dtype="float32", num_kv_blocks=8).generate(prompt, params)
+    assert got[0].outputs[0].token_ids == expected[0].outputs[0].token_ids
+
+
 # --- fit check ------------------------------------------------------------------------------
 
 
