@@ -36,13 +36,13 @@ Per file, each engine in its own subprocess (its own memory), the file in the pa
   quality   perplexity of latency.PPL_TEXT, teacher forced (the same token ids on every
             side; agentrt in steps of latency.PPL_CHUNK rows), and the share of positions
             whose top token is the reference's, and agentrt's whose top token is llama.cpp's;
-            the reference is the GGUF dequantized to fp32: by default HF transformers'
+            the reference is the GGUF dequantized to fp32: by default agentrt's dense path
+            (`quantization="none"`, fp32), which gives transformers' perplexity to 1e-7
+            (Qwen2.5-0.5B Q4_K_M 181,132.094 vs 181,132.108; Qwen2.5-1.5B 220,965.334 vs
+            220,965.355: an earlier 223,236 there was not reproduced on a clean tree), in a
+            quarter of the time; --reference-engine transformers for HF transformers' own
             (`from_pretrained(dir, gguf_file=..., dtype=float32)`; Qwen2.5-1.5B: 217 s and
-            7.9 GB peak on a loaded 2-core AMD EPYC, 0.5B: 324 s and 3.3 GB under heavier
-            load), --reference-engine agentrt for agentrt's dense path
-            (`quantization="none"`, fp32), a quarter of the time: it gave transformers'
-            perplexity to 1e-7 on the Qwen2.5-0.5B Q4_K_M (181,132.094 vs 181,132.108) but
-            1.03% above it on the Qwen2.5-1.5B (223,236 vs 220,965): not yet a reference
+            7.9 GB peak on a loaded 2-core AMD EPYC)
 Ratios are agentrt / llama.cpp measured in the same run, printed beside issue 39's targets
 (TARGETS). The CPU model is printed first; last line: JSON with every figure.
 
@@ -625,7 +625,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--reference-engine",
         choices=("agentrt", "transformers"),
-        default="transformers",
+        default="agentrt",
         help="what runs the fp32 dequantized reference (module doc)",
     )
     parser.add_argument(
