@@ -147,7 +147,7 @@ class Scheduler:
         # One request's prefill is capped only while others could run (shared: every
         # request alone gets the whole budget; a request waiting for the blocks a running
         # one computes could not run).
-        shared = self._is_shared(self._in_flight_hashes())
+        shared = self._is_shared()
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
@@ -177,7 +177,7 @@ class Scheduler:
         # step's blocks are indexed as they are scheduled: a hit already). Such a request
         # waits only while that one runs: it leaves `in_flight` once it has computed the
         # block, or is preempted, aborted or finished; running requests never wait.
-        in_flight = self._in_flight_hashes()
+        in_flight = self._in_flight_hashes() if self.waiting else set()
         position = 0
         while (
             not preempted
@@ -240,9 +240,13 @@ class Scheduler:
         _, num_cached = self.kv.get_computed_blocks(request)
         return self.kv.next_block_hash(request, num_cached) in in_flight
 
-    def _is_shared(self, in_flight: set) -> bool:
-        """Whether this step has more than one request that can run."""
+    def _is_shared(self) -> bool:
+        """Whether this step has more than one request that can run (the running requests'
+        in-flight blocks are gathered only when a waiting request could make it so)."""
         num_runnable = len(self.running)
+        if num_runnable > 1 or not self.waiting:
+            return num_runnable > 1
+        in_flight = self._in_flight_hashes()
         for request in self.waiting:
             if num_runnable > 1:
                 break
