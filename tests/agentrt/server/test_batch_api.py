@@ -116,6 +116,22 @@ async def upload(client, lines: list[dict] | bytes, name: str = "in.jsonl"):
     return await client.files.create(file=(name, io.BytesIO(data)), purpose="batch")
 
 
+async def start_batch(client, lines: list[dict], window: str = "24h") -> str:
+    """Upload `lines` and create a chat-completions batch of them: its id."""
+    source = await upload(client, lines)
+    created = await client.batches.create(
+        input_file_id=source.id, endpoint="/v1/chat/completions", completion_window=window
+    )
+    return created.id
+
+
+async def wait_completed(client, batch_id: str, count: int) -> None:
+    """Until at least `count` of the batch's lines are done (at most 120 s)."""
+    with anyio.fail_after(120):
+        while (await client.batches.retrieve(batch_id)).request_counts.completed < count:
+            await anyio.sleep(0.05)
+
+
 @pytest.mark.anyio
 async def test_file_round_trip_and_limits(tmp_path, smollm2_llm) -> None:
     data = jsonl([chat_line("x", "Paris")])
@@ -269,15 +285,10 @@ async def test_invalid_input_file_fails_the_batch(tmp_path, smollm2_llm) -> None
 async def test_cancel_keeps_the_lines_finished(tmp_path, smollm2_llm) -> None:
     lines = [chat_line(f"c-{i}", CITIES[i % 8], max_tokens=24) for i in range(48)]
     async with batch_server(tmp_path, smollm2_llm) as client:
-        source = await upload(client, lines)
-        created = await client.batches.create(
-            input_file_id=source.id, endpoint="/v1/chat/completions", completion_window="24h"
-        )
-        with anyio.fail_after(120):
-            while (await client.batches.retrieve(created.id)).request_counts.completed < 4:
-                await anyio.sleep(0.05)
-        assert (await client.batches.cancel(created.id)).status in ("cancelling", "cancelled")
-        batch = await wait_for(client, created.id, {"cancelled"})
+        batch_id = await start_batch(client, lines)
+        await wait_completed(client, batch_id, 4)
+        assert (await client.batches.cancel(batch_id)).status in ("cancelling", "cancelled")
+        batch = await wait_for(client, batch_id, {"cancelled"})
         outputs = await output_lines(client, batch.output_file_id)
         assert 4 <= len(outputs) < 48
         assert len(outputs) == batch.request_counts.completed
@@ -290,15 +301,8 @@ async def test_drain_leaves_the_batch_to_the_next_start(tmp_path, smollm2_llm) -
     stays in_progress on disk and the next server on the state dir finishes it."""
     lines = [chat_line(f"d-{i}", CITIES[i % 8]) for i in range(12)]
     async with batch_server(tmp_path, smollm2_llm) as client:
-        source = await upload(client, lines)
-        batch_id = (
-            await client.batches.create(
-                input_file_id=source.id, endpoint="/v1/chat/completions", completion_window="24h"
-            )
-        ).id
-        with anyio.fail_after(120):
-            while (await client.batches.retrieve(batch_id)).request_counts.completed < 4:
-                await anyio.sleep(0.05)
+        batch_id = await start_batch(client, lines)
+        await wait_completed(client, batch_id, 4)
     stored = json.loads((tmp_path / "batches" / f"{batch_id}.json").read_text())
     assert stored["status"] == "in_progress"
     journaled = (tmp_path / "batches" / f"{batch_id}.jsonl").read_text().splitlines()
@@ -378,15 +382,8 @@ async def test_a_window_passed_while_the_server_was_down_expires_the_batch(
     journaled before stay in the output file exactly as they were."""
     lines = [chat_line(f"w-{i}", CITIES[i % 8]) for i in range(12)]
     async with batch_server(tmp_path, smollm2_llm) as client:
-        source = await upload(client, lines)
-        batch_id = (
-            await client.batches.create(
-                input_file_id=source.id, endpoint="/v1/chat/completions", completion_window="24h"
-            )
-        ).id
-        with anyio.fail_after(120):
-            while (await client.batches.retrieve(batch_id)).request_counts.completed < 4:
-                await anyio.sleep(0.05)
+        batch_id = await start_batch(client, lines)
+        await wait_completed(client, batch_id, 4)
     journal = tmp_path / "batches" / f"{batch_id}.jsonl"
     before = [json.loads(line) for line in journal.read_text().splitlines()]
     assert 4 <= len(before) < 12
