@@ -64,7 +64,7 @@ import torch  # noqa: E402
 
 from agentrt.kernels import ggml_linear as G  # noqa: E402
 from agentrt.kernels.cpu_build import build_library  # noqa: E402
-from agentrt.kernels.ggml_library import _EXTRA_FLAGS, SOURCE  # noqa: E402
+from agentrt.kernels.ggml_library import EXTRA_FLAGS, SOURCE  # noqa: E402
 from agentrt.kernels.quantized_linear import (  # noqa: E402
     Int4Weight,
     pack_int4,
@@ -224,7 +224,7 @@ def baseline_kernels(rev: str, isa: str) -> G.GGMLKernels:
         )
         if text.returncode == 0:
             (folder / path.name).write_bytes(text.stdout)
-    flags = G.ISAS[isa][1] + _EXTRA_FLAGS
+    flags = G.ISAS[isa][1] + EXTRA_FLAGS
     return G.GGMLKernels(build_library(folder / SOURCE.name, folder / "build", flags), isa)
 
 

@@ -28,7 +28,7 @@ import torch
 from .cpu_build import build_library
 from .cpu_ops import CpuOps
 from .errors import KernelInputError
-from .ggml_library import _EXTRA_FLAGS, ISAS, default_build_dir, selected_isa
+from .ggml_library import EXTRA_FLAGS, ISAS, default_build_dir, selected_isa
 from .ggml_linear import GGMLWeight
 
 SOURCE = Path(__file__).with_name("ggml_experts.c")
@@ -61,7 +61,7 @@ class ExpertLibrary:
 def load_ggml_experts(build_dir: Path, isa: str) -> ExpertLibrary:
     """Build (once per source, flags and CPU) and load the library for `isa` (one of ISAS)."""
     key = hashlib.sha256(_QUANTS.read_bytes()).hexdigest()[:16]  # the source it includes
-    flags = ISAS[isa][1] + _EXTRA_FLAGS + (f"-DAGENTRT_QUANTS_KEY={key}",)
+    flags = ISAS[isa][1] + EXTRA_FLAGS + (f"-DAGENTRT_QUANTS_KEY={key}",)
     return ExpertLibrary(build_library(SOURCE, Path(build_dir), flags))
 
 

@@ -39,7 +39,7 @@ ISAS = {
     "avx2": (("avx2", "fma"), ("-mno-avx512f", "-DAGENTRT_ISA=1")),
     "scalar": ((), ("-mno-avx", "-DAGENTRT_ISA=0") if _X86 else ("-DAGENTRT_ISA=0",)),
 }
-_EXTRA_FLAGS = ("-ffp-contract=off",)  # dequantize rounds as gguf-py's numpy does: no FMA
+EXTRA_FLAGS = ("-ffp-contract=off",)  # dequantize rounds as gguf-py's numpy does: no FMA
 
 
 @functools.cache
@@ -244,7 +244,7 @@ class GGMLKernels:
 def load_ggml_kernels(build_dir: Path, isa: str) -> GGMLKernels:
     """Build (once per source, flags and CPU) and load the library for `isa` (one of ISAS).
     Raises KernelBuildError with the compiler's message when it cannot be built."""
-    flags = ISAS[isa][1] + _EXTRA_FLAGS
+    flags = ISAS[isa][1] + EXTRA_FLAGS
     return GGMLKernels(build_library(SOURCE, Path(build_dir), flags), isa)
 
 

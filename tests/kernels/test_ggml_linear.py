@@ -31,7 +31,7 @@ import torch
 from agentrt.kernels import ggml_linear as G
 from agentrt.kernels.cpu_build import build_library
 from agentrt.kernels.errors import KernelInputError
-from agentrt.kernels.ggml_library import _EXTRA_FLAGS, SOURCE
+from agentrt.kernels.ggml_library import EXTRA_FLAGS, SOURCE
 from tests.kernels.ggml_helpers import random_weight
 
 Q = gguf.GGMLQuantizationType
@@ -225,7 +225,7 @@ def test_interleaved_q6k_without_gfni_gives_the_same_sums():
     """Q6_K's interleaved kernel places its high bits by GFNI where the CPU has it, by a
     shift and a mask otherwise (AVX-512 VNNI CPUs without GFNI, e.g. Cascade Lake): that
     build, compiled here with -mno-gfni, gives the same sums bit for bit."""
-    flags = G.ISAS["avx512"][1] + _EXTRA_FLAGS + ("-mno-gfni",)
+    flags = G.ISAS["avx512"][1] + EXTRA_FLAGS + ("-mno-gfni",)
     plain = G.GGMLKernels(build_library(SOURCE, G.default_build_dir(), flags), "avx512")
     w = random_weight(Q.Q6_K, 48, K, seed=7)
     x16 = G.interleave(w)
