@@ -22,8 +22,9 @@ when a call runs). After `MAX_MCP_STEPS` turns the last one is offered no MCP to
 Sessions come from the server's pool (responses_mcp_sessions: kept open between requests).
 Streamed, the turns run through `respond` streamed, in the response's own task, and their
 events are sent on as they come (agentrt.server.responses_mcp_stream): the model's text in
-as many deltas as a plain streamed response, each mcp_call item as its call runs. Whole or
-streamed, a response is the same loop and the same items.
+as many deltas as a plain streamed response, each mcp_call item's arguments as the model
+writes them, its output once the call ran. Whole or streamed, a response is the same loop
+and the same items, in the order the model wrote them.
 """
 
 from __future__ import annotations
@@ -115,6 +116,7 @@ class _MCPResponse:
     tools: dict[str, tuple[MCPServerTool, dict[str, Any]]]
     previous: Any
     id: str = field(default_factory=lambda: item_id("resp"))
+    items: dict[str, dict[str, Any]] = field(default_factory=dict)  # call_id -> its MCP item
 
     def fields(self) -> dict[str, Any]:
         """What the body says whatever its turns say: the tools and tool_choice as sent."""
@@ -152,27 +154,27 @@ class _MCPResponse:
                 fields.pop("tool_choice")
             body = await self._one_turn(fields, events)
             usage = _add_usage(usage, body.get("usage"))
-            calls = [
-                i for i in body["output"] if i["type"] == "function_call" and i["name"] in tools
-            ]
-            replied = [i for i in body["output"] if i not in calls]
-            output += replied  # a streamed turn has sent them
-            inputs += replied
-            if not calls or body["status"] == "failed":
-                break
-            pending = False
-            for call in calls:
-                server, _ = tools[call["name"]]
-                if server.needs_approval(call["name"]):
-                    output.append(_approval_request(server, call))
-                    if events is not None:
-                        await events.item(output[-1])
+            failed = body["status"] == "failed"
+            ran = pending = client_call = False
+            # The turn's items in its order (a streamed turn has sent them, and opened its
+            # mcp_call items); a failed turn's calls do not run.
+            for item in body["output"]:
+                mcp_item = self.mcp_item(item)
+                if mcp_item is None:
+                    output.append(item)
+                    inputs.append(item)
+                    client_call |= item["type"] == "function_call"
+                elif failed:
+                    continue
+                elif mcp_item["type"] == "mcp_approval_request":
+                    output.append(mcp_item)
                     pending = True
                 else:
-                    item = await _run(server, sessions, call["name"], call["arguments"], events)
-                    output.append(item)
-                    inputs += _call_items(item)
-            if pending or any(i["type"] == "function_call" for i in replied):
+                    await _run(tools[item["name"]][0], sessions, mcp_item, events)
+                    output.append(mcp_item)
+                    inputs += _call_items(mcp_item)
+                    ran = True
+            if not ran or pending or client_call:
                 break
             choice = "none" if request.tool_choice == "none" else "auto"
         body.update(id=self.id, output=output, usage=usage, **self.fields())
@@ -186,14 +188,31 @@ class _MCPResponse:
             self.store.put(body["id"], body, messages, continues=previous, mcp_listings=listings)
         return body
 
+    def mcp_item(self, item: dict[str, Any]) -> dict[str, Any] | None:
+        """The item a turn's function call of an MCP tool stands for (None for any other
+        item): an mcp_approval_request, or an mcp_call to run. Made once a call (a streamed
+        turn asks as the call opens), its arguments those of the call as last seen."""
+        if item["type"] != "function_call" or item["name"] not in self.tools:
+            return None
+        mcp_item = self.items.get(item["call_id"])
+        if mcp_item is None:
+            server, _ = self.tools[item["name"]]
+            if server.needs_approval(item["name"]):
+                mcp_item = _approval_request(server, item)
+            else:
+                mcp_item = _mcp_call(server, item["name"], item["arguments"])
+            self.items[item["call_id"]] = mcp_item
+        mcp_item["arguments"] = item["arguments"]
+        return mcp_item
+
     async def _one_turn(self, fields: dict[str, Any], events: MCPEvents | None) -> dict[str, Any]:
         """One ordinary Responses turn: its body (streamed: its events sent on as they come,
-        its calls of MCP tools held back)."""
+        its calls of MCP tools as their items)."""
         if events is None:
             return json.loads(
                 (await self.respond(self.state, self.store, _turn(fields), self.raw)).body
             )
-        turn = events.turn(set(self.tools))
+        turn = events.turn(self.mcp_item)
         await self.respond(self.state, self.store, _turn(fields), self.raw, emit=turn)
         if turn.final is None:
             raise APIError(500, "a turn of the response ended without its last event.")
@@ -300,9 +319,8 @@ async def _input_items(
                 )
             if data.get("approve") is True:
                 server = tools[name][0]
-                call = await _run(
-                    server, sessions, name, approval["arguments"], None, approval["id"]
-                )
+                call = _mcp_call(server, name, approval["arguments"], approval["id"])
+                await _run(server, sessions, call)
                 output.append(call)
             else:
                 reason = data.get("reason")
@@ -332,16 +350,10 @@ def _check_strings(data: dict[str, Any], fields: tuple[str, ...], index: int) ->
         )
 
 
-async def _run(
-    server: MCPServerTool,
-    sessions: _Sessions,
-    name: str,
-    arguments: str,
-    events: MCPEvents | None = None,
-    approval_request_id: str | None = None,
+def _mcp_call(
+    server: MCPServerTool, name: str, arguments: str, approval_request_id: str | None = None
 ) -> dict[str, Any]:
-    """Run one call on its MCP server (connected now if its tools were listed before):
-    the `mcp_call` item (a failure is its `error`), sent to `events` as it starts and ends."""
+    """An `mcp_call` item not run yet."""
     item: dict[str, Any] = {
         "id": item_id("mcp"),
         "type": "mcp_call",
@@ -350,16 +362,27 @@ async def _run(
         "arguments": arguments,
         "output": None,
         "error": None,
-        "status": "completed",
+        "status": "in_progress",
     }
     if approval_request_id is not None:
         item["approval_request_id"] = approval_request_id
-    if events is not None:
-        await events.call_started(item)
+    return item
+
+
+async def _run(
+    server: MCPServerTool,
+    sessions: _Sessions,
+    item: dict[str, Any],
+    events: MCPEvents | None = None,
+) -> None:
+    """Run an `mcp_call` item's call on its MCP server (connected now if its tools were
+    listed before): its `output`, or its `error` and status failed; with `events`, the item
+    (opened as the model wrote the call) is closed."""
+    item["status"] = "completed"
     try:
         if server.session is None:
             await _connect(server, sessions, list_tools=False)
-        item["output"] = await server.session.call(name, json.loads(arguments))
+        item["output"] = await server.session.call(item["name"], json.loads(item["arguments"]))
     except MCPToolError as exc:
         item["error"] = {
             "type": "mcp_tool_execution_error",
@@ -373,7 +396,6 @@ async def _run(
         item["status"] = "failed"
     if events is not None:
         await events.call_done(item)
-    return item
 
 
 def _call_items(call: dict[str, Any]) -> list[dict[str, Any]]:

@@ -6,10 +6,12 @@ sent as the response happens: OpenAI's event sequence, numbered once across its 
         mcp_list_tools.in_progress, .completed, output_item.done), an approved mcp_call
     each turn's own events as the model writes (reasoning, message text deltas, a client's
         function call), their output_index counted in the whole response; the turn's calls
-        of MCP tools are not sent as function calls: each becomes an mcp_call item, sent as it
-        runs (output_item.added, mcp_call_arguments.delta/.done, mcp_call.in_progress, then
-        mcp_call.completed or .failed and output_item.done once the MCP server answered), or
-        an mcp_approval_request item
+        of MCP tools are not sent as function calls: each becomes an mcp_call item as the
+        model writes it (output_item.added, mcp_call.in_progress, an mcp_call_arguments.delta
+        for each function_call_arguments.delta, mcp_call_arguments.done), closed once the
+        turn ended and the MCP server answered (mcp_call.completed or .failed, then
+        output_item.done), or an mcp_approval_request item (whole, once its arguments are
+        written)
     response.completed / response.incomplete (the whole response), or response.failed
 
 A turn's lifecycle events (created, in_progress, completed) are not forwarded: its final
@@ -19,6 +21,7 @@ body is kept for the loop. An error before the response was created is an `error
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 from sse_starlette import ServerSentEvent
@@ -36,6 +39,7 @@ class MCPEvents:
         self.num_items = 0
         self.started = False
         self.pending: list[dict[str, Any]] = []  # items before the response was created
+        self.open_calls: dict[str, int] = {}  # output index of each mcp_call not yet done
 
     async def send(self, event: dict[str, Any]) -> None:
         event["sequence_number"] = self.sequence_number
@@ -63,7 +67,9 @@ class MCPEvents:
             self.pending.append(item)
             return
         if item["type"] == "mcp_call":
-            await self.call_started(item)
+            await self.call_added(item)
+            await self.call_arguments(item, item["arguments"])
+            await self.call_arguments_done(item)
             await self.call_done(item)
             return
         where = {"output_index": self.num_items}
@@ -77,31 +83,41 @@ class MCPEvents:
         await self.send({"type": "response.output_item.done", **where, "item": item})
         self.num_items += 1
 
-    async def call_started(self, call: dict[str, Any]) -> None:
-        """An mcp_call about to run on its MCP server (its output not known yet)."""
-        where = {"item_id": call["id"], "output_index": self.num_items}
-        running = {**call, "output": None, "error": None, "status": "in_progress"}
+    async def call_added(self, call: dict[str, Any]) -> None:
+        """Open an mcp_call item, its arguments still to come: it takes the next output
+        index until `call_done`."""
+        index = self.num_items
+        self.open_calls[call["id"]] = index
+        self.num_items += 1
+        running = {**call, "arguments": "", "output": None, "error": None, "status": "in_progress"}
         await self.send(
-            {"type": "response.output_item.added", "output_index": self.num_items, "item": running}
+            {"type": "response.output_item.added", "output_index": index, "item": running}
         )
-        arguments = call["arguments"]
-        await self.send({"type": "response.mcp_call_arguments.delta", **where, "delta": arguments})
+        await self.send({"type": "response.mcp_call.in_progress", **self._where(call)})
+
+    async def call_arguments(self, call: dict[str, Any], delta: str) -> None:
+        where = self._where(call)
+        await self.send({"type": "response.mcp_call_arguments.delta", **where, "delta": delta})
+
+    async def call_arguments_done(self, call: dict[str, Any]) -> None:
+        where, arguments = self._where(call), call["arguments"]
         await self.send(
             {"type": "response.mcp_call_arguments.done", **where, "arguments": arguments}
         )
-        await self.send({"type": "response.mcp_call.in_progress", **where})
 
     async def call_done(self, call: dict[str, Any]) -> None:
-        where = {"item_id": call["id"], "output_index": self.num_items}
+        """Close an open mcp_call item: the MCP server answered (`output`) or not (`error`)."""
+        where = self._where(call)
         outcome = "failed" if call["status"] == "failed" else "completed"
         await self.send({"type": f"response.mcp_call.{outcome}", **where})
-        await self.send(
-            {"type": "response.output_item.done", "output_index": self.num_items, "item": call}
-        )
-        self.num_items += 1
+        index = self.open_calls.pop(call["id"])
+        await self.send({"type": "response.output_item.done", "output_index": index, "item": call})
 
-    def turn(self, mcp_tools: set[str]) -> TurnEvents:
-        return TurnEvents(self, mcp_tools)
+    def _where(self, call: dict[str, Any]) -> dict[str, Any]:
+        return {"item_id": call["id"], "output_index": self.open_calls[call["id"]]}
+
+    def turn(self, mcp_item: Callable[[dict[str, Any]], dict[str, Any] | None]) -> TurnEvents:
+        return TurnEvents(self, mcp_item)
 
     async def end(self, body: dict[str, Any]) -> None:
         done = {"completed": "response.completed", "incomplete": "response.incomplete"}
@@ -123,15 +139,19 @@ class MCPEvents:
 
 class TurnEvents:
     """The `emit` of one turn streamed through the Responses endpoint: its item events go on
-    at the response's output indexes; its calls of MCP tools (`mcp_tools`) are held back (the
-    loop sends them as mcp_call or mcp_approval_request items); its lifecycle events are
-    kept: `final`, its last response body (`failed` when it failed)."""
+    at the response's output indexes; a function call of an MCP tool goes on as the item
+    `mcp_item(call)` gives for it (None for a client's tool): an mcp_call's events as the
+    arguments are written (the loop closes it once the call ran), an mcp_approval_request
+    whole once they are. Its lifecycle events are kept: `final`, its last response body
+    (`failed` when it failed)."""
 
-    def __init__(self, events: MCPEvents, mcp_tools: set[str]) -> None:
+    def __init__(
+        self, events: MCPEvents, mcp_item: Callable[[dict[str, Any]], dict[str, Any] | None]
+    ) -> None:
         self.events = events
-        self.mcp_tools = mcp_tools
+        self.mcp_item = mcp_item
         self.indexes: dict[int, int] = {}  # the turn's output index -> the response's
-        self.held: set[int] = set()  # the turn's output indexes of MCP tool calls
+        self.calls: dict[int, dict[str, Any]] = {}  # the turn's index -> an MCP call's item
         self.final: dict[str, Any] | None = None
         self.failed = False
 
@@ -150,14 +170,29 @@ class TurnEvents:
             await self.events.send(event)
             return
         if kind == "response.output_item.added":
-            item = event["item"]
-            if item["type"] == "function_call" and item["name"] in self.mcp_tools:
-                self.held.add(index)
+            item = self.mcp_item(event["item"])
+            if item is not None:
+                self.calls[index] = item
             else:
                 self.indexes[index] = self.events.num_items
-        if index in self.held:
+        if index in self.calls:
+            await self._call_event(self.calls[index], event)
             return
         event["output_index"] = self.indexes[index]
         await self.events.send(event)
         if kind == "response.output_item.done":
             self.events.num_items += 1
+
+    async def _call_event(self, item: dict[str, Any], event: dict[str, Any]) -> None:
+        """An event of a function call of an MCP tool, as its item's."""
+        kind, run = event["type"], item["type"] == "mcp_call"
+        if kind == "response.output_item.added" and run:
+            await self.events.call_added(item)
+        elif kind == "response.function_call_arguments.delta" and run:
+            await self.events.call_arguments(item, event["delta"])
+        elif kind == "response.function_call_arguments.done":
+            item["arguments"] = event["arguments"]
+            if run:
+                await self.events.call_arguments_done(item)
+            else:
+                await self.events.item(item)

@@ -157,16 +157,23 @@ def test_a_call_waits_for_approval_and_runs_once_approved(mcp_client, log):
 
 def test_a_declined_call_never_reaches_the_mcp_server(mcp_client, log):
     tools = [_tool(log.url, require_approval={"always": {"tool_names": ["warehouse_code"]}})]
-    first = _create(
+    stream = _create(
         mcp_client,
         input=QUESTION,
         tools=tools,
         tool_choice="required",
         max_output_tokens=32,
         store=False,
+        stream=True,
     )
+    events = list(stream)
+    first = events[-1].response
     request = first.output[-1]
     assert request.type == "mcp_approval_request"
+    # Streamed, the request is an item of its own once the call's arguments are written.
+    done = [e for e in events if e.type == "response.output_item.done"]
+    assert [e.item for e in done] == first.output and done[-1].output_index == 1
+    assert not any("arguments" in e.type for e in events)
     # store=False: the client sends the items back itself.
     items = [item.model_dump(exclude_none=True) for item in first.output]
     declined = {"type": "mcp_approval_response", "approval_request_id": request.id}
@@ -220,16 +227,25 @@ def test_a_stdio_server_streamed(mcp_client, mcp_server_process):
     assert len(deltas) > 1
     assert "".join(e.delta for e in deltas) == final.output_text and code in final.output_text
     kinds = [e.type for e in events]
-    call_events = [
+    # The call's arguments stream as the model writes them, in OpenAI's order; the call runs
+    # once they are done and the turn ended.
+    call_at = [i for i, e in enumerate(events) if getattr(e, "output_index", None) == 1]
+    call_kinds = [kinds[i] for i in call_at]
+    num_deltas = call_kinds.count("response.mcp_call_arguments.delta")
+    assert num_deltas > 1
+    assert call_kinds == [
         "response.output_item.added",
-        "response.mcp_call_arguments.delta",
-        "response.mcp_call_arguments.done",
         "response.mcp_call.in_progress",
+        *["response.mcp_call_arguments.delta"] * num_deltas,
+        "response.mcp_call_arguments.done",
         "response.mcp_call.completed",
         "response.output_item.done",
     ]
-    call_at = [i for i, e in enumerate(events) if getattr(e, "output_index", None) == 1]
-    assert [kinds[i] for i in call_at] == call_events
+    added, *_, arguments_done = (events[i] for i in call_at[: num_deltas + 3])
+    assert added.item.type == "mcp_call" and added.item.arguments == ""
+    assert {events[i].item_id for i in call_at[1:-1]} == {done[1].id}
+    joined = "".join(events[i].delta for i in call_at[2 : 2 + num_deltas])
+    assert joined == arguments_done.arguments == done[1].arguments
     assert call_at[-1] < kinds.index("response.output_text.delta")
     assert all(e.output_index == 2 for e in deltas)
     assert "response.function_call_arguments.delta" not in kinds  # MCP calls are mcp_call items
