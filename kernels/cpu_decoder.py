@@ -19,6 +19,7 @@ import torch
 from .cpu_attention import CpuAttention
 from .cpu_ops import CpuOps, check_qkv_extras
 from .errors import KernelInputError
+from .ggml_experts import ExpertKernel
 from .ggml_library import GGMLKernels
 from .ggml_linear import DENSE_DTYPES, GGMLWeight, type_name
 
@@ -44,7 +45,7 @@ class _Layer(ctypes.Structure):
     _fields_ += [(name, _Projection) for name in ("qkv", "o", "gate_up", "down")]
     _fields_ += [(name, _PTR) for name in ("qkv_bias", "q_norm", "k_norm", "cos_sin")]
     _fields_ += [(name, _I64) for name in ("norm_all_heads", "window", "group")]
-    _fields_ += [("softcap", _F32)]
+    _fields_ += [("softcap", _F32), ("moe", _PTR), ("moe_args", _PTR)]
 
 
 _SHAPES = ("tokens", "hidden", "intermediate", "heads", "kv_heads", "head_dim", "block_size")
@@ -75,7 +76,9 @@ class LayerWeights(NamedTuple):
     (OLMo 2); `attn_output_norm` / `mlp_output_norm` normalise attention's and the MLP's
     outputs before they join the residual (Gemma's sandwich, OLMo 2). `cos_sin` is the
     layer's rope table (None: the decoder's); `window` its sliding window (None: none),
-    `softcap` its score cap (Gemma 2), `group` its KV cache group (core/kv_cache_groups.py)."""
+    `softcap` its score cap (Gemma 2), `group` its KV cache group (core/kv_cache_groups.py).
+    `experts`: a sparse MoE layer's MLP (ggml_experts.py; its gate_up and down then empty),
+    None for the dense gate_up and down."""
 
     input_norm: torch.Tensor | None
     post_norm: torch.Tensor | None
@@ -94,6 +97,7 @@ class LayerWeights(NamedTuple):
     window: int | None = None
     softcap: float | None = None
     group: int = 0
+    experts: ExpertKernel | None = None
 
 
 def block_format(weight: object) -> bool:
@@ -147,7 +151,8 @@ class CpuDecoder:
         shape = kv_caches[0].shape
         _, _, self.block_size, self.kv_heads, self.head_dim = shape
         self.hidden, self.heads = layers[0].o[0].out_features, num_heads
-        self.intermediate = layers[0].down[0].in_features
+        dense = [layer for layer in layers if layer.experts is None]
+        self.intermediate = dense[0].down[0].in_features if dense else 0  # the dense MLPs'
         q_size, kv_size = num_heads * self.head_dim, self.kv_heads * self.head_dim
         hidden, inter = self.hidden, self.intermediate
         self._layers = (_Layer * len(layers))()
@@ -162,8 +167,14 @@ class CpuDecoder:
             slot.kv_cache = cache.data_ptr()
             slot.qkv = _projection("qkv", layer.qkv, hidden, q_size + 2 * kv_size)
             slot.o = _projection("o", layer.o, q_size, hidden)
-            slot.gate_up = _projection("gate_up", layer.gate_up, hidden, 2 * inter)
-            slot.down = _projection("down", layer.down, inter, hidden)
+            if layer.experts is None:
+                slot.gate_up = _projection("gate_up", layer.gate_up, hidden, 2 * inter)
+                slot.down = _projection("down", layer.down, inter, hidden)
+            elif layer.gate_up or layer.down or layer.experts.hidden != hidden:
+                raise KernelInputError(f"a MoE layer: experts of {hidden} inputs, no gate_up.")
+            else:
+                slot.moe = layer.experts.library.address
+                slot.moe_args = layer.experts.decoder_args.buffer_info()[0]
             extras = (layer.qkv_bias, layer.q_norm, layer.k_norm)
             sizes = (q_size, kv_size) if layer.norm_all_heads else (self.head_dim,) * 2
             check_qkv_extras(q_size + 2 * kv_size, sizes, *extras)
@@ -266,7 +277,7 @@ class CpuDecoder:
             ctypes.addressof(step), ctypes.addressof(self._layers), len(self._layers)
         )
         if rc:
-            where = "a projection" if step.failed_op == 1 else "attention"
+            where = {1: "a projection", 2: "attention", 3: "the MoE MLP"}[step.failed_op]
             if rc == -2:
                 raise MemoryError(f"layer {step.failed_layer}: {where} ran out of memory.")
             raise KernelInputError(f"layer {step.failed_layer}: {where} refused its input ({rc}).")

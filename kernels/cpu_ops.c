@@ -228,14 +228,18 @@ void gelu_tanh_mul(const uint16_t *gate_up, uint16_t *out, int64_t rows, int64_t
 // layer's qkv bias, q/k norms and rope table, if any), attention (the layer's window and
 // soft-cap, over its KV cache group's block table), the output projection of its bf16
 // rounding, add_rms_norm (with the attention output norm, if any), gate_up, silu_mul or
-// gelu_tanh_mul, down. The products and attention are the other libraries'
-// (ggml_quants.c's ggml_linear_packed, cpu_attention.c's paged_attention), called through
-// pointers. From Python the same layer is ~10 calls of ~10 us each: a quarter of a decoded
+// gelu_tanh_mul, down; or, for a sparse MoE layer, its whole MLP in one call (ggml_experts.c's
+// moe_forward, what the layer-by-layer path calls for it). The products, attention and the
+// MoE MLP are the other libraries' (ggml_quants.c's ggml_linear_packed, cpu_attention.c's
+// paged_attention, ggml_experts.c's moe_forward), called through pointers. From Python the same layer is ~10 calls of ~10 us each: a quarter of a decoded
 // token's time on a small model (cpu_decoder.py has the figures).
 
 #define MAX_PARTS 4
+// moe_forward's arguments: 14, then 6 per gate_up part (at most 2) and 6 for down
+#define MOE_ARGS (14 + 6 * 3)
 
 typedef int (*linear_fn)(const int64_t *args);
+typedef int (*moe_fn)(const int64_t *args);
 typedef int (*attention_fn)(const void *query, const void *kv_cache, void *out, int dtype,
                             const int32_t *query_start_loc, const int32_t *seq_lens,
                             const int32_t *block_tables, int64_t table_stride,
@@ -268,14 +272,18 @@ typedef struct {
     const float *cos_sin; // rope_qkv's table (positions, head_dim); NULL: a NoPE layer
     int64_t norm_all_heads, window, group; // window 0: none; group: the KV cache group's
     float softcap;                         // of the attention scores; 0: none
+    // A sparse MoE MLP (NULL: the dense gate_up and down): moe_forward and the layer's
+    // arguments to it, whose x, T, out and num_threads (0, 1, 10, 12) each call fills in.
+    moe_fn moe;
+    const int64_t *moe_args;
 } Layer;
 
 // The step's shapes, metadata and buffers. `residual` (T, hidden) fp32 holds the embeddings
 // and is updated in place; `out` (T, hidden) bf16 receives the last layer's down projection
 // (unsummed and without its output norm, as forward_fused returns it). Each KV cache group
 // g has its own key rows and block table (key_rows[g], block_tables[g] of table_strides[g]
-// columns). On failure, `failed_layer` and `failed_op` (1 a projection, 2 attention) say
-// where, and the callee's status is returned.
+// columns). On failure, `failed_layer` and `failed_op` (1 a projection, 2 attention, 3 the
+// MoE MLP) say where, and the callee's status is returned.
 typedef struct {
     int64_t tokens, hidden, intermediate, heads, kv_heads, head_dim, block_size;
     float eps, scale, residual_scale; // residual_scale: add_rms_norm's x_scale (Granite's)
@@ -316,6 +324,19 @@ static void to_bf16(const float *x, uint16_t *out, int64_t rows, int64_t width,
         for (int64_t i = 0; i < width; i++) out[t * width + i] = f32_to_bf16(x[t * width + i]);
 }
 
+// out (T, hidden) bf16 = the layer's MoE MLP of normed (T, hidden) bf16 (moe_forward).
+static int moe_mlp(const Step *s, const Layer *layer) {
+    int64_t args[MOE_ARGS];
+    const int64_t n = 14 + 6 * (layer->moe_args[13] + 1);
+    if (layer->moe_args[13] < 1 || n > MOE_ARGS) return -1;
+    memcpy(args, layer->moe_args, n * sizeof(int64_t));
+    args[0] = (int64_t)(intptr_t)s->normed;
+    args[1] = s->tokens;
+    args[10] = (int64_t)(intptr_t)s->out;
+    args[12] = s->num_threads;
+    return layer->moe(args);
+}
+
 static int failed(Step *s, int64_t layer, int64_t op, int rc) {
     s->failed_layer = layer;
     s->failed_op = op;
@@ -345,6 +366,10 @@ int decoder_forward(Step *s, const Layer *layers, int64_t num_layers) {
         if ((rc = project(s, &layer->o, s->attn_bf16, s->out))) return failed(s, l, 1, rc);
         add_rms_norm(s->out, layer->attn_output_norm, s->residual, layer->post_norm, s->normed,
                      rows, dim, s->eps, s->residual_scale, nt);
+        if (layer->moe) {
+            if ((rc = moe_mlp(s, layer))) return failed(s, l, 3, rc);
+            continue;
+        }
         if ((rc = project(s, &layer->gate_up, s->normed, s->gate_up))) return failed(s, l, 1, rc);
         gated_mul(s->gate_up, s->act_out, rows, s->intermediate, (int)s->act, nt);
         if ((rc = project(s, &layer->down, s->act_out, s->out))) return failed(s, l, 1, rc);

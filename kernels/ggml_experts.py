@@ -50,6 +50,8 @@ class ExpertLibrary:
         lib.moe_forward.argtypes = [ctypes.c_void_p]
         lib.moe_forward.restype = ctypes.c_int
         self._moe_forward = lib.moe_forward
+        # For callers in C (cpu_decoder.py's one-call decoder).
+        self.address = ctypes.cast(lib.moe_forward, ctypes.c_void_p).value
 
     def moe_forward(self, args: array.array) -> None:
         rc = self._moe_forward(args.buffer_info()[0])  # `args` lives through the call
@@ -130,6 +132,9 @@ class ExpertKernel:
         self._head = (num_experts, top_k, int(norm_topk_prob), router.data_ptr())
         self._gated, self._tail = gated, tail
         self._weights = (gate_up, down)  # the tables' memory
+        # moe_forward's arguments for a caller in C that fills in x, T, out and num_threads
+        # (cpu_ops.c's decoder_forward), routed by the router.
+        self.decoder_args = self._args(0, 0, 0, self._head[3], (0, 0), 0)
 
     def _part(self, weights: list[GGMLWeight], first: GGMLWeight, col: int) -> list[int]:
         table = torch.tensor([w.data.data_ptr() for w in weights], dtype=torch.int64)
@@ -151,32 +156,23 @@ class ExpertKernel:
             raise KernelInputError(f"x: bfloat16 (T, {self.hidden}) expected", arg="x")
         x = x.contiguous()
         out = torch.empty(num_tokens, self.hidden, dtype=torch.bfloat16)
-        num_experts, top_k, norm, router = self._head
-        routing = (0, 0)
+        router, routing = self._head[3], (0, 0)
         if chosen is not None and weights is not None:
-            shape = (num_tokens, top_k)
+            shape = (num_tokens, self.top_k)
             if chosen.shape != shape or weights.shape != shape:
                 raise KernelInputError(f"weights and chosen: {shape} expected", arg="chosen")
             weights = weights.float().contiguous()
             chosen = chosen.to(torch.int64).contiguous()
             router, routing = 0, (weights.data_ptr(), chosen.data_ptr())
-        args = array.array(
-            "q",
-            (
-                x.data_ptr(),
-                num_tokens,
-                self.hidden,
-                self.inter,
-                num_experts,
-                top_k,
-                norm,
-                router,
-                *routing,
-                out.data_ptr(),
-                self._gated,
-                torch.get_num_threads(),
-                *self._tail,
-            ),
-        )
+        threads = torch.get_num_threads()
+        args = self._args(x.data_ptr(), num_tokens, out.data_ptr(), router, routing, threads)
         self.library.moe_forward(args)
         return out
+
+    def _args(
+        self, x: int, num_tokens: int, out: int, router: int, routing: tuple[int, int], threads: int
+    ) -> array.array:
+        """moe_forward's arguments (ggml_experts.c lists them)."""
+        num_experts, top_k, norm, _ = self._head
+        head = (x, num_tokens, self.hidden, self.inter, num_experts, top_k, norm, router)
+        return array.array("q", (*head, *routing, out, self._gated, threads, *self._tail))

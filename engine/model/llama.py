@@ -201,20 +201,24 @@ class LlamaForCausalLM(DecoderForCausalLM):
     def build_cpu_decoder(self, attention, kv_caches: list[torch.Tensor]) -> CpuDecoder | None:
         """`forward_fused`'s layers as one C call (kernels/cpu_decoder.py) over `kv_caches`,
         for the 'cpu' attention backend `attention`; None when a projection has a dense part
-        or the MLP has experts (forward_fused then runs them through torch)."""
-        if self.cfg.num_experts:
-            return None
+        or the experts are not one C call's (model/moe.py's `expert_kernel`): forward_fused
+        then runs them through torch."""
         from agentrt.engine.core.kv_cache_groups import kv_cache_layout
 
         places = kv_cache_layout(self.cfg).layer_places(len(self.layers))
         self._layer_groups = [group for group, _ in places]
         layers = []
         for layer, group in zip(self.layers, self._layer_groups, strict=True):
-            projections = layer.projections()
+            projections, experts = layer.projections(), None
+            if layer.mlp is not None:  # the MLP in one call, moe_forward's: no gate_up, down
+                projections = projections[:2]
+                experts = layer.mlp.expert_kernel(self.cpu_ops.silu_mul)
+                if experts is None:
+                    return None
             if not all(block_format(w) for p in projections for w in p.weights):
                 return None
+            weights = [p.weights for p in projections] + [[], []] * (experts is not None)
             norms = (factor(layer.input_layernorm), factor(layer.post_attention_layernorm))
-            weights = (p.weights for p in projections)
             layers.append(
                 LayerWeights(
                     *norms,
@@ -228,6 +232,7 @@ class LlamaForCausalLM(DecoderForCausalLM):
                     window=layer.sliding_window,
                     softcap=layer.attn_softcap,
                     group=group,
+                    experts=experts,
                 )
             )
         return CpuDecoder(

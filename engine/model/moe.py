@@ -15,7 +15,8 @@ engine/loader/gguf_loader.py; or dense `nn.Linear`s of an HF checkpoint).
 On the fused CPU glue with block-format experts the whole MLP is one C call instead
 (kernels/ggml_experts.py, `SparseMoE.expert_kernel`): the same operations in the same order,
 so the same bits for the same routing (its router sums in its own fp32 order), without the
-~20 Python and torch calls between the products (1.5x a decode step's layer on one thread).
+~20 Python and torch calls between the products (1.5x a decode step's layer on one thread);
+the one-call decoder (kernels/cpu_decoder.py) calls it from C, layer after layer.
 """
 
 from __future__ import annotations

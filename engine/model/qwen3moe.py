@@ -28,6 +28,6 @@ def arch_config(config: dict[str, Any]) -> ModelArchConfig:
     )
 
 
-# Qwen3's layer (Llama's math with q/k norms per head) with SiLU experts: the fused C glue
-# runs it on the CPU, its experts by model/moe.py (not the one-call decoder).
+# Qwen3's layer (Llama's math with q/k norms per head) with SiLU experts: on the CPU the
+# one-call C decoder runs it, its MLP one call of model/moe.py's expert kernel a layer.
 MODEL_CLASS = LlamaForCausalLM

@@ -128,15 +128,14 @@ def test_block_formats_run_close_to_fp32_on_the_fused_paths(family_files):
     (int8 activations move near-ties only). The one-call C decoder and the fused glue
     compute every dense family's layer: a qkv bias (Qwen2), q/k norms per head (Qwen3,
     Gemma 3) or over all heads (OLMo 2), Gemma's 1 + w sandwich norms, GeGLU, windows and
-    rope tables per layer, soft-caps (Gemma 2), OLMo 2's post-norms; the MoEs (Qwen3-MoE,
-    Mixtral) take the fused glue with their experts batched by model/moe.py, not the
-    one-call decoder. (Measured, mean error / argmax agreement over the text's 29
+    rope tables per layer, soft-caps (Gemma 2), OLMo 2's post-norms, and the MoEs'
+    (Qwen3-MoE, Mixtral) MLPs as one kernel call a layer (kernels/ggml_experts.py). (Measured, mean error / argmax agreement over the text's 29
     positions, fused vs by torch ops: Qwen2 3.1% / 97% vs 2.8% / 86%; Qwen3 2.5% / 90% (26)
     vs 2.2% / 93% (27); Llama 3.1% / 93%: one near-tie either way, so the floor is 85%;
     SmolLM3, its NoPE layers on the same paths, 7.3% / 86%.)"""
     decoder = ("llama", "phi3", "qwen2", "qwen3", "smollm3", "granite")
-    decoder += ("gemma3", "gemma2", "olmo2")
-    glue = (*decoder, "qwen3moe", "mixtral")
+    decoder += ("gemma3", "gemma2", "olmo2", "qwen3moe", "mixtral")
+    glue = decoder
     for family in glue:
         path = str(family_files[(family, Q.Q8_0)][0])
         quantized, exact = LLM(path, kv_cache_memory_gb=0.02), LLM(path, dtype="float32")
@@ -154,14 +153,14 @@ def test_block_formats_run_close_to_fp32_on_the_fused_paths(family_files):
         assert (got - want).abs().mean() < bound * want.abs().mean()
 
 
-@pytest.mark.parametrize("family", ["smollm3", "granite", "gemma3", "gemma2", "olmo2"])
+@pytest.mark.parametrize("family", ["smollm3", "granite", "gemma3", "gemma2", "olmo2", "qwen3moe"])
 def test_one_call_decoder_gives_the_layer_by_layer_bits(family_files, family):
     """SmolLM3's NoPE layers (rope_qkv without a table: q and k not rotated), Granite's
     multipliers (each branch scaled as add_rms_norm adds it), Gemma 3's sliding-window
     layers (their own rope table and KV cache group: the prompts run past the window by
-    several blocks, whose local KV is freed), Gemma 2's soft-caps and OLMo 2's post-norms
-    on the one-call C decoder give the layer-by-layer fused path's bits, prefill and
-    decode."""
+    several blocks, whose local KV is freed), Gemma 2's soft-caps, OLMo 2's post-norms and
+    Qwen3-MoE's experts (one moe_forward a layer) on the one-call C decoder give the
+    layer-by-layer fused path's bits, prefill and decode."""
     path = str(family_files[(family, Q.Q8_0)][0])
     one_call, by_layer = LLM(path, kv_cache_memory_gb=0.02), LLM(path, kv_cache_memory_gb=0.02)
     model = one_call.engine.runner.model
@@ -172,6 +171,8 @@ def test_one_call_decoder_gives_the_layer_by_layer_bits(family_files, family):
         assert model.cfg.residual_scale != 1.0 and model.cfg.embedding_scale != 1.0
     elif family == "olmo2":
         assert model.cfg.norm_layout == "post" and not model.cfg.qk_norm_per_head
+    elif family == "qwen3moe":
+        assert all(layer.mlp is not None for layer in model.layers)
     else:  # Gemma: sliding layers in their own KV cache groups
         assert model.cfg.has_sliding_layers and model.cpu_decoder.num_groups > 1
     by_layer.engine.runner.model.cpu_decoder = None

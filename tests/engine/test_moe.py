@@ -156,10 +156,11 @@ def test_hf_moe_checkpoint_layouts_run_greedy_as_transformers(tiny_checkpoint, t
 
 @pytest.mark.parametrize("family", ["qwen3moe", "mixtral"])
 def test_fused_path_one_call_kernel_decodes_as_the_per_expert_path(tmp_path, family, monkeypatch):
-    """A tiny Q8_0 MoE file on the fused CPU glue (its default): each layer's MLP is one C
-    call (kernels/ggml_experts.py), and greedy decoding gives the tokens of the per-expert
-    path (the kernel's router sums in its own fp32 order; the experts and the glue are the
-    same operations), logits within a bf16 rounding's effect."""
+    """A tiny Q8_0 MoE file on the fused CPU glue (its default): the whole decoder is one C
+    call, each layer's MLP in it one moe_forward (kernels/ggml_experts.py); layer by layer
+    the same kernel is called from Python; and greedy decoding gives the tokens of the
+    per-expert path (the kernel's router sums in its own fp32 order; the experts and the glue
+    are the same operations)."""
     from agentrt.engine.client.llm import LLM
     from agentrt.engine.sampling_params import SamplingParams
     from agentrt.kernels.ggml_experts import ExpertKernel
@@ -169,13 +170,20 @@ def test_fused_path_one_call_kernel_decodes_as_the_per_expert_path(tmp_path, fam
     path, _ = write_family_gguf(family, tmp_path / f"{family}.gguf", qtype=Q.Q8_0)
     prompts = [[5, 9, 200, 31, 7], [1000, 42, 17, 3, 3, 8, 400, 12, 77]]
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+
+    def generate() -> list[list[int]]:
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+
+    llm = LLM(str(path), kv_cache_memory_gb=0.02)
+    model = llm.engine.runner.model
+    assert model.cpu_ops is not None and model.cpu_decoder is not None  # one call a step
+    one_call = generate()
+    model.cpu_decoder = None  # forward_fused, layer by layer
     calls = []
     forward = ExpertKernel.forward
     monkeypatch.setattr(ExpertKernel, "forward", lambda k, x: calls.append(1) or forward(k, x))
-    llm = LLM(str(path), kv_cache_memory_gb=0.02)
-    assert llm.engine.runner.model.cpu_ops is not None  # the fused glue
-    one_call = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    by_layer = generate()
     assert calls  # every MoE layer of every step went through the kernel
     monkeypatch.setattr(SparseMoE, "expert_kernel", lambda self, gated: None)
-    per_expert = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-    assert one_call == per_expert
+    per_expert = generate()
+    assert one_call == by_layer == per_expert

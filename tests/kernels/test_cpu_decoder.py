@@ -1,8 +1,9 @@
 """All of a quantized model's layers in one C call (kernels/cpu_decoder.py) against the same
 layers run one fused call at a time from Python (llama.py's forward_fused): the same bits
 for every step, prefills, chunks and decodes mixed, on one and two threads, for Llama's
-layer and for Qwen2's (a qkv bias) and Qwen3's (q/k RMSNorm per head); its checks before
-the call; and the fallback when a projection is dense."""
+layer and for Qwen2's (a qkv bias), Qwen3's (q/k RMSNorm per head) and the sparse MoE
+layers of Qwen3-MoE and Mixtral (their MLP one moe_forward call); its checks before the
+call; and the fallback when a projection is dense."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from agentrt.engine.records import ScheduledChunk, SchedulerOutput
 from agentrt.engine.worker.model_runner import ModelRunner
 from agentrt.kernels import KernelInputError
 from tests.engine.gguf_files import Q, write_tiny_gguf
+from tests.engine.hf_gguf import write_family_gguf
 from tests.engine.test_loader import runner as loader_runner
 
 PROMPTS = [list(range(5, 45)), list(range(100, 109)), list(range(300, 320))]
@@ -63,6 +65,26 @@ def test_one_call_equals_the_layer_by_layer_path_bit_for_bit(files, kind, thread
     assert (layer.qkv_proj.bias is not None) == (kind == "qwen2")
     assert (layer.q_norm is not None) == (kind == "qwen3")
     by_layer.model.cpu_decoder = None
+    _assert_same_steps(one_call, by_layer, threads)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("family", ["qwen3moe", "mixtral"])
+def test_moe_one_call_equals_the_layer_by_layer_path_bit_for_bit(tmp_path, family, threads):
+    """A MoE layer's MLP in the one-call decoder is moe_forward called from C with the
+    arguments forward_fused's expert kernel passes from Python: the same bits (prefills,
+    chunks and decodes; Q4_0 experts, interleaved on AVX2 and AVX-512 builds)."""
+    path, _ = write_family_gguf(family, tmp_path / f"{family}.gguf", qtype=Q.Q4_0)
+    one_call, by_layer = runner(path), runner(path)
+    decoder = one_call.model.cpu_decoder
+    assert decoder is not None and all(w.experts for w in decoder._layer_weights)
+    by_layer.model.cpu_decoder = None
+    for layer in by_layer.model.layers:  # forward_fused runs the layer's kernel
+        assert layer.mlp.expert_kernel(by_layer.model.cpu_ops.silu_mul) is not None
+    _assert_same_steps(one_call, by_layer, threads)
+
+
+def _assert_same_steps(one_call: ModelRunner, by_layer: ModelRunner, threads: int) -> None:
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
