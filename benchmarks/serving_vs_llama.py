@@ -310,7 +310,10 @@ async def send(http: httpx.AsyncClient, model: str, body: dict) -> Reply:
 
 async def run_cell(url: str, workload: Workload, concurrency: int, warmup: dict) -> dict:
     """Every request of `workload`, `concurrency` in flight; the cell's figures."""
-    limits = httpx.Limits(max_connections=concurrency + 4)
+    # Idle connections are dropped after 2 s, before either server's keep-alive (5 s in
+    # uvicorn and cpp-httplib) closes them: a request sent on a connection the server is
+    # closing fails with RemoteProtocolError on either side, which is the client's race.
+    limits = httpx.Limits(max_connections=concurrency + 4, keepalive_expiry=2.0)
     async with httpx.AsyncClient(base_url=url, timeout=TIMEOUT_S, limits=limits) as http:
         model = (await http.get("/v1/models")).json()["data"][0]["id"]
         if (first := await send(http, model, warmup)).error:
@@ -554,9 +557,9 @@ def print_cell(workload: str, concurrency: int, cell: dict) -> None:
         f"  load {ours['load'][0]:.1f}",
         flush=True,
     )
-    for side in (theirs, ours):
+    for name, side in (("llama-server", theirs), ("agentrt", ours)):
         if side and side.get("failed"):
-            print(f"    {side['failed']} failed: {side.get('first_error')}", flush=True)
+            print(f"    {name}: {side['failed']} failed: {side.get('first_error')}", flush=True)
 
 
 def main() -> None:
