@@ -19,7 +19,8 @@ meanwhile: the journal tells which lines are done, so none is lost or run twice.
 crash inside it is redone on the next start.
 
 Lines run as requests of the batch's owner (its API key, sent in-process); a batch whose key
-the server no longer has waits until it has it again.
+the server no longer has waits until it has it again, or until its window ends: it expires at
+its `expires_at` like any other.
 """
 
 from __future__ import annotations
@@ -191,9 +192,17 @@ class BatchManager:
             return  # not started yet: `start` launches it
         if batch["owner"] != owner_of(self._api_key) and not _past_window(batch):
             logger.warning("batch %s waits: its API key is not this server's", batch["id"])
+            self._tg.start_soon(self._expire_when_due, batch)
             return
         self._live[batch["id"]] = batch
         self._tg.start_soon(self._run, batch)
+
+    async def _expire_when_due(self, batch: dict[str, Any]) -> None:
+        """Launch a waiting batch (its key is not this server's) once its window has ended
+        by the wall clock, as `_run` reads it: it expires then."""
+        while (left := batch["expires_at"] - time.time()) > 0:
+            await anyio.sleep(left)
+        self._launch(batch)
 
     async def _run(self, batch: dict[str, Any]) -> None:
         try:

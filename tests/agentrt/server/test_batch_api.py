@@ -402,6 +402,36 @@ async def test_a_window_passed_while_the_server_was_down_expires_the_batch(
         assert not journal.exists()
 
 
+@pytest.mark.anyio
+async def test_a_batch_of_another_key_expires_at_its_window_while_the_server_runs(
+    tmp_path, smollm2_llm
+) -> None:
+    """A batch left unfinished by a server with key A waits on a server with key B (its lines
+    need A's key), yet its window ends at its `expires_at` while B runs, not at B's next
+    start: it is expired then, and no line ran on B."""
+    lines = [chat_line(f"o-{i}", CITIES[i % 8]) for i in range(48)]
+    async with batch_server(tmp_path, smollm2_llm) as client:
+        batch_id = await start_batch(client, lines)  # then drained at once
+    stored_path = tmp_path / "batches" / f"{batch_id}.json"
+    stored = json.loads(stored_path.read_text())
+    assert stored["status"] in ("validating", "in_progress")
+    stored["expires_at"] = int(time.time()) + 3
+    stored_path.write_text(json.dumps(stored))
+    journal = tmp_path / "batches" / f"{batch_id}.jsonl"
+    num_before = len(journal.read_bytes().splitlines()) if journal.exists() else 0
+
+    async with batch_server(tmp_path, smollm2_llm, key="batch-key-b"):
+        assert time.time() < stored["expires_at"], "B started after the window: not exercised"
+        assert json.loads(stored_path.read_text())["status"] == stored["status"]  # it waits
+        with anyio.fail_after(30):
+            while (batch := json.loads(stored_path.read_text()))["status"] != "expired":
+                await anyio.sleep(0.1)
+    assert batch["expired_at"] >= batch["expires_at"]
+    counts = {"total": 48, "completed": num_before, "failed": 48 - num_before}
+    assert batch["request_counts"] == counts  # the lines A finished, none more
+    assert not journal.exists()
+
+
 @pytest.mark.slow  # two `agentrt serve` processes load the model
 @pytest.mark.anyio
 async def test_sigkill_mid_batch_resumes_without_loss_or_duplicates(tmp_path, smollm2_llm) -> None:
