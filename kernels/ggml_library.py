@@ -108,6 +108,8 @@ class GGMLKernels:
         self._act_block = lib.ggml_act_block
         lib.ggml_interleave.argtypes = [ptr, i64, cint, i64, i64, ptr, cint]
         lib.ggml_interleave.restype = cint
+        lib.ggml_interleave_jobs.argtypes = [ptr, i64, ptr]
+        lib.ggml_interleave_jobs.restype = cint
         lib.ggml_deinterleave_rows.argtypes = [ptr, i64, cint, ptr, i64, i64, ptr, i64]
         lib.ggml_deinterleave_rows.restype = cint
         lib.ggml_interleaves.argtypes = [cint]
@@ -151,6 +153,20 @@ class GGMLKernels:
         )
         if rc:
             raise KernelInputError(f"ggml_interleave: {_type_name(weight.qtype)} refused")
+
+    def interleave_jobs(self, jobs: torch.Tensor, next_job: torch.Tensor) -> None:
+        """Run interleave jobs on this thread until none is left: `jobs` int64 (J, 8),
+        contiguous, each ggml_interleave's (w, w_stride, qtype, n, k, out) addresses and sizes
+        then a span of w's pages (address, bytes; 0 bytes: none) dropped once copied;
+        `next_job` int64 (1,), the index of the next job to take, shared by every thread
+        that runs the same jobs. One C call: the GIL is released until the jobs are done."""
+        assert jobs.dtype == torch.int64 and jobs.is_contiguous() and jobs.shape[1:] == (8,)
+        rc = self._lib.ggml_interleave_jobs(jobs.data_ptr(), jobs.shape[0], next_job.data_ptr())
+        if rc:
+            qtype = int(jobs[rc - 1, 2])
+            raise KernelInputError(
+                f"ggml_interleave_jobs: job {rc - 1} ({_type_name(qtype)}) refused"
+            )
 
     def deinterleave_rows(self, weight: GGMLWeight, index: torch.Tensor, out: torch.Tensor) -> None:
         """out uint8 (R, row_bytes), contiguous = rows `index` (int64 (R,), contiguous, each

@@ -36,6 +36,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 
 #if AGENTRT_ISA >= 1
 #include <immintrin.h>
@@ -935,6 +936,23 @@ int ggml_interleave(const uint8_t *w, int64_t w_stride, int qtype, int64_t n, in
                 interleave_block(qtype, w + (16 * g + r) * w_stride + b * size,
                                  out + (g * num_blocks + b) * block, r);
     return 0;
+}
+
+// Many ggml_interleave calls in one (so a caller's lock, Python's GIL, is released through
+// all of them): `jobs` holds n_jobs records of 8 int64, ggml_interleave's w, w_stride, qtype,
+// n, k and out, then pages of w (address, bytes; 0 bytes: none) to drop with MADV_DONTNEED
+// once copied. Each caller's thread takes the next job from the shared counter `next`, one
+// thread each. Returns 0; 1 + the index of a job ggml_interleave refused.
+int ggml_interleave_jobs(const int64_t *jobs, int64_t n_jobs, int64_t *next) {
+    for (;;) {
+        const int64_t j = __atomic_fetch_add(next, 1, __ATOMIC_RELAXED);
+        if (j >= n_jobs) return 0;
+        const int64_t *job = jobs + 8 * j;
+        if (ggml_interleave((const uint8_t *)job[0], job[1], (int)job[2], job[3], job[4],
+                            (uint8_t *)job[5], 1))
+            return (int)(j + 1);
+        if (job[7] > 0) madvise((void *)job[6], (size_t)job[7], MADV_DONTNEED);
+    }
 }
 
 // Rows `index[0 .. count)` of an interleaved weight (`w_stride` bytes a group of 16) -> out,
