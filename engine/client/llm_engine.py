@@ -7,6 +7,7 @@ drive one of these. It is not thread-safe: exactly one thread calls its methods.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -82,10 +83,15 @@ class LLMEngine:
         if threads:
             torch.set_num_threads(threads)
         torch.manual_seed(config.model.seed)
-        self.tokenizer = load_tokenizer(config.model.path)
         num_blocks = config.cache.num_blocks
         self._check_fit(tp_size, num_blocks)
-        self.runner = self._start_runner(tp_size)
+        # The tokenizer is built while the weights are interleaved on the loader's threads
+        # (loader/load.py): its build holds the GIL, their C calls do not.
+        tokenizers: list = []
+        self.runner = self._start_runner(
+            tp_size, alongside=lambda: tokenizers.append(load_tokenizer(config.model.path))
+        )
+        self.tokenizer = tokenizers[0]
         self.kv_manager = KVCacheManager(
             num_blocks,
             config.cache.block_size,
@@ -145,18 +151,21 @@ class LLMEngine:
         )
         check_fit(estimate, quantization=model.quantization, device=device)
 
-    def _start_runner(self, tp_size: int) -> ModelRunner:
-        """Rank 0's model runner; with tensor_parallel_size > 1 the workers too, which load
-        their shards (of the same resolved model and cache config) while this process loads
-        its own (`shutdown()` stops them)."""
+    def _start_runner(self, tp_size: int, alongside: Callable[[], object]) -> ModelRunner:
+        """Rank 0's model runner, running `alongside` while its weights are interleaved; with
+        tensor_parallel_size > 1 the workers too, which load their shards (of the same
+        resolved model and cache config) while this process loads its own (`shutdown()` stops
+        them)."""
         model, cache = self.config.model, self.config.cache
         if tp_size == 1:
             self.executor = None
-            return build_runner(model, cache, torch.device(model.device), None)
+            return build_runner(model, cache, torch.device(model.device), None, alongside)
         self.executor = TensorParallelExecutor(tp_size, model, cache)
         weakref.finalize(self, self.executor.shutdown)  # workers exit with the engine
         try:
-            runner = build_runner(model, cache, self.executor.device, self.executor.group)
+            runner = build_runner(
+                model, cache, self.executor.device, self.executor.group, alongside
+            )
             self.executor.wait_ready()
         except BaseException:
             self.executor.shutdown()

@@ -108,16 +108,23 @@ class GGUFLoader:
         copied (a permuted or fused copy): RSS then counts the copy only. The mapping is
         private and never written, so a page read again is read from the file."""
         memory = self.file.reader.data
-        base, size = memory.ctypes.data, memory.nbytes
         for part in parts:
-            data = part.data if isinstance(part, GGMLWeight) else part
-            start = data.data_ptr() - base
-            if not 0 <= start < size or not data.is_contiguous():
-                continue  # not a view of the map (already a copy)
-            first = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE  # whole pages inside it only
-            last = (start + data.numel() * data.element_size()) // mmap.PAGESIZE * mmap.PAGESIZE
-            if last > first:
-                memory._mmap.madvise(mmap.MADV_DONTNEED, first, last - first)
+            pages = self.mapped_pages(part)
+            if pages is not None:
+                memory._mmap.madvise(mmap.MADV_DONTNEED, pages[0] - memory.ctypes.data, pages[1])
+
+    def mapped_pages(self, part: Part) -> tuple[int, int] | None:
+        """(address, bytes) of the whole pages of the map inside `part`; None for a part that
+        is no contiguous view of the map (a copy) or holds no whole page."""
+        memory = self.file.reader.data
+        base, size = memory.ctypes.data, memory.nbytes
+        data = part.data if isinstance(part, GGMLWeight) else part
+        start = data.data_ptr() - base
+        if not 0 <= start < size or not data.is_contiguous():
+            return None
+        first = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE  # whole pages inside it only
+        last = (start + data.numel() * data.element_size()) // mmap.PAGESIZE * mmap.PAGESIZE
+        return (base + first, last - first) if last > first else None
 
     def row_reader(self, part: Part) -> Callable[[torch.Tensor], torch.Tensor] | None:
         """Rows of a block-format view of the map, read with `os.pread` (from the page

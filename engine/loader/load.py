@@ -14,13 +14,19 @@ repack 5-6x slower (Qwen2.5-0.5B Q4_K_M, 373 MiB, 2 threads, load average 21: 13
 1.5 s CPU). benchmarks/startup.py's weights stage, AMD EPYC, load average ~20, medians of 3
 cached starts, OpenMP team -> own threads: that file 1.53 -> 0.56 s CPU (12.8 -> 3.9 s wall),
 the embedded model 1.71 -> 0.70 s CPU (11.9 -> 4.0 s wall).
+
+The interleaving runs after the walk, in one C call a thread that holds no GIL, so a caller's
+`alongside` work runs on the calling thread meanwhile: the engine builds the tokenizer there
+(`tokenizers` holds the GIL through its 0.4-0.5 s build of a 152k vocabulary, so a thread
+beside the per-weight calls of before got about one call's worth of overlap).
 """
 
 from __future__ import annotations
 
 import functools
 import os
-from concurrent.futures import ThreadPoolExecutor
+import threading
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -65,20 +71,25 @@ def load_weights(
     dtype: torch.dtype,
     device: torch.device,
     quantization: str,
+    alongside: Callable[[], object] | None = None,
 ) -> None:
     """Load every parameter of `model` (a LlamaForCausalLM of this rank's share of the full
-    model `arch`) from `loader`, in place. `quantization` is concrete (not "auto")."""
-    with _Repacker(torch.get_num_threads()) as repack:
-        _load(
-            model,
-            loader,
-            arch,
-            repack,
-            shard=shard,
-            dtype=dtype,
-            device=device,
-            quantization=quantization,
-        )
+    model `arch`) from `loader`, in place. `quantization` is concrete (not "auto").
+    `alongside` (if given) runs on this thread while the weights are interleaved on the
+    repack threads, once every parameter is in place; its error, or theirs, is raised once
+    both are done."""
+    repack = _Repacker(loader, torch.get_num_threads())
+    _load(
+        model,
+        loader,
+        arch,
+        repack,
+        shard=shard,
+        dtype=dtype,
+        device=device,
+        quantization=quantization,
+    )
+    repack.run(alongside)
 
 
 def _load(
@@ -144,7 +155,7 @@ def _load(
 def _fused(parts: list[GGMLWeight], loader: WeightLoader, repack: _Repacker | None) -> GGMLWeight:
     """Parts of one block type stacked by rows into one weight: interleaved into one buffer
     part by part when the kernels take the type so (`repack` given), else concatenated; the
-    map's pages of the parts released."""
+    map's pages of the parts released (by `repack` once interleaved)."""
     first = parts[0]
     if repack is not None and repack.kernels.interleaves(first.qtype):
         if all(p.out_features % ROWS_INTERLEAVED == 0 for p in parts):
@@ -155,7 +166,6 @@ def _fused(parts: list[GGMLWeight], loader: WeightLoader, repack: _Repacker | No
             for p in parts:
                 stop = start + p.out_features // ROWS_INTERLEAVED
                 repack.interleave(p, out[start:stop])
-                loader.release([p])
                 start = stop
             return GGMLWeight(out, first.qtype, first.in_features, interleaved=True)
     fused = GGMLWeight(torch.cat([p.data for p in parts]), first.qtype, first.in_features)
@@ -167,8 +177,8 @@ def _kernel_layout(parts: list, loader: WeightLoader, repack: _Repacker) -> list
     """Each block part the CPU kernels run faster with its rows interleaved by 16
     (kernels/ggml_linear.py `interleave`; `GGMLKernels.interleaves` says which: Q4_0, Q4_1,
     Q5_0, Q5_1, Q8_0, Q4_K and Q6_K on AVX-512, the same less the K-quants on AVX2), interleaved: a copy,
-    the map's pages of the part released, so one layout is held (a tied embedding's lookups
-    gather their rows from it)."""
+    the map's pages of the part released once copied (`_Repacker`), so one layout is held (a
+    tied embedding's lookups gather their rows from it)."""
     out = []
     for part in parts:
         if (
@@ -177,57 +187,80 @@ def _kernel_layout(parts: list, loader: WeightLoader, repack: _Repacker) -> list
             and part.out_features % ROWS_INTERLEAVED == 0
             and repack.kernels.interleaves(part.qtype)
         ):
-            packed = repack.interleave(part)
-            loader.release([part])
-            part = packed
+            part = repack.interleave(part)
         out.append(part)
     return out
 
 
 class _Repacker:
-    """Interleaves weights into the kernels' layout (kernels/ggml_linear.py `interleave`) on
-    `num_threads` threads of its own (module doc), each share of row groups on one OpenMP
-    thread. A context manager: its threads end on exit. The C library is loaded at the
-    first use (a load that interleaves nothing, as on a GPU, never loads it)."""
+    """Interleaves weights into the kernels' layout (kernels/ggml_linear.py `interleave`),
+    deferred: `interleave` returns the interleaved weight at once, its buffer not yet filled,
+    and `run` fills every buffer on `num_threads` threads of its own, each one C call
+    (`GGMLKernels.interleave_jobs`, no GIL held) that takes the next share of row groups until
+    none is left (module doc: no OpenMP team), and drops each share's pages of the map once
+    copied. Nothing may read an interleaved weight before `run` returns. The C library is
+    loaded at the first use (a load that interleaves nothing, as on a GPU, never loads it)."""
 
-    def __init__(self, num_threads: int) -> None:
+    def __init__(self, loader: WeightLoader, num_threads: int) -> None:
+        self.loader = loader
         self.num_threads = max(1, num_threads)
-        self._pool = ThreadPoolExecutor(self.num_threads) if self.num_threads > 1 else None
+        self._jobs: list[tuple[int, ...]] = []  # ggml_interleave_jobs' records
+        self._buffers: list[torch.Tensor] = []  # the jobs' sources and outputs, held to `run`
 
     @functools.cached_property
     def kernels(self) -> GGMLKernels:
         return default_kernels()
 
-    def __enter__(self) -> _Repacker:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self._pool is not None:
-            self._pool.shutdown()
-
     def interleave(self, part: GGMLWeight, out: torch.Tensor | None = None) -> GGMLWeight:
-        """`part` (N rows, N a multiple of 16, a type the kernels interleave) interleaved
-        into `out` (uint8 (N / 16, interleaved_row_bytes), contiguous; default a new one):
-        the bytes `ggml_linear.interleave(part)` has."""
+        """`part` (N rows, N a multiple of 16, a type the kernels interleave) as an
+        interleaved weight in `out` (uint8 (N / 16, interleaved_row_bytes), contiguous;
+        default a new one), which `run` fills with the bytes `ggml_linear.interleave(part)`
+        has."""
         if out is None:
             width = interleaved_row_bytes(part.qtype, part.in_features)
             out = torch.empty(part.out_features // ROWS_INTERLEAVED, width, dtype=torch.uint8)
         groups = out.shape[0]
         step = max(_MIN_GROUPS, -(-groups // (4 * self.num_threads)))
-        spans = [(start, min(start + step, groups)) for start in range(0, groups, step)]
-
-        def run(span: tuple[int, int]) -> None:
-            start, stop = span  # row groups: rows 16 * start .. 16 * stop
+        for start in range(0, groups, step):
+            stop = min(start + step, groups)  # row groups: rows 16 * start .. 16 * stop
             rows = part.data[start * ROWS_INTERLEAVED : stop * ROWS_INTERLEAVED]
             share = GGMLWeight(rows, part.qtype, part.in_features)
-            self.kernels.interleave(share, out[start:stop], num_threads=1)
-
-        if self._pool is None or len(spans) == 1:
-            for span in spans:
-                run(span)
-        else:
-            list(self._pool.map(run, spans))  # re-raises a share's error
+            pages = self.loader.mapped_pages(share) or (0, 0)
+            dst, src = out[start:stop], share.data
+            self._jobs.append(
+                (src.data_ptr(), src.stride(0), int(part.qtype), share.out_features)
+                + (part.in_features, dst.data_ptr(), *pages)
+            )
+        self._buffers += [part.data, out]
         return GGMLWeight(out, part.qtype, part.in_features, interleaved=True)
+
+    def run(self, alongside: Callable[[], object] | None = None) -> None:
+        """Fill every buffer `interleave` returned while this thread runs `alongside`; raises
+        the first error of either once both are done."""
+        errors: list[BaseException] = []
+        jobs = torch.tensor(self._jobs, dtype=torch.int64).reshape(-1, 8)
+        next_job = torch.zeros(1, dtype=torch.int64)
+        kernels = self.kernels if self._jobs else None  # loaded here, not by each thread
+
+        def work() -> None:
+            try:
+                kernels.interleave_jobs(jobs, next_job)
+            except BaseException as exc:  # re-raised on the calling thread
+                errors.append(exc)
+
+        count = min(self.num_threads, jobs.shape[0])
+        threads = [threading.Thread(target=work, name="agentrt-repack") for _ in range(count)]
+        for thread in threads:
+            thread.start()
+        try:
+            if alongside is not None:
+                alongside()
+        finally:
+            for thread in threads:
+                thread.join()
+            self._jobs, self._buffers = [], []
+        if errors:
+            raise errors[0]
 
 
 def _one_block_type(parts: list) -> bool:

@@ -60,6 +60,9 @@ class SafetensorsLoader:
     def release(self, parts: list) -> None:
         pass  # every read is already a copy
 
+    def mapped_pages(self, part) -> None:
+        return None  # every read is already a copy
+
     def row_reader(self, part) -> None:
         return None  # its parts are copies or dense
 
@@ -104,6 +107,9 @@ class StateDictLoader:
 
     def release(self, parts: list) -> None:
         pass  # the state dict is the caller's
+
+    def mapped_pages(self, part) -> None:
+        return None  # the state dict is the caller's
 
     def row_reader(self, part) -> None:
         return None  # its parts are copies or dense

@@ -88,6 +88,12 @@ class WeightLoader(Protocol):
         memory, if anything (the GGUF map's pages; nothing for the others)."""
         ...
 
+    def mapped_pages(self, part: Part) -> tuple[int, int] | None:
+        """The whole pages of this loader's memory map that `part` (a view of the map) covers,
+        as (address, bytes), for a caller that drops them itself once the part is copied
+        (`release` drops the same pages); None where the part is no view of a map."""
+        ...
+
     def row_reader(self, part: Part) -> Callable[[torch.Tensor], torch.Tensor] | None:
         """For a block-format embedding read from this loader and used for lookups only: a
         function of row ids (int64) that reads those rows of `part` from the file, (T, row

@@ -12,7 +12,7 @@ import math
 import mmap
 import os
 import platform
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -123,13 +123,15 @@ class ModelRunner:
         attention_backend: str = "auto",
         quantization: str = "none",
         tp: TensorParallelGroup | None = None,
+        alongside: Callable[[], object] | None = None,
     ) -> None:
         """Builds the model and the KV cache; the weights come from `weights` (a loader of
         engine/loader/, or a state dict already in memory), in the format `quantization`
         names ('none', 'gguf', 'int8', 'int4': engine/loader/quantization.py).
         `tp`: this rank's tensor-parallel group; the runner then holds the rank's shard of
         the full model `arch` (model/parallel.py), its KV heads only, and rank 0 sends each
-        step's input to the workers (`worker.py`), which run the same forward."""
+        step's input to the workers (`worker.py`), which run the same forward. `alongside`
+        runs on this thread while the weights are interleaved (load.py `load_weights`)."""
         self.tp = tp
         shard = Shard(0, 1) if tp is None else Shard(tp.rank, tp.size)
         full_arch, arch = arch, shard_arch(arch, shard.size)
@@ -156,6 +158,7 @@ class ModelRunner:
                 dtype=dtype,
                 device=device,
                 quantization=quantization,
+                alongside=alongside,
             )
             model.build_rotary(max_model_len, device)
             self.model = model.eval()

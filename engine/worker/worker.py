@@ -31,6 +31,7 @@ import json
 import logging
 import os
 import sys
+from collections.abc import Callable
 
 import torch
 
@@ -68,10 +69,15 @@ def threads_per_rank(local_world_size: int) -> int:
 
 
 def build_runner(
-    model: ModelConfig, cache: CacheConfig, device: torch.device, tp: TensorParallelGroup | None
+    model: ModelConfig,
+    cache: CacheConfig,
+    device: torch.device,
+    tp: TensorParallelGroup | None,
+    alongside: Callable[[], object] | None = None,
 ) -> ModelRunner:
     """This rank's model runner, of the resolved config: the checkpoint at `model.path`, its
-    loader reading only this rank's slices (`tp`). Nothing is resolved again here."""
+    loader reading only this rank's slices (`tp`). Nothing is resolved again here.
+    `alongside` runs on this thread while the weights are interleaved (load.py)."""
     if not model.path.exists():
         raise ModelLoadError(
             f"{model.path} (the checkpoint rank 0 resolved {model.model!r} to) is not on this "
@@ -88,6 +94,7 @@ def build_runner(
         attention_backend=model.attention_backend,
         quantization=model.quantization,
         tp=tp,
+        alongside=alongside,
     )
 
 

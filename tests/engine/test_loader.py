@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
@@ -352,24 +353,31 @@ def test_loading_a_300m_q4_k_file_maps_it_and_writes_only_metadata(tmp_path_fact
 
 @pytest.mark.parametrize("num_threads", [1, 2, 3])
 def test_repack_on_the_loaders_threads_equals_interleave(num_threads: int) -> None:
-    """The loader's repack (its own threads, each a share of the row groups on one OpenMP
-    thread) writes the bytes `ggml_linear.interleave` writes, for every type this build
-    interleaves; shares of unequal size (200 row groups: 64, 64, 64, 8)."""
+    """The loader's repack (deferred to `run`: its own threads, each one C call taking shares
+    of row groups) writes the bytes `ggml_linear.interleave` writes, for every type this build
+    interleaves; shares of unequal size (200 row groups: 64, 64, 64, 8). `run` calls
+    `alongside` on the calling thread meanwhile."""
     from agentrt.engine.loader.load import _Repacker
+    from agentrt.engine.loader.safetensors_loader import StateDictLoader
     from agentrt.kernels.ggml_linear import block_shape, interleave, interleaved_row_bytes
 
     kernels = default_kernels()
     types = [q for q in Q if kernels.interleaves(q)]
     assert types  # Q4_0 ... Q8_0 on every build that has an interleaved layout
     generator = torch.Generator().manual_seed(0)
-    with _Repacker(num_threads) as repack:
-        for qtype in types:
-            elems, size = block_shape(qtype)
-            k, rows = 256, 200 * 16
-            data = torch.randint(0, 256, (rows, k // elems * size), generator=generator)
-            weight = GGMLWeight(data.to(torch.uint8), qtype, k)
-            expected = interleave(weight)
-            assert torch.equal(repack.interleave(weight).data, expected.data), Q(qtype).name
-            out = torch.empty(rows // 16, interleaved_row_bytes(qtype, k), dtype=torch.uint8)
-            assert repack.interleave(weight, out).data is out
-            assert repack.interleave(weight, out).interleaved and torch.equal(out, expected.data)
+    repack = _Repacker(StateDictLoader({}), num_threads)
+    filled = []  # (expected, into a new buffer, into a given one)
+    for qtype in types:
+        elems, size = block_shape(qtype)
+        k, rows = 256, 200 * 16
+        data = torch.randint(0, 256, (rows, k // elems * size), generator=generator)
+        weight = GGMLWeight(data.to(torch.uint8), qtype, k)
+        out = torch.zeros(rows // 16, interleaved_row_bytes(qtype, k), dtype=torch.uint8)
+        given = repack.interleave(weight, out)
+        assert given.data is out and given.interleaved
+        filled.append((interleave(weight), repack.interleave(weight), out))
+    callers = []
+    repack.run(alongside=lambda: callers.append(threading.get_ident()))
+    assert callers == [threading.get_ident()]
+    for expected, new, given in filled:
+        assert torch.equal(new.data, expected.data) and torch.equal(given, expected.data)
