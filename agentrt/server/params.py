@@ -10,6 +10,8 @@ are the engine Processor's to check, when the request is queued.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import json
 from typing import Any
 
 from agentrt.engine.errors import InvalidRequestError
@@ -29,6 +31,7 @@ from agentrt.tool_calls import MAX_PARALLEL_TOOL_CALLS
 from agentrt.turn import ChatConstraint
 
 _SEED_SPAN = MAX_SEED - MIN_SEED + 1
+_MAX_CACHED_SCHEMA_CHARS = 65536  # larger schemas are checked every time
 
 
 def choice_params(
@@ -179,11 +182,27 @@ def _response_format(request: ChatCompletionRequest) -> StructuredOutputsParams:
 
 
 def _json_schema(schema: dict[str, Any], param: str) -> StructuredOutputsParams:
-    try:
-        resolve_format(schema)  # the schema must itself be a valid JSON schema
-    except SchemaError as exc:
-        raise SchemaError(str(exc), field=param) from None
+    text = json.dumps(schema, sort_keys=True)
+    check = _cached_schema_error if len(text) <= _MAX_CACHED_SCHEMA_CHARS else _schema_error
+    error = check(text)  # the schema must itself be a valid JSON schema
+    if error is not None:
+        raise SchemaError(error, field=param)
     return StructuredOutputsParams(json=schema)
+
+
+def _schema_error(text: str) -> str | None:
+    """Why the JSON schema `text` is not a valid JSON schema, or None."""
+    try:
+        resolve_format(json.loads(text))
+    except SchemaError as exc:
+        return str(exc)
+    return None
+
+
+# The check against the meta-schema costs ~1 ms of CPU on the event loop, and many requests
+# send the same schema (every line of a batch, an extraction client's requests): it is made
+# once per schema text (at most 64 x 64 KiB of them held).
+_cached_schema_error = functools.lru_cache(maxsize=64)(_schema_error)
 
 
 def _choice_text(choice: Any) -> str:
