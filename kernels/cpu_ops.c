@@ -228,11 +228,12 @@ void gelu_tanh_mul(const uint16_t *gate_up, uint16_t *out, int64_t rows, int64_t
 // layer's qkv bias, q/k norms and rope table, if any), attention (the layer's window and
 // soft-cap, over its KV cache group's block table), the output projection of its bf16
 // rounding, add_rms_norm (with the attention output norm, if any), gate_up, silu_mul or
-// gelu_tanh_mul, down; or, for a sparse MoE layer, its whole MLP in one call (ggml_experts.c's
-// moe_forward, what the layer-by-layer path calls for it). The products, attention and the
-// MoE MLP are the other libraries' (ggml_quants.c's ggml_linear_packed, cpu_attention.c's
-// paged_attention, ggml_experts.c's moe_forward), called through pointers. From Python the same layer is ~10 calls of ~10 us each: a quarter of a decoded
-// token's time on a small model (cpu_decoder.py has the figures).
+// gelu_tanh_mul, down; or, for a sparse MoE layer, its whole MLP in one call (what the
+// layer-by-layer path calls for it). The products, attention and the MoE MLP are the other
+// libraries' (ggml_quants.c's ggml_linear_packed, cpu_attention.c's paged_attention,
+// ggml_experts.c's moe_forward), called through pointers. From Python the same layer is ~10
+// calls of ~10 us each: a quarter of a decoded token's time on a small model (cpu_decoder.py
+// has the figures).
 
 #define MAX_PARTS 4
 // moe_forward's arguments: 14, then 6 per gate_up part (at most 2) and 6 for down
