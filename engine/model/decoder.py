@@ -303,6 +303,13 @@ class DecoderForCausalLM(nn.Module):
                 device=device,
             )
 
+    def cover_positions(self, positions: torch.Tensor) -> None:
+        """Fill the rope tables' rows up to the step's `positions` (T,) (RotaryEmbedding.cover:
+        the fused C paths read the tables' rows without `for_step`)."""
+        self.rotary.cover(positions)
+        if self.local_rotary is not None:
+            self.local_rotary.cover(positions)
+
     def runs_fused_glue(self) -> bool:
         """Whether the model runner may set `cpu_ops` (the fused C glue of llama.py): only a
         model whose layers are Llama's math, all in block formats."""

@@ -154,6 +154,7 @@ class LlamaForCausalLM(DecoderForCausalLM):
         if self.cpu_ops is None:
             return super().forward(input_ids, positions, kv_caches, meta, attention)
         hidden = self.embed(input_ids)  # (T, hidden)
+        self.cover_positions(positions)
         metas = meta if isinstance(meta, list) else [meta] * len(self.layers)
         decoder = self.cpu_decoder
         if decoder is not None and kv_caches is decoder.kv_caches:

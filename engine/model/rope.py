@@ -47,20 +47,22 @@ def rope_table(
     theta: float,
     scaling: dict | None,
     factors: torch.Tensor | None = None,
+    start: int = 0,
 ) -> torch.Tensor:
-    """(max_positions, head_dim) fp32: cos of the head_dim / 2 frequencies at each position,
-    then sin. LongRoPE (Phi-3): positions within the original context turn with the short
-    factors, those past it with the long ones (transformers switches the whole sequence once
-    it is longer: the same up to the original context), cos and sin times the attention
-    factor, as transformers does."""
+    """(max_positions - start, head_dim) fp32, the rows of positions start .. max_positions:
+    cos of the head_dim / 2 frequencies at each position, then sin (each row the same
+    whatever `start`: elementwise ops). LongRoPE (Phi-3): positions within the original
+    context turn with the short factors, those past it with the long ones (transformers
+    switches the whole sequence once it is longer: the same up to the original context), cos
+    and sin times the attention factor, as transformers does."""
     inv_freq = inverse_frequencies(head_dim, theta, scaling, factors)
-    positions = torch.arange(max_positions, dtype=torch.float32, device="cpu")
+    positions = torch.arange(start, max_positions, dtype=torch.float32, device="cpu")
     freqs = positions[:, None] * inv_freq[None, :]  # (P, D/2)
     rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
     if rope_type in ("longrope", "su"):
-        original = scaling["original_max_position_embeddings"]
+        past = max(0, scaling["original_max_position_embeddings"] - start)  # first long row
         long = _longrope(head_dim, theta, scaling["long_factor"])
-        freqs[original:] = positions[original:, None] * long[None, :]
+        freqs[past:] = positions[past:, None] * long[None, :]
         attention_factor = scaling.get("attention_factor") or 1.0
         return torch.cat((freqs.cos(), freqs.sin()), dim=-1) * attention_factor
     return torch.cat((freqs.cos(), freqs.sin()), dim=-1)
@@ -88,11 +90,21 @@ def _llama3(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
+# Rows a CPU table is filled by at a time (`RotaryEmbedding.cover`): 4 MiB at head_dim 256.
+FILL_ROWS = 4096
+
+
 class RotaryEmbedding:
     """cos and sin of every position, in the kernels package's `cos_sin_cache` layout: (P, D),
     cos of the D / 2 frequencies in the first half, sin in the second. With `kernel_ops` the
     kernels package rotates q and k (one fused Triton kernel on CUDA); else torch ops follow
-    HF step for step (HF's rounding in bf16, no per-call input checks: the CPU path)."""
+    HF step for step (HF's rounding in bf16, no per-call input checks: the CPU path).
+
+    On the CPU the table is filled as positions are reached, FILL_ROWS at a time (`cover`,
+    which the model calls before each step): its rows past the longest sequence served are
+    never written, so they take no memory (e.g. Gemma 3's two tables of 32,768 positions of
+    head_dim 256: 64 MiB filled, 8 MiB once 4,096 positions are). The tensor is the whole
+    table from the start, so the fused C paths keep its address and bounds."""
 
     def __init__(
         self,
@@ -105,13 +117,33 @@ class RotaryEmbedding:
         device: torch.device | None = None,
         factors: torch.Tensor | None = None,
     ):
-        table = rope_table(head_dim, max_positions, theta, scaling, factors)
-        self.cos_sin_cache = table.to(device)  # (P, D)
         self.head_dim = head_dim
         self.kernel_ops = kernel_ops
+        self._rope = (theta, scaling, factors)
+        if torch.device(device or "cpu").type == "cpu":
+            # Untouched pages of a fresh allocation are not resident until `cover` writes them.
+            self.cos_sin_cache = torch.empty(max_positions, head_dim)  # (P, D)
+            self.num_filled = 0
+        else:
+            table = rope_table(head_dim, max_positions, *self._rope)
+            self.cos_sin_cache = table.to(device)  # (P, D)
+            self.num_filled = max_positions
+
+    def cover(self, positions: torch.Tensor) -> None:
+        """Fill the table's rows up to the largest of `positions` (T,) if not yet filled."""
+        num_positions = self.cos_sin_cache.shape[0]
+        if self.num_filled == num_positions or positions.numel() == 0:
+            return
+        needed = int(positions.max()) + 1
+        if needed > self.num_filled:
+            start, stop = self.num_filled, min(num_positions, -(-needed // FILL_ROWS) * FILL_ROWS)
+            rows = rope_table(self.head_dim, stop, *self._rope, start=start)
+            self.cos_sin_cache[start:stop] = rows
+            self.num_filled = stop
 
     def for_step(self, positions: torch.Tensor, dtype: torch.dtype) -> Rotate:
         """The rotation of one step's tokens at `positions` (T,), shared by every layer."""
+        self.cover(positions)
         if self.kernel_ops:
             return Rotate(positions, self.cos_sin_cache, None, None, self.head_dim)
         cos, sin = self.cos_sin_cache.index_select(0, positions).to(dtype).chunk(2, dim=-1)
