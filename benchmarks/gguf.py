@@ -8,7 +8,8 @@ Files (--models; gguf_models.SHAPES): Qwen2.5-0.5B (hidden 896: mostly Q5_0, a t
 151,936-row output), Qwen2.5-1.5B (Q4_K + Q6_K, Q6_K output), Llama-3.2-1B (128,256-row tied
 output, llama3 rope scaling), Qwen3-0.6B (q/k norm); TinyLlama-1.1B's shape on request (the
 earlier runs'); issue 40's families on request, each held to its own targets: SmolLM3-3B (NoPE
-layers), Granite-3.3-2B (multipliers), OLMo2-1B (post-norms), and qwen3-moe-48e (a 3.4 GiB
+layers), Granite-3.3-2B (multipliers), OLMo2-1B (post-norms), Phi-3.5-mini (fused qkv and
+gate_up, LongRoPE; prompts of its own tokenizer), and qwen3-moe-48e (a 3.4 GiB
 Qwen3-MoE: decode >= 1.0x, batch of 16 >= 2x llama.cpp's one request; run it with
 --no-reference: the fp32 reference would need ~22 GiB). Qwen shapes carry the real Qwen2.5
 tokenizer, llama-style shapes the embedded one.
@@ -683,17 +684,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def token_ids(tokenizer_name: str) -> dict[str, list[int]]:
-    """The prompts every side runs on a file, as token ids of its tokenizer ("qwen2.5" or
-    "smollm2", the embedded model's)."""
+def token_ids(tokenizer_name: str, file: Path | None = None) -> dict[str, list[int]]:
+    """The prompts every side runs on a file, as token ids of its tokenizer: "qwen2.5",
+    "phi3" (the one in `file`, read by agentrt: gguf_models' module doc) or else "smollm2",
+    the embedded model's."""
     from gguf_models import QWEN_TOKENIZER
     from latency import DECODE_PROMPT, PPL_TEXT
     from transformers import AutoTokenizer
 
     from agentrt.engine.loader.checkpoint import gguf_source
+    from agentrt.engine.loader.tokenizer import load_tokenizer
 
     if tokenizer_name == "qwen2.5":
         tokenizer = AutoTokenizer.from_pretrained(str(QWEN_TOKENIZER))
+    elif tokenizer_name == "phi3":
+        tokenizer = load_tokenizer(file)
     else:
         path = gguf_source(None)
         tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
@@ -733,7 +738,11 @@ def main() -> None:
     print(f"CPU: {cpu}, {args.threads} threads each side", flush=True)
     files = prepare_files(args)
     tokenizers = {kind: SHAPES[kind.split()[0]].tokenizer for kind in files if kind != EMBEDDED}
-    ids = {name: token_ids(name) for name in {"smollm2", *tokenizers.values()}}
+    tokenizer_files = {name: files[kind] for kind, name in tokenizers.items()}
+    ids = {
+        name: token_ids(name, tokenizer_files.get(name))
+        for name in {"smollm2", *tokenizers.values()}
+    }
     env = os.environ | {
         "AGENTRT_CACHE_DIR": str(args.agentrt_cache_dir),
         "AGENTRT_NUM_THREADS": str(args.threads),

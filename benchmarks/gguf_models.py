@@ -15,13 +15,14 @@ Weights are normal(0, WEIGHT_STD), norms 1, seeded; the tokenizers are real: Qwe
 (the converter pads its 49,152 tokens to the shape's vocabulary). The configs are the
 published ones' fields that decide the file (sizes, heads, vocabulary, tying, rope).
 
-Gemma 3's converter needs a SentencePiece `tokenizer.model` (without one it falls back to
-tokenizer.json and cuts the embedding to that vocabulary), and none is available offline, so
-the "gemma3" tokenizer is one written here (`write_gemma3_sentencepiece`): Gemma's 262,144
-ids, its special tokens at their ids, byte fallback, and pieces built as concatenations, with
-Gemma 3's chat template (tests/data/chat_templates). The benchmark's prompts are the
-embedded SmolLM2 tokenizer's ids (valid ids of this vocabulary): it measures speed, and the
-text of a random model does not matter.
+Gemma 3's and Phi-3's converters need a SentencePiece `tokenizer.model` (without one Gemma's
+falls back to tokenizer.json and cuts the embedding to that vocabulary; Phi-3's stops), and
+none is available offline, so the "gemma3" and "phi3" tokenizers are written here
+(`write_sentencepiece`): the family's vocabulary size, its special tokens at their ids, byte
+fallback, and pieces built as concatenations, with the family's chat template. The benchmark's
+prompts for Gemma 3 are the embedded SmolLM2 tokenizer's ids (valid ids of its 262,144): it
+measures speed, and the text of a random model does not matter; Phi-3's 32,064 ids are fewer
+than SmolLM2's, so its prompts are its own tokenizer's (read from the file).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ VERSION = 2
 @dataclass(frozen=True, slots=True)
 class ModelShape:
     name: str
-    tokenizer: str  # "qwen2.5", "smollm2" or "gemma3"
+    tokenizer: str  # "qwen2.5", "smollm2", or one written here: "gemma3", "phi3"
     config: dict  # config.json fields
     # benchmarks/gguf.py's targets this shape is held to instead of its TARGETS' (issue 40's
     # families and MoE: decode >= 1.0x llama.cpp; a MoE's batch of 16 >= 2x its one request).
@@ -211,6 +212,31 @@ SHAPES = {
             ),
             targets={"decode": 1.0},
         ),
+        # Phi-3.5-mini (issue 40): q/k/v and gate/up fused, 32 heads of 96, an untied
+        # 32,064-row output, LongRoPE to 128k (48 short and long factors: smooth ramps of the
+        # published ones' ranges, 1-2.6 and 1.08-66).
+        ModelShape(
+            "phi3.5-mini",
+            "phi3",
+            dict(
+                _llama_style("Phi3ForCausalLM", "phi3", 3072, 32, 8192, 32, 32),
+                vocab_size=32064,
+                tie_word_embeddings=False,
+                rope_theta=10000.0,
+                rope_scaling=dict(
+                    type="longrope",
+                    short_factor=[round(1 + 1.6 * (i / 47) ** 2, 4) for i in range(48)],
+                    long_factor=[round(1.08 * 61 ** (i / 47), 4) for i in range(48)],
+                ),
+                max_position_embeddings=131072,
+                original_max_position_embeddings=4096,
+                sliding_window=262144,
+                rms_norm_eps=1e-5,
+                eos_token_id=32000,
+                pad_token_id=32000,
+            ),
+            targets={"decode": 1.0},
+        ),
         # A sparse MoE (issue 40): Qwen3-30B-A3B's layer (hidden 2048, 32 heads of 128, 4 KV
         # heads, experts of 768, top 8 renormalised) with 48 of its 128 experts and 20 of its
         # 48 layers: a ~3.4 GiB Q4_K_M, of which a token reads ~0.6 GiB.
@@ -271,8 +297,8 @@ def save_tokenizer(name: str, folder: Path) -> None:
         for path in QWEN_TOKENIZER.iterdir():
             shutil.copy(path, folder / path.name)
         return
-    if name == "gemma3":
-        write_gemma3_sentencepiece(folder)
+    if name in SENTENCEPIECES:
+        write_sentencepiece(folder, SENTENCEPIECES[name])
         return
     from transformers import AutoTokenizer
 
@@ -283,8 +309,23 @@ def save_tokenizer(name: str, folder: Path) -> None:
     tokenizer.save_pretrained(folder)
 
 
-# Gemma 3's special tokens at their ids (the rest of 0-106 are its <unusedN> tokens).
-GEMMA3_SPECIALS = {
+@dataclass(frozen=True, slots=True)
+class SentencePiece:
+    """A family's SentencePiece tokenizer as `write_sentencepiece` writes it."""
+
+    num_pieces: int  # in tokenizer.model
+    leading: dict[int, str]  # the pieces before the byte pieces, by id
+    # The trainer's unk, bos, eos and pad ids in that order (None: the model has none).
+    trainer_ids: tuple[int | None, int | None, int | None, int | None]
+    added: dict[int, str]  # tokenizer_config's special tokens (past num_pieces: added ones)
+    specials: dict[str, str]  # special_tokens_map.json
+    chat_template: str
+    config: dict = field(default_factory=dict)  # more of tokenizer_config.json
+
+
+# sentencepiece_model.proto's piece types and BPE model type.
+_SP_NORMAL, _SP_UNKNOWN, _SP_CONTROL, _SP_USER_DEFINED, _SP_BYTE, _SP_BPE = 1, 2, 3, 4, 6, 2
+_GEMMA3_SPECIALS = {
     0: "<pad>",
     1: "<eos>",
     2: "<bos>",
@@ -293,9 +334,44 @@ GEMMA3_SPECIALS = {
     105: "<start_of_turn>",
     106: "<end_of_turn>",
 }
-GEMMA3_VOCAB = 262144
-# sentencepiece_model.proto's piece types and BPE model type.
-_SP_NORMAL, _SP_UNKNOWN, _SP_CONTROL, _SP_USER_DEFINED, _SP_BYTE, _SP_BPE = 1, 2, 3, 4, 6, 2
+# Phi-3.5-mini's added tokens (its other ids up to 32,063 the converter pads).
+_PHI3_ADDED = {
+    32000: "<|endoftext|>",
+    32001: "<|assistant|>",
+    32006: "<|system|>",
+    32007: "<|end|>",
+    32010: "<|user|>",
+}
+_PHI3_TEMPLATE = (
+    "{% for message in messages %}{% if message['role'] == 'system' and message['content'] %}"
+    "{{'<|system|>\\n' + message['content'] + '<|end|>\\n'}}{% elif message['role'] == 'user' %}"
+    "{{'<|user|>\\n' + message['content'] + '<|end|>\\n'}}{% elif message['role'] == "
+    "'assistant' %}{{'<|assistant|>\\n' + message['content'] + '<|end|>\\n'}}{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% else %}"
+    "{{ eos_token }}{% endif %}"
+)
+SENTENCEPIECES = {
+    # Gemma 3's 262,144 ids: its specials at their ids, the rest of 0-106 its <unusedN>.
+    "gemma3": SentencePiece(
+        262144,
+        {i: _GEMMA3_SPECIALS.get(i, f"<unused{i - 5}>") for i in range(107)},
+        (3, 2, 1, 0),
+        {i: piece for i, piece in _GEMMA3_SPECIALS.items() if i != 4},
+        {"bos_token": "<bos>", "eos_token": "<eos>", "unk_token": "<unk>", "pad_token": "<pad>"},
+        GEMMA3_TEMPLATE.read_text(),
+    ),
+    # Phi-3's (Llama 2's): <unk> <s> </s>, 32,000 pieces, then its added chat tokens.
+    "phi3": SentencePiece(
+        32000,
+        {0: "<unk>", 1: "<s>", 2: "</s>"},
+        (0, 1, 2, None),
+        _PHI3_ADDED,
+        {"bos_token": "<s>", "eos_token": "<|endoftext|>", "unk_token": "<unk>"}
+        | {"pad_token": "<|endoftext|>"},
+        _PHI3_TEMPLATE,
+        {"tokenizer_class": "LlamaTokenizer"},  # Phi-3's converter reads it
+    ),
+}
 
 
 def _varint(value: int) -> bytes:
@@ -319,14 +395,13 @@ def _field(number: int, value: int | float | bytes | str) -> bytes:
     return _varint(number << 3 | 2) + _varint(len(data)) + data
 
 
-def gemma3_pieces() -> list[tuple[str, float, int]]:
-    """Gemma 3's 262,144 (piece, score, type): the specials at their ids (the rest of the
-    first 107 its <unusedN>), the 256 byte pieces, then single characters and pieces of 2-4
-    letters (each the concatenation of two earlier ones, so BPE merges exist for all),
-    scored by rank as a BPE model's are."""
+def sentencepiece_pieces(spec: SentencePiece) -> list[tuple[str, float, int]]:
+    """`spec.num_pieces` (piece, score, type): the leading pieces at their ids (<unk> unknown,
+    chat tokens and <unusedN> user-defined, the others control), the 256 byte pieces, then
+    single characters and pieces of 2-4 letters (each the concatenation of two earlier ones,
+    so BPE merges exist for all), scored by rank as a BPE model's are."""
     pieces = []
-    for i in range(107):
-        piece = GEMMA3_SPECIALS.get(i, f"<unused{i - 5}>")
+    for piece in spec.leading.values():
         kind = _SP_UNKNOWN if piece == "<unk>" else _SP_CONTROL
         if piece in ("<start_of_turn>", "<end_of_turn>") or piece.startswith("<unused"):
             kind = _SP_USER_DEFINED
@@ -334,7 +409,7 @@ def gemma3_pieces() -> list[tuple[str, float, int]]:
     pieces += [(f"<0x{b:02X}>", 0.0, _SP_BYTE) for b in range(256)]
     chars = ["\u2581", "\n", *(chr(c) for c in range(33, 127))]
     letters = ["\u2581", *"etaoinshrdlcumwfgypbvkjxqz", *"ETAOINSHRDLCUMWFGYPBVKJXQZ"]
-    need, known = GEMMA3_VOCAB - len(pieces), set(chars)
+    need, known = spec.num_pieces - len(pieces), set(chars)
     words: list[str] = list(chars)
     level = letters
     while len(words) < need:
@@ -345,39 +420,33 @@ def gemma3_pieces() -> list[tuple[str, float, int]]:
     return pieces
 
 
-def write_gemma3_sentencepiece(folder: Path) -> None:
-    """A Gemma-3-like `tokenizer.model` (a sentencepiece ModelProto, written by hand: the
+def write_sentencepiece(folder: Path, spec: SentencePiece) -> None:
+    """A `tokenizer.model` of `spec` (a sentencepiece ModelProto, written by hand: the
     protobuf fields of sentencepiece_model.proto), its tokenizer_config.json (the specials
     and the chat template) and special_tokens_map.json into `folder`."""
-    pieces = gemma3_pieces()
+    pieces = sentencepiece_pieces(spec)
     proto = bytearray()
     for piece, score, kind in pieces:
         proto += _field(1, _field(1, piece) + _field(2, score) + _field(3, kind))
     trainer = _field(3, _SP_BPE) + _field(4, len(pieces)) + _field(35, 1)  # byte_fallback
-    for number, (index, piece) in enumerate(
-        ((3, "<unk>"), (2, "<bos>"), (1, "<eos>"), (0, "<pad>"))
-    ):
-        trainer += _field(40 + number, index) + _field(45 + number, piece)  # the id, the piece
+    for number, index in enumerate(spec.trainer_ids):  # unk, bos, eos, pad: id, piece
+        if index is not None:
+            trainer += _field(40 + number, index) + _field(45 + number, spec.leading[index])
     proto += _field(2, trainer)
     normalizer = _field(1, "identity") + _field(3, 0) + _field(4, 0) + _field(5, 1)
     proto += _field(3, normalizer)
     (folder / "tokenizer.model").write_bytes(bytes(proto))
-    specials = {"bos_token": "<bos>", "eos_token": "<eos>", "unk_token": "<unk>"}
-    specials["pad_token"] = "<pad>"
-    decoder = {
-        str(i): {"content": piece, "special": True}
-        for i, piece in GEMMA3_SPECIALS.items()
-        if i != 4
-    }
+    decoder = {str(i): {"content": piece, "special": True} for i, piece in spec.added.items()}
     tokenizer_config = {
-        **specials,
+        **spec.specials,
         "add_bos_token": True,
         "add_eos_token": False,
         "added_tokens_decoder": decoder,
-        "chat_template": GEMMA3_TEMPLATE.read_text(),
+        "chat_template": spec.chat_template,
+        **spec.config,
     }
     (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
-    (folder / "special_tokens_map.json").write_text(json.dumps(specials))
+    (folder / "special_tokens_map.json").write_text(json.dumps(spec.specials))
 
 
 def write_checkpoint(folder: Path, shape: ModelShape, seed: int) -> None:
