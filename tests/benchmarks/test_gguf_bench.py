@@ -28,14 +28,15 @@ def bench():
 
 @pytest.fixture(scope="module")
 def models():
+    # benchmarks/ is on the path only for this import: beside gguf_models lies gguf.py, which
+    # would shadow gguf-py for a first `import gguf` (transformers' GGUF support) meanwhile.
     sys.path.insert(0, str(SCRIPT.parent))
     try:
         import gguf_models
-
-        yield gguf_models
     finally:
         sys.path.remove(str(SCRIPT.parent))
-        sys.modules.pop("gguf_models", None)
+    yield gguf_models
+    sys.modules.pop("gguf_models", None)
 
 
 @pytest.mark.parametrize("tokenizer", ["qwen2.5", "smollm2"])
