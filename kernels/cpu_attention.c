@@ -10,10 +10,6 @@
 // its rows, and keeps an online softmax per row: a running max, a running sum and an fp32
 // accumulator, rescaled when the max grows. Outputs are written in the cache dtype.
 //
-// Requests with at least 16 query rows (prefills, long chunks) take wide items instead
-// (attend_wide): 32 rows in vector lanes, no horizontal sums, 1.37x the row-by-row items'
-// speed on a 512-token Qwen3-0.6B prefill (CPU time, alternated).
-//
 // Vectors are GCC/Clang vector extensions of 16 floats, so one source serves AVX-512, AVX2
 // and narrower targets. The 16 dot products of a row with a key group are summed across lanes
 // by a shuffle tree (hsum16) rather than 16 separate horizontal reductions. Where the compiler
@@ -25,13 +21,6 @@
 #include <string.h>
 
 #include "cpu_vec.h"
-
-#if defined(__AVX512F__) || defined(__AVX2__)
-#include <immintrin.h>
-#endif
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-#define HAVE_DPBF16 1
-#endif
 
 #define MAX_HEAD_DIM 256
 #define MAX_GROUP 16 // query heads per KV head
@@ -283,226 +272,7 @@ attend_tile(const Step *s, int64_t first, int64_t tokens, int64_t pos0, int64_t 
     }
 }
 
-// Prefill tiles (a request with at least a vector of query rows): the rows go in vector
-// lanes instead, 16 rows a vector, WIDE_ROWS rows an item. A group of KEYS keys is gathered
-// (across blocks) into contiguous fp32 buffers once per item; then per vector of rows the 16
-// scores are 16 vectors of rows (each key's K element broadcast times the rows' transposed
-// queries, dim FMAs per key with no horizontal sum), the online softmax is lane-wise (max,
-// exp and sum across the 16 score vectors), and P.V accumulates the transposed output,
-// acc[d] += p[key] * V[key][d] broadcast. Every FMA does 16 useful products, and only the
-// diagonal and window-edge groups need masks. The rows of K and V lie head_dim * kv_heads
-// floats apart in the cache (4 KiB for 8 heads of 128), which would map all 16 keys of a
-// group to one L1 set: the gather avoids that too.
-#define WIDE_ROWS 32
-#define WIDE_VECS (WIDE_ROWS / KEYS)
-
-// sc[j] = sum over d of k[j][d] * qt[d], for the KEYS keys j (k: (key, dim) floats; qt and
-// sc: vectors of rows). Compilers do not keep an array of 16-float vectors in registers on
-// AVX2, nor fold the broadcasts into the FMAs on AVX-512, so both are written out.
-static inline void wide_scores(const vf *qt, const float *k, int64_t dim, vf *sc) {
-#ifdef __AVX512F__
-    __m512 a[KEYS]; // 16 of the 32 zmm registers
-#pragma GCC unroll 16
-    for (int j = 0; j < KEYS; j++) a[j] = _mm512_setzero_ps();
-    for (int64_t d = 0; d < dim; d++) {
-        const __m512 q = (__m512)qt[d];
-#pragma GCC unroll 16
-        for (int j = 0; j < KEYS; j++)
-            a[j] = _mm512_fmadd_ps(_mm512_set1_ps(k[j * dim + d]), q, a[j]);
-    }
-#pragma GCC unroll 16
-    for (int j = 0; j < KEYS; j++) sc[j] = (vf)a[j];
-#elif defined(__AVX2__) && defined(__FMA__)
-    for (int j0 = 0; j0 < KEYS; j0 += 4) { // 4 keys x 2 halves: 8 of the 16 ymm registers
-        __m256 a[4][2];
-        for (int j = 0; j < 4; j++) a[j][0] = a[j][1] = _mm256_setzero_ps();
-        for (int64_t d = 0; d < dim; d++) {
-            const float *q = (const float *)&qt[d];
-            const __m256 lo = _mm256_loadu_ps(q), hi = _mm256_loadu_ps(q + 8);
-            for (int j = 0; j < 4; j++) {
-                const __m256 x = _mm256_broadcast_ss(k + (j0 + j) * dim + d);
-                a[j][0] = _mm256_fmadd_ps(x, lo, a[j][0]);
-                a[j][1] = _mm256_fmadd_ps(x, hi, a[j][1]);
-            }
-        }
-        for (int j = 0; j < 4; j++) {
-            _mm256_storeu_ps((float *)&sc[j0 + j], a[j][0]);
-            _mm256_storeu_ps((float *)&sc[j0 + j] + 8, a[j][1]);
-        }
-    }
-#else
-    for (int j = 0; j < KEYS; j++) {
-        vf a = splat(0.0f);
-        for (int64_t d = 0; d < dim; d++) a += splat(k[j * dim + d]) * qt[d];
-        sc[j] = a;
-    }
-#endif
-}
-
-// acc[d] = acc[d] * rescale + sum over keys j of p[j] * v[j][d] (v: (key, dim) floats; acc,
-// p and rescale: vectors of rows).
-static inline void wide_accumulate(vf *acc, const vf *p, const float *v, int64_t dim,
-                                   vf rescale) {
-#ifdef __AVX512F__
-    for (int64_t d0 = 0; d0 < dim; d0 += 8) { // 8 dims + 16 weights: 24 zmm registers
-        __m512 a[8];
-#pragma GCC unroll 8
-        for (int i = 0; i < 8; i++) a[i] = _mm512_mul_ps((__m512)acc[d0 + i], (__m512)rescale);
-#pragma GCC unroll 16
-        for (int j = 0; j < KEYS; j++)
-#pragma GCC unroll 8
-            for (int i = 0; i < 8; i++)
-                a[i] = _mm512_fmadd_ps((__m512)p[j], _mm512_set1_ps(v[j * dim + d0 + i]), a[i]);
-#pragma GCC unroll 8
-        for (int i = 0; i < 8; i++) acc[d0 + i] = (vf)a[i];
-    }
-#elif defined(__AVX2__) && defined(__FMA__)
-    const float *r = (const float *)&rescale;
-    const __m256 r_lo = _mm256_loadu_ps(r), r_hi = _mm256_loadu_ps(r + 8);
-    for (int64_t d0 = 0; d0 < dim; d0 += 4) { // 4 dims x 2 halves: 8 ymm registers
-        __m256 a[4][2];
-        for (int i = 0; i < 4; i++) {
-            const float *x = (const float *)&acc[d0 + i];
-            a[i][0] = _mm256_mul_ps(_mm256_loadu_ps(x), r_lo);
-            a[i][1] = _mm256_mul_ps(_mm256_loadu_ps(x + 8), r_hi);
-        }
-        for (int j = 0; j < KEYS; j++) {
-            const float *pj = (const float *)&p[j];
-            const __m256 lo = _mm256_loadu_ps(pj), hi = _mm256_loadu_ps(pj + 8);
-            for (int i = 0; i < 4; i++) {
-                const __m256 x = _mm256_broadcast_ss(v + j * dim + d0 + i);
-                a[i][0] = _mm256_fmadd_ps(lo, x, a[i][0]);
-                a[i][1] = _mm256_fmadd_ps(hi, x, a[i][1]);
-            }
-        }
-        for (int i = 0; i < 4; i++) {
-            _mm256_storeu_ps((float *)&acc[d0 + i], a[i][0]);
-            _mm256_storeu_ps((float *)&acc[d0 + i] + 8, a[i][1]);
-        }
-    }
-#else
-    for (int64_t d = 0; d < dim; d++) {
-        vf a = acc[d] * rescale;
-        for (int j = 0; j < KEYS; j++) a += p[j] * splat(v[j * dim + d]);
-        acc[d] = a;
-    }
-#endif
-}
-
-// The K (or V, one block further) row of position `pos` for `kv_head`.
-static inline const char *key_row(const Step *s, int64_t pos, int64_t kv_head, int64_t dim) {
-    const int64_t esize = s->dtype == BF16 ? 2 : 4;
-    const int64_t row = (int64_t)s->table[pos / s->block] * 2 * s->block + pos % s->block;
-    return s->cache + (row * s->kv_heads * dim + kv_head * dim) * esize;
-}
-
-// One wide item: query tokens [first, first + tokens) at positions [pos0, + tokens), the
-// query heads of `kv_head`; rows = tokens * group <= WIDE_ROWS, row r (token r / group, head
-// r % group) in lane r % 16 of vector r / 16. Lanes past the rows hold zero queries at the
-// last row's position and are never written. nv = head_dim / 16.
-static inline __attribute__((always_inline)) void
-attend_wide(const Step *s, int64_t first, int64_t tokens, int64_t pos0, int64_t kv_head,
-            const int nv) {
-    const int64_t group = s->heads / s->kv_heads, rows = tokens * group, dim = nv * KEYS;
-    const int64_t esize = s->dtype == BF16 ? 2 : 4, vecs = (rows + KEYS - 1) / KEYS;
-    vf qt[WIDE_VECS][MAX_HEAD_DIM], acc[WIDE_VECS][MAX_HEAD_DIM]; // (vector, dim): rows
-    float k[KEYS * MAX_HEAD_DIM], v[KEYS * MAX_HEAD_DIM];         // (key, dim)
-    vf max[WIDE_VECS], sum[WIDE_VECS];
-    vi row_pos[WIDE_VECS];
-    int64_t lo[WIDE_VECS], hi[WIDE_VECS]; // each vector's first and last row position
-    for (int64_t c = 0; c < vecs; c++) {
-        for (int64_t d = 0; d < dim; d++) qt[c][d] = acc[c][d] = splat(0.0f);
-        for (int l = 0; l < KEYS; l++) {
-            const int64_t r = c * KEYS + l < rows ? c * KEYS + l : rows - 1;
-            row_pos[c][l] = (int32_t)(pos0 + r / group);
-        }
-        max[c] = splat(-1e30f); // finite: the first rescale is exp(-huge) = 0, never inf - inf
-        sum[c] = splat(0.0f);
-        lo[c] = row_pos[c][0];
-        hi[c] = row_pos[c][KEYS - 1];
-    }
-    for (int64_t r = 0; r < rows; r++) {
-        const int64_t head = row_head(s, first, r, kv_head);
-        for (int c = 0; c < nv; c++) {
-            float x[KEYS];
-            st(x, load16(s->query + (head * dim + c * KEYS) * esize, s->dtype) * s->scale);
-            for (int i = 0; i < KEYS; i++) qt[r / KEYS][c * KEYS + i][r % KEYS] = x[i];
-        }
-    }
-    const int64_t end = pos0 + tokens;
-    for (int64_t pos = first_key(s, pos0), n; pos < end; pos += n) {
-        n = end - pos < KEYS ? end - pos : KEYS;
-        for (int64_t t = 0; t < KEYS; t++) {
-            if (t < n) {
-                const char *kp = key_row(s, pos + t, kv_head, dim);
-                const char *vp = kp + s->block * s->kv_heads * dim * esize;
-                for (int c = 0; c < nv; c++) {
-                    st(k + t * dim + c * KEYS, load16(kp + c * KEYS * esize, s->dtype));
-                    st(v + t * dim + c * KEYS, load16(vp + c * KEYS * esize, s->dtype));
-                }
-            } else {
-                for (int c = 0; c < nv; c++) {
-                    st(k + t * dim + c * KEYS, splat(0.0f));
-                    st(v + t * dim + c * KEYS, splat(0.0f));
-                }
-            }
-        }
-        for (int64_t t = n; t < 2 * KEYS && pos + t < end; t++) {
-            const char *kp = key_row(s, pos + t, kv_head, dim);
-            const char *vp = kp + s->block * s->kv_heads * dim * esize;
-            for (int64_t b = 0; b < dim * esize; b += 64) {
-                __builtin_prefetch(kp + b);
-                __builtin_prefetch(vp + b);
-            }
-        }
-        for (int64_t c = 0; c < vecs; c++) {
-            // Skip the vectors that see none of these keys: all after their last row, or all
-            // before their first row's window.
-            if (pos > hi[c] || (s->window && pos + n - 1 <= lo[c] - s->window)) continue;
-            vf sc[KEYS];
-            wide_scores(qt[c], k, dim, sc);
-            if (s->softcap)
-                for (int j = 0; j < KEYS; j++) sc[j] = soft_cap(sc[j], s->softcap);
-            // Masks where some row of the vector does not see some key: past its position, or
-            // before its window, or past the last key.
-            const int masked = pos + KEYS - 1 > lo[c] || (s->window && pos <= hi[c] - s->window);
-            vi seen[KEYS];
-            if (masked)
-                for (int j = 0; j < KEYS; j++) {
-                    const vi key = (vi){0} + (int32_t)(pos + j);
-                    seen[j] = key <= row_pos[c];
-                    if (s->window) seen[j] &= key > row_pos[c] - (int32_t)s->window;
-                    sc[j] = (vf)(((vi)sc[j] & seen[j]) | ((vi)splat(-1e30f) & ~seen[j]));
-                }
-            vf block_max = sc[0];
-            for (int j = 1; j < KEYS; j++) block_max = vmax(block_max, sc[j]);
-            const vf new_max = vmax(max[c], block_max);
-            const vf rescale = exp_neg(max[c] - new_max);
-            max[c] = new_max;
-            vf p[KEYS], total = splat(0.0f);
-            for (int j = 0; j < KEYS; j++) {
-                p[j] = exp_neg(sc[j] - new_max);
-                if (masked) p[j] = (vf)((vi)p[j] & seen[j]);
-                total += p[j];
-            }
-            sum[c] = sum[c] * rescale + total;
-            wide_accumulate(acc[c], p, v, dim, rescale);
-        }
-    }
-    for (int64_t r = 0; r < rows; r++) {
-        const int64_t head = row_head(s, first, r, kv_head);
-        const float inv = 1.0f / sum[r / KEYS][r % KEYS];
-        for (int64_t d = 0; d < dim; d++) {
-            const float o = acc[r / KEYS][d][r % KEYS] * inv;
-            if (s->dtype == BF16)
-                ((uint16_t *)s->out)[head * dim + d] = to_bf16(o);
-            else
-                ((float *)s->out)[head * dim + d] = o;
-        }
-    }
-}
-
-#ifdef HAVE_DPBF16
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
 // bf16 caches on CPUs with AVX512-BF16: vdpbf16ps multiplies pairs of bf16 and accumulates in
 // fp32, at twice the rate of fp32 FMAs and without converting K and V. Scores: each key
 // group's K is transposed to 32-bit pairs (lane t of kt[i] = dims 2i, 2i + 1 of key t), so a
@@ -510,6 +280,9 @@ attend_wide(const Step *s, int64_t first, int64_t tokens, int64_t pos0, int64_t 
 // 2u, 2u + 1 are interleaved per dim (vpair[u]), so a row accumulates p[2u] v[2u] + p[2u + 1]
 // v[2u + 1] with the probabilities rounded to bf16 (as flash attention does). The
 // interleave leaves the accumulator's dims permuted (pair_dim).
+#include <immintrin.h>
+#define HAVE_DPBF16 1
+
 // 16 x 16 32-bit elements: r[j] lane t <- r[t] lane j.
 static inline void transpose16(__m512i r[16]) {
     __m512i t[16];
@@ -635,48 +408,30 @@ int paged_attention(const void *query, const void *kv_cache, void *out, int dtyp
     if (dim > MAX_HEAD_DIM || dim % KEYS || heads % kv_heads || heads / kv_heads > MAX_GROUP ||
         (block % KEYS && KEYS % block) || window < 0 || softcap < 0)
         return -1;
-    // Requests with a vector of query rows or more take wide items (attend_wide), the others
-    // (decodes, short chunks) items of MAX_ROWS rows that walk the keys per row.
-    const int64_t group = heads / kv_heads;
-    const int64_t tile = MAX_ROWS / group, wide_tile = WIDE_ROWS / group;
-#ifdef HAVE_DPBF16
-    const int wide_dtype = dtype != BF16 || dim % 32; // else attend_tile_bf16 serves them all
-#else
-    const int wide_dtype = 1;
-#endif
-#define IS_WIDE(i) (wide_dtype && (query_start_loc[(i) + 1] - query_start_loc[i]) * group >= KEYS)
+    const int64_t group = heads / kv_heads, tile = MAX_ROWS / group;
     int64_t num_tiles = 0;
-    for (int64_t i = 0; i < num_requests; i++) {
-        const int64_t size = IS_WIDE(i) ? wide_tile : tile;
-        num_tiles += (query_start_loc[i + 1] - query_start_loc[i] + size - 1) / size;
-    }
-    int64_t *tiles = malloc((num_tiles > 0 ? num_tiles : 1) * 3 * sizeof(int64_t));
+    for (int64_t i = 0; i < num_requests; i++)
+        num_tiles += (query_start_loc[i + 1] - query_start_loc[i] + tile - 1) / tile;
+    int64_t *tiles = malloc((num_tiles > 0 ? num_tiles : 1) * 2 * sizeof(int64_t));
     if (!tiles) return -2;
-    // One entry per tile: its request, first query row and size. Dynamic scheduling balances
-    // the items, whose cost grows with the request's context; a request's tiles are listed
-    // last first, so the costliest items start first.
-    for (int64_t i = 0, n = 0; i < num_requests; i++) {
-        const int64_t size = IS_WIDE(i) ? wide_tile : tile;
-        const int64_t count = (query_start_loc[i + 1] - query_start_loc[i] + size - 1) / size;
-        for (int64_t t = count - 1; t >= 0; t--, n++) {
-            tiles[3 * n] = i;
-            tiles[3 * n + 1] = query_start_loc[i] + t * size;
-            tiles[3 * n + 2] = IS_WIDE(i) ? size : 0;
+    // One entry per tile: its request and first query row. Dynamic scheduling balances the
+    // items, whose cost grows with the request's context.
+    for (int64_t i = 0, n = 0; i < num_requests; i++)
+        for (int64_t t = query_start_loc[i]; t < query_start_loc[i + 1]; t += tile, n++) {
+            tiles[2 * n] = i;
+            tiles[2 * n + 1] = t;
         }
-    }
-#undef IS_WIDE
     const Step base = {query,    kv_cache, out,   0,      dtype,  heads,
                        kv_heads, block,    scale, window, softcap};
     // One item (a decode over one KV head: Gemma 3 1B's) runs on the caller's thread: a team
-    // would only wait at its barrier for threads the OS may not have scheduled yet. Items
-    // run KV head by KV head, so the threads share that head's keys in cache.
+    // would only wait at its barrier for threads the OS may not have scheduled yet.
 #pragma omp parallel for collapse(2) schedule(dynamic, 1) num_threads(num_threads)             \
     if (num_tiles * kv_heads > 1)
-    for (int64_t h = 0; h < kv_heads; h++)
-        for (int64_t n = 0; n < num_tiles; n++) {
-            const int64_t i = tiles[3 * n], first = tiles[3 * n + 1], wide = tiles[3 * n + 2];
-            const int64_t last = query_start_loc[i + 1], size = wide ? wide : tile;
-            const int64_t tokens = last - first < size ? last - first : size;
+    for (int64_t n = 0; n < num_tiles; n++)
+        for (int64_t h = 0; h < kv_heads; h++) {
+            const int64_t i = tiles[2 * n], first = tiles[2 * n + 1];
+            const int64_t last = query_start_loc[i + 1];
+            const int64_t tokens = last - first < tile ? last - first : tile;
             const int64_t pos0 = seq_lens[i] - (last - first); // position of token `first`
             Step s = base;
             s.table = block_tables + i * table_stride;
@@ -690,13 +445,7 @@ int paged_attention(const void *query, const void *kv_cache, void *out, int dtyp
             }
 #endif
             // A constant vector count lets the compiler keep rows in registers.
-            if (wide && dim == 64)
-                attend_wide(&s, first, tokens, pos0, h, 4);
-            else if (wide && dim == 128)
-                attend_wide(&s, first, tokens, pos0, h, 8);
-            else if (wide)
-                attend_wide(&s, first, tokens, pos0, h, (int)(dim / KEYS));
-            else if (dim == 64)
+            if (dim == 64)
                 attend_tile(&s, first, tokens, pos0, h, 4);
             else if (dim == 128)
                 attend_tile(&s, first, tokens, pos0, h, 8);

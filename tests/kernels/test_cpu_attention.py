@@ -184,28 +184,6 @@ def test_portable_path_without_avx512(portable, kernel, cpu_batch, dense, tol, d
     torch.testing.assert_close(out.double(), dense(batch, scale=0.125), **accuracy)
 
 
-# x86 builds of the kernel: AVX2 (no AVX-512), and SSE only (the portable vector code alone).
-NARROWER_BUILDS = {"avx2": "-mno-avx512f", "sse": "-mno-avx512f -mno-avx2 -mno-fma -mno-avx"}
-
-
-@pytest.mark.parametrize("build", ["native", *NARROWER_BUILDS])
-def test_prefill_tiles_match_dense_at_qwen3_shapes(
-    tmp_path, monkeypatch, kernel, cpu_batch, dense, build
-):
-    """Prefills take the wide items (query rows in vector lanes, keys gathered across blocks):
-    Qwen3-0.6B's heads (16 over 8, head_dim 128), ragged prefills with and without cached
-    context beside a decode, blocks of 8 (a key group spans two), on each build, within fp32
-    tolerance."""
-    if build != "native":
-        if platform.machine() not in ("x86_64", "AMD64"):
-            pytest.skip("x86 compiler flags")
-        monkeypatch.setenv("AGENTRT_CPU_KERNEL_CFLAGS", NARROWER_BUILDS[build])
-        kernel = load_cpu_attention(tmp_path)
-    batch = cpu_batch([77, 1, 150, 41], [77, 1, 45, 9], 16, 8, 128, 8, torch.float32)
-    out = attend(kernel, batch, 128**-0.5)
-    torch.testing.assert_close(out.double(), dense(batch), atol=1e-5, rtol=1e-5)
-
-
 def test_build_is_cached_per_source_and_cpu(tmp_path):
     first = load_cpu_attention(tmp_path)
     assert first.path.parent == tmp_path and first.path.suffix == ".so"
