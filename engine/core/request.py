@@ -179,7 +179,11 @@ class Request:
         """The status and stop reason once `token_id` is output token number `num_output`."""
         params = self.sampling_params
         if num_output >= params.min_tokens:
-            if not params.ignore_eos and token_id in self.eos_token_ids:
+            # A grammar allows EOS only once its output is complete, and nothing after it: a
+            # constrained output ends there even under ignore_eos (else its next step would
+            # have no allowed token, a dead end).
+            ends = not params.ignore_eos or self.structured is not None
+            if ends and token_id in self.eos_token_ids:
                 return RequestStatus.FINISHED_STOPPED, None
             if token_id in params.stop_token_ids:
                 return RequestStatus.FINISHED_STOPPED, token_id

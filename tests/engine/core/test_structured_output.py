@@ -205,6 +205,24 @@ def test_grammar_dead_end_fails_the_request_with_the_reason(smollm2_default_llm)
     smollm2_default_llm.kv_manager.check_invariants()
 
 
+def test_ignore_eos_ends_a_constrained_output_once_its_grammar_is_complete(smollm2_default_llm):
+    # A boolean is complete after one word; the grammar then allows only EOS. ignore_eos
+    # (a benchmark's knob) must not turn that into a dead end (was: finish "error",
+    # structured_output_failed, a 500 through the server): the output ends there, valid.
+    params = SamplingParams(
+        temperature=0.0,
+        max_tokens=16,
+        ignore_eos=True,
+        structured_outputs=StructuredOutputsParams(json={"type": "boolean"}),
+    )
+    out = smollm2_default_llm.chat([PROMPT], [params])[0]
+    completion = out.outputs[0]
+    assert out.error is None and completion.finish_reason == "stop", out.error
+    assert json.loads(completion.text) in (True, False)
+    assert completion.structured_errors == []
+    smollm2_default_llm.kv_manager.check_invariants()
+
+
 def test_steered_finish_is_reported(smollm2_default_llm):
     # A long story does not fit in 40 tokens: the last tokens are steered to close the JSON,
     # and the output says so instead of passing the cut-short text off as a natural end.
