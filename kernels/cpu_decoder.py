@@ -49,6 +49,7 @@ class _Layer(ctypes.Structure):
 
 
 _SHAPES = ("tokens", "hidden", "intermediate", "heads", "kv_heads", "head_dim", "block_size")
+_SHAPES += ("rot_dim",)
 _BUFFERS = ("residual", "query", "attn", "out", "normed", "qkv", "attn_bf16", "gate_up")
 _BUFFERS += ("act_out",)
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}  # cpu_ops.c's ACT_SILU, ACT_GELU_TANH
@@ -205,6 +206,7 @@ class CpuDecoder:
             kv_heads=self.kv_heads,
             head_dim=self.head_dim,
             block_size=self.block_size,
+            rot_dim=cos_sin.shape[-1],
             eps=eps,
             scale=scale,
             residual_scale=residual_scale,

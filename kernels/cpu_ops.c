@@ -78,15 +78,17 @@ void add_rms_norm(const uint16_t *x, const float *x_norm, float *residual, const
     }
 }
 
-// Rotate one head (neox style: the two halves of `dim` turn by the same angles) from bf16 into
-// fp32: out[i] = x[i] cos[i] - x[i + half] sin[i], out[i + half] = x[i + half] cos[i] + x[i] sin[i].
+// Rotate one head (neox style: the two halves of its first 2 half dims turn by the same angles)
+// from bf16 into fp32: out[i] = x[i] cos[i] - x[i + half] sin[i], out[i + half] = x[i + half]
+// cos[i] + x[i] sin[i]; dims 2 half .. dim pass through (partial rotary: Phi-4-mini's 96 of 128).
 static inline void rotate(const uint16_t *x, const float *cos, const float *sin, float *out,
-                          int64_t half) {
+                          int64_t half, int64_t dim) {
     for (int64_t i = 0; i < half; i++) {
         const float a = bf16_to_f32(x[i]), b = bf16_to_f32(x[i + half]);
         out[i] = a * cos[i] + -b * sin[i];
         out[i + half] = b * cos[i] + a * sin[i];
     }
+    for (int64_t d = 2 * half; d < dim; d++) out[d] = bf16_to_f32(x[d]);
 }
 
 // RMSNorm of `out` (dim,) fp32 in place, HF's arithmetic in fp32:
@@ -99,13 +101,13 @@ static inline void norm_f32(float *out, const float *norm, float eps, int64_t di
 }
 
 // One head of the bias-or-norm path into `out` fp32: x (bf16) + bias (NULL: none), then with
-// `norm` (NULL: none) HF's per-head RMSNorm (norm_f32), then rotated in place (each pair
-// i, i + half read before it is written; cos NULL: not rotated, a NoPE layer's). `load`
-// 0: `out` holds the head already (loaded, biased and normalised over all heads).
+// `norm` (NULL: none) HF's per-head RMSNorm (norm_f32), then its first 2 half dims rotated in
+// place (each pair i, i + half read before it is written; cos NULL: not rotated, a NoPE
+// layer's). `load` 0: `out` holds the head already (loaded, biased and normalised over all
+// heads).
 static inline void head_f32(const uint16_t *x, const float *bias, const float *norm, float eps,
                             const float *cos, const float *sin, float *out, int64_t dim,
-                            int load) {
-    const int64_t half = dim / 2;
+                            int64_t half, int load) {
     if (load) {
         for (int64_t d = 0; d < dim; d++) out[d] = bf16_to_f32(x[d]);
         if (bias)
@@ -122,8 +124,9 @@ static inline void head_f32(const uint16_t *x, const float *bias, const float *n
 
 // qkv (tokens, (heads + 2 kv_heads) * dim) bf16 -> query (tokens, heads, dim) fp32 rotated; the
 // rotated key and the value of token t into the cache viewed as rows (.., kv_heads, dim) fp32:
-// key at row key_rows[t], value at key_rows[t] + block_size. cos_sin (positions, dim): the
-// cos of each angle, then its sin. `bias` ((heads + 2 kv_heads) * dim fp32, Qwen2's) is added
+// key at row key_rows[t], value at key_rows[t] + block_size. cos_sin (positions, rot_dim): the
+// cos of each angle, then its sin; the first rot_dim dims of each head turn (rot_dim < dim:
+// partial rotary, the rest as they are). `bias` ((heads + 2 kv_heads) * dim fp32, Qwen2's) is added
 // to q, k and v; `q_norm` / `k_norm` ((dim,) fp32, Qwen3's; both or neither) normalise each
 // query / key head before it turns. All three NULL (Llama): the bf16 values turn directly,
 // the same bits as the fp32 path would give, with no pass over a copy. cos_sin NULL: q and k
@@ -132,23 +135,23 @@ static inline void head_f32(const uint16_t *x, const float *bias, const float *n
 // (OLMo 2's), not each head.
 void rope_qkv(const uint16_t *qkv, float *query, float *cache_rows, const int64_t *key_rows,
               const int64_t *positions, const float *cos_sin, int64_t tokens, int64_t heads,
-              int64_t kv_heads, int64_t dim, int64_t block_size, const float *bias,
-              const float *q_norm, const float *k_norm, int norm_all_heads, float eps,
-              int num_threads) {
-    const int64_t half = dim / 2, width = (heads + 2 * kv_heads) * dim, row = kv_heads * dim;
+              int64_t kv_heads, int64_t dim, int64_t rot_dim, int64_t block_size,
+              const float *bias, const float *q_norm, const float *k_norm, int norm_all_heads,
+              float eps, int num_threads) {
+    const int64_t half = rot_dim / 2, width = (heads + 2 * kv_heads) * dim, row = kv_heads * dim;
     const int plain = !bias && !q_norm && !k_norm && cos_sin;
 #pragma omp parallel for num_threads(num_threads) if (tokens >= PARALLEL_ROWS)
     for (int64_t t = 0; t < tokens; t++) {
         const uint16_t *src = qkv + t * width;
-        const float *cos = cos_sin ? cos_sin + positions[t] * dim : NULL;
+        const float *cos = cos_sin ? cos_sin + positions[t] * rot_dim : NULL;
         const float *sin = cos ? cos + half : NULL;
         float *key = cache_rows + key_rows[t] * row, *value = key + block_size * row;
         const uint16_t *v = src + (heads + kv_heads) * dim;
         if (plain) {
             for (int64_t h = 0; h < heads; h++)
-                rotate(src + h * dim, cos, sin, query + (t * heads + h) * dim, half);
+                rotate(src + h * dim, cos, sin, query + (t * heads + h) * dim, half, dim);
             for (int64_t h = 0; h < kv_heads; h++)
-                rotate(src + (heads + h) * dim, cos, sin, key + h * dim, half);
+                rotate(src + (heads + h) * dim, cos, sin, key + h * dim, half, dim);
             for (int64_t d = 0; d < row; d++) value[d] = bf16_to_f32(v[d]);
             continue;
         }
@@ -165,10 +168,10 @@ void rope_qkv(const uint16_t *qkv, float *query, float *cache_rows, const int64_
         const float *qn = load ? q_norm : NULL, *kn = load ? k_norm : NULL;
         for (int64_t h = 0; h < heads; h++)
             head_f32(src + h * dim, bias ? bias + h * dim : NULL, qn, eps, cos, sin, q + h * dim,
-                     dim, load);
+                     dim, half, load);
         for (int64_t h = 0; h < kv_heads; h++)
             head_f32(src + (heads + h) * dim, bias ? bias + (heads + h) * dim : NULL, kn, eps,
-                     cos, sin, key + h * dim, dim, load);
+                     cos, sin, key + h * dim, dim, half, load);
         const float *v_bias = bias ? bias + (heads + kv_heads) * dim : NULL;
         for (int64_t d = 0; d < row; d++)
             value[d] = v_bias ? bf16_to_f32(v[d]) + v_bias[d] : bf16_to_f32(v[d]);
@@ -270,7 +273,7 @@ typedef struct {
     // (head_dim,), or over all heads with norm_all_heads), all fp32; NULL for a layer without
     // them (Llama).
     const float *qkv_bias, *q_norm, *k_norm;
-    const float *cos_sin; // rope_qkv's table (positions, head_dim); NULL: a NoPE layer
+    const float *cos_sin; // rope_qkv's table (positions, rot_dim); NULL: a NoPE layer
     int64_t norm_all_heads, window, group; // window 0: none; group: the KV cache group's
     float softcap;                         // of the attention scores; 0: none
     // A sparse MoE MLP (NULL: the dense gate_up and down): moe_forward and the layer's
@@ -287,6 +290,7 @@ typedef struct {
 // MoE MLP) say where, and the callee's status is returned.
 typedef struct {
     int64_t tokens, hidden, intermediate, heads, kv_heads, head_dim, block_size;
+    int64_t rot_dim; // rope_qkv's: the dims of each head that turn (head_dim, or fewer)
     float eps, scale, residual_scale; // residual_scale: add_rms_norm's x_scale (Granite's)
     int64_t num_threads, act;         // act: ACT_SILU or ACT_GELU_TANH
     const int64_t *positions;
@@ -355,9 +359,9 @@ int decoder_forward(Step *s, const Layer *layers, int64_t num_layers) {
                      layer->input_norm, s->normed, rows, dim, s->eps, s->residual_scale, nt);
         if ((rc = project(s, &layer->qkv, s->normed, s->qkv))) return failed(s, l, 1, rc);
         rope_qkv(s->qkv, s->query, layer->kv_cache, s->key_rows[g], s->positions,
-                 layer->cos_sin, rows, s->heads, s->kv_heads, s->head_dim, s->block_size,
-                 layer->qkv_bias, layer->q_norm, layer->k_norm, (int)layer->norm_all_heads,
-                 s->eps, nt);
+                 layer->cos_sin, rows, s->heads, s->kv_heads, s->head_dim, s->rot_dim,
+                 s->block_size, layer->qkv_bias, layer->q_norm, layer->k_norm,
+                 (int)layer->norm_all_heads, s->eps, nt);
         rc = s->attention(s->query, layer->kv_cache, s->attn, 0, s->query_start_loc,
                           s->seq_lens, s->block_tables[g], s->table_strides[g], s->num_requests,
                           s->heads, s->kv_heads, s->head_dim, s->block_size, s->scale,

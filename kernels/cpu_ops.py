@@ -49,7 +49,7 @@ class CpuOps:
         lib = ctypes.CDLL(str(path))
         ptr, i64, f32, cint = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
         lib.add_rms_norm.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, f32, f32, cint]
-        lib.rope_qkv.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64]
+        lib.rope_qkv.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64]
         lib.rope_qkv.argtypes += [ptr, ptr, ptr, cint, f32, cint]
         lib.silu_mul.argtypes = [ptr, ptr, i64, i64, cint]
         lib.gelu_tanh_mul.argtypes = [ptr, ptr, i64, i64, cint]
@@ -118,8 +118,10 @@ class CpuOps:
         """qkv (T, (H + 2 KVH) D) bf16 -> the rotated query (T, H, D) fp32; the rotated key and
         the value of token t are written into `kv_cache` (NB, 2, BS, KVH, D) fp32 at its row
         key_rows[t] (the cache viewed as (NB * 2 * BS, KVH, D) rows) and that row plus BS.
-        positions (T,) int64 index the rows of cos_sin (P, D) fp32 (each angle's cos, then
-        its sin). `bias` ((H + 2 KVH) D,) fp32 is added to q, k and v first (Qwen2's);
+        positions (T,) int64 index the rows of cos_sin (P, R) fp32 (each angle's cos, then
+        its sin): the first R dims of each head turn, R = D or fewer (partial rotary,
+        Phi-4-mini's; the other D - R pass through). `bias` ((H + 2 KVH) D,) fp32 is added
+        to q, k and v first (Qwen2's);
         `q_norm` / `k_norm` (D,) fp32, both or neither, RMSNorm each query / key head with
         `eps` before it turns (Qwen3's); with `norm_all_heads` they are (H D,) / (KVH D,) and
         normalise a token's whole query / key at once (OLMo 2's). `rotate` False: q and k do
@@ -143,6 +145,7 @@ class CpuOps:
             num_heads,
             kv_heads,
             dim,
+            cos_sin.shape[1],
             block_size,
             *(None if t is None else t.data_ptr() for t in (bias, q_norm, k_norm)),
             int(norm_all_heads),
@@ -164,8 +167,11 @@ class CpuOps:
         num_blocks, _, block_size, _, dim = kv_cache.shape
         if not _ok(kv_cache, _F32, kv_cache.shape):
             raise _bad("kv_cache", kv_cache, "float32 (NB, 2, BS, KVH, D)")
-        if not _ok(cos_sin, _F32, (cos_sin.shape[0], dim)):
-            raise _bad("cos_sin", cos_sin, f"float32 (P, {dim})")
+        rot_dim = cos_sin.shape[-1]
+        if not (_ok(cos_sin, _F32, (cos_sin.shape[0], rot_dim)) and 0 < rot_dim <= dim):
+            raise _bad("cos_sin", cos_sin, f"float32 (P, R), R <= {dim}")
+        if rot_dim % 2:
+            raise KernelInputError(f"cos_sin: {rot_dim} columns; expected an even number.")
         for name, t in (("key_rows", key_rows), ("positions", positions)):
             if not _ok(t, _I64, (tokens,)):
                 raise _bad(name, t, f"int64 ({tokens},)")
@@ -258,9 +264,10 @@ def rope_qkv_ref(
     if bias is not None:
         x = x + bias
     x = x.view(qkv.shape[0], -1, dim)  # (T, H + 2 KVH, D)
-    cos, sin = cos_sin[positions].chunk(2, dim=-1)  # (T, D / 2) each
+    cos, sin = cos_sin[positions].chunk(2, dim=-1)  # (T, R / 2) each
     cos, sin = cos.repeat(1, 2)[:, None], sin.repeat(1, 2)[:, None]
-    half = dim // 2
+    rot_dim = cos_sin.shape[1]
+    half = rot_dim // 2
     qk = x[:, : num_heads + kv_heads]
     if q_norm is not None:
         q, k = qk.split((num_heads, kv_heads), dim=1)
@@ -273,7 +280,9 @@ def rope_qkv_ref(
             return weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps))
 
         qk = torch.cat((norm(q, q_norm), norm(k, k_norm)), dim=1)
-    qk = qk * cos + torch.cat((-qk[..., half:], qk[..., :half]), dim=-1) * sin
+    turn, rest = qk[..., :rot_dim], qk[..., rot_dim:]  # partial rotary: R < D
+    turned = turn * cos + torch.cat((-turn[..., half:], turn[..., :half]), dim=-1) * sin
+    qk = torch.cat((turned, rest), dim=-1)
     rows = kv_cache.view(-1, kv_heads, dim)
     rows[key_rows] = qk[:, num_heads:]
     rows[key_rows + kv_cache.shape[2]] = x[:, num_heads + kv_heads :]
