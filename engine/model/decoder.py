@@ -291,6 +291,7 @@ class DecoderForCausalLM(nn.Module):
             kernel_ops=self.kernel_ops,
             device=device,
             factors=self.rope_factors,
+            rotary_dim=cfg.rotary_dim,
         )
         self.local_rotary = None
         if cfg.has_sliding_layers and cfg.local_rope_theta is not None:

@@ -1,6 +1,8 @@
-"""Phi-3 / Phi-3.5 (mini, medium): Llama's layer with q/k/v in one stored matrix and
-gate/up in another, and LongRoPE scaling (its short and long per-frequency factors, cos and
-sin times an attention factor: model/rope.py).
+"""Phi-3 / Phi-3.5 (mini, medium) and Phi-4-mini: Llama's layer with q/k/v in one stored
+matrix and gate/up in another, and LongRoPE scaling (its short and long per-frequency factors,
+cos and sin times an attention factor: model/rope.py). Phi-4-mini turns only the first 96 of
+each head's 128 dims (`partial_rotary_factor` 0.75; a GGUF's `rope.dimension_count`, which
+the loader writes as `rotary_dim`): its frequencies are a 96-dim head's.
 
 A GGUF keeps LongRoPE's factors as tensors (`rope_factors_short` / `rope_factors_long`) and
 its original context and attention factor in metadata; the GGUF loader hands them to the
@@ -21,11 +23,14 @@ from agentrt.engine.model.llama import LlamaForCausalLM
 def arch_config(config: dict[str, Any]) -> ModelArchConfig:
     fields = common_fields(config)
     rope = dict(config.get("rope_parameters") or {})
+    head_dim = fields["head_dim"]
     partial = config.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0))
-    if partial != 1.0:
+    rotary_dim = config.get("rotary_dim") or int(head_dim * partial)  # as transformers rounds
+    if rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
         raise ModelLoadError(
-            f"{fields['architecture']} with partial_rotary_factor {partial} (Phi-4-mini's "
-            "partial RoPE) is not supported yet; Phi-3 and Phi-3.5 models are."
+            f"{fields['architecture']}: rope over {rotary_dim} dims of heads of {head_dim}; "
+            "expected an even number of them, at most the head's (partial_rotary_factor "
+            "in (0, 1], or a GGUF's rope.dimension_count)."
         )
     scaling = fields["rope_scaling"]
     if scaling is not None and scaling.get("rope_type", scaling.get("type")) in ("longrope", "su"):
@@ -34,7 +39,11 @@ def arch_config(config: dict[str, Any]) -> ModelArchConfig:
             config.get("original_max_position_embeddings"),
             fields["max_position_embeddings"],
         )
-    return ModelArchConfig(**{**fields, "rope_scaling": scaling}, fused_projections=True)
+    return ModelArchConfig(
+        **{**fields, "rope_scaling": scaling},
+        fused_projections=True,
+        rotary_dim=None if rotary_dim == head_dim else rotary_dim,
+    )
 
 
 def longrope_scaling(scaling: dict, original: int | None, max_positions: int) -> dict:

@@ -1,5 +1,6 @@
 """Rotary position embeddings (neox layout, as HF Llama), with default / linear / llama3 /
-longrope scaling."""
+longrope scaling, over each head's whole dims or its first `rotary_dim` (partial rotary:
+Phi-4-mini turns 96 of 128, the frequencies then those of a 96-dim head, as HF computes)."""
 
 from __future__ import annotations
 
@@ -95,10 +96,12 @@ FILL_ROWS = 4096
 
 
 class RotaryEmbedding:
-    """cos and sin of every position, in the kernels package's `cos_sin_cache` layout: (P, D),
-    cos of the D / 2 frequencies in the first half, sin in the second. With `kernel_ops` the
-    kernels package rotates q and k (one fused Triton kernel on CUDA); else torch ops follow
-    HF step for step (HF's rounding in bf16, no per-call input checks: the CPU path).
+    """cos and sin of every position, in the kernels package's `cos_sin_cache` layout: (P, R),
+    cos of the R / 2 frequencies in the first half, sin in the second; R is `rotary_dim`, the
+    dims of each head that turn (None: all, R = D; fewer: partial rotary, the rest pass).
+    With `kernel_ops` the kernels package rotates q and k (one fused Triton kernel on CUDA);
+    else torch ops follow HF step for step (HF's rounding in bf16, no per-call input checks:
+    the CPU path).
 
     On the CPU the table is filled as positions are reached, FILL_ROWS at a time (`cover`,
     which the model calls before each step): its rows past the longest sequence served are
@@ -116,17 +119,19 @@ class RotaryEmbedding:
         kernel_ops: bool = False,
         device: torch.device | None = None,
         factors: torch.Tensor | None = None,
+        rotary_dim: int | None = None,
     ):
         self.head_dim = head_dim
+        self.rotary_dim = rotary_dim or head_dim
         self.kernel_ops = kernel_ops
         self._rope = (theta, scaling, factors)
         if torch.device(device or "cpu").type == "cpu":
             # Untouched pages of a fresh allocation are not resident until `cover` writes them.
-            self.cos_sin_cache = torch.empty(max_positions, head_dim)  # (P, D)
+            self.cos_sin_cache = torch.empty(max_positions, self.rotary_dim)  # (P, R)
             self.num_filled = 0
         else:
-            table = rope_table(head_dim, max_positions, *self._rope)
-            self.cos_sin_cache = table.to(device)  # (P, D)
+            table = rope_table(self.rotary_dim, max_positions, *self._rope)
+            self.cos_sin_cache = table.to(device)  # (P, R)
             self.num_filled = max_positions
 
     def cover(self, positions: torch.Tensor) -> None:
@@ -137,7 +142,7 @@ class RotaryEmbedding:
         needed = int(positions.max()) + 1
         if needed > self.num_filled:
             start, stop = self.num_filled, min(num_positions, -(-needed // FILL_ROWS) * FILL_ROWS)
-            rows = rope_table(self.head_dim, stop, *self._rope, start=start)
+            rows = rope_table(self.rotary_dim, stop, *self._rope, start=start)
             self.cos_sin_cache[start:stop] = rows
             self.num_filled = stop
 
@@ -147,7 +152,7 @@ class RotaryEmbedding:
         if self.kernel_ops:
             return Rotate(positions, self.cos_sin_cache, None, None, self.head_dim)
         cos, sin = self.cos_sin_cache.index_select(0, positions).to(dtype).chunk(2, dim=-1)
-        # Both halves of a head turn by the same angles: (T, D/2) -> (T, 1, D).
+        # Both halves of the turning dims take the same angles: (T, R/2) -> (T, 1, R).
         cos, sin = cos.repeat(1, 2)[:, None, :], sin.repeat(1, 2)[:, None, :]
         return Rotate(positions, self.cos_sin_cache, cos, sin, self.head_dim)
 
@@ -162,8 +167,8 @@ class Rotate:
 
     def __init__(self, positions, cos_sin_cache, cos, sin, head_dim: int) -> None:
         self.positions = positions  # (T,)
-        self.cos_sin_cache = cos_sin_cache  # (P, D)
-        self.cos, self.sin = cos, sin  # (T, 1, D) in the model's dtype, or None
+        self.cos_sin_cache = cos_sin_cache  # (P, R)
+        self.cos, self.sin = cos, sin  # (T, 1, R) in the model's dtype, or None
         self.head_dim = head_dim
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -177,7 +182,13 @@ class Rotate:
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x (T, H, D) -> rotated (T, H, D), neox style: rotate_half on the two halves."""
+    """x (T, H, D) -> rotated (T, H, D), neox style: rotate_half on the two halves of its
+    first R dims, cos and sin (T, 1, R); with R < D the other dims pass through (HF's
+    apply_rotary_pos_emb for a partial rotary factor)."""
+    rotary_dim = cos.shape[-1]
+    if rotary_dim < x.shape[-1]:
+        turned = apply_rotary(x[..., :rotary_dim], cos, sin)
+        return torch.cat((turned, x[..., rotary_dim:]), dim=-1)
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin

@@ -42,7 +42,7 @@ _COMMON: dict[str, Any] = {
 
 def family_of(name: str) -> str:
     """The registry family of a tiny config's name ("llama3": llama with llama3 rope)."""
-    return {"llama3": "llama", "mixtral": "llama"}.get(name, name)
+    return {"llama3": "llama", "mixtral": "llama", "phi4": "phi3"}.get(name, name)
 
 
 def hf_config(family: str) -> Any:
@@ -136,6 +136,24 @@ def hf_config(family: str) -> Any:
                 "original_max_position_embeddings": 64,
             },
         )
+    if family == "phi4":
+        # Phi-4-mini's rope: the first 12 of each head's 16 dims turn (partial_rotary_factor
+        # 0.75: its 96 of 128), LongRoPE's factors one per frequency of those; tied output.
+        half = int(_COMMON["head_dim"] * 0.75) // 2
+        return transformers.Phi3Config(
+            **_COMMON,
+            num_hidden_layers=2,
+            tie_word_embeddings=True,
+            original_max_position_embeddings=64,
+            rope_parameters={
+                "rope_type": "longrope",
+                "rope_theta": 10000.0,
+                "partial_rotary_factor": 0.75,
+                "short_factor": [1.0 + 0.1 * i for i in range(half)],
+                "long_factor": [1.0 + 2.0 * i for i in range(half)],
+                "original_max_position_embeddings": 64,
+            },
+        )
     if family == "gemma2":  # sliding and global layers alternate; scores and logits capped
         return transformers.Gemma2Config(
             **_COMMON,
@@ -203,7 +221,8 @@ def write_family_gguf(
     writer.add_key_length(config.head_dim)
     writer.add_value_length(config.head_dim)
     if family != "qwen3moe":  # llama.cpp's converter writes key_length alone for it
-        writer.add_rope_dimension_count(config.head_dim)
+        partial = config.rope_parameters.get("partial_rotary_factor", 1.0)
+        writer.add_rope_dimension_count(int(config.head_dim * partial))
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_vocab_size(config.vocab_size)
     if family == "gemma2":

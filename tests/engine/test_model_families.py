@@ -53,6 +53,7 @@ def family_files(tmp_path_factory):
             ("qwen2", Q.Q8_0),
             ("qwen3", Q.Q8_0),
             ("phi3", Q.Q8_0),
+            ("phi4", Q.Q8_0),
             ("smollm3", Q.Q8_0),
             ("granite", Q.Q8_0),
             ("olmo2", Q.Q8_0),
@@ -74,6 +75,7 @@ def family_files(tmp_path_factory):
         ("qwen2", Q.Q8_0, {}),  # q/k/v biases
         ("qwen3", Q.Q8_0, {}),  # q/k norms per head
         ("phi3", Q.Q8_0, {}),  # fused qkv and gate_up; LongRoPE factors as tensors
+        ("phi4", Q.Q8_0, {}),  # Phi-4-mini's partial rotary: 12 of 16 dims turn; tied
         ("smollm3", Q.Q8_0, {}),  # NoPE layers
         ("granite", Q.Q8_0, {}),  # embedding, residual, attention and logit multipliers
         ("olmo2", Q.Q8_0, {}),  # norms after attention and the MLP only; q/k norms over heads
@@ -133,7 +135,7 @@ def test_block_formats_run_close_to_fp32_on_the_fused_paths(family_files):
     positions, fused vs by torch ops: Qwen2 3.1% / 97% vs 2.8% / 86%; Qwen3 2.5% / 90% (26)
     vs 2.2% / 93% (27); Llama 3.1% / 93%: one near-tie either way, so the floor is 85%;
     SmolLM3, its NoPE layers on the same paths, 7.3% / 86%.)"""
-    decoder = ("llama", "phi3", "qwen2", "qwen3", "smollm3", "granite")
+    decoder = ("llama", "phi3", "phi4", "qwen2", "qwen3", "smollm3", "granite")
     decoder += ("gemma3", "gemma2", "olmo2", "qwen3moe", "mixtral")
     glue = decoder
     for family in glue:
@@ -153,9 +155,12 @@ def test_block_formats_run_close_to_fp32_on_the_fused_paths(family_files):
         assert (got - want).abs().mean() < bound * want.abs().mean()
 
 
-@pytest.mark.parametrize("family", ["smollm3", "granite", "gemma3", "gemma2", "olmo2", "qwen3moe"])
+@pytest.mark.parametrize(
+    "family", ["smollm3", "granite", "gemma3", "gemma2", "olmo2", "qwen3moe", "phi4"]
+)
 def test_one_call_decoder_gives_the_layer_by_layer_bits(family_files, family):
-    """SmolLM3's NoPE layers (rope_qkv without a table: q and k not rotated), Granite's
+    """SmolLM3's NoPE layers (rope_qkv without a table: q and k not rotated), Phi-4-mini's
+    partial rotary (a table of fewer columns than the head's dims), Granite's
     multipliers (each branch scaled as add_rms_norm adds it), Gemma 3's sliding-window
     layers (their own rope table and KV cache group: the prompts run past the window by
     several blocks, whose local KV is freed), Gemma 2's soft-caps, OLMo 2's post-norms and
@@ -173,6 +178,8 @@ def test_one_call_decoder_gives_the_layer_by_layer_bits(family_files, family):
         assert model.cfg.norm_layout == "post" and not model.cfg.qk_norm_per_head
     elif family == "qwen3moe":
         assert all(layer.mlp is not None for layer in model.layers)
+    elif family == "phi4":
+        assert model.cfg.rotary_dim == 12 and model.rotary.cos_sin_cache.shape[1] == 12
     else:  # Gemma: sliding layers in their own KV cache groups
         assert model.cfg.has_sliding_layers and model.cpu_decoder.num_groups > 1
     by_layer.engine.runner.model.cpu_decoder = None
