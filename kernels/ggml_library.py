@@ -6,7 +6,9 @@ portable build turns AVX off, the AVX2 build AVX-512) and loaded with ctypes. `s
 is the best this CPU runs, or `$AGENTRT_GGML_ISA` (scalar | avx2 | avx512) when set;
 `default_kernels()` loads that one once per process; `load_ggml_kernels(build_dir, isa)` any.
 The GGMLKernels methods take tensors their callers (ggml_linear.py) have checked: a wrong
-shape here reads out of bounds.
+shape here reads out of bounds. The module imports no torch (its methods do, when called),
+so the library is loaded and asked which types it interleaves before torch is imported
+(engine/loader/arena.py, while torch's import runs).
 """
 
 from __future__ import annotations
@@ -19,13 +21,13 @@ import platform
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import torch
-
 from .cpu_build import build_library
 from .errors import KernelBuildError, KernelInputError
 from .ggml_types import type_name as _type_name
 
 if TYPE_CHECKING:
+    import torch
+
     from .ggml_linear import GGMLWeight
 
 SOURCE = Path(__file__).with_name("ggml_quants.c")
@@ -140,6 +142,8 @@ class GGMLKernels:
         """out uint8 (N / 16, 16 * row_bytes), contiguous = the weight interleaved by 16 rows
         (ggml_linear.interleave has the layout) on `num_threads` OpenMP threads (default:
         torch's); the caller checked type and shape."""
+        import torch  # not at the module's import (module doc)
+
         data = weight.data
         assert out.is_contiguous() and out.shape[0] * 16 == weight.out_features
         rc = self._lib.ggml_interleave(
@@ -160,6 +164,8 @@ class GGMLKernels:
         then a span of w's pages (address, bytes; 0 bytes: none) dropped once copied;
         `next_job` int64 (1,), the index of the next job to take, shared by every thread
         that runs the same jobs. One C call: the GIL is released until the jobs are done."""
+        import torch  # not at the module's import (module doc)
+
         assert jobs.dtype == torch.int64 and jobs.is_contiguous() and jobs.shape[1:] == (8,)
         rc = self._lib.ggml_interleave_jobs(jobs.data_ptr(), jobs.shape[0], next_job.data_ptr())
         if rc:
@@ -171,6 +177,8 @@ class GGMLKernels:
     def deinterleave_rows(self, weight: GGMLWeight, index: torch.Tensor, out: torch.Tensor) -> None:
         """out uint8 (R, row_bytes), contiguous = rows `index` (int64 (R,), contiguous, each
         < N) of an interleaved weight, in the file's layout."""
+        import torch  # not at the module's import (module doc)
+
         assert out.is_contiguous() and index.dtype == torch.int64 and index.is_contiguous()
         assert out.shape[0] == index.numel()
         if index.numel() and not (0 <= int(index.min()) and int(index.max()) < weight.out_features):
@@ -191,6 +199,8 @@ class GGMLKernels:
     def linear(self, x: torch.Tensor, weight: GGMLWeight, out: torch.Tensor) -> None:
         """out (T, N) (fp32 or bf16, row stride >= N) = x (T, K) @ W.T; the caller has
         checked the shapes (ggml_linear)."""
+        import torch  # not at the module's import (module doc)
+
         ptr, stride, qtype, n, k = weight._c_args
         bf16 = torch.bfloat16
         args = array.array(
@@ -221,6 +231,8 @@ class GGMLKernels:
         """out (R, K) fp32 or bf16, contiguous = rows first .. first + R of the weight as
         scale * u + bias: within an fp32 rounding of `dequantize` (not gguf's order of
         operations), for the large-step GEMM."""
+        import torch  # not at the module's import (module doc)
+
         rows = out.shape[0]
         assert out.shape[1] == weight.in_features and out.is_contiguous()
         assert 0 <= first and first + rows <= weight.out_features
@@ -241,6 +253,8 @@ class GGMLKernels:
 
     def dequantize(self, weight: GGMLWeight, out: torch.Tensor) -> None:
         """out (N, K) fp32 contiguous = the weight, dequantized."""
+        import torch  # not at the module's import (module doc)
+
         assert out.shape == (weight.out_features, weight.in_features) and out.is_contiguous()
         rc = self._lib.ggml_dequantize(
             weight.data.data_ptr(),
