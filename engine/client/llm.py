@@ -1,16 +1,25 @@
-"""LLM: the offline, synchronous entry point (vLLM's `LLM`)."""
+"""LLM: the offline, synchronous entry point (vLLM's `LLM`).
+
+Importing this module imports no torch: `LLM(...)` first maps and faults in the memory its
+GGUF weights will be interleaved into, on a thread of its own (loader/arena.py), then
+imports the engine, so that work runs on the other core while torch's import holds this one
+(tests/engine/client/test_llm.py checks the import stays torch-free).
+"""
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-from agentrt.engine.client.llm_engine import LLMEngine
-from agentrt.engine.client.outputs import RequestOutput
-from agentrt.engine.client.processor import Prompt
 from agentrt.engine.errors import InvalidRequestError
-from agentrt.engine.records import EngineCoreRequest
+from agentrt.engine.loader.arena import prefaulted
 from agentrt.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from agentrt.engine.client.outputs import RequestOutput
+    from agentrt.engine.client.processor import Prompt
+    from agentrt.engine.records import EngineCoreRequest
 
 Messages = list[dict]
 
@@ -22,7 +31,10 @@ class LLM:
     are reachable as attributes of the LLM."""
 
     def __init__(self, model: str | None = None, **options) -> None:
-        self.engine = LLMEngine(model, **options)
+        with prefaulted(model, options):
+            from agentrt.engine.client.llm_engine import LLMEngine  # torch: module doc
+
+            self.engine = LLMEngine(model, **options)
         self._req_counter = itertools.count()
 
     def __getattr__(self, name: str):

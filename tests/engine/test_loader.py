@@ -381,3 +381,50 @@ def test_repack_on_the_loaders_threads_equals_interleave(num_threads: int) -> No
     assert callers == [threading.get_ident()]
     for expected, new, given in filled:
         assert torch.equal(new.data, expected.data) and torch.equal(given, expected.data)
+
+
+ARENA_FILES = {  # a tied llama (permuted Q/K, interleaved embedding), a Q4_K_M-style qwen2
+    "llama-Q8_0-tied": ("llama", Q.Q8_0, {}),
+    "qwen2-Q4_K_M": ("qwen2", Q.Q4_K, {"v_type": Q.Q6_K, "tied": False}),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ARENA_FILES))
+def test_prefaulted_arena_holds_the_interleaved_weights(gguf_dir, case) -> None:
+    """LLM's arena (loader/arena.py): sized exactly to what the walk interleaves, every
+    interleaved weight taken from it, the same bytes and logits as a load without it; an
+    arena the load does not claim is unmapped; none where the load interleaves nothing."""
+    from agentrt.engine.loader import arena
+
+    arch, qtype, extra = ARENA_FILES[case]
+    path = tiny_file(gguf_dir, arch, qtype, **extra)
+    plain = runner(path, "gguf")
+    with arena.prefaulted(path, {}):
+        prepared = arena._arenas[str(path.resolve())]
+        loaded = runner(path, "gguf")
+        assert not arena._arenas  # claimed
+    weights = [
+        (name, w)
+        for name, module in loaded.model.named_modules()
+        for w in getattr(module, "weights", [getattr(module, "weight", None)])
+        if isinstance(w, GGMLWeight) and w.interleaved
+    ]
+    assert weights
+    start, end = prepared._address, prepared._address + prepared.size
+    for _, w in weights:
+        assert start <= w.data.data_ptr() < end
+    assert prepared._used == prepared.size  # the estimate is what the walk took
+    assert not prepared._thread.is_alive()
+    plain_weights = dict(plain.model.named_modules())
+    for name, w in weights:
+        module = plain_weights[name]
+        expected = getattr(module, "weights", [getattr(module, "weight", None)])
+        assert any(torch.equal(w.data, e.data) for e in expected), name
+    assert torch.equal(prompt_logits(loaded), prompt_logits(plain))
+
+    with arena.prefaulted(path, {}):
+        unclaimed = arena._arenas[str(path.resolve())]
+    assert unclaimed._map.closed and not arena._arenas
+    for options in ({"quantization": "none"}, {"device": "cuda"}, {"tensor_parallel_size": 2}):
+        with arena.prefaulted(path, options):
+            assert not arena._arenas
