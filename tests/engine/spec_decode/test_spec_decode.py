@@ -153,6 +153,12 @@ def test_request_metrics_carry_spec_stats():
 # -- tiny models: every scheduler path ------------------------------------------------------
 
 
+# A tiny model's KV block is a few KB: the default 2 GiB pool would be 262,144 blocks, whose
+# bookkeeping costs ~0.7 s of CPU an engine (most of a tiny engine's start); 6,553 blocks of
+# 0.05 GiB hold every test here (the preemption cases set their own few).
+TINY_POOL = {"kv_cache_memory_gb": 0.05}
+
+
 def tiny_items(n: int = 6, max_tokens: int = 48) -> list[tuple[list[int], SamplingParams]]:
     prompts = [[(7 * i + 3 * j) % 500 + 100 for j in range(10 + 9 * i)] for i in range(n)]
     return [(p, greedy(max_tokens, ignore_eos=True)) for p in prompts]
@@ -164,8 +170,14 @@ def tiny(tiny_checkpoint):
 
 
 @pytest.fixture(scope="module")
-def tiny_baseline(tiny) -> list[list[int]]:
-    return run(LLM(tiny, dtype="float32"), tiny_items())
+def tiny_base(tiny) -> LLM:
+    """The tiny model without drafting (tests only generate on it)."""
+    return LLM(tiny, dtype="float32", **TINY_POOL)
+
+
+@pytest.fixture(scope="module")
+def tiny_baseline(tiny_base) -> list[list[int]]:
+    return run(tiny_base, tiny_items())
 
 
 SCHEDULER_CASES = {
@@ -185,7 +197,7 @@ def test_tiny_model_same_tokens(tiny, tiny_baseline, method, case):
     the first run's outputs, and the model drafting for itself is always right (the
     acceptance paths)."""
     spec = {"model": tiny} if method == "draft_model" else {}
-    llm = spec_llm(tiny, method, spec=spec, **SCHEDULER_CASES[case])
+    llm = spec_llm(tiny, method, spec=spec, **(TINY_POOL | SCHEDULER_CASES[case]))
     items, expected = tiny_items(), tiny_baseline
     if case == "preemption":
         items, expected = items[:3], expected[:3]
@@ -204,7 +216,8 @@ def test_tiny_model_same_tokens(tiny, tiny_baseline, method, case):
 def test_tiny_draft_model_of_another_architecture(tiny, tiny_checkpoint, tiny_baseline):
     """A different tiny model (qwen3, same vocabulary) drafts: few drafts hold, the output
     is still exactly the target's."""
-    llm = spec_llm(tiny, "draft_model", spec={"model": str(tiny_checkpoint("qwen3"))})
+    draft = {"model": str(tiny_checkpoint("qwen3"))}
+    llm = spec_llm(tiny, "draft_model", spec=draft, **TINY_POOL)
     assert run(llm, tiny_items()) == tiny_baseline
     assert llm.engine.stats().spec_decode.num_draft_tokens > 0
     llm.engine.kv_manager.check_invariants()
@@ -213,15 +226,21 @@ def test_tiny_draft_model_of_another_architecture(tiny, tiny_checkpoint, tiny_ba
 def self_drafting(tiny, **options) -> LLM:
     """The tiny model drafting for itself: greedy drafts always hold, so each step appends
     1 + k tokens and a stop can fall anywhere inside them."""
-    return spec_llm(tiny, "draft_model", spec={"model": tiny}, **options)
+    return spec_llm(tiny, "draft_model", spec={"model": tiny}, **(TINY_POOL | options))
+
+
+@pytest.fixture(scope="module")
+def tiny_drafting(tiny) -> LLM:
+    """`self_drafting(tiny)`, shared by the stop tests (they leave it idle)."""
+    return self_drafting(tiny)
 
 
 @pytest.mark.parametrize("position", range(28, 33))  # every offset in a 1 + 4 token step
-def test_stops_inside_a_draft(tiny, tiny_baseline, position):
+def test_stops_inside_a_draft(tiny_base, tiny_drafting, tiny_baseline, position):
     """A stop token id, a stop string and max_tokens that fall inside accepted drafts end
     the output exactly where drafting off ends it."""
-    base = LLM(tiny, dtype="float32")
-    llm = self_drafting(tiny)
+    base, llm = tiny_base, tiny_drafting
+    accepted = llm.engine.stats().spec_decode.num_accepted_tokens
     prompt, _ = tiny_items()[1]
     tokens = tiny_baseline[1]
     stop_text = base.tokenizer.decode(tokens[position : position + 2])
@@ -236,13 +255,13 @@ def test_stops_inside_a_draft(tiny, tiny_baseline, position):
         assert got.outputs[0].token_ids == want.outputs[0].token_ids
         assert got.outputs[0].text == want.outputs[0].text
         assert got.outputs[0].finish_reason == want.outputs[0].finish_reason
-    assert llm.engine.stats().spec_decode.num_accepted_tokens > 0
+    assert llm.engine.stats().spec_decode.num_accepted_tokens > accepted
     llm.engine.kv_manager.check_invariants()
 
 
 def test_eos_inside_a_draft(tiny, tiny_baseline):
     """The model's EOS, when it comes from a draft, ends the output like a sampled one."""
-    base = LLM(tiny, dtype="float32")
+    base = LLM(tiny, dtype="float32", **TINY_POOL)  # its EOS is changed: its own engine
     llm = self_drafting(tiny)
     prompt, _ = tiny_items()[1]
     eos = tiny_baseline[1][30]  # a token the output reaches becomes the EOS
@@ -289,10 +308,10 @@ def test_random_sampling_with_drafts_is_seeded(tiny):
     assert llm.engine.stats().spec_decode.num_drafts > 0
 
 
-def test_logprob_requests_do_not_draft_beside_ones_that_do(tiny, tiny_baseline):
+def test_logprob_requests_do_not_draft_beside_ones_that_do(tiny, tiny_base, tiny_baseline):
     llm = self_drafting(tiny)
     (prompt, _), (other, _) = tiny_items()[1:3]
-    want = LLM(tiny, dtype="float32").generate([prompt], greedy(30, ignore_eos=True, logprobs=2))
+    want = tiny_base.generate([prompt], greedy(30, ignore_eos=True, logprobs=2))
     out, drafted = llm.generate(
         [prompt, other], [greedy(30, ignore_eos=True, logprobs=2), greedy(30, ignore_eos=True)]
     )
