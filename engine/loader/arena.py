@@ -17,7 +17,9 @@ is done (`WeightArena.finish`), before it copies. Whatever the arena cannot hold
 allocated as before; an arena nothing claims is unmapped when the engine is built or failed.
 
 Only where that is what the load does: a .gguf file (or the embedded model), on the CPU,
-in its own block formats (quantization "auto" or "gguf", dtype "auto"), one rank, on Linux.
+in its own block formats (quantization "auto" or "gguf", dtype "auto"), one rank, on Linux;
+and only for weights of at most half the available memory, as the engine's fit check
+(fit.py, after torch's import) refuses a model too large before allocating anything.
 Torch-free: importing this module, or preparing an arena, imports no torch.
 """
 
@@ -169,14 +171,26 @@ def _start(model: str | os.PathLike[str] | None, options: Mapping[str, Any]) -> 
         size = arena_size(path)
     except Exception:  # the engine's own load reports what is wrong with the file
         return None
-    if not size:
-        return None
+    if not size or size > _available_memory() // 2:
+        return None  # nothing to take; or a file the fit check (fit.py) may yet refuse
     key = str(path)
     with _lock:
         if key in _arenas:  # another engine of the file is being built: it takes that one
             return None
         _arenas[key] = WeightArena(size)
     return key
+
+
+def _available_memory() -> int:
+    """The OS's MemAvailable, as fit.py reads it (0 where it cannot be read)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
 
 
 @functools.cache

@@ -390,10 +390,11 @@ ARENA_FILES = {  # a tied llama (permuted Q/K, interleaved embedding), a Q4_K_M-
 
 
 @pytest.mark.parametrize("case", sorted(ARENA_FILES))
-def test_prefaulted_arena_holds_the_interleaved_weights(gguf_dir, case) -> None:
+def test_prefaulted_arena_holds_the_interleaved_weights(gguf_dir, case, monkeypatch) -> None:
     """LLM's arena (loader/arena.py): sized exactly to what the walk interleaves, every
     interleaved weight taken from it, the same bytes and logits as a load without it; an
-    arena the load does not claim is unmapped; none where the load interleaves nothing."""
+    arena the load does not claim is unmapped; none where the load interleaves nothing, nor
+    for weights over half the available memory."""
     from agentrt.engine.loader import arena
 
     arch, qtype, extra = ARENA_FILES[case]
@@ -428,3 +429,6 @@ def test_prefaulted_arena_holds_the_interleaved_weights(gguf_dir, case) -> None:
     for options in ({"quantization": "none"}, {"device": "cuda"}, {"tensor_parallel_size": 2}):
         with arena.prefaulted(path, options):
             assert not arena._arenas
+    monkeypatch.setattr(arena, "_available_memory", lambda: 2 * prepared.size - 1)
+    with arena.prefaulted(path, {}):
+        assert not arena._arenas
