@@ -23,9 +23,11 @@ Passes alternate (ours, llama.cpp, ours, ...). Figures are GFLOP/s (2 * N * K * 
 the median and the best pass by wall time, and the median by CPU time (the calling thread's
 with one thread: both sides run their first thread on it; the process's per thread with
 more), and the ratio ours / llama.cpp of each (> 1: ours is faster). On a shared machine the
-one-thread CPU-time figure is the steady one. Small weights are copied up to `--stream-mib`
-so that each call reads its weight from memory (a decode's case), as far as a pass stays
-under PASS_FLOP. The last line is one JSON object. Without `--llama-cpp` only our side runs.
+one-thread CPU-time figure is the steady one; with more threads, set OMP_WAIT_POLICY=passive
+there (both sides' OpenMP read it), or threads spinning for a descheduled partner swamp the
+figures. Small weights are copied up to `--stream-mib` so that each call reads its weight
+from memory (a decode's case), as far as a pass stays under PASS_FLOP. The last line is one
+JSON object. Without `--llama-cpp` only our side runs.
 """
 
 from __future__ import annotations
