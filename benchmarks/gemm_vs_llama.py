@@ -234,9 +234,8 @@ def ours_pass(x: torch.Tensor, weights: list, out: torch.Tensor, kernels) -> Non
 def alternate(sides: dict, repeats: int, threads: int) -> dict[str, tuple[float, float, float]]:
     """side -> seconds of a pass (median wall, best wall, median CPU) over `repeats` passes
     after a warm-up, the sides' passes alternating. CPU: the calling thread's with one thread,
-    else the process's divided by the threads (spin-waits included, so on a loaded machine it
-    counts a thread waiting for its descheduled partner; the best wall time is then the
-    steadier figure)."""
+    else the process's divided by the threads (spin-waits included: on a loaded machine, a
+    thread spinning for its descheduled partner; see OMP_WAIT_POLICY above)."""
     clock = time.thread_time if threads == 1 else time.process_time
     wall = {side: [] for side in sides}
     cpu = {side: [] for side in sides}
