@@ -179,7 +179,8 @@ def load_llama(root: Path):
     lib_dir = root / "build" / "bin"
     if not (lib_dir / "libggml-cpu.so").exists():
         sys.exit(f"no {lib_dir / 'libggml-cpu.so'}: build llama.cpp with BUILD_SHARED_LIBS=ON")
-    folder = Path(tempfile.mkdtemp(prefix="llama-mm-"))
+    folder = Path(tempfile.gettempdir()) / "agentrt-llama-mm"  # built once: keyed by a hash
+    folder.mkdir(exist_ok=True)
     (folder / "llama_mm.c").write_text(_LLAMA_SOURCE)
     flags = (
         f"-I{root / 'ggml' / 'include'}",
