@@ -5,9 +5,16 @@ Input lines (OpenAI's batch format): `{"custom_id", "method": "POST", "url", "bo
 one of `ENDPOINTS`. `validate` checks a whole file before anything runs; `iter_lines`
 then streams it (the file is never held in memory).
 
-Each line is POSTed in-process to the app (`AppDispatcher`: an ASGI call, no socket), so a
-batch line gets exactly what an HTTP client would: the same validation, errors, metrics and
-API-key check. Its result is one output line:
+Each line runs on the app's own route (`AppDispatcher`): its body is validated into the
+route's request model and the route's endpoint is called with it, in-process and without
+HTTP (an HTTP round trip through the ASGI stack cost the event loop more than the rest of
+the line), so a batch line gets what an HTTP client would: the same validation errors, the
+same handler, errors shaped by the app's own exception handlers, counted in its metrics.
+Not repeated per line: the API-key guard (a batch runs only under its owner's key, the
+server's: agentrt.server.batches; the key is still in the line's headers, for
+--cache-isolation key) and the body-size guard (the line comes from a stored file capped by
+--max-file-bytes; an over-long prompt is still refused by the context-length check). Its
+result is one output line:
 `{"id": "batch_req_...", "custom_id", "response": {"status_code", "request_id", "body"},
 "error": null}`.
 
@@ -28,7 +35,12 @@ from pathlib import Path
 from typing import Any
 
 import anyio
-import httpx
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from fastapi.routing import APIRoute
+from pydantic import BaseModel, ValidationError
+from starlette.requests import Request
+from starlette.responses import Response
 
 from agentrt.extract_io import OutputState, scan_jsonl
 
@@ -145,32 +157,35 @@ def succeeded(record: dict[str, Any]) -> bool:
 
 
 class AppDispatcher:
-    """POSTs request bodies to an ASGI app in-process. `api_key`: sent as the bearer key
-    (the batch owner's, which the app's guard checks as for any client)."""
+    """Runs lines on the POST routes of `ENDPOINTS` of a FastAPI app (started: its lifespan
+    entered), in-process: the body validated as FastAPI validates it, the route's endpoint
+    awaited, an exception answered by the app's exception handler for it (as Starlette
+    picks it), the status counted in the server's metrics. `api_key`: the batch owner's,
+    sent in the request's headers (the endpoints read it for --cache-isolation key)."""
 
-    def __init__(self, app, api_key: str | None) -> None:
-        headers = {} if api_key is None else {"Authorization": f"Bearer {api_key}"}
-        self._client = httpx.AsyncClient(
-            transport=httpx.ASGITransport(app=app, raise_app_exceptions=False),
-            base_url="http://agentrt.batch",
-            headers=headers,
-            timeout=None,
+    def __init__(self, app: FastAPI, api_key: str | None) -> None:
+        self._app = app
+        self._routes = {url: _post_route(app, url) for url in ENDPOINTS}
+        self._headers = (
+            [] if api_key is None else [(b"authorization", f"Bearer {api_key}".encode())]
         )
 
     async def post(self, line: BatchLine) -> dict[str, Any]:
         """The output record of `line`; retries while the queue is full (429); raises
         `ServerUnavailable` on a 503."""
         while True:
-            response = await self._client.post(line.url, json=line.body)
+            response = await self._respond(line)
+            self._app.state.server.metrics.count_response(response.status_code)
             if response.status_code == 429:
                 await anyio.sleep(RETRY_AFTER_S)
                 continue
             if response.status_code == 503:
-                raise ServerUnavailable(response.text)
+                raise ServerUnavailable(response.body.decode(errors="replace"))
             try:
-                body = response.json()
+                body = json.loads(response.body)
             except json.JSONDecodeError:
-                body = {"error": {"message": response.text, "type": "server_error"}}
+                text = response.body.decode(errors="replace")
+                body = {"error": {"message": text, "type": "server_error"}}
             return {
                 "id": f"batch_req_{uuid.uuid4().hex}",
                 "custom_id": line.custom_id,
@@ -182,8 +197,48 @@ class AppDispatcher:
                 "error": None,
             }
 
-    async def aclose(self) -> None:
-        await self._client.aclose()
+    async def _respond(self, line: BatchLine) -> Response:
+        endpoint, model = self._routes[line.url]
+        request = Request(
+            {
+                "type": "http",
+                "method": "POST",
+                "scheme": "http",
+                "server": ("agentrt.batch", 80),
+                "path": line.url,
+                "root_path": "",
+                "query_string": b"",
+                "headers": self._headers,
+                "app": self._app,
+            },
+            _never_disconnects,
+        )
+        try:
+            try:
+                body = model.model_validate(line.body)
+            except ValidationError as exc:  # FastAPI's errors: each located under "body"
+                errors = [{**e, "loc": ("body", *e["loc"])} for e in exc.errors(include_url=False)]
+                raise RequestValidationError(errors, body=line.body) from None
+            return await endpoint(body=body, request=request)
+        except Exception as exc:
+            handlers = self._app.exception_handlers
+            cls = next(c for c in type(exc).__mro__ if c in handlers)  # `Exception` is one
+            return await handlers[cls](request, exc)
+
+
+def _post_route(app: FastAPI, url: str) -> tuple[Any, type[BaseModel]]:
+    """The endpoint of `app`'s POST route `url` and the model of its body."""
+    for route in app.router.routes:
+        if isinstance(route, APIRoute) and route.path == url and "POST" in route.methods:
+            return route.endpoint, route.body_field.field_info.annotation
+    raise LookupError(f"the app has no POST route {url}")
+
+
+async def _never_disconnects() -> dict[str, Any]:
+    """The `receive` of a batch line's request: its caller never goes away (a cancelled
+    batch cancels the line's task instead)."""
+    await anyio.sleep_forever()
+    raise AssertionError("unreachable")
 
 
 async def run_lines(

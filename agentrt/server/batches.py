@@ -280,7 +280,6 @@ class BatchManager:
         finally:
             del self._scopes[batch["id"]]
             writer.close()
-            await dispatcher.aclose()
         now = int(time.time())
         if full:
             batch |= {"status": "failed", "failed_at": now}

@@ -100,13 +100,11 @@ async def _run(args, lines, on_record, stop: StopFlag) -> None:
     async with app.router.lifespan_context(app), anyio.create_task_group() as tg:
         work = anyio.CancelScope()
         await tg.start(watch_signals, stop, work, args.drain_timeout)
-        dispatcher = AppDispatcher(app, None)
         try:
             with work:  # cancelled = the drain timed out: the lines in flight are aborted
                 limiter = anyio.Semaphore(args.concurrency)
-                await run_lines(dispatcher, lines, limiter, on_record, stop.is_set)
+                await run_lines(AppDispatcher(app, None), lines, limiter, on_record, stop.is_set)
         finally:
-            await dispatcher.aclose()
             tg.cancel_scope.cancel()  # the watcher
 
 

@@ -1,7 +1,8 @@
 """`agentrt run-batch -i in.jsonl -o out.jsonl` on the embedded model: chat-completions and
 responses lines in one file, OpenAI's output format, exit statuses, and --resume after a
-torn output; plus the pieces without a model (line checks, the file store's caps and
-owners)."""
+torn output; a line answered as its route answers the same body POSTed (AppDispatcher calls
+the endpoint without HTTP); plus the pieces without a model (line checks, the file store's
+caps and owners)."""
 
 from __future__ import annotations
 
@@ -9,14 +10,17 @@ import io
 import json
 from pathlib import Path
 
+import httpx
 import pytest
 from openai.types.chat import ChatCompletion
 from openai.types.responses import Response
 
 from agentrt.cli import main
-from agentrt.server.batch_job import BatchLine, parse_line, validate
+from agentrt.server.app import create_app
+from agentrt.server.batch_job import AppDispatcher, BatchLine, parse_line, validate
 from agentrt.server.errors import APIError
 from agentrt.server.file_store import FileStore, owner_of
+from agentrt.server.state import ServerConfig
 from tests.agentrt.server.test_batch_api import CITIES, chat_line, jsonl
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -130,3 +134,61 @@ def test_batch_flags_match_batch_config_defaults() -> None:
     for windows in (("1d",), ("0h",), ("24 h",), ()):
         with pytest.raises(ValueError, match="completion_windows"):
             BatchConfig(completion_windows=windows)
+
+
+def _stable(value):
+    """`value` without what differs between two runs of one request: ids, timestamps and the
+    prefix cache's hits and writes."""
+    if isinstance(value, dict):
+        drop = (
+            "id",
+            "created",
+            "created_at",
+            "completed_at",
+            "cached_tokens",
+            "cache_write_tokens",
+        )
+        return {k: _stable(v) for k, v in value.items() if k not in drop}
+    if isinstance(value, list):
+        return [_stable(v) for v in value]
+    return value
+
+
+@pytest.mark.anyio
+async def test_a_line_gets_what_its_route_answers(smollm2_llm) -> None:
+    """A line runs on the route's endpoint without HTTP (AppDispatcher): its status and body
+    are those of the same body POSTed to the app, whether it succeeds or fails in validation,
+    on the model's name or in the handler's own checks (ids and timestamps aside)."""
+    chat = chat_line("c", "Paris", max_tokens=4)["body"]
+    responses = {**responses_line("r", "Say hi.")["body"], "max_output_tokens": 4}
+    cases = [
+        ("/v1/chat/completions", chat),
+        ("/v1/chat/completions", {**chat, "temperature": "hot"}),  # a type
+        ("/v1/chat/completions", {**chat, "stop": 5}),  # a union: none of its forms
+        ("/v1/chat/completions", {**chat, "colour": "red"}),  # an unknown argument
+        ("/v1/chat/completions", {"model": MODEL}),  # a missing field
+        ("/v1/chat/completions", {**chat, "model": "no-such-model"}),  # 404
+        ("/v1/chat/completions", {**chat, "top_logprobs": 2}),  # the handler's 400
+        ("/v1/responses", responses),
+        ("/v1/responses", {**responses, "background": True}),
+        ("/v1/responses", {**responses, "input": 5}),
+    ]
+    app = create_app(ServerConfig(api_key="k"), llm_engine=smollm2_llm.engine)
+    async with app.router.lifespan_context(app):
+        dispatcher = AppDispatcher(app, "k")
+        transport = httpx.ASGITransport(app=app)
+        headers = {"Authorization": "Bearer k"}
+        async with httpx.AsyncClient(
+            transport=transport, base_url="http://t", headers=headers
+        ) as http:
+            statuses = []
+            for url, body in cases:
+                record = await dispatcher.post(BatchLine("x", url, body))
+                response = await http.post(url, json=body)
+                assert record["response"]["status_code"] == response.status_code, body
+                assert _stable(record["response"]["body"]) == _stable(response.json()), body
+                statuses.append(response.status_code)
+            metrics = (await http.get("/metrics")).text
+    assert statuses == [200, 400, 400, 400, 400, 404, 400, 200, 400, 400]
+    for status, count in (("200", 4), ("400", 14), ("404", 2)):  # the lines' and the POSTs'
+        assert f'status="{status}"}} {count}.0' in metrics
