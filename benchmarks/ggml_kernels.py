@@ -35,7 +35,8 @@ the other processes of a shared machine). The CPU model is printed with the figu
 
 `--real --decode-step` runs the products of one whole Llama-3.2-1B Q4_K_M decode step (its
 16 layers' type mix and its tied Q6_K output, ~810 MB) on each build, beside a plain read of
-the same bytes: how far from the memory roofline a decode's products run.
+the same bytes: how far from the memory roofline a decode's products run, in all and per part
+(the layers' Q4_K, their Q6_K v and down, the output), each beside the read of its bytes.
 
 `--bandwidth` measures the memory roofline instead: the rate 1 and `--threads` threads read a
 buffer of `--bandwidth-mib` MiB (far past the last-level cache), and for each `--gguf` file
@@ -327,23 +328,28 @@ def read_bandwidth(threads: int, mib: int, repeats: int) -> tuple[float, float]:
     return max(rates[1:]), statistics.median(rates[1:])
 
 
-def llama1b_step() -> list[tuple[str, int, int]]:
-    """The products of one Llama-3.2-1B Q4_K_M decode step, in order: (type, N, K) of each
-    layer's q+k, v, o, gate+up and down (v and down Q6_K in llama.cpp's use_more_bits layers,
-    Q4_K in the others), then the tied 128,256-row Q6_K output."""
+def llama1b_step() -> list[tuple[str, int, int, str]]:
+    """The products of one Llama-3.2-1B Q4_K_M decode step, in order: (type, N, K, part) of
+    each layer's q+k, v, o, gate+up and down (v and down Q6_K in llama.cpp's use_more_bits
+    layers, Q4_K in the others), then the tied 128,256-row Q6_K output. `part` names the
+    group a step's time is broken down by: the layers' Q4_K products, their Q6_K v (512 rows)
+    and down (K = 8,192), the output."""
     more = lambda i: i < 2 or i >= 14 or (i - 2) % 3 == 2  # noqa: E731
     step = []
     for i in range(16):
-        big = "Q6_K" if more(i) else "Q4_K"
-        step += [("Q4_K", 2560, 2048), (big, 512, 2048), ("Q4_K", 2048, 2048)]
-        step += [("Q4_K", 16384, 2048), (big, 2048, 8192)]
-    return [*step, ("Q6_K", 128256, 2048)]
+        v, down = ("Q6_K v", "Q6_K down") if more(i) else ("Q4_K layers",) * 2
+        step += [("Q4_K", 2560, 2048, "Q4_K layers"), (v[:4], 512, 2048, v)]
+        step += [("Q4_K", 2048, 2048, "Q4_K layers"), ("Q4_K", 16384, 2048, "Q4_K layers")]
+        step += [(down[:4], 2048, 8192, down)]
+    return [*step, ("Q6_K", 128256, 2048, "Q6_K output")]
 
 
 def decode_step(builds, threads: int, repeats: int) -> dict:
     """A whole decode step's products (one activation row, every weight streamed from memory
     once) on each build, and a plain read of the same bytes (the roofline), alternating;
-    medians of wall time (thread CPU time with one thread)."""
+    medians of wall time (thread CPU time with one thread), of the step and of each part
+    (llama1b_step's: each product or read timed on its own, summed by part), so each part's
+    GB/s stands beside the read's of the same bytes."""
     import ctypes
 
     folder = Path(tempfile.mkdtemp(prefix="read-bandwidth-"))
@@ -352,40 +358,69 @@ def decode_step(builds, threads: int, repeats: int) -> dict:
     lib.read_all.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
     lib.read_all.restype = ctypes.c_uint64
     shapes = llama1b_step()
+    parts = [part for *_, part in shapes]
     held_by = {b: [] for b in builds}
-    for seed, (type_name, n, k) in enumerate(shapes):
+    for seed, (type_name, n, k, _) in enumerate(shapes):
         weight = realistic_weight(int(Q[type_name]), n, k, seed=seed)
         for b, kern in builds.items():
             held_by[b].append(held(weight, kern))
-    xs = {k: torch.randn(1, k).bfloat16() for k in {k for _, _, k in shapes}}
-    outs = [torch.empty(1, n, dtype=torch.bfloat16) for _, n, _ in shapes]
+    xs = {k: torch.randn(1, k).bfloat16() for k in {k for _, _, k, _ in shapes}}
+    outs = [torch.empty(1, n, dtype=torch.bfloat16) for _, n, _, _ in shapes]
+    clock = time.thread_time if threads == 1 else time.perf_counter
 
-    def products(b):
+    def products(b) -> list[float]:
+        times = []
         for w, out in zip(held_by[b], outs, strict=True):
+            t0 = clock()
             G.ggml_linear_bf16(xs[w.in_features], w, out, builds[b])
+            times.append(clock() - t0)
+        return times
 
-    def read():
+    def read() -> list[float]:
+        times = []
         for w in next(iter(held_by.values())):
+            t0 = clock()
             lib.read_all(w.data.data_ptr(), w.nbytes // 8, threads)
+            times.append(clock() - t0)
+        return times
 
     runs = {b: (lambda b=b: products(b)) for b in builds} | {"read": read}
-    clock = time.thread_time if threads == 1 else time.perf_counter
-    times = {name: [] for name in runs}
+    totals = {name: [] for name in runs}
+    by_part = {name: {part: [] for part in dict.fromkeys(parts)} for name in runs}
     for _ in range(repeats + 1):  # the first pass of each warms up, not counted
         for name, fn in runs.items():
-            t0 = clock()
-            fn()
-            times[name].append(clock() - t0)
-    total = sum(w.nbytes for w in next(iter(held_by.values())))
-    result = {"bytes": total}
-    for name, ts in times.items():
+            times = fn()
+            totals[name].append(sum(times))
+            sums = dict.fromkeys(by_part[name], 0.0)
+            for t, part in zip(times, parts, strict=True):
+                sums[part] += t
+            for part, t in sums.items():
+                by_part[name][part].append(t)
+    weights = next(iter(held_by.values()))
+    total = sum(w.nbytes for w in weights)
+    part_bytes = dict.fromkeys(parts, 0)
+    for w, part in zip(weights, parts, strict=True):
+        part_bytes[part] += w.nbytes
+    result = {"bytes": total, "part_bytes": part_bytes}
+    for name, ts in totals.items():
         t = statistics.median(ts[1:])
-        result[name] = {"ms": round(t * 1e3, 2), "gb_s": round(total / t / 1e9, 2)}
-        print(f"{name:5} {t * 1e3:8.2f} ms  {total / t / 1e9:6.2f} GB/s", flush=True)
+        result[name] = {"ms": round(t * 1e3, 2), "gb_s": round(total / t / 1e9, 2), "parts": {}}
+        line = f"{name:5} {t * 1e3:8.2f} ms  {total / t / 1e9:6.2f} GB/s |"
+        for part, pts in by_part[name].items():
+            pt = statistics.median(pts[1:])
+            gb_s = part_bytes[part] / pt / 1e9
+            result[name]["parts"][part] = {"ms": round(pt * 1e3, 2), "gb_s": round(gb_s, 2)}
+            line += f" {part} {pt * 1e3:6.2f} ms {gb_s:6.2f} GB/s |"
+        print(line, flush=True)
     for b in builds:
         share = result["read"]["ms"] / result[b]["ms"]
         result[b]["of_read"] = round(share, 2)
-        print(f"{b}: {share:.2f} of the plain read's rate", flush=True)
+        line = f"{b}: {share:.2f} of the plain read's rate;"
+        for part, r in result[b]["parts"].items():
+            of = result["read"]["parts"][part]["ms"] / r["ms"]
+            r["of_read"] = round(of, 2)
+            line += f" {part} {of:.2f}"
+        print(line, flush=True)
     if len(builds) == 2:
         old, new = (result[b]["ms"] for b in builds)
         result["speedup"] = round(old / new, 2)
