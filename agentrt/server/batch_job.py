@@ -7,9 +7,10 @@ then streams it (the file is never held in memory).
 
 Each line runs on the app's own route (`AppDispatcher`): its body is validated into the
 route's request model and the route's endpoint is called with it, in-process and without
-HTTP (an HTTP round trip through the ASGI stack cost the event loop more than the rest of
-the line), so a batch line gets what an HTTP client would: the same validation errors, the
-same handler, errors shaped by the app's own exception handlers, counted in its metrics.
+HTTP (a POST through httpx.ASGITransport and the middleware cost the event loop 0.50 ms of
+CPU a line, this 0.04 ms), so a batch line gets what an HTTP client would: the same
+validation errors, the same handler, errors shaped by the app's own exception handlers,
+counted in its metrics.
 Not repeated per line: the API-key guard (a batch runs only under its owner's key, the
 server's: agentrt.server.batches; the key is still in the line's headers, for
 --cache-isolation key) and the body-size guard (the line comes from a stored file capped by
