@@ -20,8 +20,15 @@ drifts); the medians are compared.
 Last lines: the median ratios to extract (target >= 0.95), lost / duplicated after the kill
 (target 0 / 0), the machine (CPU model, load average), and a JSON object.
 
+`--dispatch-cpu N` measures instead what running a line costs the event loop beyond its
+handler: N lines that the handler refuses before the engine (a model mismatch, 404), run by
+the batch's `AppDispatcher` (the endpoint called directly) and POSTed to the same app
+through httpx.ASGITransport (the HTTP round trip), alternated --rounds times; CPU time of
+the event loop's thread per line, and the ratio.
+
     python benchmarks/batch_api.py                          # 2,000 lines
     python benchmarks/batch_api.py --docs 40 --rounds 2     # on a busy machine
+    python benchmarks/batch_api.py --dispatch-cpu 500 --rounds 3
 """
 
 from __future__ import annotations
@@ -183,6 +190,48 @@ def run_kill(source: Path, work: Path, concurrency: int, port: int, num_docs: in
     }
 
 
+def dispatch_cpu(num_lines: int, rounds: int) -> None:
+    import anyio
+    import httpx
+
+    from agentrt.server.app import create_app
+    from agentrt.server.batch_job import AppDispatcher, BatchLine
+    from agentrt.server.state import ServerConfig
+
+    lines = [
+        BatchLine(line["custom_id"], line["url"], {**line["body"], "model": "no-such-model"})
+        for line in batch_lines(documents(num_lines), 64)
+    ]
+
+    async def main() -> dict[str, list[float]]:
+        app = create_app(ServerConfig(api_key=KEY))
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+        headers = {"Authorization": f"Bearer {KEY}"}
+        cpu: dict[str, list[float]] = {"dispatcher": [], "http": []}
+        async with (
+            app.router.lifespan_context(app),
+            httpx.AsyncClient(transport=transport, base_url="http://b", headers=headers) as http,
+        ):
+            dispatcher = AppDispatcher(app, KEY)
+            for round_ in range(rounds):
+                for side in ("dispatcher", "http")[:: 1 if round_ % 2 == 0 else -1]:
+                    start = time.thread_time()
+                    for line in lines:
+                        if side == "dispatcher":
+                            status = (await dispatcher.post(line))["response"]["status_code"]
+                        else:
+                            status = (await http.post(line.url, json=line.body)).status_code
+                        assert status == 404, status
+                    cpu[side].append(1000 * (time.thread_time() - start) / num_lines)
+        return cpu
+
+    cpu = anyio.run(main)
+    for side, values in cpu.items():
+        print(f"{side:10s} event-loop CPU per line: {' '.join(f'{v:.3f}' for v in values)} ms")
+    best = {side: min(values) for side, values in cpu.items()}
+    print(f"http / dispatcher (best rounds): {best['http'] / best['dispatcher']:.1f}x")
+
+
 def cpu_model() -> str:
     for line in Path("/proc/cpuinfo").read_text().splitlines():
         if line.startswith("model name"):
@@ -198,7 +247,13 @@ def main() -> None:
     parser.add_argument("--sides", default="extract,run-batch,serve,kill")
     parser.add_argument("--port", type=int, default=8765)
     parser.add_argument("--rounds", type=int, default=2, help="of each timed side, alternated")
+    parser.add_argument(
+        "--dispatch-cpu", type=int, default=0, metavar="N", help="measure the dispatch alone"
+    )
     args = parser.parse_args()
+    if args.dispatch_cpu:
+        dispatch_cpu(args.dispatch_cpu, args.rounds)
+        return
     figures: dict[str, list[dict]] = {}
     loads = [os.getloadavg()[0]]
     with tempfile.TemporaryDirectory() as tmp:
