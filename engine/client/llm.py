@@ -3,7 +3,7 @@
 Importing this module imports no torch: `LLM(...)` first maps and faults in the memory its
 GGUF weights will be interleaved into, on a thread of its own (loader/arena.py), then
 imports the engine, so that work runs on the other core while torch's import holds this one
-(tests/engine/client/test_llm.py checks the import stays torch-free).
+(tests/engine/test_gguf_reader.py checks that the import stays torch-free).
 """
 
 from __future__ import annotations
