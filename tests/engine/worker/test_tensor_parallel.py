@@ -195,17 +195,15 @@ def test_each_rank_loads_its_slices_of_the_checkpoint(tiny_llama: Path) -> None:
 @pytest.mark.slow
 def test_tp3_embedded_matches_tp1(smollm2_llm: LLM) -> None:
     """The embedded model (9 query heads, 3 KV heads) on 3 ranks: 3 and 1 per rank."""
-    prompts = ["The capital of France is", "def fibonacci(n):"]
-    expected = token_ids(smollm2_llm, prompts, GREEDY)
-    expected_json = smollm2_llm.generate(["Ada Lovelace is 36."], STRUCTURED)[0].outputs[0]
+    prompts = ["The capital of France is", "def fibonacci(n):", "Ada Lovelace is 36."]
+    params = [GREEDY, GREEDY, STRUCTURED]
+    # One batch on each (fp32 steps stream the whole model: the steps of the longest only).
+    *expected, expected_json = (o.outputs[0] for o in smollm2_llm.generate(prompts, params))
     llm = LLM(None, dtype="float32", kv_cache_memory_gb=0.25, tensor_parallel_size=3)
     try:
         assert llm.engine.runner.kv_caches[0].shape[3] == 1  # one KV head per rank
-        # One batch (three ranks on two cores step slowly: the steps of the longest only).
-        *plain, structured = llm.generate(
-            [*prompts, "Ada Lovelace is 36."], [GREEDY, GREEDY, STRUCTURED]
-        )
-        assert [o.outputs[0].token_ids for o in plain] == expected
+        *plain, structured = llm.generate(prompts, params)
+        assert [o.outputs[0].token_ids for o in plain] == [o.token_ids for o in expected]
         structured = structured.outputs[0]
         assert structured.token_ids == expected_json.token_ids
         assert structured.text == expected_json.text
