@@ -184,6 +184,128 @@ def test_portable_path_without_avx512(portable, kernel, cpu_batch, dense, tol, d
     torch.testing.assert_close(out.double(), dense(batch, scale=0.125), **accuracy)
 
 
+# Real models' attention shapes: (query heads, KV heads, head_dim, sliding window).
+MODEL_SHAPES = {
+    "smollm2-135m": (9, 3, 64, None),
+    "llama-3.2-1b": (32, 8, 64, None),
+    "qwen2.5-0.5b": (14, 2, 64, None),
+    "qwen2.5-1.5b": (12, 2, 128, None),
+    "qwen3-0.6b": (16, 8, 128, None),
+    "phi-3.5-mini": (32, 32, 96, None),
+    "gemma3-1b-local": (4, 1, 256, 24),
+}
+# Prompt lengths around the work items' tiles, each alone and after 45 cached tokens (a later
+# chunk of a chunked prefill, at a position offset).
+PROMPTS = [1, 7, 31, 32, 33, 100, 511]
+PREFIX = 45
+
+
+def reference(batch, scale: float, window: int | None) -> torch.Tensor:
+    """Causal (and sliding-window) attention of each request over its dense context, in
+    float64, one batched product per request."""
+    out = torch.empty(batch.query.shape, dtype=torch.float64)
+    cu = batch.query_start_loc.tolist()
+    for i, seq_len in enumerate(batch.seq_lens.tolist()):
+        q = batch.query[cu[i] : cu[i + 1]].double()  # (L, H, D)
+        group = q.shape[1] // batch.keys[i].shape[1]
+        k, v = (
+            x.double().repeat_interleave(group, dim=1) for x in (batch.keys[i], batch.values[i])
+        )
+        scores = torch.einsum("lhd,shd->hls", q, k) * scale  # (H, L, S)
+        pos = torch.arange(seq_len - q.shape[0], seq_len)[:, None]  # each query's position
+        key = torch.arange(seq_len)[None, :]
+        seen = (key <= pos) & (key > pos - window if window else True)
+        scores = scores.masked_fill(~seen, float("-inf"))
+        out[cu[i] : cu[i + 1]] = torch.einsum("hls,shd->lhd", scores.softmax(-1), v)
+    return out
+
+
+def as_decodes(batch):
+    """(query_start_loc, seq_lens, block_tables) that make each query row of batch's requests
+    a decode of its own (one query token at its position, through its request's blocks)."""
+    cu = batch.query_start_loc.tolist()
+    seq_lens, tables = [], []
+    for i, seq_len in enumerate(batch.seq_lens.tolist()):
+        n = cu[i + 1] - cu[i]
+        seq_lens += range(seq_len - n + 1, seq_len + 1)
+        tables += [batch.block_tables[i]] * n
+    starts = torch.arange(len(seq_lens) + 1, dtype=torch.int32)
+    return starts, torch.tensor(seq_lens, dtype=torch.int32), torch.stack(tables).contiguous()
+
+
+@pytest.mark.parametrize(
+    "model,block_size",
+    [(model, 16) for model in MODEL_SHAPES] + [("smollm2-135m", 8), ("qwen2.5-1.5b", 8)],
+)
+def test_prefills_match_dense_at_model_shapes(kernel, cpu_batch, model, block_size):
+    """Prompts of every length around the tiles, alone and after cached tokens, at each
+    model's heads: within fp32 rounding of float64 attention (unwritten slots are NaN).
+    Blocks of 8 make every key group a short one."""
+    heads, kv_heads, dim, window = MODEL_SHAPES[model]
+    query_lens = PROMPTS * 2
+    seq_lens = PROMPTS + [PREFIX + n for n in PROMPTS]
+    batch = cpu_batch(seq_lens, query_lens, heads, kv_heads, dim, block_size, torch.float32)
+    out = torch.empty_like(batch.query)
+    args = (batch.query, batch.kv_cache, batch.query_start_loc, batch.seq_lens)
+    kernel.paged_attention(*args, batch.block_tables, dim**-0.5, out, window)
+    expected = reference(batch, dim**-0.5, window)
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+
+
+# x86 builds of the kernel without AVX-512: AVX2 with FMA (the portable fixture), and SSE
+# without FMA (every product rounded before its sum).
+NO_FMA_FLAGS = "-mno-avx512f -mno-avx2 -mno-fma -mno-avx"
+
+
+@pytest.fixture(scope="module")
+def no_fma(tmp_path_factory) -> CpuAttention:
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("x86 compiler flags")
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        monkeypatch.setenv("AGENTRT_CPU_KERNEL_CFLAGS", NO_FMA_FLAGS)
+        return load_cpu_attention(tmp_path_factory.mktemp("no_fma"))
+
+
+@pytest.mark.parametrize(
+    "model,block_size",
+    [
+        ("smollm2-135m", 16),
+        ("llama-3.2-1b", 8),
+        ("qwen3-0.6b", 16),
+        ("phi-3.5-mini", 16),
+        ("gemma3-1b-local", 32),
+    ],
+)
+@pytest.mark.parametrize("build", ["native", "avx2", "sse"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_rows_equal_their_decodes(request, cpu_batch, model, block_size, build, dtype):
+    """A prompt's rows (wide items, 16 rows a vector) have the bits each row gets as a decode
+    (row items): the key groups and every sum's rounding order are the same, so the wide
+    items change no model's output. 8a42614's wide items summed the scores in another order:
+    within fp32 rounding, yet the embedded SmolLM2's greedy reply changed at token 6. Blocks
+    of 8: short key groups; Gemma's window with blocks of 32: items that start at other rows
+    still group the keys alike."""
+    if build == "avx2" and platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("x86 compiler flags")
+    kernel = request.getfixturevalue(
+        {"native": "kernel", "avx2": "portable", "sse": "no_fma"}[build]
+    )
+    heads, kv_heads, dim, window = MODEL_SHAPES[model]
+    softcap = 30.0 if window else None  # soft-capped scores (Gemma 2's) too
+    batch = cpu_batch([33, PREFIX + 100], [33, 100], heads, kv_heads, dim, block_size, dtype)
+
+    def attend_rows(*metadata):
+        out = torch.empty_like(batch.query)
+        return kernel.paged_attention(
+            batch.query, batch.kv_cache, *metadata, 0.1, out, window, softcap
+        )
+
+    prefill = attend_rows(batch.query_start_loc, batch.seq_lens, batch.block_tables)
+    decodes = attend_rows(*as_decodes(batch))
+    assert not prefill.isnan().any()
+    assert torch.equal(prefill, decodes), (prefill != decodes).float().mean().item()
+
+
 def test_build_is_cached_per_source_and_cpu(tmp_path):
     first = load_cpu_attention(tmp_path)
     assert first.path.parent == tmp_path and first.path.suffix == ".so"
