@@ -337,10 +337,11 @@ def llama1b_step() -> list[tuple[str, int, int, str]]:
     more = lambda i: i < 2 or i >= 14 or (i - 2) % 3 == 2  # noqa: E731
     step = []
     for i in range(16):
+        big = "Q6_K" if more(i) else "Q4_K"
         v, down = ("Q6_K v", "Q6_K down") if more(i) else ("Q4_K layers",) * 2
-        step += [("Q4_K", 2560, 2048, "Q4_K layers"), (v[:4], 512, 2048, v)]
+        step += [("Q4_K", 2560, 2048, "Q4_K layers"), (big, 512, 2048, v)]
         step += [("Q4_K", 2048, 2048, "Q4_K layers"), ("Q4_K", 16384, 2048, "Q4_K layers")]
-        step += [(down[:4], 2048, 8192, down)]
+        step += [(big, 2048, 8192, down)]
     return [*step, ("Q6_K", 128256, 2048, "Q6_K output")]
 
 
