@@ -5,15 +5,21 @@ imported from there), fresh processes measure the time from process start to the
 token of a 1-token greedy request (`LLM(file)` + `generate`), with the file's metadata
 cached, and a first start on the file (its metadata cache emptied), in alternating rounds.
 Each process also reports its memory (from /proc/self/status) and its CPU time (user + system: steadier than wall time on a
-loaded machine), after `import torch` alone,
+loaded machine), after torch's import,
 after the engine is built, after the first token, and its peak; anonymous memory (the
 process's own: Python objects, the tokenizer, torch's allocations) apart from file-backed
 pages (the memory-mapped weights, shared libraries). And whether it imported transformers,
 gguf-py or yaml (none is needed to start).
 The start is broken down by stage, CPU seconds and wall seconds (medians of the cached
-starts): `import torch`, importing agentrt's engine, the tokenizer, the weights
+starts): torch's import, importing agentrt's engine, the tokenizer, the weights
 (`load_weights`: read, interleaved, installed; since a58ab7d the tokenizer is built within
 it, while the weights are interleaved), the rest of the engine's build, the first token.
+The worker imports no torch itself: torch's import is timed where it happens (a meta-path
+hook; its CPU is its thread's), which since b9ab55f is inside `LLM(...)`, after LLM has
+started faulting in its weights' memory on a thread of its own ("arena (thread)",
+engine/loader/arena.py), so that thread's time runs beside torch's import. Torch's import,
+agentrt's and the rest of the engine count their thread's CPU (the arena's runs beside them);
+the tokenizer, the weights (their repack threads) and the first token the whole process's.
 
 The workers write and reuse bytecode (under --workdir, as an installed package has its .pyc
 files): with PYTHONDONTWRITEBYTECODE set, as in some shells, every start would compile
@@ -47,6 +53,15 @@ import gguf  # noqa: E402
 import numpy as np  # noqa: E402
 
 PROMPT = "Hello"
+STAGES = (  # the breakdown's rows; "arena (thread)" runs beside the main thread (arena.py)
+    "import torch",
+    "import agentrt",
+    "arena (thread)",
+    "tokenizer",
+    "weights",
+    "engine (rest)",
+    "first token",
+)
 # Runs in each fresh process, with the side's checkout first on sys.path.
 WORKER = r"""
 import json, os, resource, sys, time
@@ -65,34 +80,88 @@ def cpu():
 job = json.loads(sys.argv[1])
 stages = {}  # stage -> [cpu s, wall s]
 spans = {}  # stage -> (wall start, wall end)
+main_cpu = {}  # stage -> the main thread's CPU s in it
 def timed(stage, function):
     def wrapper(*args, **kwargs):
-        cpu0, wall0 = cpu(), time.time()
+        cpu0, own0, wall0 = cpu(), time.thread_time(), time.time()
         try:
             return function(*args, **kwargs)
         finally:
             stages[stage] = [cpu() - cpu0, time.time() - wall0]
-            spans[stage] = (wall0, time.time())
+            spans[stage], main_cpu[stage] = (wall0, time.time()), time.thread_time() - own0
     return wrapper
-import torch
-torch_s, torch_mem, torch_cpu = time.time() - started, memory(), cpu()
-stages["import torch"] = [torch_cpu, torch_s]
+# Modules timed (and patched) where they are imported: since LLM's module imports no torch,
+# torch and the engine are imported inside LLM(...), after it started its arena's thread.
+import importlib.abc
+executed = {}  # module -> (its import's main-thread CPU s, wall start, wall end)
+patches = {}  # module -> a function of the module, run once it is executed
+class Timed(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name not in ("torch", "agentrt.engine.client.llm_engine", "agentrt.engine.worker.model_runner"):
+            return None
+        for finder in sys.meta_path:
+            spec = None if finder is self else finder.find_spec(name, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        run = spec.loader.exec_module
+        def exec_module(module):
+            own0, wall0 = time.thread_time(), time.time()
+            run(module)
+            executed[name] = (time.thread_time() - own0, wall0, time.time())
+            if name == "torch":
+                executed["torch_mem"] = memory()
+            if name in patches:
+                patches[name](module)
+        spec.loader.exec_module = exec_module
+        return spec
+sys.meta_path.insert(0, Timed())
+def within(name, wall0, wall1):  # a module's import (CPU s, wall s) if it ran in [wall0, wall1]
+    own, start, end = executed.get(name, (0.0, 0.0, 0.0))
+    return (own, end - start) if wall0 <= start <= end <= wall1 else (0.0, 0.0)
+def patch_engine(module):
+    module.load_tokenizer = timed("tokenizer", module.load_tokenizer)
+def patch_runner(module):
+    module.load_weights = timed("weights", module.load_weights)
+patches.update({"agentrt.engine.client.llm_engine": patch_engine,
+                "agentrt.engine.worker.model_runner": patch_runner})
+own0, import_wall = time.thread_time(), time.time()
 from agentrt.engine.client.llm import LLM
 from agentrt.engine.sampling_params import SamplingParams
-import agentrt.engine.client.llm_engine as llm_engine
-import agentrt.engine.worker.model_runner as model_runner
-stages["import agentrt"] = [cpu() - torch_cpu, time.time() - started - torch_s]
-llm_engine.load_tokenizer = timed("tokenizer", llm_engine.load_tokenizer)
-model_runner.load_weights = timed("weights", model_runner.load_weights)
-build_cpu, build_wall = cpu(), time.time()
+import_own, import_end = time.thread_time() - own0, time.time()
+torch_before_llm = "torch" in sys.modules
+try:  # the arena's thread (engine/loader/arena.py), where the side has one
+    import agentrt.engine.loader.arena as arena
+    populate = arena.WeightArena._populate
+    def timed_populate(self):
+        own0, wall0 = time.thread_time(), time.time()
+        populate(self)
+        stages["arena (thread)"] = [time.thread_time() - own0, time.time() - wall0]
+    arena.WeightArena._populate = timed_populate
+except ImportError:
+    pass
+build_own, build_wall = time.thread_time(), time.time()
 llm = LLM(job["file"], kv_cache_memory_gb=0.25)
+build_own, build_end = time.thread_time() - build_own, time.time()
+# The engine's import, in LLM's module's or in LLM(...); torch's within it. Main-thread CPU,
+# but the weights' (their repack threads' too): the arena's thread runs beside torch's import.
+engine_in_build = within("agentrt.engine.client.llm_engine", build_wall, build_end)
+torch_cpu = executed["torch"][0]
+torch_wall = executed["torch"][2] - executed["torch"][1]
+stages["import torch"] = [torch_cpu, torch_wall]
+stages["import agentrt"] = [
+    import_own + engine_in_build[0] - torch_cpu,
+    import_end - import_wall + engine_in_build[1] - torch_wall,
+]
 # Built alongside the weights' repack (within their stage), the tokenizer is not counted twice.
 alongside = spans["weights"][0] <= spans["tokenizer"][0] <= spans["tokenizer"][1] <= spans["weights"][1]
 inner = ("weights",) if alongside else ("tokenizer", "weights")
 stages["engine (rest)"] = [
-    cpu() - build_cpu - sum(stages[s][0] for s in inner),
-    time.time() - build_wall - sum(stages[s][1] for s in inner),
+    build_own - engine_in_build[0] - sum(main_cpu[s] for s in inner),
+    build_end - build_wall - engine_in_build[1] - sum(stages[s][1] for s in inner),
 ]
+torch_s, torch_mem = executed["torch"][2] - started, executed["torch_mem"]
 loaded_s, loaded_mem = time.time() - started, memory()
 first_token_cpu = cpu()
 llm.generate([job["prompt"]], SamplingParams(temperature=0.0, max_tokens=1))
@@ -107,6 +176,7 @@ print(json.dumps({
     "heavy": sorted({m.split(".")[0] for m in sys.modules} & {"transformers", "gguf", "yaml"}),
     "tokenizer": type(llm.engine.tokenizer).__name__,
     "alongside": alongside,
+    "torch_before_llm": torch_before_llm,
 }))
 """
 
@@ -276,7 +346,7 @@ def main() -> None:
             def mem(stage: str, key: str, runs: list = cached) -> float:
                 return statistics.median(r[stage][key] for r in runs)
 
-            def own_cpu(runs: list) -> float:  # CPU time after torch's import
+            def own_cpu(runs: list) -> float:  # CPU time less torch's import's (its thread's)
                 return statistics.median(r["first_cpu"] - r["torch_cpu"] for r in runs)
 
             print(
@@ -291,20 +361,22 @@ def main() -> None:
             )
         print("cached start by stage, CPU s / wall s (medians):")
         print(f"  {'stage':15}" + "".join(f"{side:>16}" for side in sides))
-        for stage in cached[0]["stages"]:
+        for stage in STAGES:
             cells = []
             for side in sides:
-                runs = figures[side]["cached"]
+                runs = [r for r in figures[side]["cached"] if stage in r["stages"]]
                 cells.append(
                     "{:7.2f} /{:6.2f}".format(
                         *(statistics.median(r["stages"][stage][i] for r in runs) for i in (0, 1))
                     )
+                    if runs
+                    else "-"
                 )
             print(f"  {stage:15}" + "".join(f"{c:>16}" for c in cells))
         for side in sides:
             if figures[side]["cached"][0].get("alongside"):
                 print(f"  ({side}: the tokenizer is built within the weights stage, alongside)")
-        for what, key in (("wall", "start_s"), ("CPU after torch", None)):
+        for what, key in (("wall", "start_s"), ("CPU less torch's import", None)):
             before, after = (
                 statistics.median(
                     r[key] if key else r["first_cpu"] - r["torch_cpu"] for r in figures[s]["cached"]
