@@ -171,7 +171,7 @@ def _start(model: str | os.PathLike[str] | None, options: Mapping[str, Any]) -> 
         size = arena_size(path)
     except Exception:  # the engine's own load reports what is wrong with the file
         return None
-    if not size or size > _available_memory() // 2:
+    if not size or size > (available_memory() or 0) // 2:
         return None  # nothing to take; or a file the fit check (fit.py) may yet refuse
     key = str(path)
     with _lock:
@@ -181,8 +181,9 @@ def _start(model: str | os.PathLike[str] | None, options: Mapping[str, Any]) -> 
     return key
 
 
-def _available_memory() -> int:
-    """The OS's MemAvailable, as fit.py reads it (0 where it cannot be read)."""
+def available_memory() -> int | None:
+    """The OS's MemAvailable in bytes (page cache it may reclaim included; None where it
+    cannot be read). Torch-free: fit.py's CPU figure too."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:
@@ -190,7 +191,7 @@ def _available_memory() -> int:
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
-    return 0
+    return None
 
 
 @functools.cache

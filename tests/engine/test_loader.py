@@ -429,6 +429,6 @@ def test_prefaulted_arena_holds_the_interleaved_weights(gguf_dir, case, monkeypa
     for options in ({"quantization": "none"}, {"device": "cuda"}, {"tensor_parallel_size": 2}):
         with arena.prefaulted(path, options):
             assert not arena._arenas
-    monkeypatch.setattr(arena, "_available_memory", lambda: 2 * prepared.size - 1)
+    monkeypatch.setattr(arena, "available_memory", lambda: 2 * prepared.size - 1)
     with arena.prefaulted(path, {}):
         assert not arena._arenas
