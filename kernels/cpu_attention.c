@@ -196,6 +196,25 @@ static inline vf ld(const float *p) {
 
 static inline void st(float *p, vf v) { memcpy(p, &v, sizeof v); }
 
+// The key group at `pos` (key_group) as fp32 K and V rows (key, dim), zero past its *n keys,
+// with the next group's rows asked for (prefetch_group); returns n. nv = head_dim / 16.
+static inline __attribute__((always_inline)) int64_t
+load_group(const Step *s, int64_t pos, int64_t end, int64_t kv_head, int nv, float *k, float *v) {
+    const int64_t dim = nv * KEYS, esize = s->dtype == BF16 ? 2 : 4;
+    const int64_t token_stride = s->kv_heads * dim;
+    int64_t n;
+    const char *kp = key_group(s, pos, end, kv_head, dim, &n);
+    const char *vp = kp + s->block * token_stride * esize;
+    prefetch_group(s, pos + n, end, kv_head, dim);
+    for (int64_t t = 0; t < KEYS; t++)
+        for (int c = 0; c < nv; c++) {
+            const int64_t at = (t * token_stride + c * KEYS) * esize;
+            st(k + t * dim + c * KEYS, t < n ? load16(kp + at, s->dtype) : splat(0.0f));
+            st(v + t * dim + c * KEYS, t < n ? load16(vp + at, s->dtype) : splat(0.0f));
+        }
+    return n;
+}
+
 // The query/out head of a work item's row r: token first + r / group, head
 // kv_head * group + r % group.
 static inline int64_t row_head(const Step *s, int64_t first, int64_t r, int64_t kv_head) {
@@ -267,7 +286,7 @@ static inline __attribute__((always_inline)) void
 attend_tile(const Step *s, int64_t first, int64_t tokens, int64_t pos0, int64_t kv_head,
             const int nv) {
     const int64_t group = s->heads / s->kv_heads, rows = tokens * group, dim = nv * KEYS;
-    const int64_t esize = s->dtype == BF16 ? 2 : 4, token_stride = s->kv_heads * dim;
+    const int64_t esize = s->dtype == BF16 ? 2 : 4;
     // fp32 buffers: the rows' scaled queries and accumulators, one key group's K and V.
     float q[MAX_ROWS * MAX_HEAD_DIM], acc[MAX_ROWS * MAX_HEAD_DIM];
     float k[KEYS * MAX_HEAD_DIM], v[KEYS * MAX_HEAD_DIM];
@@ -284,15 +303,7 @@ attend_tile(const Step *s, int64_t first, int64_t tokens, int64_t pos0, int64_t 
     }
     const int64_t end = pos0 + tokens; // keys [0, end) are visible to some row
     for (int64_t pos = first_key(s, pos0), n; pos < end; pos += n) {
-        const char *kp = key_group(s, pos, end, kv_head, dim, &n);
-        const char *vp = kp + s->block * token_stride * esize;
-        prefetch_group(s, pos + n, end, kv_head, dim);
-        for (int64_t t = 0; t < KEYS; t++)
-            for (int c = 0; c < nv; c++) {
-                const int64_t at = (t * token_stride + c * KEYS) * esize;
-                st(k + t * dim + c * KEYS, t < n ? load16(kp + at, s->dtype) : splat(0.0f));
-                st(v + t * dim + c * KEYS, t < n ? load16(vp + at, s->dtype) : splat(0.0f));
-            }
+        n = load_group(s, pos, end, kv_head, nv, k, v);
         for (int64_t r = 0; r < rows; r++) {
             // Row r sees keys up to its own position, within its window: lanes [from, visible).
             int64_t from;
@@ -410,7 +421,7 @@ static inline __attribute__((always_inline)) void
 attend_wide(const Step *s, int64_t first, int64_t tokens, int64_t pos0, int64_t kv_head,
             const int nv) {
     const int64_t group = s->heads / s->kv_heads, rows = tokens * group, dim = nv * KEYS;
-    const int64_t esize = s->dtype == BF16 ? 2 : 4, token_stride = s->kv_heads * dim;
+    const int64_t esize = s->dtype == BF16 ? 2 : 4;
     const int64_t vecs = (rows + KEYS - 1) / KEYS;
     vf qt[WIDE_VECS][MAX_HEAD_DIM], acc[WIDE_VECS][MAX_HEAD_DIM]; // (vector, dim): rows
     float k[KEYS * MAX_HEAD_DIM], v[KEYS * MAX_HEAD_DIM];         // (key, dim)
@@ -438,15 +449,7 @@ attend_wide(const Step *s, int64_t first, int64_t tokens, int64_t pos0, int64_t 
     }
     const int64_t end = pos0 + tokens;
     for (int64_t pos = first_key(s, pos0), n; pos < end; pos += n) {
-        const char *kp = key_group(s, pos, end, kv_head, dim, &n);
-        const char *vp = kp + s->block * token_stride * esize;
-        prefetch_group(s, pos + n, end, kv_head, dim);
-        for (int64_t t = 0; t < KEYS; t++)
-            for (int c = 0; c < nv; c++) {
-                const int64_t at = (t * token_stride + c * KEYS) * esize;
-                st(k + t * dim + c * KEYS, t < n ? load16(kp + at, s->dtype) : splat(0.0f));
-                st(v + t * dim + c * KEYS, t < n ? load16(vp + at, s->dtype) : splat(0.0f));
-            }
+        n = load_group(s, pos, end, kv_head, nv, k, v);
         for (int64_t c = 0; c < vecs; c++) {
             // Skip the vectors that see none of these keys: all after their last row, or all
             // before their first row's window.
