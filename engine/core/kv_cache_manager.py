@@ -337,14 +337,18 @@ class KVCacheManager:
                 for block in blocks:
                     if block is not self.null_block:
                         refs[block.block_id] += 1
-        queued = set()
+        num_created = self.pool.num_created
+        assert not any(refs[num_created:]), "a table holds a block the pool never handed out"
+        queued = set()  # the queue after its never-used head (ids from num_created on)
         prev = None
         for block in self.pool.free_queue:
             assert block.prev_free is not None and (prev is None or block.prev_free is prev)
             assert block.block_id not in queued, f"{block} queued twice"
+            assert block.block_id < num_created, f"{block} queued but never created"
             queued.add(block.block_id)
             prev = block
-        assert len(queued) == self.pool.num_free_blocks, "free count out of sync"
+        num_free = len(queued) + self.pool.num_blocks - num_created
+        assert num_free == self.pool.num_free_blocks, "free count out of sync"
         for block in self.pool.blocks:
             assert block.ref_cnt == refs[block.block_id], (
                 f"{block}: ref_cnt {block.ref_cnt} but held by {refs[block.block_id]} tables"

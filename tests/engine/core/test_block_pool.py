@@ -12,7 +12,7 @@ from agentrt.engine.core.block_pool import BlockPool, FreeBlockQueue, KVCacheBlo
 
 
 def free_ids(pool: BlockPool) -> list[int]:
-    return [block.block_id for block in pool.free_queue]
+    return pool.free_block_ids()
 
 
 def ids(blocks: list[KVCacheBlock]) -> list[int]:
@@ -21,11 +21,15 @@ def ids(blocks: list[KVCacheBlock]) -> list[int]:
 
 def check_invariants(pool: BlockPool) -> None:
     """What must hold between any two operations."""
-    queue = list(pool.free_queue)
+    queue = list(pool.free_queue)  # the free queue after its never-used ids
     free = [b for b in pool.blocks if b.ref_cnt == 0]
+    # Blocks are created in id order; the ids not created yet are the queue's head.
+    assert ids(pool.blocks) == list(range(pool.num_created))
+    never_used = list(range(pool.num_created, pool.num_blocks))
+    assert free_ids(pool) == never_used + ids(queue)
     # A block is free exactly when its ref count is 0, and then it is queued exactly once.
-    assert pool.num_free_blocks == len(free) == len(queue)
-    assert sorted(ids(queue)) == ids(free)
+    assert pool.num_free_blocks == len(never_used) + len(free)
+    assert len(free) == len(queue) and sorted(ids(queue)) == ids(free)
     assert all(b.ref_cnt >= 0 for b in pool.blocks)
     # The links agree in both directions.
     backwards = []
@@ -42,7 +46,7 @@ def check_invariants(pool: BlockPool) -> None:
         assert block.block_hash == block_hash
     hashed = {b.block_hash: b for b in pool.blocks if b.block_hash is not None}
     assert hashed == pool.cached
-    assert pool.usage() == pytest.approx(1 - len(free) / pool.num_blocks)
+    assert pool.usage() == pytest.approx(1 - (len(never_used) + len(free)) / pool.num_blocks)
 
 
 # --- FreeBlockQueue -------------------------------------------------------------------------

@@ -70,7 +70,8 @@ def test_freed_blocks_stay_cached_until_evicted_in_lru_order():
     finish(kv, a)
     assert len(kv.pool.cached) == 2 and kv.pool.num_free_blocks == 4
     # Freed tail first: the free queue ends with a's first block (evicted last).
-    order = [b.block_id for b in kv.pool.free_queue]
+    order = kv.pool.free_block_ids()
+    assert order == [3, 2, 1, 0]  # the never-used block, then a's blocks tail first
     assert order[-1] == kv.pool.cached[next(iter(kv.pool.cached))].block_id
     # A hit touches cached blocks out of the free queue.
     assert admit(kv, request("b", list(range(8)) + [7])) == 8
