@@ -29,7 +29,9 @@ def free_port() -> int:
 class ServerProcess:
     """`with ServerProcess(*serve_args) as server:` runs `python -m agentrt serve` (or another
     `command` that serves HTTP, e.g. "proxy") on a free port and waits for /health; on exit
-    it sends SIGTERM and waits for the process."""
+    it sends SIGTERM and waits for the process. Its output goes to a log file in the temp
+    folder, removed when the block ends without an exception; otherwise kept and its path
+    printed (pytest shows it with the failure)."""
 
     def __init__(self, *args: str, command: str = "serve") -> None:
         self.port = free_port()
@@ -57,7 +59,7 @@ class ServerProcess:
         self.process.kill()
         raise RuntimeError(f"agentrt serve did not start:\n{self.output()}")
 
-    def __exit__(self, *exc_info) -> None:
+    def __exit__(self, exc_type, *exc_info) -> None:
         if self.process is not None and self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
             try:
@@ -65,6 +67,10 @@ class ServerProcess:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
+        if exc_type is None:
+            self.log.unlink(missing_ok=True)
+        else:
+            print(f"the server's log is kept: {self.log}", file=sys.stderr)
 
     def output(self) -> str:
         return self.log.read_text(errors="replace")
