@@ -667,6 +667,20 @@ static inline int fused_legacy(int qtype) {
 
 // ---- The product --------------------------------------------------------------------------
 
+// Activation row t of x (T, K) fp32 (bf16 when x_bf16) quantized into `act` (rows of
+// `act_bytes`): in blocks of 256 for the types that take them (q8k_type), else of 32.
+static void quantize_act(int qtype, const void *x, int x_bf16, int64_t k, int64_t kp,
+                         uint8_t *act, int64_t act_bytes, int64_t t) {
+    const char *xt = (const char *)x + t * k * (x_bf16 ? 2 : 4);
+#if AGENTRT_ISA >= 1
+    if (q8k_type(qtype)) {
+        quantize_row_q8k(xt, x_bf16, k, act + t * act_bytes);
+        return;
+    }
+#endif
+    quantize_row(xt, x_bf16, k, kp, act_row(act, kp, t));
+}
+
 // out[t, n] = sum_k x[t, k] w[n, k] for t < T, n < N: x (T, K) fp32 (bf16 when x_bf16), rows
 // contiguous; w N rows of K / block_elems blocks, `w_stride` bytes apart; out rows
 // `out_stride` elements apart, fp32 (bf16 when out_bf16). Returns 0; -1 for an unknown type
@@ -692,18 +706,16 @@ int ggml_linear(const void *x, int x_bf16, int64_t rows, int64_t k, const uint8_
     const int64_t row_blocks = k / bt.block_elems;
     int failed = 0;
     if (n_out * k < PARALLEL_WORK) num_threads = 1;
+    // One activation row (a decode step) is quantized before the team starts: a work-shared
+    // loop of one row would only add a barrier the other threads wait at. The team's threads
+    // then meet once, at its end (the row loops' `nowait`: no thread reads another's output).
+    if (rows == 1) quantize_act(qtype, x, x_bf16, k, kp, act, act_bytes, 0);
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1)
     {
+        if (rows > 1) {
 #pragma omp for schedule(static)
-        for (int64_t t = 0; t < rows; t++) {
-            const char *xt = (const char *)x + t * k * (x_bf16 ? 2 : 4);
-#if AGENTRT_ISA >= 1
-            if (q8k_type(qtype)) {
-                quantize_row_q8k(xt, x_bf16, k, act + t * act_bytes);
-                continue;
-            }
-#endif
-            quantize_row(xt, x_bf16, k, kp, act_row(act, kp, t));
+            for (int64_t t = 0; t < rows; t++)
+                quantize_act(qtype, x, x_bf16, k, kp, act, act_bytes, t);
         }
         // Per thread: one decoded chunk, the T partial sums of the row and their totals.
         // Every thread runs the loop below (a work-shared loop must be met by all), so one
@@ -721,7 +733,7 @@ int ggml_linear(const void *x, int x_bf16, int64_t rows, int64_t k, const uint8_
         for (int64_t t0 = 0; t0 < rows; t0 += tile) {
             const int64_t tr = rows - t0 < tile ? rows - t0 : tile;
             uint8_t *at = act + t0 * act_bytes;
-#pragma omp for schedule(static)
+#pragma omp for schedule(static) nowait
             for (int64_t nn = 0; nn < units; nn++) {
                 if (!acc || !sums) continue;
                 const uint8_t *row = w + nn * w_stride;

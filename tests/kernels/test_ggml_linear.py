@@ -121,6 +121,33 @@ def test_long_step_over_several_activation_tiles(kern, qtype):
         assert torch.equal(G.ggml_linear(x[t : t + 1], w, kernels=kern)[0], y[t])
 
 
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K, Q.Q8_0], ids=lambda t: Q(t).name)
+def test_threads_split_the_rows_with_one_threads_bits(kern, qtype):
+    """A product large enough for the team (N K >= ggml_quants.c's PARALLEL_WORK): one row (a
+    decode, quantized before the team starts) and a step of several activation tiles give on
+    2 and 3 threads the bits one thread gives, in the layout the build holds the type in."""
+    w = random_weight(qtype, 256, K, seed=qtype)
+    dense = G.dequantize_ref(w)
+    if kern.interleaves(qtype):
+        w = G.interleave(w, kern)
+    x = torch.randn(520, K, generator=torch.Generator().manual_seed(qtype))
+    before = torch.get_num_threads()
+    try:
+        got = {}
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            got[threads] = (
+                G.ggml_linear(x[:1], w, kernels=kern),
+                G.ggml_linear(x, w, kernels=kern),
+            )
+    finally:
+        torch.set_num_threads(before)
+    check_product(got[1][1], x, dense, kern.act_block(qtype))
+    assert torch.equal(got[1][0][0], got[1][1][0])
+    for threads in (2, 3):
+        assert all(torch.equal(a, b) for a, b in zip(got[threads], got[1], strict=True))
+
+
 def test_out_as_a_column_slice_of_a_wider_tensor(kern, weights):
     """Fused projections of mixed types (Q4_K_M's Q4_K and Q6_K) write side by side."""
     (w1, d1), (w2, d2) = weights[Q.Q4_K], weights[Q.Q6_K]
