@@ -15,11 +15,12 @@ starts): torch's import, importing agentrt's engine, the tokenizer, the weights
 (`load_weights`: read, interleaved, installed; since a58ab7d the tokenizer is built within
 it, while the weights are interleaved), the rest of the engine's build, the first token.
 The worker imports no torch itself: torch's import is timed where it happens (a meta-path
-hook; its CPU is its thread's), which since b9ab55f is inside `LLM(...)`, after LLM has
-started faulting in its weights' memory on a thread of its own ("arena (thread)",
-engine/loader/arena.py), so that thread's time runs beside torch's import. Torch's import,
-agentrt's and the rest of the engine count their thread's CPU (the arena's runs beside them);
-the tokenizer, the weights (their repack threads) and the first token the whole process's.
+hook; its CPU is its thread's), which since b9ab55f is inside `LLM(...)`. A side from
+b9ab55f to the arena's removal (issue 39: it slowed torch's import by more than it saved)
+faulted in its weights' memory on a thread of its own while torch imported: "arena
+(thread)", engine/loader/arena.py there. Torch's import, agentrt's and the rest of the
+engine count their thread's CPU (an arena's runs beside them); the tokenizer, the weights
+(their repack threads) and the first token the whole process's.
 
 The workers write and reuse bytecode (under --workdir, as an installed package has its .pyc
 files): with PYTHONDONTWRITEBYTECODE set, as in some shells, every start would compile
@@ -131,7 +132,7 @@ from agentrt.engine.client.llm import LLM
 from agentrt.engine.sampling_params import SamplingParams
 import_own, import_end = time.thread_time() - own0, time.time()
 torch_before_llm = "torch" in sys.modules
-try:  # the arena's thread (engine/loader/arena.py), where the side has one
+try:  # the arena's thread, where the side has one (module doc)
     import agentrt.engine.loader.arena as arena
     populate = arena.WeightArena._populate
     def timed_populate(self):
@@ -145,7 +146,7 @@ build_own, build_wall = time.thread_time(), time.time()
 llm = LLM(job["file"], kv_cache_memory_gb=0.25)
 build_own, build_end = time.thread_time() - build_own, time.time()
 # The engine's import, in LLM's module's or in LLM(...); torch's within it. Main-thread CPU,
-# but the weights' (their repack threads' too): the arena's thread runs beside torch's import.
+# but the weights' (their repack threads' too): an arena's thread runs beside torch's import.
 engine_in_build = within("agentrt.engine.client.llm_engine", build_wall, build_end)
 torch_cpu = executed["torch"][0]
 torch_wall = executed["torch"][2] - executed["torch"][1]

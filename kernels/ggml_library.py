@@ -6,9 +6,7 @@ portable build turns AVX off, the AVX2 build AVX-512) and loaded with ctypes. `s
 is the best this CPU runs, or `$AGENTRT_GGML_ISA` (scalar | avx2 | avx512) when set;
 `default_kernels()` loads that one once per process; `load_ggml_kernels(build_dir, isa)` any.
 The GGMLKernels methods take tensors their callers (ggml_linear.py) have checked: a wrong
-shape here reads out of bounds. The module imports no torch (its methods do, when called),
-so the library is loaded and asked which types it interleaves before torch is imported
-(engine/loader/arena.py, while torch's import runs).
+shape here reads out of bounds. The module imports no torch (its methods do, when called).
 """
 
 from __future__ import annotations

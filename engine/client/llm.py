@@ -1,8 +1,6 @@
 """LLM: the offline, synchronous entry point (vLLM's `LLM`).
 
-Importing this module imports no torch: `LLM(...)` first maps and faults in the memory its
-GGUF weights will be interleaved into, on a thread of its own (loader/arena.py), then
-imports the engine, so that work runs on the other core while torch's import holds this one
+Importing this module imports no torch: `LLM(...)` imports the engine, and so torch
 (tests/engine/test_gguf_reader.py checks that the import stays torch-free).
 """
 
@@ -13,7 +11,6 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from agentrt.engine.errors import InvalidRequestError
-from agentrt.engine.loader.arena import prefaulted
 from agentrt.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -31,10 +28,9 @@ class LLM:
     are reachable as attributes of the LLM."""
 
     def __init__(self, model: str | None = None, **options) -> None:
-        with prefaulted(model, options):
-            from agentrt.engine.client.llm_engine import LLMEngine  # torch: module doc
+        from agentrt.engine.client.llm_engine import LLMEngine  # torch: module doc
 
-            self.engine = LLMEngine(model, **options)
+        self.engine = LLMEngine(model, **options)
         self._req_counter = itertools.count()
 
     def __getattr__(self, name: str):

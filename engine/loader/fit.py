@@ -16,7 +16,6 @@ from dataclasses import dataclass
 import torch
 
 from agentrt.engine.errors import ModelTooLargeError
-from agentrt.engine.loader.arena import available_memory as host_available_memory
 from agentrt.engine.loader.weights import Split, parameter_specs
 from agentrt.engine.model.arch import ModelArchConfig
 from agentrt.kernels.ggml_linear import GGMLType
@@ -74,7 +73,14 @@ def available_memory(device: torch.device) -> int | None:
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return int(free)
-    return host_available_memory()
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 def check_fit(estimate: MemoryEstimate, *, quantization: str, device: torch.device) -> None:

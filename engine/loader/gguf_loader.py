@@ -39,7 +39,6 @@ logger = logging.getLogger(__name__)
 class GGUFLoader:
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.file: GGUFFile = open_gguf(path)
-        self.path = self.file.path  # resolved
         # A sparse MoE's 3-D expert tensors (GGUF shape (K, N, experts): one expert's N rows
         # after another) served as one (N, K) matrix per expert under HF's per-expert
         # names: "...mlp.experts.gate_proj.weight" -> "...mlp.experts.{e}.gate_proj.weight".

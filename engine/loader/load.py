@@ -32,7 +32,6 @@ import torch
 from torch import nn
 
 from agentrt.engine.errors import ModelLoadError
-from agentrt.engine.loader.arena import claim
 from agentrt.engine.loader.gguf_file import is_gguf
 from agentrt.engine.loader.quantization import convert, weight_format
 from agentrt.engine.loader.weights import ParamSpec, Shard, WeightLoader, parameter_specs
@@ -162,7 +161,7 @@ def _fused(parts: list[GGMLWeight], loader: WeightLoader, repack: _Repacker | No
         if all(p.out_features % ROWS_INTERLEAVED == 0 for p in parts):
             width = interleaved_row_bytes(first.qtype, first.in_features)
             rows = sum(p.out_features for p in parts)
-            out = repack.empty(rows // ROWS_INTERLEAVED, width)
+            out = torch.empty(rows // ROWS_INTERLEAVED, width, dtype=torch.uint8)
             start = 0
             for p in parts:
                 stop = start + p.out_features // ROWS_INTERLEAVED
@@ -207,19 +206,10 @@ class _Repacker:
         self.num_threads = max(1, num_threads)
         self._jobs: list[tuple[int, ...]] = []  # ggml_interleave_jobs' records
         self._buffers: list[torch.Tensor] = []  # the jobs' sources and outputs, held to `run`
-        # Memory faulted in while torch was imported (arena.py), if LLM prepared it.
-        path = getattr(loader, "path", None)  # a GGUF file's
-        self.arena = claim(path) if path is not None else None
 
     @functools.cached_property
     def kernels(self) -> GGMLKernels:
         return default_kernels()
-
-    def empty(self, rows: int, width: int) -> torch.Tensor:
-        """A uint8 (rows, width) buffer for an interleaved weight: the arena's next bytes
-        where it has them, else a new one."""
-        out = self.arena.empty(rows, width) if self.arena is not None else None
-        return torch.empty(rows, width, dtype=torch.uint8) if out is None else out
 
     def interleave(self, part: GGMLWeight, out: torch.Tensor | None = None) -> GGMLWeight:
         """`part` (N rows, N a multiple of 16, a type the kernels interleave) as an
@@ -228,7 +218,7 @@ class _Repacker:
         has."""
         if out is None:
             width = interleaved_row_bytes(part.qtype, part.in_features)
-            out = self.empty(part.out_features // ROWS_INTERLEAVED, width)
+            out = torch.empty(part.out_features // ROWS_INTERLEAVED, width, dtype=torch.uint8)
         groups = out.shape[0]
         step = max(_MIN_GROUPS, -(-groups // (4 * self.num_threads)))
         for start in range(0, groups, step):
@@ -251,9 +241,6 @@ class _Repacker:
         jobs = torch.tensor(self._jobs, dtype=torch.int64).reshape(-1, 8)
         next_job = torch.zeros(1, dtype=torch.int64)
         kernels = self.kernels if self._jobs else None  # loaded here, not by each thread
-        if self.arena is not None:  # every buffer taken: the rest of the arena returned
-            self.arena.finish()
-            self.arena = None
 
         def work() -> None:
             try:

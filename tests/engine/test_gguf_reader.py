@@ -84,17 +84,15 @@ def test_a_cached_start_does_not_walk_the_header(tiny_gguf, monkeypatch, tmp_pat
 
 def test_a_gguf_start_imports_no_gguf_py_or_transformers(tiny_gguf) -> None:
     """A start with the metadata cached, to the first token: no gguf-py (and so no yaml), no
-    transformers, no server stack; the header comes from the index. LLM's module, the
-    header's reader and the kernels' library load before torch does (LLM's arena is
-    prepared while torch imports: loader/arena.py)."""
+    transformers, no server stack; the header comes from the index. LLM's module imports no
+    torch (LLM(...) does: engine/client/llm.py)."""
     gguf_metadata(tiny_gguf)
     code = (
         "import sys\n"
         "from agentrt.engine.client.llm import LLM\n"
-        "from agentrt.engine.loader.arena import arena_size\n"
         "from agentrt.engine.loader.gguf_file import open_gguf\n"
         "from agentrt.engine.sampling_params import SamplingParams\n"
-        "print(arena_size(sys.argv[1]) > 0, 'torch' in sys.modules)\n"
+        "print('torch' in sys.modules)\n"
         "llm = LLM(sys.argv[1], kv_cache_memory_gb=0.05)\n"
         "out = llm.generate(['Hello'], SamplingParams(temperature=0.0, max_tokens=2))\n"
         "print(len(out[0].outputs[0].token_ids), open_gguf(sys.argv[1]).reader._index is not None)\n"
@@ -110,6 +108,6 @@ def test_a_gguf_start_imports_no_gguf_py_or_transformers(tiny_gguf) -> None:
     )
     assert result.returncode == 0, result.stderr[-3000:]
     before_torch, generated, imported = result.stdout.splitlines()[-3:]
-    assert before_torch == "True False"
+    assert before_torch == "False"
     assert generated == "2 True"
     assert imported == "[]"
