@@ -39,9 +39,13 @@ the same bytes: how far from the memory roofline a decode's products run, in all
 (the layers' Q4_K, their Q6_K v and down, the output), each beside the read of its bytes.
 
 `--bandwidth` measures the memory roofline instead: the rate 1 and `--threads` threads read a
-buffer of `--bandwidth-mib` MiB (far past the last-level cache), and for each `--gguf` file
-the bytes of weights a decoded token reads and the tokens/s that rate allows (a bound on any
-engine that reads every weight once a token, llama.cpp included).
+buffer of `--bandwidth-mib` MiB (far past the last-level cache); then, for each `--gguf` file,
+the bytes one decoded token reads, each tensor in a buffer of its own plus agentrt's fp32 KV
+cache at `--positions` (a 128-token decode after a short prompt ends near 160), read on 1 and
+`--threads` threads by one team, and by a team forked per tensor as the step's products are,
+the ways alternating: tokens/s and GB/s by wall time (best and median) and by CPU time a
+thread (the rate with a core each). That is a bound on any engine that reads every weight
+once a token, llama.cpp included (its f16 KV is half of ours, a few MB).
 """
 
 from __future__ import annotations
@@ -296,36 +300,103 @@ def compare(cases, builds, rows_list, repeats, stream_mib, threads) -> list[dict
     return results
 
 
-# The memory roofline (--bandwidth): each thread sums its own contiguous share of a buffer far
-# larger than the last-level cache, one pass, the plain loop the compiler vectorizes; the
-# figure a decode step that reads every weight byte once cannot beat.
+# The memory roofline (--bandwidth): threads read buffers far larger than the last-level cache
+# with 64-byte loads into four accumulators (the loop the hardware prefetcher streams best here:
+# software prefetches 1 or 4 KiB ahead measured 0-10% slower), each thread its contiguous share
+# of every buffer, as the products split a weight's rows. `per_buffer` 1 forks and joins a team
+# for each buffer, as a decode step does for each product; 0 runs one team over all of them.
 _READ_SOURCE = r"""
 #include <stdint.h>
-uint64_t read_all(const uint64_t *p, int64_t n, int threads) {
+#include <omp.h>
+typedef uint64_t v8 __attribute__((vector_size(64), aligned(1)));
+
+static v8 read_range(const uint8_t *p, int64_t n) {
+    v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+    int64_t i = 0;
+    for (; i + 256 <= n; i += 256) {
+        a0 ^= *(const v8 *)(p + i);
+        a1 ^= *(const v8 *)(p + i + 64);
+        a2 ^= *(const v8 *)(p + i + 128);
+        a3 ^= *(const v8 *)(p + i + 192);
+    }
+    for (; i + 64 <= n; i += 64) a0 ^= *(const v8 *)(p + i);
+    return a0 ^ a1 ^ a2 ^ a3;
+}
+
+// Thread t's share of buffer i (whole lines), XORed into acc.
+static v8 read_share(const uint8_t *p, int64_t bytes, v8 acc) {
+    const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+    const int64_t lines = bytes / 64, s = lines * t / nt * 64, e = lines * (t + 1) / nt * 64;
+    return acc ^ read_range(p + s, e - s);
+}
+
+uint64_t read_set(const int64_t *ptrs, const int64_t *bytes, int64_t n, int threads,
+                  int per_buffer) {
     uint64_t total = 0;
-#pragma omp parallel for num_threads(threads) reduction(+ : total) schedule(static)
-    for (int64_t i = 0; i < n; i++) total += p[i];
+    if (per_buffer) {
+        for (int64_t i = 0; i < n; i++) {
+#pragma omp parallel num_threads(threads) reduction(^ : total)
+            {
+                const v8 acc = read_share((const uint8_t *)ptrs[i], bytes[i], (v8){0});
+                for (int j = 0; j < 8; j++) total ^= acc[j];
+            }
+        }
+        return total;
+    }
+#pragma omp parallel num_threads(threads) reduction(^ : total)
+    {
+        v8 acc = {0};
+        for (int64_t i = 0; i < n; i++) acc = read_share((const uint8_t *)ptrs[i], bytes[i], acc);
+        for (int j = 0; j < 8; j++) total ^= acc[j];
+    }
     return total;
 }
 """
 
 
-def read_bandwidth(threads: int, mib: int, repeats: int) -> tuple[float, float]:
-    """(best, median) GB/s of reading `mib` MiB once on `threads` threads."""
+def read_library():
+    """The read of _READ_SOURCE, built once per process."""
     import ctypes
 
-    folder = Path(tempfile.mkdtemp(prefix="read-bandwidth-"))
-    (folder / "read_all.c").write_text(_READ_SOURCE)
-    lib = ctypes.CDLL(str(build_library(folder / "read_all.c", folder / "build")))
-    lib.read_all.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
-    lib.read_all.restype = ctypes.c_uint64
-    buf = torch.ones(mib * 2**20 // 8, dtype=torch.int64)  # every page touched
-    rates = []
-    for _ in range(repeats + 1):  # the first pass warms up, not counted
-        t0 = time.perf_counter()
-        lib.read_all(buf.data_ptr(), buf.numel(), threads)
-        rates.append(buf.numel() * 8 / (time.perf_counter() - t0) / 1e9)
-    return max(rates[1:]), statistics.median(rates[1:])
+    global _READ_LIB
+    if _READ_LIB is None:
+        folder = Path(tempfile.mkdtemp(prefix="read-bandwidth-"))
+        (folder / "read_set.c").write_text(_READ_SOURCE)
+        _READ_LIB = ctypes.CDLL(str(build_library(folder / "read_set.c", folder / "build")))
+        _READ_LIB.read_set.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64, ctypes.c_int]
+        _READ_LIB.read_set.argtypes += [ctypes.c_int]
+        _READ_LIB.read_set.restype = ctypes.c_uint64
+    return _READ_LIB
+
+
+_READ_LIB = None
+
+
+def read_buffers(buffers: list[torch.Tensor], threads: int, per_buffer: bool = False):
+    """(wall s, CPU s) of one read of every byte of `buffers` on `threads` threads: the CPU
+    time of this thread with one (a team's idle thread spinning on would count in the
+    process's), of the process with more."""
+    import ctypes
+
+    ptrs = (ctypes.c_int64 * len(buffers))(*(b.data_ptr() for b in buffers))
+    sizes = (ctypes.c_int64 * len(buffers))(*(b.nbytes for b in buffers))
+    clock = time.thread_time if threads == 1 else time.process_time
+    wall, cpu = time.perf_counter(), clock()
+    read_library().read_set(ptrs, sizes, len(buffers), threads, int(per_buffer))
+    return time.perf_counter() - wall, clock() - cpu
+
+
+def touched(nbytes: int) -> torch.Tensor:
+    """A buffer of at least `nbytes` (whole 64-byte lines), every page written."""
+    return torch.ones((nbytes + 63) // 64 * 8, dtype=torch.int64)
+
+
+def read_bandwidth(threads: int, mib: int, repeats: int) -> tuple[float, float]:
+    """(best, median) GB/s of reading `mib` MiB once on `threads` threads."""
+    buf = touched(mib * 2**20)
+    walls = [read_buffers([buf], threads)[0] for _ in range(repeats + 1)]
+    rates = [buf.nbytes / t / 1e9 for t in walls[1:]]  # the first pass warms up
+    return max(rates), statistics.median(rates)
 
 
 def llama1b_step() -> list[tuple[str, int, int, str]]:
@@ -351,13 +422,6 @@ def decode_step(builds, threads: int, repeats: int) -> dict:
     medians of wall time (thread CPU time with one thread), of the step and of each part
     (llama1b_step's: each product or read timed on its own, summed by part), so each part's
     GB/s stands beside the read's of the same bytes."""
-    import ctypes
-
-    folder = Path(tempfile.mkdtemp(prefix="read-bandwidth-"))
-    (folder / "read_all.c").write_text(_READ_SOURCE)
-    lib = ctypes.CDLL(str(build_library(folder / "read_all.c", folder / "build")))
-    lib.read_all.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
-    lib.read_all.restype = ctypes.c_uint64
     shapes = llama1b_step()
     parts = [part for *_, part in shapes]
     held_by = {b: [] for b in builds}
@@ -381,7 +445,7 @@ def decode_step(builds, threads: int, repeats: int) -> dict:
         times = []
         for w in next(iter(held_by.values())):
             t0 = clock()
-            lib.read_all(w.data.data_ptr(), w.nbytes // 8, threads)
+            read_buffers([w.data], threads)
             times.append(clock() - t0)
         return times
 
@@ -429,33 +493,67 @@ def decode_step(builds, threads: int, repeats: int) -> dict:
     return result
 
 
-def decode_bytes(path: str) -> int:
-    """Bytes of a GGUF's weights one decoded token reads: every tensor once, but an untied
-    embedding only for its one row (negligible; counted as 0)."""
+def decode_reads(path: str, positions: int) -> list[int]:
+    """Bytes one decoded token of a GGUF reads, a buffer each: every weight tensor once (an
+    untied embedding only for its one row: negligible, left out), then agentrt's fp32 KV
+    cache of `positions` tokens (keys and values of every layer)."""
     reader = gguf.GGUFReader(path)
-    names = {t.name for t in reader.tensors}
-    untied = "output.weight" in names
-    return sum(
-        int(t.n_bytes) for t in reader.tensors if not (untied and t.name == "token_embd.weight")
+    untied = "output.weight" in {t.name for t in reader.tensors}
+    embedding = "token_embd.weight" if untied else None
+    sizes = [int(t.n_bytes) for t in reader.tensors if t.name != embedding]
+    field = lambda key: reader.fields[key].contents() if key in reader.fields else None  # noqa: E731
+    arch = field("general.architecture")
+    layers, kv_heads = field(f"{arch}.block_count"), field(f"{arch}.attention.head_count_kv")
+    head_dim = field(f"{arch}.attention.key_length") or (
+        field(f"{arch}.embedding_length") // field(f"{arch}.attention.head_count")
     )
+    return [*sizes, layers * 2 * kv_heads * head_dim * 4 * positions]
 
 
 def bandwidth(args) -> None:
-    print(f"{cpu_model()}; read of {args.bandwidth_mib} MiB, best / median of {args.repeats or 9}")
+    """The roofline of a decode step: module docstring."""
+    repeats = args.repeats or 9
+    print(f"{cpu_model()}; read of {args.bandwidth_mib} MiB, best / median of {repeats}")
     results = {}
     for threads in sorted({1, args.threads}):
-        best, median = read_bandwidth(threads, args.bandwidth_mib, args.repeats or 9)
+        best, median = read_bandwidth(threads, args.bandwidth_mib, repeats)
         results[threads] = {"best_gb_s": round(best, 2), "median_gb_s": round(median, 2)}
         print(f"{threads} thread(s): best {best:6.2f} GB/s, median {median:6.2f} GB/s", flush=True)
     out = {"cpu": cpu_model(), "read": results}
+    ways = {f"{t} thread(s), one team": (t, False) for t in sorted({1, args.threads})}
+    ways[f"{args.threads} threads, a team a tensor"] = (args.threads, True)
     for path in args.gguf:
-        size = decode_bytes(path)
-        best = results[args.threads]["best_gb_s"]
-        out[path] = {"bytes_per_token": size, "roofline_tok_s": round(best * 1e9 / size, 1)}
+        sizes = decode_reads(path, args.positions)
+        total = sum(sizes)
         print(
-            f"{path}: {size / 1e6:.1f} MB a decoded token; at {best:.2f} GB/s "
-            f"({args.threads} threads) at most {best * 1e9 / size:.1f} tok/s"
+            f"{Path(path).name}: {len(sizes) - 1} tensors {(total - sizes[-1]) / 1e6:.1f} MB + "
+            f"KV {sizes[-1] / 1e6:.1f} MB at {args.positions} positions = {total / 1e6:.1f} MB "
+            f"a decoded token; the ways alternate, {repeats} rounds after one to warm up",
+            flush=True,
         )
+        buffers = [touched(n) for n in sizes]
+        times = {way: [] for way in ways}
+        for _ in range(repeats + 1):
+            for way, (threads, per_buffer) in ways.items():
+                times[way].append(read_buffers(buffers, threads, per_buffer))
+        out[path] = {"bytes_per_token": total, "positions": args.positions}
+        for way, ts in times.items():
+            threads = ways[way][0]
+            walls, cpus = [w for w, _ in ts[1:]], [c / threads for _, c in ts[1:]]
+            rates = {
+                "best_tok_s": 1 / min(walls),
+                "median_tok_s": 1 / statistics.median(walls),
+                "cpu_tok_s": 1 / statistics.median(cpus),  # CPU time a thread: a core each
+            }
+            out[path][way] = {k: round(v, 1) for k, v in rates.items()}
+            gb = {k: v * total / 1e9 for k, v in rates.items()}
+            print(
+                f"  {way:28s} tok/s best {rates['best_tok_s']:5.1f} ({gb['best_tok_s']:5.1f} "
+                f"GB/s), median {rates['median_tok_s']:5.1f} ({gb['median_tok_s']:5.1f}), by "
+                f"CPU time a thread {rates['cpu_tok_s']:5.1f} ({gb['cpu_tok_s']:5.1f})",
+                flush=True,
+            )
+        del buffers
     print(json.dumps(out))
 
 
@@ -477,6 +575,9 @@ def main() -> None:
     )
     parser.add_argument("--bandwidth-mib", type=int, default=1024)
     parser.add_argument("--gguf", nargs="*", default=[], help="--bandwidth: bytes per token of")
+    parser.add_argument(
+        "--positions", type=int, default=160, help="--bandwidth: KV cache positions a step reads"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.bandwidth:
