@@ -51,6 +51,7 @@ once a token, llama.cpp included (its f16 KV is half of ours, a few MB).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import subprocess
@@ -354,22 +355,17 @@ uint64_t read_set(const int64_t *ptrs, const int64_t *bytes, int64_t n, int thre
 """
 
 
+@functools.cache
 def read_library():
     """The read of _READ_SOURCE, built once per process."""
     import ctypes
 
-    global _READ_LIB
-    if _READ_LIB is None:
-        folder = Path(tempfile.mkdtemp(prefix="read-bandwidth-"))
-        (folder / "read_set.c").write_text(_READ_SOURCE)
-        _READ_LIB = ctypes.CDLL(str(build_library(folder / "read_set.c", folder / "build")))
-        _READ_LIB.read_set.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64, ctypes.c_int]
-        _READ_LIB.read_set.argtypes += [ctypes.c_int]
-        _READ_LIB.read_set.restype = ctypes.c_uint64
-    return _READ_LIB
-
-
-_READ_LIB = None
+    folder = Path(tempfile.mkdtemp(prefix="read-bandwidth-"))
+    (folder / "read_set.c").write_text(_READ_SOURCE)
+    lib = ctypes.CDLL(str(build_library(folder / "read_set.c", folder / "build")))
+    lib.read_set.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64, ctypes.c_int, ctypes.c_int]
+    lib.read_set.restype = ctypes.c_uint64
+    return lib
 
 
 def read_buffers(buffers: list[torch.Tensor], threads: int, per_buffer: bool = False):
