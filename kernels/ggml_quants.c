@@ -706,6 +706,7 @@ int ggml_linear(const void *x, int x_bf16, int64_t rows, int64_t k, const uint8_
     const int64_t row_blocks = k / bt.block_elems;
     int failed = 0;
     if (n_out * k < PARALLEL_WORK) num_threads = 1;
+    const int64_t grab = units / (8 * num_threads) > 4 ? units / (8 * num_threads) : 4;
     // One activation row (a decode step) is quantized before the team starts: a work-shared
     // loop of one row would only add a barrier the other threads wait at. The team's threads
     // then meet once, at its end (the row loops' `nowait`: no thread reads another's output).
@@ -729,11 +730,15 @@ int ggml_linear(const void *x, int x_bf16, int64_t rows, int64_t k, const uint8_
         }
         // Activation rows go `tile` at a time (their quantized form within ~L2), each tile
         // against every weight row: a long step then streams its activations from L2, not
-        // from memory, once per weight row.
+        // from memory, once per weight row. Threads take the units in chunks, each the next
+        // one when it is free (at most ~8 a thread): one the OS runs late, or one that gets
+        // less of the memory's bandwidth, leaves its chunks to the others instead of holding
+        // the team at its end (llama.cpp's products take chunks so too). A unit's sums do
+        // not depend on the thread that runs it.
         for (int64_t t0 = 0; t0 < rows; t0 += tile) {
             const int64_t tr = rows - t0 < tile ? rows - t0 : tile;
             uint8_t *at = act + t0 * act_bytes;
-#pragma omp for schedule(static) nowait
+#pragma omp for schedule(dynamic, grab) nowait
             for (int64_t nn = 0; nn < units; nn++) {
                 if (!acc || !sums) continue;
                 const uint8_t *row = w + nn * w_stride;
