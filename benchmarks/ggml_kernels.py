@@ -304,8 +304,9 @@ def compare(cases, builds, rows_list, repeats, stream_mib, threads) -> list[dict
 # The memory roofline (--bandwidth): threads read buffers far larger than the last-level cache
 # with 64-byte loads into four accumulators (the loop the hardware prefetcher streams best here:
 # software prefetches 1 or 4 KiB ahead measured 0-10% slower), each thread its contiguous share
-# of every buffer, as the products split a weight's rows. `per_buffer` 1 forks and joins a team
-# for each buffer, as a decode step does for each product; 0 runs one team over all of them.
+# of every buffer. `per_buffer` 1 forks and joins a team for each buffer, whose threads take it
+# in chunks as each is free, as a decode step's products do (ggml_quants.c's ggml_linear: at
+# most ~8 a thread); 0 runs one team over all of them.
 _READ_SOURCE = r"""
 #include <stdint.h>
 #include <omp.h>
@@ -336,9 +337,12 @@ uint64_t read_set(const int64_t *ptrs, const int64_t *bytes, int64_t n, int thre
     uint64_t total = 0;
     if (per_buffer) {
         for (int64_t i = 0; i < n; i++) {
-#pragma omp parallel num_threads(threads) reduction(^ : total)
-            {
-                const v8 acc = read_share((const uint8_t *)ptrs[i], bytes[i], (v8){0});
+            const int64_t lines = bytes[i] / 64;
+            const int64_t grab = lines / (8 * threads) > 1024 ? lines / (8 * threads) : 1024;
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1) reduction(^ : total)
+            for (int64_t s = 0; s < lines; s += grab) {
+                const int64_t e = s + grab < lines ? s + grab : lines;
+                const v8 acc = read_range((const uint8_t *)ptrs[i] + 64 * s, 64 * (e - s));
                 for (int j = 0; j < 8; j++) total ^= acc[j];
             }
         }
