@@ -85,15 +85,19 @@ def test_a_cached_start_does_not_walk_the_header(tiny_gguf, monkeypatch, tmp_pat
 def test_a_gguf_start_imports_no_gguf_py_or_transformers(tiny_gguf) -> None:
     """A start with the metadata cached, to the first token: no gguf-py (and so no yaml), no
     transformers, no server stack; the header comes from the index. LLM's module imports no
-    torch (LLM(...) does: engine/client/llm.py)."""
+    torch (LLM(...) does: engine/client/llm.py), and the garbage collector makes no pass
+    while LLM(...) imports it and builds the engine, whose objects are then frozen."""
     gguf_metadata(tiny_gguf)
     code = (
-        "import sys\n"
+        "import gc, sys\n"
         "from agentrt.engine.client.llm import LLM\n"
         "from agentrt.engine.loader.gguf_file import open_gguf\n"
         "from agentrt.engine.sampling_params import SamplingParams\n"
         "print('torch' in sys.modules)\n"
+        "passes = []\n"
+        "gc.callbacks.append(lambda phase, info: passes.append(phase))\n"
         "llm = LLM(sys.argv[1], kv_cache_memory_gb=0.05)\n"
+        "print(len(passes), gc.isenabled(), gc.get_freeze_count() > 0)\n"
         "out = llm.generate(['Hello'], SamplingParams(temperature=0.0, max_tokens=2))\n"
         "print(len(out[0].outputs[0].token_ids), open_gguf(sys.argv[1]).reader._index is not None)\n"
         "heavy = ('gguf', 'yaml', 'transformers', 'fastapi', 'uvicorn', 'agentrt.server')\n"
@@ -107,7 +111,41 @@ def test_a_gguf_start_imports_no_gguf_py_or_transformers(tiny_gguf) -> None:
         env=dict(os.environ, AGENTRT_NUM_THREADS="1"),
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    before_torch, generated, imported = result.stdout.splitlines()[-3:]
+    before_torch, collector, generated, imported = result.stdout.splitlines()[-4:]
     assert before_torch == "False"
+    assert collector == "0 True True"
     assert generated == "2 True"
     assert imported == "[]"
+
+
+def test_a_later_llm_pauses_the_collector_without_freezing(tiny_gguf, monkeypatch) -> None:
+    """With torch already imported, LLM(...) builds its engine with the collector paused and
+    freezes nothing (a freeze would keep other code's uncollected garbage); the collector's
+    state is restored after a build and after a failed one."""
+    import gc
+
+    from agentrt.engine.client import llm_engine
+    from agentrt.engine.client.llm import LLM
+    from agentrt.engine.errors import EngineError
+
+    collecting = []  # the collector's state through each engine build
+    build = llm_engine.LLMEngine.__init__
+
+    def recorded(self, *args, **kwargs):
+        collecting.append(gc.isenabled())
+        build(self, *args, **kwargs)
+        collecting.append(gc.isenabled())
+
+    monkeypatch.setattr(llm_engine.LLMEngine, "__init__", recorded)
+    frozen = gc.get_freeze_count()
+    try:
+        LLM(str(tiny_gguf), kv_cache_memory_gb=0.05)
+        assert (collecting, gc.isenabled(), gc.get_freeze_count()) == ([False, False], True, frozen)
+        with pytest.raises(EngineError):
+            LLM(str(tiny_gguf), dtype="no-such-dtype")
+        assert gc.isenabled()
+        gc.disable()
+        LLM(str(tiny_gguf), kv_cache_memory_gb=0.05)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
