@@ -92,7 +92,8 @@ def timed(stage, function):
             spans[stage], main_cpu[stage] = (wall0, time.time()), time.thread_time() - own0
     return wrapper
 # Modules timed (and patched) where they are imported: since LLM's module imports no torch,
-# torch and the engine are imported inside LLM(...), after it started its arena's thread.
+# torch and the engine are imported inside LLM(...) (after its arena's thread, in a side
+# that had one).
 import importlib.abc
 executed = {}  # module -> (its import's main-thread CPU s, wall start, wall end)
 patches = {}  # module -> a function of the module, run once it is executed
