@@ -9,7 +9,9 @@ import pytest
 import torch
 
 from agentrt.kernels import KernelBuildError, KernelInputError, load_cpu_attention
-from agentrt.kernels.cpu_attention import CpuAttention
+from agentrt.kernels.cpu_attention import SOURCE, CpuAttention
+from agentrt.kernels.cpu_build import build_library
+from agentrt.kernels.ggml_library import default_build_dir
 
 # (seq_lens, query_lens): decodes; decodes and short chunks (jump-forward); prefills with and
 # without cached context, longer than a work item's tile of query tokens.
@@ -21,18 +23,30 @@ BATCHES = [
 ]
 
 
-@pytest.fixture(scope="module")
-def kernel(tmp_path_factory) -> CpuAttention:
-    return load_cpu_attention(tmp_path_factory.mktemp("kernels"))
+# The builds below live in the engine's kernel folder, as its own build does: a library is
+# keyed by the source, its headers, the flags and the CPU, so a cached one is the compile of
+# this source. Each compiled afresh cost 6-14 s of CPU every run (the native one is the
+# engine's own); test_build_is_cached_per_source_and_cpu still builds from scratch.
 
 
-@pytest.fixture(scope="module")
-def portable(tmp_path_factory) -> CpuAttention:
-    """The kernel built for a CPU without AVX-512 (so also without its bf16 dot products):
-    one build (~6 s of compiler time) for both dtypes' tests."""
+def build_with_flags(flags: str) -> CpuAttention:
+    """The kernel built with $AGENTRT_CPU_KERNEL_CFLAGS set to `flags`, not through
+    load_cpu_attention: its per-folder cache would hand this process's engines the build."""
     with pytest.MonkeyPatch.context() as monkeypatch:
-        monkeypatch.setenv("AGENTRT_CPU_KERNEL_CFLAGS", "-mno-avx512f")
-        return load_cpu_attention(tmp_path_factory.mktemp("portable"))
+        monkeypatch.setenv("AGENTRT_CPU_KERNEL_CFLAGS", flags)
+        return CpuAttention(build_library(SOURCE, default_build_dir()))
+
+
+@pytest.fixture(scope="module")
+def kernel() -> CpuAttention:
+    return load_cpu_attention(default_build_dir())
+
+
+@pytest.fixture(scope="module")
+def portable() -> CpuAttention:
+    """The kernel built for a CPU without AVX-512 (so also without its bf16 dot products):
+    one build for both dtypes' tests."""
+    return build_with_flags("-mno-avx512f")
 
 
 @pytest.fixture
@@ -258,12 +272,10 @@ NO_FMA_FLAGS = "-mno-avx512f -mno-avx2 -mno-fma -mno-avx"
 
 
 @pytest.fixture(scope="module")
-def no_fma(tmp_path_factory) -> CpuAttention:
+def no_fma() -> CpuAttention:
     if platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip("x86 compiler flags")
-    with pytest.MonkeyPatch.context() as monkeypatch:
-        monkeypatch.setenv("AGENTRT_CPU_KERNEL_CFLAGS", NO_FMA_FLAGS)
-        return load_cpu_attention(tmp_path_factory.mktemp("no_fma"))
+    return build_with_flags(NO_FMA_FLAGS)
 
 
 @pytest.mark.parametrize(
