@@ -153,9 +153,8 @@ def test_request_metrics_carry_spec_stats():
 # -- tiny models: every scheduler path ------------------------------------------------------
 
 
-# A tiny model's KV block is a few KB: the default 2 GiB pool would be 262,144 blocks, whose
-# bookkeeping costs ~0.7 s of CPU an engine (most of a tiny engine's start); 6,553 blocks of
-# 0.05 GiB hold every test here (the preemption cases set their own few).
+# A tiny model's KV block is a few KB: 6,553 blocks of 0.05 GiB hold every test here (the
+# preemption cases set their own few).
 TINY_POOL = {"kv_cache_memory_gb": 0.05}
 
 
