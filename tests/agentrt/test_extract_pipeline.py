@@ -249,8 +249,7 @@ def test_sigterm_then_sigkill_then_resume_completes_every_id_once(
     tiny_dir = tiny_checkpoint("llama")
     source = write_jsonl(tmp_path / "in.jsonl", 300)
     output = tmp_path / "out.jsonl"
-    # A small KV pool: the default 2 GiB is 262,144 of the tiny model's blocks, ~0.7 s of CPU
-    # to set up in each of the three processes.
+    # A small KV pool (6,553 of the tiny model's blocks) holds the 8 requests in flight.
     pool = ("--kv-cache-memory-gb", "0.05")
     base = command(tiny_dir, schema_file, source, output, "--concurrency", "8", *pool)
 
