@@ -153,23 +153,27 @@ def test_randomized_bursts_on_few_prefixes_keep_invariants_and_finish():
     assert s.kv.pool.num_free_blocks == 40 and not s.kv.req_to_blocks
 
 
-def test_embedded_model_burst_computes_the_prefix_once_with_identical_outputs(smollm2_llm):
-    """Four requests at once on one ~900-token system prompt (greedy, fp32): the first
-    computes it, the others report all its full blocks cached, and every output equals the
-    same prompt's run one at a time."""
-    tokenizer = smollm2_llm.get_tokenizer()
+def test_embedded_model_burst_computes_the_prefix_once_with_identical_outputs(
+    smollm2_default_llm,
+):
+    """Four requests at once on one ~900-token system prompt (greedy, on the engine as users
+    run it: a row's numbers do not depend on the rest of its step): the first computes it,
+    the others report all its full blocks cached, and every output equals the same prompt's
+    run one at a time."""
+    llm = smollm2_default_llm
+    tokenizer = llm.get_tokenizer()
     system = " ".join(f"Rule {i}: answer briefly and cite item {i * 7 % 13}." for i in range(70))
     prompts = [f"{system}\nQuestion {i}: what is {i} plus {i + 3}?" for i in range(4)]
     num_prefix = len(tokenizer.encode(system))
     assert 850 <= num_prefix <= 1000
     params = SamplingParams(temperature=0.0, max_tokens=6)
-    block = smollm2_llm.cache_config.block_size
+    block = llm.cache_config.block_size
 
-    smollm2_llm.reset_prefix_cache()
-    burst = smollm2_llm.generate(prompts, params)
+    llm.reset_prefix_cache()
+    burst = llm.generate(prompts, params)
     assert burst[0].num_cached_tokens == 0
     assert all(o.num_cached_tokens >= num_prefix // block * block for o in burst[1:])
-    smollm2_llm.reset_prefix_cache()
-    alone = [smollm2_llm.generate(p, params)[0] for p in prompts]
+    llm.reset_prefix_cache()
+    alone = [llm.generate(p, params)[0] for p in prompts]
     assert [o.outputs[0].token_ids for o in burst] == [o.outputs[0].token_ids for o in alone]
-    smollm2_llm.kv_manager.check_invariants()
+    llm.kv_manager.check_invariants()
