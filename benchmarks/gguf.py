@@ -317,6 +317,18 @@ def agentrt_worker(job: dict) -> dict:
     return result
 
 
+def roofline_worker(job: dict) -> dict:
+    """Tokens/s of reading what one decoded token of the file reads (module doc: roofline)."""
+    import statistics
+
+    import ggml_kernels
+
+    positions = len(job["prompt_ids"]) + DECODE_TOKENS // 2
+    buffers = [ggml_kernels.touched(n) for n in ggml_kernels.decode_reads(job["file"], positions)]
+    walls = [ggml_kernels.read_buffers(buffers, job["threads"])[0] for _ in range(10)]
+    return {"roofline_tok_s": 1 / statistics.median(walls[1:])}  # the first pass warms up
+
+
 def start_worker(job: dict) -> dict:
     """Process start to the first token of a 1-token greedy request, measured in this fresh
     process against the parent's clock reading at the spawn (`spawned_at`, time.time())."""
@@ -366,6 +378,7 @@ WORKERS = {
     "agentrt": agentrt_worker,
     "reference": reference_worker,
     "start": start_worker,
+    "roofline": roofline_worker,
 }
 
 
@@ -411,12 +424,14 @@ def bench_file(
         # One-request decode moves 15-30% between runs on a shared machine: more rounds,
         # each engine in a fresh process in turn; the ratio is the median round's.
         rounds = {side: [result[side]["decode_tok_s"]] for side in ("llama_cpp", "agentrt")}
+        rounds["roofline"] = [run_worker(sys.executable, "roofline", job)["roofline_tok_s"]]
         for _ in range(args.decode_rounds - 1):
             rounds["llama_cpp"].append(
                 run_worker(args.llama_python, "llama", job | {"decode_only": True})["decode_tok_s"]
             )
             done = run_worker(sys.executable, "agentrt", job | {"decode_only": True}, env)
             rounds["agentrt"].append(done["decode_tok_s"])  # its metadata cached by now
+            rounds["roofline"].append(run_worker(sys.executable, "roofline", job)["roofline_tok_s"])
         result["decode_rounds"] = rounds
     if args.start_rounds:
         result["start"] = measure_start(args, job, env)
@@ -476,6 +491,12 @@ def compare(result: dict) -> dict:
             "batch": ours["batch_tok_s"] / theirs["batch_tok_s"],
         }
         ratios = result["vs_llama_cpp"]
+        if "roofline" in decode:  # the most a decode ratio can be; each side's share of it
+            per = lambda a, b: float(np.median([x / y for x, y in zip(a, b, strict=True)]))  # noqa: E731
+            ratios["roofline"] = per(decode["roofline"], rounds[1])
+            result["of_roofline"] = {
+                side: per(decode[side], decode["roofline"]) for side in ("agentrt", "llama_cpp")
+            }
         targets["decode"] = ratios["decode"] >= goal["decode"]
         targets["prefill"] = ratios["prefill"] >= goal["prefill"]
         if "batch" in goal:  # a MoE's batch against llama.cpp's one request (issue 40)
@@ -578,6 +599,14 @@ def print_file(kind: str, r: dict) -> None:
             f"  {'  rounds (ours/theirs)':22s} {each}\n  {'  median round':22s} {'':>12s} "
             f"{'':>12s} {ratios['decode']:>8.2f}x  {decode_target:16s} "
             f"{'met' if met['decode'] else 'MISSED'}"
+        )
+    if "roofline" in ratios:
+        shares = r["of_roofline"]
+        roofline = float(np.median(rounds["roofline"]))
+        print(
+            f"  {'  read roofline (tok/s)':22s} {shares['llama_cpp']:>11.0%}  "
+            f"{shares['agentrt']:>11.0%} {ratios['roofline']:>8.2f}x  (its median {roofline:.1f}: "
+            "each side's share, the most a ratio can be)"
         )
     row("  end to end (tok/s)", "e2e_tok_s", ".2f")
     prefill_target = f">= {goal['prefill']}x"

@@ -107,6 +107,31 @@ def test_decode_ratio_is_the_median_of_the_rounds(bench):
     assert "peak_rss" not in result["targets_met"]  # a file under 400 MiB
 
 
+def test_the_read_roofline_bounds_the_decode_ratio(bench, capsys):
+    """Each round's read of a token's bytes: roofline / llama.cpp's rate is the most a decode
+    ratio can be (median of rounds), and each side's rate is a share of it."""
+    result = {
+        "size_bytes": 1000,
+        "agentrt": _side(30.0),
+        "llama_cpp": _side(40.0),
+        "decode_rounds": {
+            "agentrt": [30.0, 45.0, 44.0],
+            "llama_cpp": [40.0, 40.0, 36.0],
+            "roofline": [50.0, 50.0, 40.0],  # over llama.cpp: 1.25, 1.25, 1.11
+        },
+    }
+    bench.compare(result)
+    assert result["vs_llama_cpp"]["roofline"] == pytest.approx(1.25)
+    assert result["of_roofline"]["agentrt"] == pytest.approx(0.9)  # 0.6, 0.9, 1.1
+    assert result["of_roofline"]["llama_cpp"] == pytest.approx(0.8)  # 0.8, 0.8, 0.9
+    printed = {"quantization": "gguf", "dtype": "torch.float32", "peak_rss_load_mib": 1.0}
+    printed |= {"e2e_tok_s": 1.0, "peak_rss_batch_mib": 1.0}
+    result["agentrt"] |= printed
+    bench.print_file("x", result | {"file": "x.gguf"})
+    line = next(x for x in capsys.readouterr().out.splitlines() if "read roofline" in x)
+    assert line.split()[3:6] == ["80%", "90%", "1.25x"]
+
+
 def test_a_shape_holds_the_file_to_its_own_targets(bench, models):
     """Issue 40's MoE shape: decode >= 1.0x llama.cpp (not issue 39's 1.15x), and its batch
     of 16 >= 2x llama.cpp's one request."""
