@@ -12,12 +12,13 @@ Reported: ms per step for each backend and the ratio torch / cpu. Last line: a J
 
 With --against REV: this checkout's kernel against REV's (its cpu_attention.c and headers,
 built alike), on one layer of a --tokens prefill (fp32 cache, blocks of 16) at real models'
-heads. The two kernels' calls alternate; each is measured in the process's CPU time (all
+heads, or with --decode of one token decoded after --tokens - 1. The two kernels' calls alternate; each is measured in the process's CPU time (all
 threads), the median of the rounds. Reported: ms per layer each, the ratio REV / this, and
 whether the outputs are bitwise equal.
 
     python benchmarks/cpu_attention.py [--dtype bfloat16|float32] [--threads N]
     python benchmarks/cpu_attention.py --against dda3c9a [--tokens 512] [--rounds 7]
+    python benchmarks/cpu_attention.py --against HEAD --decode --tokens 160
 """
 
 from __future__ import annotations
@@ -114,21 +115,23 @@ def cpu_ms(kernel: CpuAttention, args: tuple, out, window, calls: int = 1) -> fl
     return (time.process_time() - start) * 1e3 / calls
 
 
-def compare_prefill(rev: str, tokens: int, rounds: int) -> dict:
-    """ms of CPU per prefill layer, REV's kernel vs this checkout's, alternated."""
+def compare_prefill(rev: str, tokens: int, rounds: int, decode: bool = False) -> dict:
+    """ms of CPU per prefill layer (`decode`: per decode of the last of `tokens`), REV's
+    kernel vs this checkout's, alternated."""
     with tempfile.TemporaryDirectory() as tmp:
         kernels = {
             rev: kernel_at(rev, Path(tmp)),
             "this": CpuAttention(build_library(SOURCE, Path(tmp) / "this")),
         }
         blocks = -(-tokens // BLOCK)
-        starts = torch.tensor([0, tokens], dtype=torch.int32)
+        queries = 1 if decode else tokens
+        starts = torch.tensor([0, queries], dtype=torch.int32)
         seq_lens = torch.tensor([tokens], dtype=torch.int32)
         table = torch.randperm(blocks, dtype=torch.int32)[None]
         result = {}
         for model, (heads, kv_heads, dim, window) in MODEL_SHAPES.items():
             torch.manual_seed(0)
-            query = torch.randn(tokens, heads, dim)
+            query = torch.randn(queries, heads, dim)
             cache = torch.randn(blocks, 2, BLOCK, kv_heads, dim)
             outs = {name: torch.empty_like(query) for name in kernels}
             args = (query, cache, starts, seq_lens, table, dim**-0.5)
@@ -157,12 +160,16 @@ def main() -> None:
     parser.add_argument("--against", metavar="REV", help="compare the kernel with REV's")
     parser.add_argument("--tokens", type=int, default=512, help="prefill tokens (--against)")
     parser.add_argument("--rounds", type=int, default=7, help="alternated rounds (--against)")
+    parser.add_argument(
+        "--decode", action="store_true", help="--against: a decode after --tokens - 1"
+    )
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.against:
-        result = compare_prefill(args.against, args.tokens, args.rounds)
-        print(json.dumps({"threads": torch.get_num_threads(), "tokens": args.tokens} | result))
+        result = compare_prefill(args.against, args.tokens, args.rounds, args.decode)
+        figures = {"threads": torch.get_num_threads(), "tokens": args.tokens}
+        print(json.dumps(figures | {"decode": args.decode} | result))
         return
     dtype = getattr(torch, args.dtype)
     steps = {

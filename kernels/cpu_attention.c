@@ -6,9 +6,10 @@
 // up to MAX_ROWS / group tokens; work items are (tile, KV head) pairs, spread over OpenMP
 // threads (the libgomp torch has loaded, so torch's thread settings apply). An item holds the
 // tile's query rows (tokens x the query heads sharing the KV head) in fp32, walks the keys up
-// to its last token in groups of 16, converts each group's K and V rows to fp32 once for all
-// its rows, and keeps an online softmax per row: a running max, a running sum and an fp32
-// accumulator, rescaled when the max grows. Outputs are written in the cache dtype.
+// to its last token in groups of 16, reads each group's K and V rows in place (an fp32
+// cache) or converts them to fp32 once for all its rows, and keeps an online softmax per row:
+// a running max, a running sum and an fp32 accumulator, rescaled when the max grows. Outputs
+// are written in the cache dtype.
 //
 // Requests with at least 16 query rows (prefills, long chunks) take wide items instead
 // (attend_wide): the rows in vector lanes, no horizontal sums, each row's sums rounded in the
@@ -215,6 +216,28 @@ load_group(const Step *s, int64_t pos, int64_t end, int64_t kv_head, int nv, flo
     return n;
 }
 
+// A row item's key group at `pos`: its K and V rows read where they lie in the cache when it
+// is fp32 and the group has KEYS keys (*k and *v then point into the cache, rows *stride
+// floats apart), else load_group's fp32 copies in kbuf and vbuf (rows dim apart). The same
+// values either way: only the copy is saved (a decode's row item has 1-MAX_GROUP rows to
+// share it). Returns n.
+static inline __attribute__((always_inline)) int64_t
+row_group(const Step *s, int64_t pos, int64_t end, int64_t kv_head, int nv, float *kbuf,
+          float *vbuf, const float **k, const float **v, int64_t *stride) {
+    const int64_t dim = nv * KEYS;
+    if (s->dtype == F32) {
+        int64_t n;
+        const float *kp = (const float *)key_group(s, pos, end, kv_head, dim, &n);
+        if (n == KEYS) {
+            prefetch_group(s, pos + n, end, kv_head, dim);
+            *k = kp, *v = kp + s->block * s->kv_heads * dim, *stride = s->kv_heads * dim;
+            return n;
+        }
+    }
+    *k = kbuf, *v = vbuf, *stride = dim;
+    return load_group(s, pos, end, kv_head, nv, kbuf, vbuf);
+}
+
 // The query/out head of a work item's row r: token first + r / group, head
 // kv_head * group + r % group.
 static inline int64_t row_head(const Step *s, int64_t first, int64_t r, int64_t kv_head) {
@@ -289,7 +312,7 @@ attend_tile(const Step *s, int64_t first, int64_t tokens, int64_t pos0, int64_t 
     const int64_t esize = s->dtype == BF16 ? 2 : 4;
     // fp32 buffers: the rows' scaled queries and accumulators, one key group's K and V.
     float q[MAX_ROWS * MAX_HEAD_DIM], acc[MAX_ROWS * MAX_HEAD_DIM];
-    float k[KEYS * MAX_HEAD_DIM], v[KEYS * MAX_HEAD_DIM];
+    float kbuf[KEYS * MAX_HEAD_DIM], vbuf[KEYS * MAX_HEAD_DIM];
     float max[MAX_ROWS], sum[MAX_ROWS];
     for (int64_t r = 0; r < rows; r++) {
         const int64_t head = row_head(s, first, r, kv_head);
@@ -303,7 +326,9 @@ attend_tile(const Step *s, int64_t first, int64_t tokens, int64_t pos0, int64_t 
     }
     const int64_t end = pos0 + tokens; // keys [0, end) are visible to some row
     for (int64_t pos = first_key(s, pos0), n; pos < end; pos += n) {
-        n = load_group(s, pos, end, kv_head, nv, k, v);
+        const float *k, *v;
+        int64_t ks; // the rows' stride in k and v
+        n = row_group(s, pos, end, kv_head, nv, kbuf, vbuf, &k, &v, &ks);
         for (int64_t r = 0; r < rows; r++) {
             // Row r sees keys up to its own position, within its window: lanes [from, visible).
             int64_t from;
@@ -311,7 +336,7 @@ attend_tile(const Step *s, int64_t first, int64_t tokens, int64_t pos0, int64_t 
             if (visible <= 0) continue;
             const float *qr = q + r * dim;
             vf dots[KEYS];
-            for (int t = 0; t < KEYS; t++) dots[t] = dot_lanes(qr, k + t * dim, nv);
+            for (int t = 0; t < KEYS; t++) dots[t] = dot_lanes(qr, k + t * ks, nv);
             vf scores = hsum16(dots);
             if (s->softcap) scores = soft_cap(scores, s->softcap);
             float rescale, p[KEYS];
@@ -320,7 +345,7 @@ attend_tile(const Step *s, int64_t first, int64_t tokens, int64_t pos0, int64_t 
             for (int c = 0; c < nv; c++) {
                 vf a = vfma(ld(ar + c * KEYS), bcast(rescale), p[0] * ld(v + c * KEYS));
                 for (int64_t t = 1; t < visible; t++)
-                    a = vfma(bcast(p[t]), ld(v + t * dim + c * KEYS), a);
+                    a = vfma(bcast(p[t]), ld(v + t * ks + c * KEYS), a);
                 st(ar + c * KEYS, a);
             }
         }
