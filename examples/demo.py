@@ -1,8 +1,8 @@
 """The main job on the embedded model: chat answers, a batch extraction pipeline into a
 Pydantic model, and a tool-calling agent — with what it did and how fast.
 
-Run with `make demo` (or `python examples/demo.py`). The first run converts the embedded
-GGUF once into the user cache (~20 s); later runs start in a few seconds.
+Run with `make demo` (or `python examples/demo.py`). The first run builds agentrt's C kernels
+for this CPU into the user cache (~12 s on 2 cores); later runs load in 2-3 s.
 """
 
 from __future__ import annotations
