@@ -424,13 +424,13 @@ def bench_file(
         # One-request decode moves 15-30% between runs on a shared machine: more rounds,
         # each engine in a fresh process in turn; the ratio is the median round's.
         rounds = {side: [result[side]["decode_tok_s"]] for side in ("llama_cpp", "agentrt")}
-        rounds["roofline"] = [run_worker(sys.executable, "roofline", job)["roofline_tok_s"]]
-        for _ in range(args.decode_rounds - 1):
-            rounds["llama_cpp"].append(
-                run_worker(args.llama_python, "llama", job | {"decode_only": True})["decode_tok_s"]
-            )
-            done = run_worker(sys.executable, "agentrt", job | {"decode_only": True}, env)
-            rounds["agentrt"].append(done["decode_tok_s"])  # its metadata cached by now
+        rounds["roofline"] = []
+        for i in range(args.decode_rounds):
+            if i:  # round 0 is the runs above
+                done = run_worker(args.llama_python, "llama", job | {"decode_only": True})
+                rounds["llama_cpp"].append(done["decode_tok_s"])
+                done = run_worker(sys.executable, "agentrt", job | {"decode_only": True}, env)
+                rounds["agentrt"].append(done["decode_tok_s"])  # its metadata cached by now
             rounds["roofline"].append(run_worker(sys.executable, "roofline", job)["roofline_tok_s"])
         result["decode_rounds"] = rounds
     if args.start_rounds:
@@ -485,17 +485,17 @@ def compare(result: dict) -> dict:
         result["vs_llama_cpp"] = {
             "load": ours["load_s"] / theirs["load_s"],
             "peak_rss": ours["peak_rss_mib"] / theirs["peak_rss_mib"],
-            "decode": float(np.median([a / b for a, b in zip(*rounds, strict=True)])),
+            "decode": median_ratio(*rounds),
             "decode_first_round": ours["decode_tok_s"] / theirs["decode_tok_s"],
             "prefill": ours["prefill_tok_s"] / theirs["prefill_tok_s"],
             "batch": ours["batch_tok_s"] / theirs["batch_tok_s"],
         }
         ratios = result["vs_llama_cpp"]
         if "roofline" in decode:  # the most a decode ratio can be; each side's share of it
-            per = lambda a, b: float(np.median([x / y for x, y in zip(a, b, strict=True)]))  # noqa: E731
-            ratios["roofline"] = per(decode["roofline"], rounds[1])
+            ratios["roofline"] = median_ratio(decode["roofline"], rounds[1])
             result["of_roofline"] = {
-                side: per(decode[side], decode["roofline"]) for side in ("agentrt", "llama_cpp")
+                side: median_ratio(decode[side], decode["roofline"])
+                for side in ("agentrt", "llama_cpp")
             }
         targets["decode"] = ratios["decode"] >= goal["decode"]
         targets["prefill"] = ratios["prefill"] >= goal["prefill"]
@@ -515,6 +515,11 @@ def compare(result: dict) -> dict:
             targets["start"] = start["ratio"] <= goal["start"]
     result["targets_met"] = targets | compare_quality(result)
     return result
+
+
+def median_ratio(a: list[float], b: list[float]) -> float:
+    """The median of the rounds' ratios a[i] / b[i]."""
+    return float(np.median([x / y for x, y in zip(a, b, strict=True)]))
 
 
 def compare_quality(result: dict) -> dict[str, bool]:
