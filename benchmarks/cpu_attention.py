@@ -12,9 +12,10 @@ Reported: ms per step for each backend and the ratio torch / cpu. Last line: a J
 
 With --against REV: this checkout's kernel against REV's (its cpu_attention.c and headers,
 built alike), on one layer of a --tokens prefill (fp32 cache, blocks of 16) at real models'
-heads, or with --decode of one token decoded after --tokens - 1. The two kernels' calls alternate; each is measured in the process's CPU time (all
-threads), the median of the rounds. Reported: ms per layer each, the ratio REV / this, and
-whether the outputs are bitwise equal.
+heads, or with --decode of one token decoded after --tokens - 1. The two kernels' calls
+alternate; each is measured in the process's CPU time (all threads), the median of the
+rounds. Reported: ms per layer each, the ratio REV / this, and whether the outputs are
+bitwise equal.
 
     python benchmarks/cpu_attention.py [--dtype bfloat16|float32] [--threads N]
     python benchmarks/cpu_attention.py --against dda3c9a [--tokens 512] [--rounds 7]
@@ -115,7 +116,7 @@ def cpu_ms(kernel: CpuAttention, args: tuple, out, window, calls: int = 1) -> fl
     return (time.process_time() - start) * 1e3 / calls
 
 
-def compare_prefill(rev: str, tokens: int, rounds: int, decode: bool = False) -> dict:
+def compare_kernels(rev: str, tokens: int, rounds: int, decode: bool = False) -> dict:
     """ms of CPU per prefill layer (`decode`: per decode of the last of `tokens`), REV's
     kernel vs this checkout's, alternated."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -158,7 +159,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--seconds", type=float, default=2.0, help="per backend and step")
     parser.add_argument("--against", metavar="REV", help="compare the kernel with REV's")
-    parser.add_argument("--tokens", type=int, default=512, help="prefill tokens (--against)")
+    parser.add_argument("--tokens", type=int, default=512, help="tokens (--against)")
     parser.add_argument("--rounds", type=int, default=7, help="alternated rounds (--against)")
     parser.add_argument(
         "--decode", action="store_true", help="--against: a decode after --tokens - 1"
@@ -167,7 +168,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.against:
-        result = compare_prefill(args.against, args.tokens, args.rounds, args.decode)
+        result = compare_kernels(args.against, args.tokens, args.rounds, args.decode)
         figures = {"threads": torch.get_num_threads(), "tokens": args.tokens}
         print(json.dumps(figures | {"decode": args.decode} | result))
         return
